@@ -1,0 +1,517 @@
+"""The DFlash block-diffusion drafter and the ``Drafter`` protocol.
+
+A DFlash drafter reads target hidden states (the *context features*) and, in one
+forward pass over a block ``[root, mask, ..., mask]``, predicts a distribution
+for each of the ``block_size - 1`` masked slots. It has no embedding and no
+lm_head of its own: it borrows the target's.
+
+:class:`DFlashDraftModel` is the checkpoint (published key names, loads a
+published directory as it is). :class:`DFlashDrafter` binds it to a target and
+keeps the per-layer KV cache of the *context* only; block entries are never
+cached, so nothing has to be cropped after a round.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Protocol, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .features import build_target_layer_ids, check_target_layer_ids, extract_context_feature
+
+FULL, SLIDING = "full_attention", "sliding_attention"
+
+
+class Drafter(Protocol):
+    """What the generator needs from a drafter: a context it grows and one proposal per round."""
+
+    block_size: int
+    target_layer_ids: list[int]
+
+    def reset(self) -> None: ...
+
+    def append_context(self, features: torch.Tensor) -> None:
+        """Add target features ``[B, T, F]`` for the next ``T`` committed tokens."""
+
+    def propose(self, root_tokens: torch.Tensor) -> torch.Tensor:
+        """Log-probs ``[B, block_size - 1, V]`` for the positions after the root."""
+
+
+@dataclass
+class DFlashConfig:
+    """The drafter's ``config.json``, parsed. Unknown keys are kept in ``extra`` for round trips."""
+
+    hidden_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    intermediate_size: int
+    num_hidden_layers: int
+    vocab_size: int
+    num_target_layers: int
+    block_size: int
+    target_layer_ids: list[int]
+    mask_token_id: int | None
+    head_dim: int | None = None
+    rms_norm_eps: float = 1e-6
+    rope_parameters: dict = field(default_factory=lambda: {"rope_type": "default", "rope_theta": 1_000_000.0})
+    attention_bias: bool = False
+    layer_types: list[str] | None = None
+    sliding_window: int | None = None
+    max_position_embeddings: int = 40960
+    extra: dict = field(default_factory=dict, repr=False)
+
+    def __post_init__(self):
+        if self.head_dim is None:
+            self.head_dim = self.hidden_size // self.num_attention_heads
+        if self.layer_types is None:
+            self.layer_types = [FULL] * self.num_hidden_layers
+        if len(self.layer_types) != self.num_hidden_layers:
+            raise ValueError(
+                f"layer_types has {len(self.layer_types)} entries for {self.num_hidden_layers} drafter layers"
+            )
+        unknown = set(self.layer_types) - {FULL, SLIDING}
+        if unknown:
+            raise ValueError(f"unknown layer_types {sorted(unknown)}; expected {FULL!r} or {SLIDING!r}")
+        if SLIDING in self.layer_types and not self.sliding_window:
+            raise ValueError("layer_types has sliding_attention layers but the config sets no sliding_window")
+        if self.block_size < 2:
+            raise ValueError(f"block_size must be >= 2 (root + at least one predicted slot), got {self.block_size}")
+        if self.mask_token_id is None:
+            raise ValueError(
+                "the drafter config has no mask token id: set dflash_config.mask_token_id to the token "
+                "whose embedding fills the slots to predict"
+            )
+        check_target_layer_ids(self.target_layer_ids, self.num_target_layers)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "DFlashConfig":
+        d = dict(d)
+        dflash = d.pop("dflash_config", None) or {}
+        num_layers = d["num_hidden_layers"]
+        num_target = d.get("num_target_layers")
+        if num_target is None:
+            raise ValueError("the drafter config has no num_target_layers (the target's decoder layer count)")
+        ids = dflash.get("target_layer_ids", d.pop("target_layer_ids", None))
+        if ids is None:
+            ids = build_target_layer_ids(num_target, num_layers)
+        mask_id = dflash.get("mask_token_id", d.pop("mask_token_id", None))
+        rope = d.pop("rope_parameters", None) or d.pop("rope_scaling", None) or {}
+        rope = dict(rope)
+        rope.setdefault("rope_type", rope.pop("type", "default"))
+        rope.setdefault("rope_theta", d.pop("rope_theta", 1_000_000.0))
+        d.pop("rope_theta", None)
+        known = {f for f in cls.__dataclass_fields__ if f not in ("extra", "target_layer_ids", "mask_token_id")}
+        kwargs = {k: d.pop(k) for k in list(d) if k in known}
+        extra = {k: v for k, v in d.items() if k not in ("rope_parameters",)}
+        extra["dflash_config"] = {k: v for k, v in dflash.items() if k not in ("target_layer_ids", "mask_token_id")}
+        return cls(target_layer_ids=list(ids), mask_token_id=mask_id, rope_parameters=rope, extra=extra, **kwargs)
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        extra = d.pop("extra")
+        dflash = dict(extra.pop("dflash_config", {}) or {})
+        dflash.update(target_layer_ids=d.pop("target_layer_ids"), mask_token_id=d.pop("mask_token_id"))
+        rope = d.pop("rope_parameters")
+        out = {"architectures": ["DFlashDraftModel"], "model_type": "qwen3", **extra, **d}
+        out["rope_theta"] = rope.get("rope_theta")
+        if rope.get("rope_type", "default") != "default":
+            out["rope_scaling"] = rope
+        out["dflash_config"] = dflash
+        return out
+
+    @classmethod
+    def from_pretrained(cls, path: str | os.PathLike) -> "DFlashConfig":
+        path = Path(path)
+        file = path / "config.json" if path.is_dir() else path
+        if not file.exists():
+            raise FileNotFoundError(f"no drafter config at {file}: a DFlash drafter directory holds config.json")
+        return cls.from_dict(json.loads(file.read_text()))
+
+    @classmethod
+    def for_target(
+        cls,
+        target_config,
+        *,
+        num_hidden_layers: int = 1,
+        block_size: int = 16,
+        mask_token_id: int,
+        target_layer_ids: Sequence[int] | None = None,
+        layer_types: Sequence[str] | None = None,
+        sliding_window: int | None = None,
+        intermediate_size: int | None = None,
+        num_attention_heads: int | None = None,
+        num_key_value_heads: int | None = None,
+        head_dim: int | None = None,
+    ) -> "DFlashConfig":
+        """A drafter shaped like ``target_config`` (hidden size, vocab, RoPE), for training from scratch."""
+        tc = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
+        heads = num_attention_heads or tc.num_attention_heads
+        rope = dict(getattr(tc, "rope_parameters", None) or {})
+        rope.setdefault("rope_type", "default")
+        rope.setdefault("rope_theta", getattr(tc, "rope_theta", 10_000.0))
+        n_target = tc.num_hidden_layers
+        return cls(
+            hidden_size=tc.hidden_size,
+            num_attention_heads=heads,
+            num_key_value_heads=num_key_value_heads or getattr(tc, "num_key_value_heads", heads),
+            head_dim=head_dim or getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads,
+            intermediate_size=intermediate_size or tc.intermediate_size,
+            num_hidden_layers=num_hidden_layers,
+            vocab_size=tc.vocab_size,
+            num_target_layers=n_target,
+            block_size=block_size,
+            target_layer_ids=list(target_layer_ids) if target_layer_ids is not None
+            else build_target_layer_ids(n_target, num_hidden_layers),
+            mask_token_id=mask_token_id,
+            rms_norm_eps=getattr(tc, "rms_norm_eps", 1e-6),
+            rope_parameters=rope,
+            layer_types=list(layer_types) if layer_types is not None else None,
+            sliding_window=sliding_window,
+            max_position_embeddings=getattr(tc, "max_position_embeddings", 40960),
+        )
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float() if dtype in (torch.float16, torch.bfloat16) else x
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin tables for absolute positions, any RoPE type transformers knows."""
+
+    def __init__(self, config: DFlashConfig):
+        super().__init__()
+        from transformers import Qwen3Config
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+        rope_cfg = Qwen3Config(
+            hidden_size=config.hidden_size,
+            num_attention_heads=config.num_attention_heads,
+            head_dim=config.head_dim,
+            max_position_embeddings=config.max_position_embeddings,
+            rope_parameters=dict(config.rope_parameters),
+        )
+        rope_type = config.rope_parameters.get("rope_type", "default")
+        if rope_type == "default":
+            base = float(config.rope_parameters["rope_theta"])
+            dim = config.head_dim
+            inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
+            scaling = 1.0
+        else:
+            inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](rope_cfg)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.scaling = scaling
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions[..., None].float() * self.inv_freq.to(positions.device)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return (emb.cos() * self.scaling).to(dtype), (emb.sin() * self.scaling).to(dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``x`` is ``[B, heads, T, d]``; ``cos``/``sin`` are ``[B, T, d]``."""
+    cos, sin = cos[:, None], sin[:, None]
+    return x * cos + _rotate_half(x) * sin
+
+
+def window_mask(q_positions: torch.Tensor, k_positions: torch.Tensor, window: int, dtype: torch.dtype) -> torch.Tensor:
+    """Additive ``[B, 1, Q, K]`` mask: a slot at ``p`` sees keys at ``p-w+1 .. p+w-1`` (flash ``(w-1, w-1)``)."""
+    dist = (q_positions[:, :, None] - k_positions[:, None, :]).abs()
+    mask = torch.zeros(dist.shape, dtype=dtype, device=dist.device)
+    return mask.masked_fill_(dist >= window, torch.finfo(dtype).min)[:, None]
+
+
+class DFlashAttention(nn.Module):
+    def __init__(self, config: DFlashConfig):
+        super().__init__()
+        h, d = config.hidden_size, config.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = config.num_attention_heads, config.num_key_value_heads, d
+        self.q_proj = nn.Linear(h, self.num_heads * d, bias=config.attention_bias)
+        self.k_proj = nn.Linear(h, self.num_kv_heads * d, bias=config.attention_bias)
+        self.v_proj = nn.Linear(h, self.num_kv_heads * d, bias=config.attention_bias)
+        self.o_proj = nn.Linear(self.num_heads * d, h, bias=config.attention_bias)
+        self.q_norm = RMSNorm(d, config.rms_norm_eps)
+        self.k_norm = RMSNorm(d, config.rms_norm_eps)
+        self.scaling = d**-0.5
+
+    def project_kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys (normed, rotated) and values ``[B, kv_heads, T, d]`` for hidden states ``x``."""
+        bsz, t, _ = x.shape
+        k = self.k_norm(self.k_proj(x).view(bsz, t, self.num_kv_heads, self.head_dim)).transpose(1, 2)
+        v = self.v_proj(x).view(bsz, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        return apply_rope(k, cos, sin), v
+
+    def forward(self, x, cos, sin, context_kv, mask):
+        bsz, q_len, _ = x.shape
+        q = self.q_norm(self.q_proj(x).view(bsz, q_len, self.num_heads, self.head_dim)).transpose(1, 2)
+        q = apply_rope(q, cos, sin)
+        k_blk, v_blk = self.project_kv(x, cos, sin)
+        k_ctx, v_ctx = context_kv
+        k, v = torch.cat([k_ctx, k_blk], dim=2), torch.cat([v_ctx, v_blk], dim=2)
+        if mask is not None:
+            mask = mask.to(q.dtype)
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, scale=self.scaling, enable_gqa=self.num_heads != self.num_kv_heads
+        )
+        return self.o_proj(out.transpose(1, 2).reshape(bsz, q_len, -1))
+
+
+class DFlashMLP(nn.Module):
+    def __init__(self, config: DFlashConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DFlashLayer(nn.Module):
+    def __init__(self, config: DFlashConfig, layer_type: str):
+        super().__init__()
+        self.layer_type = layer_type
+        self.self_attn = DFlashAttention(config)
+        self.mlp = DFlashMLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, x, cos, sin, context_kv, mask):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, context_kv, mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DFlashDraftModel(nn.Module):
+    """DFlash drafter weights with the published key names (``layers.*``, ``fc``, ``hidden_norm``, ``norm``)."""
+
+    def __init__(self, config: DFlashConfig):
+        super().__init__()
+        self.config = config
+        self.layers = nn.ModuleList(DFlashLayer(config, t) for t in config.layer_types)
+        self.fc = nn.Linear(len(config.target_layer_ids) * config.hidden_size, config.hidden_size, bias=False)
+        self.hidden_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary = RotaryEmbedding(config)
+
+    @property
+    def block_size(self) -> int:
+        return self.config.block_size
+
+    def project_context(self, features: torch.Tensor) -> torch.Tensor:
+        """``hidden_norm(fc(features))``: raw concatenated target features to drafter width."""
+        expected = self.fc.in_features
+        if features.shape[-1] != expected:
+            raise ValueError(
+                f"context features have width {features.shape[-1]}, the drafter expects {expected} "
+                f"({len(self.config.target_layer_ids)} target layers x hidden {self.config.hidden_size})"
+            )
+        return self.hidden_norm(self.fc(features.to(self.fc.weight.dtype)))
+
+    def context_kv(self, context: torch.Tensor, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per-layer keys/values of projected context features at their own token positions."""
+        cos, sin = self.rotary(positions, context.dtype)
+        return [layer.self_attn.project_kv(context, cos, sin) for layer in self.layers]
+
+    def layer_masks(self, block_positions, key_positions, dtype) -> dict[str, torch.Tensor | None]:
+        """Default masks: full layers see every key; sliding layers get the DFlash window."""
+        masks: dict[str, torch.Tensor | None] = {FULL: None, SLIDING: None}
+        if SLIDING in self.config.layer_types:
+            masks[SLIDING] = window_mask(block_positions, key_positions, self.config.sliding_window, dtype)
+        return masks
+
+    def forward(
+        self,
+        block_embeds: torch.Tensor,
+        block_positions: torch.Tensor,
+        context: torch.Tensor | None = None,
+        context_positions: torch.Tensor | None = None,
+        attention_masks: dict[str, torch.Tensor | None] | None = None,
+        context_kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
+    ) -> torch.Tensor:
+        """Final-normed hidden states ``[B, Q, H]`` of the block.
+
+        Give either projected ``context`` with ``context_positions`` or precomputed
+        per-layer ``context_kv``. ``attention_masks`` maps layer type to an additive
+        ``[B, 1, Q, C + Q]`` mask over ``[context ; block]``; missing entries fall back
+        to :meth:`layer_masks` (requires ``context_positions``).
+        """
+        x = block_embeds.to(self.fc.weight.dtype)
+        if context_kv is None:
+            if context is None or context_positions is None:
+                raise ValueError("give context with context_positions, or context_kv")
+            context_kv = self.context_kv(context.to(x.dtype), context_positions)
+        masks = dict(attention_masks or {})
+        needs_default = any(t not in masks for t in set(self.config.layer_types))
+        if needs_default:
+            if context_positions is None:
+                raise ValueError("context_positions are needed to build the default (window) masks")
+            key_positions = torch.cat([context_positions, block_positions], dim=1)
+            for t, m in self.layer_masks(block_positions, key_positions, x.dtype).items():
+                masks.setdefault(t, m)
+        cos, sin = self.rotary(block_positions, x.dtype)
+        for layer, kv in zip(self.layers, context_kv):
+            x = layer(x, cos, sin, kv, masks[layer.layer_type])
+        return self.norm(x)
+
+    @classmethod
+    def from_pretrained(
+        cls, path: str | os.PathLike, *, dtype: torch.dtype | None = None, device: str | torch.device | None = None
+    ) -> "DFlashDraftModel":
+        """Load a published DFlash directory (``config.json`` + ``model.safetensors``) as it is."""
+        from safetensors.torch import load_file
+
+        path = Path(path)
+        config = DFlashConfig.from_pretrained(path)
+        files = sorted(path.glob("*.safetensors"))
+        if not files:
+            raise FileNotFoundError(f"no *.safetensors weights in drafter directory {path}")
+        state: dict[str, torch.Tensor] = {}
+        for f in files:
+            state.update(load_file(str(f)))
+        state = {k.removeprefix("model."): v for k, v in state.items()}
+        model = cls(config)
+        own = model.state_dict()
+        missing = sorted(set(own) - set(state))
+        unexpected = sorted(set(state) - set(own))
+        if missing or unexpected:
+            raise ValueError(
+                f"drafter weights in {path} do not match its config: missing {missing[:8]}, unexpected {unexpected[:8]}"
+            )
+        for k, v in state.items():
+            if v.shape != own[k].shape:
+                raise ValueError(f"drafter weight {k} has shape {tuple(v.shape)}, config implies {tuple(own[k].shape)}")
+        model.load_state_dict(state)
+        file_dtype = next(iter(state.values())).dtype
+        model.to(dtype=dtype or file_dtype)
+        if device is not None:
+            model.to(device)
+        return model.eval()
+
+    def save_pretrained(self, path: str | os.PathLike, dtype: torch.dtype | None = None) -> None:
+        from safetensors.torch import save_file
+
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        cfg = self.config.to_dict()
+        state = {k: v.detach().to(dtype or v.dtype).contiguous().cpu() for k, v in self.state_dict().items()}
+        cfg["torch_dtype"] = str(next(iter(state.values())).dtype).removeprefix("torch.")
+        (path / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+        save_file(state, str(path / "model.safetensors"), metadata={"format": "pt"})
+
+
+def _target_vocab(target) -> int:
+    head = target.get_output_embeddings()
+    return head.weight.shape[0]
+
+
+def check_compatible(config: DFlashConfig, target) -> None:
+    """Raise a ValueError naming the mismatch when a drafter cannot serve ``target``."""
+    tc = target.config.get_text_config() if hasattr(target.config, "get_text_config") else target.config
+    if tc.hidden_size != config.hidden_size:
+        raise ValueError(
+            f"drafter hidden size {config.hidden_size} does not match the target's {tc.hidden_size}: "
+            "use a drafter trained for this target"
+        )
+    vocab = _target_vocab(target)
+    if vocab != config.vocab_size:
+        raise ValueError(
+            f"drafter vocab size {config.vocab_size} does not match the target's lm_head ({vocab}): "
+            "use a drafter trained for this target's tokenizer"
+        )
+    check_target_layer_ids(config.target_layer_ids, tc.num_hidden_layers)
+    if not 0 <= config.mask_token_id < vocab:
+        raise ValueError(f"mask_token_id {config.mask_token_id} is outside the target's vocabulary (size {vocab})")
+
+
+class DFlashDrafter:
+    """A DFlash model bound to its target, with a KV cache of the committed context.
+
+    Each round: :meth:`propose` for the block at position ``context_len``, then
+    :meth:`append_context` with the features of the tokens the target accepted.
+    """
+
+    def __init__(self, model: DFlashDraftModel, target):
+        check_compatible(model.config, target)
+        self.model = model
+        self.config = model.config
+        self.block_size = model.config.block_size
+        self.target_layer_ids = list(model.config.target_layer_ids)
+        self.mask_token_id = model.config.mask_token_id
+        # Borrowed, not owned: kept in a tuple so they are not registered anywhere.
+        self._target_parts = (target.get_input_embeddings(), target.get_output_embeddings())
+        self.reset()
+
+    @classmethod
+    def from_pretrained(cls, path, target, *, dtype=None, device=None) -> "DFlashDrafter":
+        dev = device if device is not None else target.get_input_embeddings().weight.device
+        return cls(DFlashDraftModel.from_pretrained(path, dtype=dtype, device=dev), target)
+
+    def reset(self) -> None:
+        self.context_kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+        self.context_len = 0
+
+    def context_features(self, hidden_states: Sequence[torch.Tensor]) -> torch.Tensor:
+        return extract_context_feature(hidden_states, self.target_layer_ids)
+
+    @torch.no_grad()
+    def append_context(self, features: torch.Tensor) -> None:
+        bsz, t, _ = features.shape
+        if t == 0:
+            return
+        positions = torch.arange(self.context_len, self.context_len + t, device=features.device).expand(bsz, t)
+        ctx = self.model.project_context(features)
+        new = self.model.context_kv(ctx, positions)
+        if self.context_kv is None:
+            self.context_kv = new
+        else:
+            self.context_kv = [
+                (torch.cat([k0, k1], dim=2), torch.cat([v0, v1], dim=2))
+                for (k0, v0), (k1, v1) in zip(self.context_kv, new)
+            ]
+        self.context_len += t
+
+    @torch.no_grad()
+    def propose(self, root_tokens: torch.Tensor) -> torch.Tensor:
+        """Log-probs ``[B, block_size - 1, V]`` for positions ``context_len + 1 ..``, in float32."""
+        if self.context_kv is None:
+            raise RuntimeError("the drafter has no context yet: append the prompt's target features first")
+        embed, lm_head = self._target_parts
+        root_tokens = root_tokens.view(-1, 1)
+        bsz = root_tokens.shape[0]
+        block = torch.cat([root_tokens, root_tokens.new_full((bsz, self.block_size - 1), self.mask_token_id)], dim=1)
+        start = self.context_len
+        device = root_tokens.device
+        block_pos = torch.arange(start, start + self.block_size, device=device).expand(bsz, -1)
+        ctx_pos = torch.arange(start, device=device).expand(bsz, -1)
+        hidden = self.model(embed(block), block_pos, context_positions=ctx_pos, context_kv=self.context_kv)
+        logits = lm_head(hidden[:, 1:].to(lm_head.weight.dtype))
+        return torch.log_softmax(logits.float(), dim=-1)
+
+
+__all__ = [
+    "Drafter",
+    "DFlashConfig",
+    "DFlashDraftModel",
+    "DFlashDrafter",
+    "check_compatible",
+    "window_mask",
+]

@@ -1,0 +1,46 @@
+"""Target context features: which target layers feed the drafter, and how to read them.
+
+HF ``output_hidden_states`` returns ``num_layers + 1`` tensors and index 0 is the
+embedding output, so target layer ``i`` is ``hidden_states[i + 1]``. Getting this
+offset wrong keeps the output correct but collapses acceptance.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+
+def build_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
+    """The published default: the middle layer for one drafter layer, else evenly from 1 to L-3."""
+    if num_target_layers < 1 or num_draft_layers < 1:
+        raise ValueError(
+            f"need at least one target and one drafter layer, got {num_target_layers} and {num_draft_layers}"
+        )
+    if num_draft_layers == 1:
+        return [num_target_layers // 2]
+    start, end = 1, num_target_layers - 3
+    span = end - start
+    return [int(round(start + i * span / (num_draft_layers - 1))) for i in range(num_draft_layers)]
+
+
+def check_target_layer_ids(layer_ids: Sequence[int], num_target_layers: int) -> list[int]:
+    """Validate ids against the target's layer count, with a message that names both."""
+    ids = [int(i) for i in layer_ids]
+    if not ids:
+        raise ValueError("target_layer_ids is empty: the drafter needs at least one target layer")
+    bad = [i for i in ids if not 0 <= i < num_target_layers]
+    if bad:
+        raise ValueError(
+            f"target_layer_ids {bad} out of range: the target has {num_target_layers} decoder layers "
+            f"(valid ids 0..{num_target_layers - 1}); fix dflash_config.target_layer_ids in the drafter config"
+        )
+    return ids
+
+
+def extract_context_feature(hidden_states: Sequence[torch.Tensor], layer_ids: Sequence[int]) -> torch.Tensor:
+    """Concatenate target layers ``layer_ids`` (``hidden_states[i + 1]``) on the last dim."""
+    num_layers = len(hidden_states) - 1
+    ids = check_target_layer_ids(layer_ids, num_layers)
+    return torch.cat([hidden_states[i + 1] for i in ids], dim=-1)
