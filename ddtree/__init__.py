@@ -1,0 +1,46 @@
+"""ddtree: lossless tree-based speculative decoding (DDTree) with DFlash block-diffusion drafters."""
+
+from .attention import get_backend
+from .cache import commit_accepted, keep_positions, new_target_cache
+from .drafter import DFlashConfig, DFlashDraftModel, DFlashDrafter, Drafter
+from .features import build_target_layer_ids, check_target_layer_ids, extract_context_feature
+from .generator import GenerationOutput, GenerationStats, RoundRecord, SpeculativeGenerator
+from .masks import tree_attention_mask, tree_position_ids
+from .sampling import SamplingConfig, choose_tokens, processed_logprobs
+from .tree import DraftTree, TreeBuilder, beam, best_first, chain, ranked_topk, resolve_builder
+from .verify import VerifyResult, accept_longest_branch, verify_tree
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "SpeculativeGenerator",
+    "GenerationOutput",
+    "GenerationStats",
+    "RoundRecord",
+    "DFlashConfig",
+    "DFlashDraftModel",
+    "DFlashDrafter",
+    "Drafter",
+    "build_target_layer_ids",
+    "check_target_layer_ids",
+    "extract_context_feature",
+    "DraftTree",
+    "TreeBuilder",
+    "best_first",
+    "chain",
+    "beam",
+    "ranked_topk",
+    "resolve_builder",
+    "tree_attention_mask",
+    "tree_position_ids",
+    "get_backend",
+    "SamplingConfig",
+    "choose_tokens",
+    "processed_logprobs",
+    "VerifyResult",
+    "accept_longest_branch",
+    "verify_tree",
+    "commit_accepted",
+    "keep_positions",
+    "new_target_cache",
+]

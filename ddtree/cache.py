@@ -1,0 +1,72 @@
+"""KV-cache compaction after a verify round.
+
+After the tree forward the target cache holds ``[prefix | all tree nodes]``.
+:func:`commit_accepted` keeps the prefix and exactly the accepted nodes, in path
+order. It is the one place every cache kind goes through, so version quirks of
+transformers' cache classes stay here.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def new_target_cache():
+    """A cache whose layers keep every position.
+
+    Built without the model config on purpose: sliding-window layer caches
+    discard old states and refuse arbitrary compaction, while ddtree applies
+    windows through its masks instead.
+    """
+    from transformers import DynamicCache
+
+    return DynamicCache()
+
+
+def cache_length(cache) -> int:
+    return int(cache.get_seq_length()) if cache is not None else 0
+
+
+def keep_positions(tensor: torch.Tensor, prefix_len: int, accepted: torch.Tensor) -> torch.Tensor:
+    """``tensor[..., :prefix_len, :]`` followed by the tree rows ``accepted`` (``[B, L]`` node indices).
+
+    Works on ``[B, heads, T, d]`` states. When the accepted nodes are the first
+    ``L`` tree rows in order (always true for a chain) this is a slice, not a copy.
+    """
+    bsz, length = accepted.shape
+    if bsz != tensor.shape[0]:
+        raise ValueError(f"accepted indices are for {bsz} rows, the cache has {tensor.shape[0]}")
+    contiguous = bool((accepted == torch.arange(length, device=accepted.device)).all())
+    if contiguous:
+        return tensor[..., : prefix_len + length, :]
+    index = (prefix_len + accepted).to(tensor.device)  # [B, L]
+    index = index[:, None, :, None].expand(bsz, tensor.shape[1], length, tensor.shape[-1])
+    return torch.cat([tensor[..., :prefix_len, :], tensor.gather(2, index)], dim=2)
+
+
+def commit_accepted(cache, prefix_len: int, accepted: torch.Tensor) -> None:
+    """Keep the committed prefix plus the accepted tree nodes in every layer of ``cache``, in place.
+
+    ``accepted`` is ``[B, L]``: node indices along the accepted path, root first.
+    Rows of a batch must accept the same number of nodes until ragged batches land.
+    """
+    if accepted.dim() != 2:
+        raise ValueError(f"accepted must be [batch, length], got shape {tuple(accepted.shape)}")
+    if (accepted < 0).any():
+        raise ValueError("ragged acceptance across batch rows is not supported yet (found padded indices)")
+    for layer in getattr(cache, "layers", []):
+        if getattr(layer, "is_linear", False) or hasattr(layer, "recurrent_states"):
+            raise ValueError(
+                "targets with linear-attention (recurrent) layers are not supported yet: their state "
+                "must be kept per tree node"
+            )
+        if getattr(layer, "is_sliding", False):
+            raise ValueError(
+                "the target cache has sliding-window layers that discard states; build it with "
+                "ddtree.cache.new_target_cache() so every layer keeps all positions"
+            )
+        keys = getattr(layer, "keys", None)
+        if keys is None or keys.numel() == 0:
+            continue
+        layer.keys = keep_positions(layer.keys, prefix_len, accepted)
+        layer.values = keep_positions(layer.values, prefix_len, accepted)

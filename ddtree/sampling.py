@@ -1,0 +1,58 @@
+"""The target's decoding rule: temperature, top-k and top-p applied to logits.
+
+The same processing serves the verifier (one draw per tree node) and plain
+decoding, so speculative and target-only sampling draw from one distribution.
+The order follows HF ``generate``: temperature, then top-k, then top-p.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    """``temperature == 0`` means greedy (argmax; ties go to the lowest token id)."""
+
+    temperature: float = 0.0
+    top_k: int | None = None
+    top_p: float | None = None
+
+    def __post_init__(self):
+        if self.temperature is None or self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0 (0 is greedy), got {self.temperature}")
+        if self.top_k is not None and (not isinstance(self.top_k, int) or self.top_k < 1):
+            raise ValueError(f"top_k must be a positive int or None, got {self.top_k!r}")
+        if self.top_p is not None and not (0.0 < self.top_p <= 1.0):
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def processed_logprobs(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:
+    """Log-probs of the processed distribution (float32, ``-inf`` where filtered), over the last dim."""
+    x = logits.float() / cfg.temperature
+    if cfg.top_k is not None and cfg.top_k < x.shape[-1]:
+        kth = x.topk(cfg.top_k, dim=-1).values[..., -1:]
+        x = x.masked_fill(x < kth, float("-inf"))
+    if cfg.top_p is not None and cfg.top_p < 1.0:
+        sorted_x, order = x.sort(dim=-1, descending=False)
+        cum = sorted_x.softmax(dim=-1).cumsum(dim=-1)
+        drop_sorted = cum <= 1.0 - cfg.top_p
+        drop_sorted[..., -1] = False  # always keep the most likely token
+        drop = drop_sorted.scatter(-1, order, drop_sorted)
+        x = x.masked_fill(drop, float("-inf"))
+    return x.log_softmax(dim=-1)
+
+
+def choose_tokens(logits: torch.Tensor, cfg: SamplingConfig, generator: torch.Generator | None = None) -> torch.Tensor:
+    """One token per position of ``logits`` ``[..., V]``: argmax, or one independent draw."""
+    if cfg.greedy:
+        return logits.argmax(dim=-1)
+    probs = processed_logprobs(logits, cfg).exp()
+    flat = probs.reshape(-1, probs.shape[-1])
+    return torch.multinomial(flat, 1, generator=generator).view(probs.shape[:-1])
