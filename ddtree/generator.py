@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Iterator, Sequence
+from typing import Iterator, Protocol, Sequence
 
 import torch
 
@@ -38,7 +38,9 @@ class GenerationStats:
     tokens_per_second: float
     total_seconds: float
     seconds: dict[str, float]
-    tree_budget: int | None = None
+    tree_budget: int | str | None = None
+    budgets: list[int] = field(default_factory=list)
+    budget_policy: dict | None = None
 
 
 @dataclass
@@ -101,6 +103,8 @@ class SpeculativeGenerator:
         self.backend = get_backend(attention) if isinstance(attention, (str, type(None))) else attention
         self.backend.prepare(self.target)
         self.tokenizer = None
+        self._auto_policy = None
+        self._budget_trace: list[int] = []
 
     @classmethod
     def from_pretrained(
@@ -179,6 +183,8 @@ class SpeculativeGenerator:
             total_seconds=elapsed,
             seconds=dict(timer.seconds),
             tree_budget=self.tree_budget if tree_budget is None else tree_budget,
+            budgets=list(self._budget_trace),
+            budget_policy=self._describe_policy(tree_budget),
         )
         return GenerationOutput(seq, acceptance, stats, records, prompt_length=input_ids.shape[1])
 
@@ -208,6 +214,7 @@ class SpeculativeGenerator:
     def _rounds(self, input_ids, max_new_tokens, sampling, stops, tree_budget, seed, timer, record):
         budget = self.tree_budget if tree_budget is None else tree_budget
         _check_budget(budget)
+        policy = self._policy(budget)
         device = input_ids.device
         rng = torch.Generator(device=device)
         rng.manual_seed(seed if seed is not None else int(torch.randint(0, 2**62, (1,)).item()))
@@ -224,7 +231,7 @@ class SpeculativeGenerator:
                 return
             while True:
                 start = cache_length(cache)
-                tree, result, hidden = self._verify_round(root, start, cache, sampling, budget, rng, timer)
+                tree, result, hidden = self._verify_round(root, start, cache, sampling, policy or budget, rng, timer)
                 with timer.stage("commit"):
                     commit_accepted(cache, start, result.accepted)
                     self.drafter.append_context(
@@ -245,14 +252,37 @@ class SpeculativeGenerator:
         with timer.stage("draft"):
             logprobs = self.drafter.propose(root)
         with timer.stage("tree_build"):
-            tree = self.builder(root.view(-1), logprobs, budget)
+            size = budget.choose(logprobs, start) if not isinstance(budget, int) else budget
+            tree = self.builder(root.view(-1), logprobs, size)
+            self._budget_trace.append(size)
         with timer.stage("mask"):
             kwargs = self.backend.tree_forward_kwargs(self.target, tree, start, self._dtype)
             positions = tree_position_ids(tree.depths, start)
+        verify_before = timer.seconds["verify"]
         with timer.stage("verify"):
             out = self._forward(tree.tokens, positions, cache, **kwargs)
             result: VerifyResult = verify_tree(tree, out.logits, sampling, rng)
+        if not isinstance(budget, int):
+            budget.observe(tree, result, timer.seconds["verify"] - verify_before, start)
         return tree, result, out.hidden_states
+
+    def _describe_policy(self, tree_budget) -> dict | None:
+        budget = self.tree_budget if tree_budget is None else tree_budget
+        policy = self._auto_policy if budget == "auto" else (None if isinstance(budget, int) else budget)
+        return policy.describe() if policy is not None and hasattr(policy, "describe") else None
+
+    def _policy(self, budget):
+        """The budget policy for this call: ``None`` for a fixed int budget."""
+        self._budget_trace: list[int] = []
+        if isinstance(budget, int):
+            return None
+        if budget == "auto":
+            if self._auto_policy is None:
+                from .budget import AutoBudget
+
+                self._auto_policy = AutoBudget.for_generator(self)
+            return self._auto_policy
+        return budget
 
     def _forward(self, input_ids, position_ids, cache, **kwargs):
         return self.target(
@@ -291,9 +321,24 @@ class SpeculativeGenerator:
         return input_ids.to(device)
 
 
+class BudgetPolicy(Protocol):
+    """Chooses the tree budget each round (see :mod:`ddtree.budget` for ``"auto"``)."""
+
+    def choose(self, logprobs: torch.Tensor, context_len: int) -> int: ...
+
+    def observe(self, tree: DraftTree, result: VerifyResult, verify_seconds: float, context_len: int) -> None: ...
+
+
 def _check_budget(budget) -> None:
+    if isinstance(budget, str) and budget == "auto":
+        return
+    if hasattr(budget, "choose") and hasattr(budget, "observe"):
+        return
     if not isinstance(budget, int) or isinstance(budget, bool) or budget < 0:
-        raise ValueError(f"tree_budget must be an int >= 0 (draft nodes per round; 0 = no drafting), got {budget!r}")
+        raise ValueError(
+            f"tree_budget must be an int >= 0 (draft nodes per round; 0 = no drafting), 'auto' "
+            f"or a BudgetPolicy, got {budget!r}"
+        )
 
 
 def _stop_set(stop_token_ids) -> frozenset[int]:
