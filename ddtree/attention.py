@@ -1,18 +1,56 @@
-"""Attention backends for the target's tree-verify forward.
+"""Attention backends for the target's tree-verify forward (and the drafter's block attention).
 
-A backend turns a :class:`~ddtree.tree.DraftTree` and the committed prefix
-length into the extra keyword arguments of one HF forward call. ``"sdpa"`` is
-the dense-mask path: an additive ``[B, 1, N, prefix + N]`` mask.
+A backend turns a :class:`~ddtree.tree.DraftTree` into the extra keyword
+arguments of one HF forward call. ``prepare(model)`` is called once per target.
+
+- ``"sdpa"``: a dense additive ``[B, 1, N, prefix + N]`` mask; any HF attention
+  implementation that accepts a 4D mask runs it.
+- ``"split"``, ``"fused"``, ``"flash_attn"``: split attention (see
+  :mod:`ddtree.split_attention`). The committed prefix is attended with no mask
+  by a kernel that returns the log-sum-exp, the tree block with its small dense
+  mask, and the two are merged exactly. They differ only in the prefix kernel:
+  plain torch (the reference), PyTorch's fused flash/memory-efficient kernels
+  (CPU and CUDA, no extra package), or the flash-attn package (CUDA).
+- ``"auto"``: ``flash_attn`` on CUDA when the package imports, else ``fused``
+  on CUDA, and ``sdpa`` on the CPU (measured faster there, see docs/attention.md).
+
+The split backends are transformers attention implementations registered with
+``AttentionInterface`` under ``ddtree_split``, ``ddtree_fused`` and ``ddtree_fa``
+(no "flash" in the names: transformers special-cases those). A model set to
+one of them runs ordinary causal attention (with its sliding window) when no
+tree is passed, so prefill and decode need nothing else.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import importlib.util
+import math
+from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 
 from .masks import tree_attention_mask
+from .split_attention import (
+    PrefixKernel,
+    fold_gqa,
+    split_tree_attention,
+    torch_prefix_kernel,
+    tree_block_allowed,
+    unfold_gqa,
+    window_split,
+)
 from .tree import DraftTree
+
+TREE_KWARG = "ddtree_tree"
+"""Name of the forward kwarg that carries a :class:`TreeAttentionSpec` down to the attention function."""
+
+_MASK_CHUNK_ELEMENTS = 1 << 24  # causal masks are built in query chunks of at most this many entries
+
+
+def flash_attn_available() -> bool:
+    """True when the flash-attn package is installed (it only ever runs on CUDA)."""
+    return importlib.util.find_spec("flash_attn") is not None
 
 
 def _sliding_window(config) -> int | None:
@@ -21,6 +59,223 @@ def _sliding_window(config) -> int | None:
     if window and any(t == "sliding_attention" for t in layer_types):
         return int(window)
     return None
+
+
+# --------------------------------------------------------------------------- tree description
+
+
+@dataclass(eq=False)
+class TreeAttentionSpec:
+    """What the attention function needs about the tree, built once per verify forward.
+
+    ``max_depth`` is a host int so no layer has to sync the device. Block masks
+    are memoised per ``(prefix_len, window)`` so sliding and full layers each
+    build theirs once per forward, not once per layer.
+    """
+
+    visibility: torch.Tensor  # [B, N, N] bool, ancestor-or-self
+    depths: torch.Tensor  # [B, N] long
+    max_depth: int
+    _blocks: dict = field(default_factory=dict, repr=False)
+
+    @classmethod
+    def from_tree(cls, tree: DraftTree) -> "TreeAttentionSpec":
+        return cls(tree.visibility.bool(), tree.depths, tree.max_depth)
+
+    @property
+    def num_nodes(self) -> int:
+        return self.visibility.shape[-1]
+
+    def block(self, prefix_len: int, window: int | None, device: torch.device) -> tuple[int, int, torch.Tensor]:
+        """``(band_start, common_start, allowed)`` for one layer kind; see :func:`window_split`."""
+        key = (prefix_len, window, str(device))
+        if key not in self._blocks:
+            band_start, common_start = window_split(prefix_len, self.max_depth, window)
+            allowed = tree_block_allowed(
+                self.visibility.to(device), self.depths.to(device), prefix_len, band_start, common_start, window
+            )
+            self._blocks[key] = (band_start, common_start, allowed)
+        return self._blocks[key]
+
+
+# --------------------------------------------------------------------------- prefix kernels (return the LSE)
+
+
+def fused_prefix_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float):
+    """PyTorch's own fused kernels with LSE: flash on CPU; flash (half types) or memory-efficient on CUDA.
+
+    GQA is handled by folding query heads into rows, so keys are never repeated.
+    """
+    hq, hkv = q.shape[1], k.shape[1]
+    qf = fold_gqa(q, hkv).contiguous()
+    if q.device.type == "cpu":
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(qf, k, v, 0.0, False, scale=scale)
+    elif q.device.type == "cuda":
+        k = k if k.stride(-1) == 1 else k.contiguous()
+        v = v if v.stride(-1) == 1 else v.contiguous()
+        d = q.shape[-1]
+        if q.dtype in (torch.float16, torch.bfloat16) and d <= 256 and d % 8 == 0:
+            res = torch.ops.aten._scaled_dot_product_flash_attention(qf, k, v, 0.0, False, False, scale=scale)
+        else:
+            res = torch.ops.aten._scaled_dot_product_efficient_attention(qf, k, v, None, True, 0.0, False, scale=scale)
+        out, lse = res[0], res[1][..., : qf.shape[2]]  # the efficient kernel pads its LSE rows
+    else:
+        raise RuntimeError(f"the fused prefix kernel runs on CPU or CUDA, not {q.device.type}")
+    return unfold_gqa(out, hq), unfold_gqa(lse, hq)
+
+
+def flash_attn_prefix_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float):
+    """flash-attn's kv-cache kernel with ``return_softmax_lse``; float32 inputs go to the fused kernel."""
+    if q.device.type != "cuda" or q.dtype not in (torch.float16, torch.bfloat16):
+        return fused_prefix_kernel(q, k, v, scale)
+    from flash_attn import flash_attn_with_kvcache
+
+    out, lse = flash_attn_with_kvcache(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+        softmax_scale=scale, causal=False, return_softmax_lse=True,
+    )
+    return out.transpose(1, 2), lse
+
+
+# --------------------------------------------------------------------------- causal attention (prefill, decode)
+
+
+def _key_padding(attention_mask, batch: int, kv_len: int, device) -> torch.Tensor | None:
+    """Bool ``[B, S]`` of real keys from a 2D HF padding mask, or None when nothing is padded."""
+    if attention_mask is None:
+        return None
+    keep = attention_mask.to(device=device).bool()
+    if keep.shape != (batch, kv_len):
+        raise ValueError(f"2D attention mask must be [batch, kv_len] = [{batch}, {kv_len}], got {tuple(keep.shape)}")
+    return None if bool(keep.all()) else keep
+
+
+def causal_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    scale: float,
+    window: int | None = None,
+    key_padding: torch.Tensor | None = None,
+    use_flash_attn: bool = False,
+    dropout: float = 0.0,
+) -> torch.Tensor:
+    """Causal attention with the queries as the last ``L`` of ``S`` keys (HF cache alignment).
+
+    Query ``i`` sits at position ``S - L + i`` and sees keys ``j <= S - L + i``,
+    and with a window only ``j > S - L + i - window``, the rule of HF sliding
+    layers. Returns ``[B, Hq, L, D]``.
+    """
+    bsz, hq, q_len, _ = q.shape
+    kv_len, hkv = k.shape[2], k.shape[1]
+    gqa = hq != hkv
+    if window is not None and window >= kv_len:
+        window = None  # no key is ever that far away
+    if (
+        use_flash_attn and key_padding is None and q.device.type == "cuda"
+        and q.dtype in (torch.float16, torch.bfloat16)
+    ):
+        from flash_attn import flash_attn_func
+
+        out = flash_attn_func(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), dropout_p=dropout, softmax_scale=scale,
+            causal=True, window_size=(window - 1, 0) if window is not None else (-1, -1),
+        )
+        return out.transpose(1, 2)
+    if window is None and key_padding is None and (q_len == 1 or q_len == kv_len):
+        return F.scaled_dot_product_attention(
+            q, k, v, dropout_p=dropout, is_causal=q_len > 1, scale=scale, enable_gqa=gqa
+        )
+    offset = kv_len - q_len
+    rows = max(1, _MASK_CHUNK_ELEMENTS // max(kv_len, 1))
+    key_pos = torch.arange(kv_len, device=q.device)
+    outs = []
+    for start in range(0, q_len, rows):
+        q_pos = offset + torch.arange(start, min(q_len, start + rows), device=q.device)
+        dist = q_pos[:, None] - key_pos[None, :]
+        allowed = dist >= 0
+        if window is not None:
+            allowed &= dist < window
+        allowed = allowed.expand(bsz, -1, -1)
+        if key_padding is not None:
+            # A padded query still sees itself, so no row is empty (an empty row would give NaN).
+            allowed = (allowed & key_padding[:, None, :]) | (dist == 0)
+        outs.append(
+            F.scaled_dot_product_attention(
+                q[:, :, start : start + rows], k, v, attn_mask=allowed[:, None],
+                dropout_p=dropout, scale=scale, enable_gqa=gqa,
+            )
+        )
+    return torch.cat(outs, dim=2)
+
+
+# --------------------------------------------------------------------------- the registered attention functions
+
+
+def _make_attention_function(prefix_kernel: PrefixKernel, use_flash_attn: bool):
+    """A transformers attention function: split tree attention when a tree is passed, causal otherwise."""
+
+    def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, sliding_window=None,
+                  softcap=None, **kwargs):
+        if kwargs.get("s_aux") is not None:
+            raise NotImplementedError("ddtree split attention does not support attention sinks (s_aux)")
+        scale = scaling if scaling is not None else 1.0 / math.sqrt(query.shape[-1])
+        window = sliding_window if sliding_window is not None else getattr(module, "sliding_window", None)
+        spec = kwargs.get(TREE_KWARG)
+        if isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 4:
+            if spec is not None:
+                raise ValueError("pass either a tree spec or a dense 4D mask to the forward, not both")
+            # A ready dense mask (the "sdpa" backend's kwargs): run it as sdpa would.
+            out = F.scaled_dot_product_attention(
+                query, key, value, attn_mask=attention_mask.to(query.device), dropout_p=dropout, scale=scale,
+                enable_gqa=query.shape[1] != key.shape[1],
+            )
+        elif spec is None:
+            if softcap is not None:
+                raise NotImplementedError("softcap is only supported in the tree-verify path; use eager attention")
+            padding = _key_padding(attention_mask, query.shape[0], key.shape[2], query.device)
+            out = causal_attention(
+                query, key, value, scale=scale, window=window, key_padding=padding,
+                use_flash_attn=use_flash_attn, dropout=dropout,
+            )
+        else:
+            if dropout:
+                raise ValueError("tree verification is inference only (dropout must be 0)")
+            n = query.shape[2]
+            if spec.num_nodes != n:
+                raise ValueError(f"tree spec has {spec.num_nodes} nodes but the forward has {n} queries")
+            prefix_len = key.shape[2] - n
+            if _key_padding(attention_mask, query.shape[0], key.shape[2], query.device) is not None:
+                raise NotImplementedError("split tree attention does not support padded batches")
+            _, _, allowed = spec.block(prefix_len, window, query.device)
+            out = split_tree_attention(
+                query, key[:, :, :prefix_len], value[:, :, :prefix_len], key[:, :, prefix_len:],
+                value[:, :, prefix_len:], spec.visibility, spec.depths, scale=scale, window=window,
+                max_depth=spec.max_depth, prefix_kernel=prefix_kernel, block_allowed=allowed, softcap=softcap,
+            )
+        return out.transpose(1, 2).contiguous(), None
+
+    return attention
+
+
+IMPLEMENTATIONS = {
+    "split": ("ddtree_split", torch_prefix_kernel(), False),
+    "fused": ("ddtree_fused", fused_prefix_kernel, False),
+    "flash_attn": ("ddtree_fa", flash_attn_prefix_kernel, True),
+}
+"""backend name -> (transformers attention implementation name, prefix kernel, flash-attn for causal calls)."""
+
+
+def register_attention_implementations() -> None:
+    """Register the split implementations with transformers (idempotent), so any HF causal LM can use them by name."""
+    from transformers import AttentionInterface
+
+    for impl, kernel, use_fa in IMPLEMENTATIONS.values():
+        AttentionInterface.register(impl, _make_attention_function(kernel, use_fa))
+
+
+# --------------------------------------------------------------------------- backends
 
 
 @dataclass
@@ -43,8 +298,134 @@ class DenseMaskBackend:
         return {"attention_mask": {"full_attention": full, "sliding_attention": sliding}}
 
 
-def get_backend(name: str | None = "sdpa"):
-    """The tree-verify attention backend called ``name`` (``None`` or ``"sdpa"``: dense mask)."""
-    if name in (None, "sdpa", "auto"):
+@dataclass
+class SplitBackend:
+    """Split prefix/tree attention through a registered transformers attention implementation."""
+
+    name: str = "split"
+
+    @property
+    def implementation(self) -> str:
+        return IMPLEMENTATIONS[self.name][0]
+
+    def prepare(self, model) -> None:
+        register_attention_implementations()
+        model.set_attn_implementation(self.implementation)
+
+    def tree_forward_kwargs(self, model, tree: DraftTree, prefix_len: int, dtype: torch.dtype) -> dict:
+        return {TREE_KWARG: TreeAttentionSpec.from_tree(tree)}
+
+
+@dataclass
+class AutoBackend:
+    """Picks the best backend for the target's device at ``prepare`` time."""
+
+    chosen: DenseMaskBackend | SplitBackend | None = None
+
+    @property
+    def name(self) -> str:
+        return self.chosen.name if self.chosen is not None else "auto"
+
+    def prepare(self, model) -> None:
+        device = next(model.parameters()).device
+        self.chosen = get_backend(auto_backend_name(device))
+        self.chosen.prepare(model)
+
+    def tree_forward_kwargs(self, model, tree: DraftTree, prefix_len: int, dtype: torch.dtype) -> dict:
+        if self.chosen is None:
+            self.prepare(model)
+        return self.chosen.tree_forward_kwargs(model, tree, prefix_len, dtype)
+
+
+_ALIASES = {None: "sdpa", "dense": "sdpa", "torch": "split", "torch_cuda": "fused", "flash": "flash_attn"}
+BACKENDS = ("auto", "sdpa", "split", "fused", "flash_attn")
+
+
+def auto_backend_name(device: torch.device | str) -> str:
+    """``flash_attn`` > ``fused`` on CUDA; ``sdpa`` elsewhere (the dense mask is cheapest at CPU scales)."""
+    if torch.device(device).type == "cuda":
+        return "flash_attn" if flash_attn_available() else "fused"
+    return "sdpa"
+
+
+def get_backend(name: str | None = "sdpa", device: torch.device | str | None = None):
+    """The tree-verify attention backend called ``name``; one of :data:`BACKENDS` (aliases: ``torch_cuda`` = fused).
+
+    ``"auto"`` resolves at once when ``device`` is given, else at ``prepare(model)``.
+    """
+    name = _ALIASES.get(name, name)
+    if name == "auto":
+        return get_backend(auto_backend_name(device)) if device is not None else AutoBackend()
+    if name == "sdpa":
         return DenseMaskBackend()
-    raise ValueError(f"unknown attention backend {name!r}; available: 'sdpa'")
+    if name == "flash_attn" and not flash_attn_available():
+        raise ValueError("attention='flash_attn' needs the flash-attn package (CUDA); use 'fused' or 'auto' instead")
+    if name in IMPLEMENTATIONS:
+        return SplitBackend(name)
+    raise ValueError(f"unknown attention backend {name!r}; available: {', '.join(BACKENDS)}")
+
+
+# --------------------------------------------------------------------------- drafter block attention
+
+
+def block_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    window: int | None = None,
+    q_offset: int | None = None,
+    additive_mask: torch.Tensor | None = None,
+    scale: float | None = None,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """Non-causal attention of a drafter block over ``[context ; block]`` keys, with the DFlash window.
+
+    ``q``: ``[B, Hq, L, D]``; ``k``, ``v``: ``[B, Hkv, S, D]`` (GQA allowed). Key
+    ``j`` is at position ``j`` and query ``i`` at ``q_offset + i`` (default
+    ``S - L``: the block is the last ``L`` keys). With ``window`` a query at ``p``
+    sees keys ``p - window + 1 .. p + window - 1``, which is flash-attn's
+    ``window_size=(window - 1, window - 1)`` under its bottom-right alignment.
+    ``additive_mask`` (broadcastable to ``[B, Hq, L, S]``) is added on top.
+    ``backend``: ``"auto"`` (flash-attn when it applies), ``"flash_attn"`` or ``"sdpa"``.
+    Returns ``[B, Hq, L, D]`` in ``q.dtype``.
+    """
+    bsz, hq, q_len, d = q.shape
+    kv_len, hkv = k.shape[2], k.shape[1]
+    if hq % hkv:
+        raise ValueError(f"{hq} query heads are not a multiple of {hkv} key/value heads")
+    if q_offset is None:
+        q_offset = kv_len - q_len
+    if scale is None:
+        scale = 1.0 / math.sqrt(d)
+    if window is not None and window < 1:
+        raise ValueError(f"window must be >= 1, got {window}")
+    if backend not in ("auto", "flash_attn", "sdpa"):
+        raise ValueError(f"block_attention backend must be 'auto', 'flash_attn' or 'sdpa', got {backend!r}")
+    flash_ok = (
+        additive_mask is None and q_offset == kv_len - q_len and q.device.type == "cuda"
+        and q.dtype in (torch.float16, torch.bfloat16) and flash_attn_available()
+    )
+    if backend == "flash_attn" and not flash_ok:
+        raise ValueError("flash_attn block attention needs flash-attn, CUDA, fp16/bf16, no additive mask, "
+                         "and the block as the last keys")
+    if flash_ok and backend != "sdpa":
+        from flash_attn import flash_attn_func
+
+        w = (window - 1, window - 1) if window is not None else (-1, -1)
+        out = flash_attn_func(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), softmax_scale=scale, causal=False, window_size=w
+        )
+        return out.transpose(1, 2)
+    mask = None
+    if window is not None:
+        q_pos = q_offset + torch.arange(q_len, device=q.device)
+        dist = q_pos[:, None] - torch.arange(kv_len, device=q.device)[None, :]
+        mask = dist.abs() < window
+    if additive_mask is not None:
+        add = additive_mask.to(device=q.device, dtype=q.dtype)
+        mask = add if mask is None else add.masked_fill(~mask, float("-inf"))
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=hq != hkv)
+
+
+register_attention_implementations()
