@@ -23,6 +23,7 @@ tree is passed, so prefill and decode need nothing else.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import math
 from dataclasses import dataclass, field
@@ -48,9 +49,16 @@ TREE_KWARG = "ddtree_tree"
 _MASK_CHUNK_ELEMENTS = 1 << 24  # causal masks are built in query chunks of at most this many entries
 
 
+@functools.cache
 def flash_attn_available() -> bool:
-    """True when the flash-attn package is installed (it only ever runs on CUDA)."""
-    return importlib.util.find_spec("flash_attn") is not None
+    """True when the flash-attn package imports (it only ever runs on CUDA); a broken install counts as absent."""
+    if importlib.util.find_spec("flash_attn") is None:
+        return False
+    try:
+        from flash_attn import flash_attn_func, flash_attn_with_kvcache  # noqa: F401
+    except Exception:
+        return False
+    return True
 
 
 def _sliding_window(config) -> int | None:

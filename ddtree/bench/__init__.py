@@ -1,0 +1,1 @@
+"""Benchmarks: ``python -m ddtree.bench attention ...`` (attention backends) and the main generation bench."""

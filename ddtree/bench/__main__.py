@@ -1,0 +1,25 @@
+"""``python -m ddtree.bench SUBCOMMAND ...``: ``attention`` runs the attention micro-benchmark; anything else goes to the main bench."""
+
+from __future__ import annotations
+
+import sys
+
+
+def main(argv: list[str] | None = None):
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "attention":
+        from .attention import main as attention_main
+
+        return attention_main(argv[1:])
+    try:
+        from .runner import run_main_bench
+    except ImportError as exc:
+        raise SystemExit(
+            f"the main benchmark (ddtree.bench.runner) is not available yet ({exc}); "
+            "try `python -m ddtree.bench attention --help`"
+        ) from exc
+    return run_main_bench(argv)
+
+
+if __name__ == "__main__":
+    main()
