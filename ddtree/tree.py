@@ -140,6 +140,11 @@ def _depths_and_visibility(parents: torch.Tensor) -> tuple[torch.Tensor, torch.T
 def ranked_topk(logprobs: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-``k`` per depth, ordered by log-prob descending then token id ascending."""
     vals, toks = logprobs.topk(k, dim=-1)
+    if k < logprobs.shape[-1] and bool(((logprobs >= vals[..., -1:]).sum(dim=-1) > k).any()):
+        # Ties straddle the k-th place and topk picks among them arbitrarily: the
+        # lowest ids must win, so fall back to an exact stable sort.
+        toks = torch.sort(logprobs, dim=-1, descending=True, stable=True).indices[..., :k]
+        return logprobs.gather(-1, toks), toks
     by_tok = toks.argsort(dim=-1, stable=True)
     vals, toks = vals.gather(-1, by_tok), toks.gather(-1, by_tok)
     by_val = (-vals).argsort(dim=-1, stable=True)
