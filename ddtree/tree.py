@@ -49,6 +49,8 @@ class DraftTree:
         if tokens.shape != parents.shape:
             raise ValueError(f"tokens {tuple(tokens.shape)} and parents {tuple(parents.shape)} differ in shape")
         bsz, n = tokens.shape
+        if n == 0:
+            raise ValueError("a draft tree needs at least the root node, got 0 nodes")
         idx = torch.arange(n, device=tokens.device)
         if (parents[:, 0] != -1).any() or (n > 1 and ((parents[:, 1:] < 0) | (parents[:, 1:] >= idx[1:])).any()):
             raise ValueError("parents must be -1 for the root and point to an earlier node for every other node")
@@ -309,7 +311,11 @@ def resolve_builder(builder: str | TreeBuilder) -> TreeBuilder:
         import importlib
 
         module_name, _, attr = builder.partition(":")
-        fn = getattr(importlib.import_module(module_name), attr, None)
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError as exc:
+            raise ValueError(f"tree builder {builder!r}: cannot import module {module_name!r} ({exc})") from exc
+        fn = getattr(module, attr, None)
         if not callable(fn):
             raise ValueError(f"{builder!r} does not name a callable builder")
         return fn
