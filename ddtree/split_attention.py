@@ -55,19 +55,19 @@ def attention_with_lse(
     no visible key gets ``out = 0`` and ``lse = -inf`` so that it merges as empty.
     """
     bsz, hq, n, d = q.shape
-    hkv = k.shape[1]
+    hkv, s = k.shape[1], k.shape[2]
     cdt = compute_dtype(q.dtype)
-    qg = q.to(cdt).reshape(bsz, hkv, hq // hkv, n, d)
-    scores = torch.einsum("bhgnd,bhsd->bhgns", qg, k.to(cdt)) * scale
+    scores = torch.matmul(fold_gqa(q.to(cdt), hkv), k.to(cdt).transpose(-1, -2)).mul_(scale)
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.view(bsz, hkv, hq // hkv, n, s)
     if allowed is not None:
-        scores = scores.masked_fill(~allowed[:, None, None], float("-inf"))
+        scores.masked_fill_(~allowed[:, None, None], float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)
-    finite = torch.isfinite(lse)
-    probs = torch.exp(scores - torch.where(finite, lse, torch.zeros_like(lse))[..., None])
-    out = torch.einsum("bhgns,bhsd->bhgnd", probs, v.to(cdt))
-    return out.reshape(bsz, hq, n, -1), lse.reshape(bsz, hq, n)
+    safe = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
+    probs = scores.sub_(safe[..., None]).exp_().view(bsz, hkv, (hq // hkv) * n, s)
+    out = unfold_gqa(torch.matmul(probs, v.to(cdt)), hq)
+    return out, lse.reshape(bsz, hq, n)
 
 
 def merge_attention(

@@ -1,0 +1,267 @@
+"""One-shot GPU check of the split tree attention: bf16 exactness, then the attention benchmark.
+
+Run on a CUDA machine from the repository root (no flash-attn needed; used when it imports)::
+
+    python -m ddtree.bench.gpu_check            # or: bash examples/gpu_attention_check.sh
+
+Writes ``gpu_check.json`` (every check with its max abs error and tolerance),
+``attention_bench.json`` and ``attention_bench_window.json`` into ``--out``
+(default ``$OUT`` when set, else ``runs/gpu_check``). Exits non-zero when a
+check fails. Each check is isolated, so one failure does not hide the others.
+The checks also run on the CPU (``--device cpu --quick``), which the tests do.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import math
+import os
+import random
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from ..attention import (
+    IMPLEMENTATIONS,
+    TREE_KWARG,
+    TreeAttentionSpec,
+    block_attention,
+    flash_attn_available,
+    get_backend,
+)
+from ..masks import tree_attention_mask
+from ..tree import DraftTree
+from .attention import _Layer, random_tree
+
+BF16_TOL = 2e-2  # max abs error of bf16 results against float32 dense attention
+FP32_TOL = 1e-4
+
+
+def _backends(device: torch.device) -> list[str]:
+    names = ["split", "fused"]
+    if device.type == "cuda" and flash_attn_available():
+        names.append("flash_attn")
+    return names
+
+
+def _dense_fp32(q, k, v, allowed) -> torch.Tensor:
+    """float32 softmax attention with a bool ``[B, 1, N, S]`` mask, ``[B, Hq, N, D]``."""
+    group = q.shape[1] // k.shape[1]
+    k = k.float().repeat_interleave(group, dim=1)
+    v = v.float().repeat_interleave(group, dim=1)
+    scores = (q.float() @ k.transpose(-1, -2)) / math.sqrt(q.shape[-1])
+    return torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1) @ v
+
+
+def _tree_inputs(device, dtype, heads, kv_heads, head_dim, prefix_len, n, seed):
+    gen = torch.Generator().manual_seed(seed)
+    tree = random_tree(n, 15, gen)
+    tree = DraftTree.from_parents(tree.tokens.to(device), tree.parents.to(device))
+    shape = lambda h, s: torch.randn(1, h, s, head_dim, generator=gen).to(device, dtype)  # noqa: E731
+    return tree, shape(heads, n), shape(kv_heads, prefix_len + n), shape(kv_heads, prefix_len + n)
+
+
+def check_split(device, dtype, tol, shapes) -> list[dict]:
+    """Registered split attention (every backend) against float32 dense attention under the lead's mask."""
+    from transformers import AttentionInterface
+
+    functions = AttentionInterface()
+    rows = []
+    for i, (heads, kv_heads, head_dim, prefix_len, n, window) in enumerate(shapes):
+        tree, q, k, v = _tree_inputs(device, dtype, heads, kv_heads, head_dim, prefix_len, n, seed=i)
+        mask = tree_attention_mask(tree.visibility, prefix_len, torch.float32, sliding_window=window, depths=tree.depths)
+        ref = _dense_fp32(q, k, v, mask == 0)
+        spec = TreeAttentionSpec.from_tree(tree)
+        layer = _Layer(heads, kv_heads, window)
+        for name in _backends(device):
+            fn = functions[IMPLEMENTATIONS[name][0]]
+            out, _ = fn(layer, q, k, v, None, scaling=1 / math.sqrt(head_dim), sliding_window=window,
+                        **{TREE_KWARG: spec})
+            err = float((out.transpose(1, 2).float() - ref).abs().max())
+            rows.append(dict(backend=name, heads=heads, kv_heads=kv_heads, head_dim=head_dim, prefix=prefix_len,
+                             nodes=n, window=window, max_abs_err=err, tol=tol, ok=err <= tol))
+        del ref, mask
+    return rows
+
+
+def check_causal(device, dtype, tol, tiny: bool = False) -> list[dict]:
+    """Prefill / chunk / decode calls (no tree) against float32 bottom-right causal attention."""
+    from transformers import AttentionInterface
+
+    functions = AttentionInterface()
+    rows = []
+    gen = torch.Generator().manual_seed(0)
+    cases = [(512, 512, None), (512, 512, 100), (64, 700, None), (64, 700, 50), (1, 900, None), (1, 900, 128)]
+    heads, head_dim = (16, 128) if not tiny else (4, 32)
+    for q_len, kv_len, window in cases if not tiny else [(c[0] // 8 or 1, c[1] // 8, c[2] and c[2] // 8) for c in cases]:
+        q = torch.randn(1, heads, q_len, head_dim, generator=gen).to(device, dtype)
+        k = torch.randn(1, heads // 4, kv_len, head_dim, generator=gen).to(device, dtype)
+        v = torch.randn(1, heads // 4, kv_len, head_dim, generator=gen).to(device, dtype)
+        dist = (kv_len - q_len + torch.arange(q_len, device=device))[:, None] - torch.arange(kv_len, device=device)
+        allowed = (dist >= 0) & (dist < (window or 1 << 30))
+        ref = _dense_fp32(q, k, v, allowed)
+        for name in _backends(device):
+            fn = functions[IMPLEMENTATIONS[name][0]]
+            out, _ = fn(_Layer(heads, heads // 4, window), q, k, v, None, scaling=1 / math.sqrt(head_dim),
+                        sliding_window=window)
+            err = float((out.transpose(1, 2).float() - ref).abs().max())
+            rows.append(dict(backend=name, q_len=q_len, kv_len=kv_len, window=window, max_abs_err=err, tol=tol,
+                             ok=err <= tol))
+    return rows
+
+
+def check_block(device, dtype, tol, tiny: bool = False) -> list[dict]:
+    """Drafter block attention (flash-attn when it applies) against float32 with the DFlash window."""
+    rows = []
+    gen = torch.Generator().manual_seed(1)
+    cases = [(300, 16, None), (300, 16, 64), (2000, 16, 256), (10, 16, 4)]
+    for ctx, block, window in cases if not tiny else [(c[0] // 10, 8, c[2] and max(2, c[2] // 16)) for c in cases]:
+        q = torch.randn(1, 32, block, 128, generator=gen).to(device, dtype)
+        k = torch.randn(1, 8, ctx + block, 128, generator=gen).to(device, dtype)
+        v = torch.randn(1, 8, ctx + block, 128, generator=gen).to(device, dtype)
+        dist = (ctx + torch.arange(block, device=device))[:, None] - torch.arange(ctx + block, device=device)
+        ref = _dense_fp32(q, k, v, dist.abs() < (window or 1 << 30))
+        for backend in ("auto", "sdpa"):
+            out = block_attention(q, k, v, window=window, backend=backend)
+            err = float((out.float() - ref).abs().max())
+            rows.append(dict(backend=backend, flash_attn=flash_attn_available() and device.type == "cuda",
+                             ctx=ctx, block=block, window=window, max_abs_err=err, tol=tol, ok=err <= tol))
+    return rows
+
+
+def _cache_kwargs(model, cache) -> dict:
+    """``cache=`` on transformers that renamed it, ``past_key_values=`` on older 5.x."""
+    params = inspect.signature(model.forward).parameters
+    return {"cache": cache} if "cache" in params else {"past_key_values": cache}
+
+
+def check_model(device, dtype, tol, tiny: bool = False) -> list[dict]:
+    """A tiny Qwen3 target with a sliding layer: tree-verify logits of each backend against the dense mask."""
+    from transformers import AutoModelForCausalLM, DynamicCache, Qwen3Config
+
+    torch.manual_seed(0)
+    width, prompt_len, nodes = (256, 200, 65) if not tiny else (64, 30, 17)
+    cfg = Qwen3Config(vocab_size=128, hidden_size=width, intermediate_size=2 * width, num_hidden_layers=4,
+                      num_attention_heads=8, num_key_value_heads=2, head_dim=width // 4, use_sliding_window=True,
+                      sliding_window=prompt_len // 5, max_window_layers=2)
+    model = AutoModelForCausalLM.from_config(cfg).to(device=device, dtype=dtype).eval()
+    gen = torch.Generator().manual_seed(3)
+    tree = random_tree(nodes, 15, gen)
+    tree = DraftTree.from_parents(torch.randint(0, 128, (1, nodes), generator=gen).to(device), tree.parents.to(device))
+    prompt = torch.randint(0, 128, (1, prompt_len), generator=gen).to(device)
+
+    def verify_logits(backend_name):
+        backend = get_backend(backend_name)
+        backend.prepare(model)
+        cache = DynamicCache()
+        with torch.no_grad():
+            model(input_ids=prompt[:, :-1], use_cache=True, **_cache_kwargs(model, cache))
+            model(input_ids=prompt[:, -1:], use_cache=True, **_cache_kwargs(model, cache))
+            kw = backend.tree_forward_kwargs(model, tree, prompt.shape[1], dtype)
+            return model(input_ids=tree.tokens, position_ids=prompt.shape[1] + tree.depths, use_cache=True,
+                         **_cache_kwargs(model, cache), **kw).logits.float()
+
+    ref = verify_logits("sdpa")
+    rows = []
+    for name in _backends(device):
+        err = float((verify_logits(name) - ref).abs().max())
+        rows.append(dict(backend=name, dtype=str(dtype), logit_scale=float(ref.abs().max()), max_abs_err=err, tol=tol,
+                         ok=err <= tol))
+    return rows
+
+
+def split_shapes(level: str) -> list[tuple]:
+    """(heads, kv_heads, head_dim, prefix, nodes, window): edge cases, then Qwen3-8B-layer shapes up to 32k x 1025."""
+    if level == "tiny":
+        return [(4, 2, 64, 0, 1, None), (4, 2, 64, 0, 17, 3), (4, 4, 32, 1, 9, None), (8, 2, 64, 60, 33, 2),
+                (8, 1, 128, 100, 20, 50)]
+    shapes = [(4, 2, 64, 0, 1, None), (4, 2, 64, 0, 17, 3), (8, 8, 128, 1, 33, None), (16, 4, 64, 7, 64, 2),
+              (32, 8, 128, 300, 257, None), (32, 8, 128, 300, 257, 150), (8, 1, 128, 2048, 100, 1000)]
+    if level == "quick":
+        return shapes
+    rng = random.Random(0)
+    for prefix in (1024, 4096, 16384, 32768):
+        for n in (17, 65, 257, 1025):
+            window = rng.choice([None, None, 4096, 8])
+            shapes.append((32, 8, 128, prefix, n, window))
+    return shapes
+
+
+def run_checks(device: torch.device, level: str = "full") -> dict:
+    """All exactness checks at ``level`` full / quick / tiny (the CPU test); failures are collected, never raised."""
+    checks, failures = [], []
+    tiny = level == "tiny"
+    plan = [
+        ("split_bf16", lambda: check_split(device, torch.bfloat16, BF16_TOL, split_shapes(level))),
+        ("split_fp32", lambda: check_split(device, torch.float32, FP32_TOL, split_shapes("tiny" if tiny else "quick"))),
+        ("causal_bf16", lambda: check_causal(device, torch.bfloat16, BF16_TOL, tiny)),
+        ("block_bf16", lambda: check_block(device, torch.bfloat16, BF16_TOL, tiny)),
+        ("model_fp32", lambda: check_model(device, torch.float32, FP32_TOL, tiny)),
+        ("model_bf16", lambda: check_model(device, torch.bfloat16, 0.1, tiny)),
+    ]
+    for name, fn in plan:
+        t0 = time.perf_counter()
+        try:
+            rows = fn()
+            error = None
+        except Exception:  # keep going: the report should show every check
+            rows, error = [], traceback.format_exc()
+        bad = [r for r in rows if not r["ok"]]
+        checks.append({"check": name, "seconds": round(time.perf_counter() - t0, 2), "rows": rows, "error": error})
+        worst = max((r["max_abs_err"] for r in rows), default=float("nan"))
+        status = "ERROR" if error else ("FAIL" if bad else "ok")
+        print(f"[{status:5}] {name:12} {len(rows):3} cases, worst max abs err {worst:.3e}", flush=True)
+        if error:
+            print(error, flush=True)
+            failures.append({"check": name, "error": error})
+        failures += [{"check": name, **r} for r in bad]
+    return {"checks": checks, "failures": failures}
+
+
+def environment(device: torch.device) -> dict:
+    import transformers
+
+    env = {"torch": torch.__version__, "transformers": transformers.__version__, "device": str(device),
+           "flash_attn": flash_attn_available()}
+    if device.type == "cuda":
+        env["gpu"] = torch.cuda.get_device_name(device)
+        env["cuda"] = torch.version.cuda
+    return env
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m ddtree.bench.gpu_check", description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", default=os.environ.get("OUT") or "runs/gpu_check")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--quick", action="store_true", help="small shapes only, and a tiny benchmark")
+    p.add_argument("--skip-bench", action="store_true")
+    args = p.parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    device = torch.device(args.device)
+    env = environment(device)
+    print(json.dumps(env), flush=True)
+    report = {"environment": env, **run_checks(device, "quick" if args.quick else "full")}
+    if device.type == "cuda":
+        report["peak_memory_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+    (out / "gpu_check.json").write_text(json.dumps(report, indent=2) + "\n")
+    print(f"wrote {out / 'gpu_check.json'}: {len(report['failures'])} failures", flush=True)
+    if not args.skip_bench:
+        from .attention import main as bench
+
+        tiny = ["--contexts", "256,1k", "--budgets", "16,64", "--repeats", "3"] if args.quick else []
+        common = ["--device", str(device), *tiny]
+        bench([*common, "--out", str(out / "attention_bench.json")])
+        window = ["--contexts", "256,1k"] if args.quick else ["--contexts", "4k,32k", "--budgets", "64,256"]
+        bench([*common, *window, "--window", "4096", "--out", str(out / "attention_bench_window.json")])
+    return 1 if report["failures"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,388 @@
+"""Split prefix/tree attention: exactness against the dense mask, the HF registration, the drafter's block attention."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from ddtree.attention import (
+    TREE_KWARG,
+    AutoBackend,
+    DenseMaskBackend,
+    SplitBackend,
+    auto_backend_name,
+    block_attention,
+    causal_attention,
+    flash_attn_available,
+    fused_prefix_kernel,
+    get_backend,
+)
+from ddtree.masks import tree_attention_mask
+from ddtree.split_attention import attention_with_lse, merge_attention, split_tree_attention, torch_prefix_kernel
+from ddtree.tree import DraftTree
+
+TOL = {torch.float64: 1e-10, torch.float32: 1e-5}
+KERNELS = {"torch": torch_prefix_kernel(chunk=512), "fused": fused_prefix_kernel}
+
+
+def random_tree(n: int, rng: random.Random, batch: int = 1, max_depth: int | None = None) -> DraftTree:
+    """Random parent pointers (bushy or deep, by a random bias), parents before children."""
+    rows = []
+    for _ in range(batch):
+        parents, depths = [-1], [0]
+        deep = rng.random()
+        for i in range(1, n):
+            while True:
+                p = i - 1 if rng.random() < deep else rng.randrange(i)
+                if max_depth is None or depths[p] < max_depth:
+                    break
+            parents.append(p)
+            depths.append(depths[p] + 1)
+        rows.append(parents)
+    return DraftTree.from_parents(torch.zeros(batch, n, dtype=torch.long), torch.tensor(rows))
+
+
+def dense_reference(q, k, v, tree: DraftTree, prefix_len: int, window: int | None) -> torch.Tensor:
+    """Softmax over ``[prefix | tree]`` with the lead's dense additive mask, written out in q's dtype."""
+    mask = tree_attention_mask(tree.visibility, prefix_len, q.dtype, sliding_window=window, depths=tree.depths)
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    scores = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1]) + mask
+    return torch.softmax(scores, dim=-1) @ v
+
+
+def make_case(rng: random.Random, dtype, heads, ratio, head_dim, prefix_len, n, window, batch=1):
+    tree = random_tree(n, rng, batch)
+    g = torch.Generator().manual_seed(rng.randrange(1 << 30))
+    hkv = heads // ratio
+    q = torch.randn(batch, heads, n, head_dim, generator=g, dtype=dtype)
+    k = torch.randn(batch, hkv, prefix_len + n, head_dim, generator=g, dtype=dtype)
+    v = torch.randn(batch, hkv, prefix_len + n, head_dim, generator=g, dtype=dtype)
+    return tree, q, k, v
+
+
+def check_split(tree, q, k, v, prefix_len, window, kernel) -> float:
+    ref = dense_reference(q, k, v, tree, prefix_len, window)
+    out = split_tree_attention(
+        q, k[:, :, :prefix_len], v[:, :, :prefix_len], k[:, :, prefix_len:], v[:, :, prefix_len:],
+        tree.visibility, tree.depths, window=window, prefix_kernel=KERNELS[kernel],
+    )
+    assert out.dtype == q.dtype and out.shape == q.shape
+    return float((out - ref).abs().max())
+
+
+def sampled_cases(count: int, seed: int):
+    """Random shapes from the issue's grid; the head count shrinks so that no case costs more than ~1M scores."""
+    rng = random.Random(seed)
+    cases = []
+    for i in range(count):
+        ratio = rng.choice([1, 2, 4, 8])
+        heads = ratio * rng.choice([1, 2, 4])
+        head_dim = rng.choice([64, 128])
+        prefix_len = rng.choice([0, 1, 7, 300, 2048])
+        n = min(256, int(math.exp(rng.uniform(0, math.log(256)))))
+        while heads > ratio and heads * n * (prefix_len + n) > 1_000_000:
+            heads //= 2
+        window = rng.choice([None, None, 1, 2, 3, 16, prefix_len // 2 + 1, prefix_len + n + 3])
+        cases.append((seed * 100 + i, heads, ratio, head_dim, prefix_len, n, window, rng.choice([1, 1, 2])))
+    return cases
+
+
+@pytest.mark.parametrize("kernel", ["torch", "fused"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
+def test_split_equals_dense_on_random_shapes(dtype, kernel):
+    worst = 0.0
+    for case_seed, heads, ratio, head_dim, prefix_len, n, window, batch in sampled_cases(10, seed=1):
+        rng = random.Random(case_seed)
+        tree, q, k, v = make_case(rng, dtype, heads, ratio, head_dim, prefix_len, n, window, batch)
+        err = check_split(tree, q, k, v, prefix_len, window, kernel)
+        assert err < TOL[dtype], (heads, ratio, head_dim, prefix_len, n, window, batch, err)
+        worst = max(worst, err)
+    print(f"worst max-abs error {worst:.2e}")
+
+
+def test_split_equals_dense_at_the_extremes_of_the_grid():
+    """32 heads at GQA 8 over a 2048 prefix, and 256 nodes: the corners the sampled cases thin out."""
+    rng = random.Random(7)
+    dtype = torch.float64
+    for heads, ratio, head_dim, prefix_len, n, window in [
+        (32, 8, 128, 2048, 16, None),
+        (32, 4, 64, 2048, 8, 700),
+        (2, 2, 64, 2048, 256, None),
+        (8, 1, 128, 300, 256, 5),
+    ]:
+        tree, q, k, v = make_case(rng, dtype, heads, ratio, head_dim, prefix_len, n, window)
+        for kernel in KERNELS:
+            assert check_split(tree, q, k, v, prefix_len, window, kernel) < TOL[dtype]
+
+
+@pytest.mark.parametrize(
+    "prefix_len, n, window, chain",
+    [
+        (0, 9, None, False),  # empty prefix
+        (0, 12, 3, True),  # empty prefix, window shorter than the depth
+        (40, 1, None, False),  # single-node tree
+        (40, 1, 1, False),  # single node that sees only itself
+        (20, 11, 3, True),  # depth 10 > window 3: deep nodes see no prefix and only near ancestors
+        (20, 11, 1, True),  # window 1: every node sees only itself
+        (5, 30, 2, False),  # window reaches into the prefix only for shallow nodes
+        (7, 16, 10_000, False),  # a window longer than everything changes nothing
+    ],
+)
+def test_edge_cases(prefix_len, n, window, chain):
+    rng = random.Random(prefix_len * 31 + n)
+    for dtype in (torch.float64, torch.float32):
+        tree, q, k, v = make_case(rng, dtype, 4, 2, 64, prefix_len, n, window)
+        if chain:
+            parents = torch.arange(-1, n - 1)[None]
+            tree = DraftTree.from_parents(torch.zeros_like(parents), parents)
+        for kernel in KERNELS:
+            assert check_split(tree, q, k, v, prefix_len, window, kernel) < TOL[dtype]
+
+
+def test_window_one_is_attention_to_self():
+    rng = random.Random(3)
+    tree, q, k, v = make_case(rng, torch.float64, 4, 4, 64, 10, 6, 1)
+    out = split_tree_attention(q, k[:, :, :10], v[:, :, :10], k[:, :, 10:], v[:, :, 10:], tree.visibility,
+                               tree.depths, window=1)
+    torch.testing.assert_close(out, v[:, :, 10:].expand(-1, 4, -1, -1), rtol=0, atol=1e-12)
+
+
+def test_merge_of_disjoint_key_sets_is_the_full_softmax():
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 4, 5, 16, generator=g, dtype=torch.float64)
+    k = torch.randn(2, 2, 23, 16, generator=g, dtype=torch.float64)
+    v = torch.randn(2, 2, 23, 16, generator=g, dtype=torch.float64)
+    full_out, full_lse = attention_with_lse(q, k, v, 0.25)
+    for cut in (0, 1, 11, 23):
+        o1, l1 = attention_with_lse(q, k[:, :, :cut], v[:, :, :cut], 0.25)
+        o2, l2 = attention_with_lse(q, k[:, :, cut:], v[:, :, cut:], 0.25)
+        out, lse = merge_attention(o1, l1, o2, l2)
+        torch.testing.assert_close(out, full_out, rtol=0, atol=1e-12)
+        torch.testing.assert_close(lse, full_lse, rtol=0, atol=1e-12)
+    # An empty side merges as nothing; two empty sides stay empty instead of NaN.
+    empty = torch.full_like(full_lse, float("-inf"))
+    out, lse = merge_attention(torch.zeros_like(full_out), empty, full_out, full_lse)
+    torch.testing.assert_close(out, full_out, rtol=0, atol=0)
+    out, lse = merge_attention(torch.zeros_like(full_out), empty, torch.zeros_like(full_out), empty)
+    assert not out.isnan().any() and torch.isinf(lse).all()
+
+
+def test_kernels_return_the_log_sum_exp():
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(1, 8, 7, 64, generator=g)
+    k = torch.randn(1, 2, 1100, 64, generator=g)
+    v = torch.randn(1, 2, 1100, 64, generator=g)
+    ref_out, ref_lse = attention_with_lse(q, k, v, 0.125)
+    for kernel in KERNELS.values():
+        out, lse = kernel(q, k, v, 0.125)
+        torch.testing.assert_close(out.float(), ref_out, rtol=0, atol=1e-5)
+        torch.testing.assert_close(lse.float(), ref_lse, rtol=0, atol=1e-5)
+
+
+def test_bf16_split_is_close_to_float32_dense():
+    rng = random.Random(11)
+    tree, q, k, v = make_case(rng, torch.bfloat16, 8, 4, 64, 300, 40, 17)
+    ref = dense_reference(q.float(), k.float(), v.float(), tree, 300, 17)
+    for kernel in KERNELS:
+        out = split_tree_attention(q, k[:, :, :300], v[:, :, :300], k[:, :, 300:], v[:, :, 300:], tree.visibility,
+                                   tree.depths, window=17, prefix_kernel=KERNELS[kernel])
+        assert out.dtype == torch.bfloat16
+        assert float((out.float() - ref).abs().max()) <= 2e-2
+
+
+# --------------------------------------------------------------------------- causal path and block attention
+
+
+def explicit_attention(q, k, v, allowed, scale=None):
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    scale = scale or 1.0 / math.sqrt(q.shape[-1])
+    scores = (q @ k.transpose(-1, -2) * scale).masked_fill(~allowed, float("-inf"))
+    return torch.softmax(scores, dim=-1) @ v
+
+
+@pytest.mark.parametrize("q_len, kv_len, window", [(9, 9, None), (1, 12, None), (4, 12, None), (9, 9, 3),
+                                                   (1, 12, 4), (5, 12, 4), (6, 20, 40)])
+def test_causal_attention_is_bottom_right_aligned_with_window(q_len, kv_len, window):
+    g = torch.Generator().manual_seed(q_len * 100 + kv_len)
+    q = torch.randn(2, 4, q_len, 32, generator=g, dtype=torch.float64)
+    k = torch.randn(2, 2, kv_len, 32, generator=g, dtype=torch.float64)
+    v = torch.randn(2, 2, kv_len, 32, generator=g, dtype=torch.float64)
+    dist = (kv_len - q_len + torch.arange(q_len))[:, None] - torch.arange(kv_len)[None]
+    allowed = (dist >= 0) & (dist < (window or 10**9))
+    out = causal_attention(q, k, v, scale=1 / math.sqrt(32), window=window)
+    torch.testing.assert_close(out, explicit_attention(q, k, v, allowed), rtol=0, atol=1e-12)
+    # Left padding: padded keys vanish for real queries, and a padded query does not turn into NaN.
+    padding = torch.ones(2, kv_len, dtype=torch.bool)
+    padding[1, :2] = False
+    out = causal_attention(q, k, v, scale=1 / math.sqrt(32), window=window, key_padding=padding)
+    ref = explicit_attention(q, k, v, allowed & padding[:, None, None, :])
+    real = torch.arange(q_len) + kv_len - q_len >= 2
+    torch.testing.assert_close(out[1][:, real], ref[1][:, real], rtol=0, atol=1e-12)
+    torch.testing.assert_close(out[0], ref[0], rtol=0, atol=1e-12)
+    assert not out.isnan().any()
+
+
+@pytest.mark.parametrize("window, q_offset", [(None, None), (3, None), (5, 4), (1, None), (100, 2)])
+def test_block_attention_applies_the_dflash_window(window, q_offset):
+    g = torch.Generator().manual_seed(5)
+    ctx, block = 13, 6
+    q = torch.randn(2, 8, block, 64, generator=g, dtype=torch.float64)
+    k = torch.randn(2, 2, ctx + block, 64, generator=g, dtype=torch.float64)
+    v = torch.randn(2, 2, ctx + block, 64, generator=g, dtype=torch.float64)
+    offset = ctx if q_offset is None else q_offset
+    dist = (offset + torch.arange(block))[:, None] - torch.arange(ctx + block)[None]
+    allowed = dist.abs() < (window or 10**9)  # p - w + 1 .. p + w - 1, in both directions (not causal)
+    out = block_attention(q, k, v, window=window, q_offset=q_offset)
+    torch.testing.assert_close(out, explicit_attention(q, k, v, allowed), rtol=0, atol=1e-12)
+    # An additive mask stacks on top of the window.
+    extra = torch.zeros(1, 1, block, ctx + block, dtype=torch.float64)
+    extra[..., :2] = float("-inf")
+    out = block_attention(q, k, v, window=window, q_offset=q_offset, additive_mask=extra, backend="sdpa")
+    torch.testing.assert_close(out, explicit_attention(q, k, v, allowed & (extra == 0)), rtol=0, atol=1e-12)
+
+
+def test_block_attention_flash_request_fails_clearly_without_cuda():
+    q = torch.randn(1, 2, 3, 16)
+    k = torch.randn(1, 2, 5, 16)
+    with pytest.raises(ValueError, match="flash_attn block attention needs"):
+        block_attention(q, k, k, window=2, backend="flash_attn")
+
+
+# --------------------------------------------------------------------------- backends and the HF registration
+
+
+def test_backend_names_and_auto_choice():
+    assert isinstance(get_backend("sdpa"), DenseMaskBackend) and isinstance(get_backend(None), DenseMaskBackend)
+    assert get_backend("split").implementation == "ddtree_split"
+    assert get_backend("fused").name == get_backend("torch_cuda").name == "fused"
+    assert auto_backend_name("cpu") == "sdpa"
+    assert auto_backend_name("cuda") == ("flash_attn" if flash_attn_available() else "fused")
+    assert isinstance(get_backend("auto"), AutoBackend)
+    assert get_backend("auto", device="cpu").name == "sdpa"
+    with pytest.raises(ValueError, match="unknown attention backend"):
+        get_backend("nope")
+    if not flash_attn_available():
+        with pytest.raises(ValueError, match="flash-attn package"):
+            get_backend("flash_attn")
+
+
+def tiny_hf_target(kind: str, dtype=torch.float64):
+    from transformers import AutoModelForCausalLM, Gemma3TextConfig, LlamaConfig, Qwen3Config
+
+    common = dict(vocab_size=61, hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
+                  num_key_value_heads=2)
+    if kind == "llama":
+        cfg = LlamaConfig(**common)
+    elif kind == "qwen3-sliding":
+        cfg = Qwen3Config(head_dim=8, use_sliding_window=True, sliding_window=4, max_window_layers=1, **common)
+    else:
+        cfg = Gemma3TextConfig(head_dim=8, sliding_window=5, layer_types=["sliding_attention", "full_attention",
+                                                                           "sliding_attention"], **common)
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(cfg).to(dtype).eval()
+
+
+def run_target(model, backend, tree: DraftTree, prompt: torch.Tensor):
+    """Prefill in two chunks, one decode step, then the tree verify forward: the generator's call pattern."""
+    from transformers import DynamicCache
+
+    backend.prepare(model)
+    cache = DynamicCache()
+    outs = []
+    with torch.no_grad():
+        outs.append(model(input_ids=prompt[:, :-3], cache=cache, use_cache=True).logits)
+        outs.append(model(input_ids=prompt[:, -3:-1], cache=cache, use_cache=True).logits)
+        outs.append(model(input_ids=prompt[:, -1:], cache=cache, use_cache=True).logits)
+        prefix_len = cache.get_seq_length()
+        kwargs = backend.tree_forward_kwargs(model, tree, prefix_len, torch.float64)
+        out = model(input_ids=tree.tokens, position_ids=prefix_len + tree.depths, cache=cache, use_cache=True,
+                    output_hidden_states=True, **kwargs)
+    return outs + [out.logits, out.hidden_states[-1]]
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3-sliding", "gemma3-sliding"])
+def test_registered_attention_matches_dense_mask_in_hf_models(kind):
+    model = tiny_hf_target(kind)
+    rng = random.Random(2)
+    tree = random_tree(12, rng)  # depth up to 11 > the sliding windows (4, 5)
+    tree = DraftTree.from_parents(torch.randint(0, 61, (1, 12)), tree.parents)
+    prompt = torch.randint(0, 61, (1, 14))
+    dense = run_target(model, get_backend("sdpa"), tree, prompt)
+    for name in ("split", "fused"):
+        split = run_target(model, get_backend(name), tree, prompt)
+        assert model.config._attn_implementation == get_backend(name).implementation
+        for a, b in zip(split, dense):
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-10)
+
+
+def test_registered_by_name_without_patching():
+    """``attn_implementation="ddtree_split"`` at load time, no model edits: the tree kwarg reaches every layer."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    import ddtree  # noqa: F401  (importing ddtree registers the implementations)
+
+    cfg = LlamaConfig(vocab_size=50, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=4)
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="ddtree_split").double().eval()
+    assert model.config._attn_implementation == "ddtree_split"
+    tree = DraftTree.from_parents(torch.tensor([[3, 4, 5, 6]]), torch.tensor([[-1, 0, 0, 1]]))
+    prompt = torch.randint(0, 50, (1, 6))
+    backend = SplitBackend("split")
+    split = run_target(model, backend, tree, prompt)
+    dense = run_target(model, get_backend("sdpa"), tree, prompt)
+    torch.testing.assert_close(split[3], dense[3], rtol=0, atol=1e-10)
+    # A tree kwarg with the wrong node count is refused, not silently misapplied.
+    from ddtree.attention import TreeAttentionSpec
+
+    other = TreeAttentionSpec.from_tree(DraftTree.from_parents(torch.tensor([[1, 2]]), torch.tensor([[-1, 0]])))
+    backend.prepare(model)
+    with pytest.raises(ValueError, match="tree spec has 2 nodes"), torch.no_grad():
+        model(input_ids=tree.tokens, **{TREE_KWARG: other})
+
+
+def test_dense_mask_still_works_on_a_split_prepared_model():
+    model = tiny_hf_target("qwen3-sliding")
+    tree = DraftTree.from_parents(torch.tensor([[3, 4, 5, 6, 7]]), torch.tensor([[-1, 0, 1, 2, 0]]))
+    prompt = torch.randint(0, 61, (1, 9))
+    dense = run_target(model, get_backend("sdpa"), tree, prompt)
+    get_backend("split").prepare(model)
+
+    class KeepImplementation(DenseMaskBackend):
+        def prepare(self, model):  # leave the split implementation in place
+            pass
+
+    mixed = run_target(model, KeepImplementation(), tree, prompt)
+    torch.testing.assert_close(mixed[3], dense[3], rtol=0, atol=1e-10)
+
+
+# --------------------------------------------------------------------------- bench and GPU-check script, on CPU
+
+
+def test_attention_bench_runs_tiny_on_cpu(tmp_path, capsys):
+    from ddtree.bench.__main__ import main
+
+    out = tmp_path / "bench.json"
+    result = main(["attention", "--device", "cpu", "--contexts", "16,40", "--budgets", "3,9", "--heads", "4",
+                   "--kv-heads", "2", "--head-dim", "16", "--dtype", "fp32", "--warmup", "0", "--repeats", "1",
+                   "--window", "8", "--out", str(out)])
+    saved = json.loads(out.read_text())
+    assert saved["rows"] == result["rows"]
+    assert {r["backend"] for r in saved["rows"]} == {"sdpa", "split", "fused"}
+    assert len(saved["rows"]) == 2 * 2 * 3
+    assert all(r["max_abs_err_vs_fp32_dense"] < 1e-5 for r in saved["rows"])
+    assert "vs sdpa" in capsys.readouterr().out
+
+
+def test_gpu_check_exactness_part_runs_on_cpu(tmp_path):
+    from ddtree.bench import gpu_check
+
+    report = gpu_check.run_checks(torch.device("cpu"), level="tiny")
+    assert report["failures"] == [], report["failures"]
+    assert {c["check"] for c in report["checks"]} >= {"split_bf16", "causal_bf16", "block_bf16", "model_bf16"}
