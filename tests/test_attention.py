@@ -27,6 +27,15 @@ from ddtree.split_attention import attention_with_lse, merge_attention, split_tr
 from ddtree.tree import DraftTree
 
 TOL = {torch.float64: 1e-10, torch.float32: 1e-5}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """These shapes are tiny: one thread avoids oversubscription on a shared 2-core machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 KERNELS = {"torch": torch_prefix_kernel(chunk=512), "fused": fused_prefix_kernel}
 
 
@@ -386,3 +395,35 @@ def test_gpu_check_exactness_part_runs_on_cpu(tmp_path):
     report = gpu_check.run_checks(torch.device("cpu"), level="tiny")
     assert report["failures"] == [], report["failures"]
     assert {c["check"] for c in report["checks"]} >= {"split_bf16", "causal_bf16", "block_bf16", "model_bf16"}
+
+
+# --------------------------------------------------------------------------- end to end through the generator
+
+
+@pytest.mark.parametrize("kind, overrides", [("llama", {}), ("qwen3", dict(use_sliding_window=True, sliding_window=6,
+                                                                           max_window_layers=2))])
+def test_generation_is_lossless_and_accepts_the_same_with_every_cpu_backend(kind, overrides):
+    """Greedy output equals the target's own decoding, and every backend accepts exactly what "sdpa" accepts."""
+    from conftest import VOCAB, ScriptedDrafter, tiny_drafter_model, tiny_target
+
+    from ddtree import SpeculativeGenerator
+
+    target = tiny_target(kind, **overrides)
+    prompts = {"dflash": [5, 17, 3, 8, 1, 2, 9], "scripted": list(range(10, 30))}
+    target.set_attn_implementation("sdpa")
+    for drafter_name, prompt in prompts.items():
+        ref = target.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False, pad_token_id=0)
+        accepted = {}
+        for attention in ("sdpa", "split", "fused"):
+            if drafter_name == "dflash":
+                drafter = tiny_drafter_model(target)
+            else:
+                drafter = ScriptedDrafter(ref, VOCAB, block_size=5, decoy_at={2: 0})
+            gen = SpeculativeGenerator(target, drafter, tree_budget=12, attention=attention)
+            out = gen.generate(torch.tensor([prompt]), max_new_tokens=24)
+            assert torch.equal(out.sequences, ref), (drafter_name, attention)
+            accepted[attention] = out.acceptance_lengths
+        assert accepted["split"] == accepted["fused"] == accepted["sdpa"], accepted
+        if drafter_name == "scripted":
+            assert max(accepted["sdpa"]) > 2  # the tree path really carried several tokens per round
+        target.set_attn_implementation("sdpa")
