@@ -11,8 +11,9 @@ arguments of one HF forward call. ``prepare(model)`` is called once per target.
   mask, and the two are merged exactly. They differ only in the prefix kernel:
   plain torch (the reference), PyTorch's fused flash/memory-efficient kernels
   (CPU and CUDA, no extra package), or the flash-attn package (CUDA).
-- ``"auto"``: ``flash_attn`` on CUDA when the package imports, else ``fused``
-  on CUDA, and ``sdpa`` on the CPU (measured faster there, see docs/attention.md).
+- ``"auto"``: ``flash_attn`` on CUDA when the package imports, else ``fused``;
+  on the CPU ``fused``, but with the dense mask while the prefix is under
+  1024 tokens, where the dense mask measured faster (see docs/attention.md).
 
 The split backends are transformers attention implementations registered with
 ``AttentionInterface`` under ``ddtree_split``, ``ddtree_fused`` and ``ddtree_fa``
@@ -33,7 +34,9 @@ import torch.nn.functional as F
 
 from .masks import tree_attention_mask
 from .split_attention import (
+    BlockKernel,
     PrefixKernel,
+    attention_with_lse,
     fold_gqa,
     split_tree_attention,
     torch_prefix_kernel,
@@ -132,6 +135,23 @@ def fused_prefix_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale
     return unfold_gqa(out, hq), unfold_gqa(lse, hq)
 
 
+def fused_block_kernel(q, k, v, scale, allowed):
+    """The masked tree block: PyTorch's CPU flash kernel takes a mask and returns the LSE; elsewhere plain torch.
+
+    (On CUDA the block is small next to the prefix, and the fused CUDA kernels
+    that take a mask have alignment rules; plain torch is exact and cheap there.)
+    """
+    if q.device.type != "cpu":
+        return attention_with_lse(q, k, v, scale, allowed)
+    hq, hkv, n = q.shape[1], k.shape[1], q.shape[2]
+    additive = torch.zeros(allowed.shape, dtype=q.dtype).masked_fill_(~allowed, float("-inf"))
+    additive = additive[:, None].repeat(1, 1, hq // hkv, 1)  # folded rows are group-major: row = g * N + n
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        fold_gqa(q, hkv).contiguous(), k, v, 0.0, False, attn_mask=additive, scale=scale
+    )
+    return unfold_gqa(out, hq), unfold_gqa(lse, hq)
+
+
 def flash_attn_prefix_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float):
     """flash-attn's kv-cache kernel with ``return_softmax_lse``; float32 inputs go to the fused kernel."""
     if q.device.type != "cuda" or q.dtype not in (torch.float16, torch.bfloat16):
@@ -221,7 +241,7 @@ def causal_attention(
 # --------------------------------------------------------------------------- the registered attention functions
 
 
-def _make_attention_function(prefix_kernel: PrefixKernel, use_flash_attn: bool):
+def _make_attention_function(prefix_kernel: PrefixKernel, block_kernel: BlockKernel | None, use_flash_attn: bool):
     """A transformers attention function: split tree attention when a tree is passed, causal otherwise."""
 
     def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, sliding_window=None,
@@ -260,7 +280,8 @@ def _make_attention_function(prefix_kernel: PrefixKernel, use_flash_attn: bool):
             out = split_tree_attention(
                 query, key[:, :, :prefix_len], value[:, :, :prefix_len], key[:, :, prefix_len:],
                 value[:, :, prefix_len:], spec.visibility, spec.depths, scale=scale, window=window,
-                max_depth=spec.max_depth, prefix_kernel=prefix_kernel, block_allowed=allowed, softcap=softcap,
+                max_depth=spec.max_depth, prefix_kernel=prefix_kernel, block_kernel=block_kernel,
+                block_allowed=allowed, softcap=softcap,
             )
         return out.transpose(1, 2).contiguous(), None
 
@@ -268,19 +289,19 @@ def _make_attention_function(prefix_kernel: PrefixKernel, use_flash_attn: bool):
 
 
 IMPLEMENTATIONS = {
-    "split": ("ddtree_split", torch_prefix_kernel(), False),
-    "fused": ("ddtree_fused", fused_prefix_kernel, False),
-    "flash_attn": ("ddtree_fa", flash_attn_prefix_kernel, True),
+    "split": ("ddtree_split", torch_prefix_kernel(), None, False),
+    "fused": ("ddtree_fused", fused_prefix_kernel, fused_block_kernel, False),
+    "flash_attn": ("ddtree_fa", flash_attn_prefix_kernel, fused_block_kernel, True),
 }
-"""backend name -> (transformers attention implementation name, prefix kernel, flash-attn for causal calls)."""
+"""backend name -> (transformers attention name, prefix kernel, block kernel, flash-attn for causal calls)."""
 
 
 def register_attention_implementations() -> None:
     """Register the split implementations with transformers (idempotent), so any HF causal LM can use them by name."""
     from transformers import AttentionInterface
 
-    for impl, kernel, use_fa in IMPLEMENTATIONS.values():
-        AttentionInterface.register(impl, _make_attention_function(kernel, use_fa))
+    for impl, prefix_kernel, block_kernel, use_fa in IMPLEMENTATIONS.values():
+        AttentionInterface.register(impl, _make_attention_function(prefix_kernel, block_kernel, use_fa))
 
 
 # --------------------------------------------------------------------------- backends
@@ -308,9 +329,15 @@ class DenseMaskBackend:
 
 @dataclass
 class SplitBackend:
-    """Split prefix/tree attention through a registered transformers attention implementation."""
+    """Split prefix/tree attention through a registered transformers attention implementation.
+
+    ``dense_below``: for prefixes shorter than this the dense mask is passed
+    instead (the registered function runs it like sdpa), since on a CPU the
+    split only pays off once the prefix dominates (see docs/attention.md).
+    """
 
     name: str = "split"
+    dense_below: int = 0
 
     @property
     def implementation(self) -> str:
@@ -321,6 +348,8 @@ class SplitBackend:
         model.set_attn_implementation(self.implementation)
 
     def tree_forward_kwargs(self, model, tree: DraftTree, prefix_len: int, dtype: torch.dtype) -> dict:
+        if prefix_len < self.dense_below:
+            return DenseMaskBackend().tree_forward_kwargs(model, tree, prefix_len, dtype)
         return {TREE_KWARG: TreeAttentionSpec.from_tree(tree)}
 
 
@@ -335,8 +364,7 @@ class AutoBackend:
         return self.chosen.name if self.chosen is not None else "auto"
 
     def prepare(self, model) -> None:
-        device = next(model.parameters()).device
-        self.chosen = get_backend(auto_backend_name(device))
+        self.chosen = get_backend("auto", device=next(model.parameters()).device)
         self.chosen.prepare(model)
 
     def tree_forward_kwargs(self, model, tree: DraftTree, prefix_len: int, dtype: torch.dtype) -> dict:
@@ -349,11 +377,16 @@ _ALIASES = {None: "sdpa", "dense": "sdpa", "torch": "split", "torch_cuda": "fuse
 BACKENDS = ("auto", "sdpa", "split", "fused", "flash_attn")
 
 
+CPU_DENSE_BELOW = 1024
+"""On a CPU, ``auto`` verifies with the dense mask below this prefix length and splits above it (measured crossover)."""
+
+
 def auto_backend_name(device: torch.device | str) -> str:
-    """``flash_attn`` > ``fused`` on CUDA; ``sdpa`` elsewhere (the dense mask is cheapest at CPU scales)."""
-    if torch.device(device).type == "cuda":
+    """``flash_attn`` > ``fused`` on CUDA; ``fused`` on CPU (dense mask below :data:`CPU_DENSE_BELOW`); else ``sdpa``."""
+    kind = torch.device(device).type
+    if kind == "cuda":
         return "flash_attn" if flash_attn_available() else "fused"
-    return "sdpa"
+    return "fused" if kind == "cpu" else "sdpa"
 
 
 def get_backend(name: str | None = "sdpa", device: torch.device | str | None = None):
@@ -363,7 +396,12 @@ def get_backend(name: str | None = "sdpa", device: torch.device | str | None = N
     """
     name = _ALIASES.get(name, name)
     if name == "auto":
-        return get_backend(auto_backend_name(device)) if device is not None else AutoBackend()
+        if device is None:
+            return AutoBackend()
+        chosen = get_backend(auto_backend_name(device))
+        if torch.device(device).type == "cpu" and isinstance(chosen, SplitBackend):
+            chosen.dense_below = CPU_DENSE_BELOW
+        return chosen
     if name == "sdpa":
         return DenseMaskBackend()
     if name == "flash_attn" and not flash_attn_available():

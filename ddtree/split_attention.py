@@ -21,6 +21,10 @@ import torch
 
 # (q [B,Hq,N,D], k [B,Hkv,S,D], v, scale) -> (out [B,Hq,N,D] float32-or-wider, lse [B,Hq,N] float32-or-wider)
 PrefixKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], tuple[torch.Tensor, torch.Tensor]]
+# (q, k, v, scale, allowed [B,N,S] bool) -> (out, lse): the masked tree block
+BlockKernel = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, float, torch.Tensor], tuple[torch.Tensor, torch.Tensor]
+]
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -167,6 +171,7 @@ def split_tree_attention(
     window: int | None = None,
     max_depth: int | None = None,
     prefix_kernel: PrefixKernel | None = None,
+    block_kernel: BlockKernel | None = None,
     block_allowed: torch.Tensor | None = None,
     softcap: float | None = None,
 ) -> torch.Tensor:
@@ -178,7 +183,8 @@ def split_tree_attention(
     ``window``: sliding window of the layer (node at position ``P + depth``
     sees keys at positions ``> P + depth - window``); it needs ``depths``.
     ``max_depth`` and ``block_allowed`` (from :func:`tree_block_allowed`) may be
-    passed in to avoid a device sync and a rebuild per layer. Returns
+    passed in to avoid a device sync and a rebuild per layer. ``prefix_kernel``
+    and ``block_kernel`` default to plain torch (:func:`attention_with_lse`). Returns
     ``[B, Hq, N, D]`` in ``q.dtype``.
     """
     _check_shapes(q, k_prefix, v_prefix, k_tree, v_tree, visibility)
@@ -196,7 +202,10 @@ def split_tree_attention(
     if common_start > band_start:
         k_block = torch.cat([k_prefix[:, :, band_start:common_start], k_tree], dim=2)
         v_block = torch.cat([v_prefix[:, :, band_start:common_start], v_tree], dim=2)
-    out, lse = attention_with_lse(q, k_block, v_block, scale, block_allowed, softcap)
+    if softcap is not None or block_kernel is None:
+        out, lse = attention_with_lse(q, k_block, v_block, scale, block_allowed, softcap)
+    else:
+        out, lse = block_kernel(q, k_block, v_block, scale, block_allowed)
     if common_start < prefix_len:
         k_common, v_common = k_prefix[:, :, common_start:], v_prefix[:, :, common_start:]
         if softcap is not None:  # fused kernels here take no softcap: stay exact in plain torch

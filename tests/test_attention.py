@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from ddtree.attention import (
+    CPU_DENSE_BELOW,
     TREE_KWARG,
     AutoBackend,
     DenseMaskBackend,
@@ -19,6 +20,7 @@ from ddtree.attention import (
     block_attention,
     causal_attention,
     flash_attn_available,
+    fused_block_kernel,
     fused_prefix_kernel,
     get_backend,
 )
@@ -36,7 +38,7 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
-KERNELS = {"torch": torch_prefix_kernel(chunk=512), "fused": fused_prefix_kernel}
+KERNELS = {"torch": (torch_prefix_kernel(chunk=512), None), "fused": (fused_prefix_kernel, fused_block_kernel)}
 
 
 def random_tree(n: int, rng: random.Random, batch: int = 1, max_depth: int | None = None) -> DraftTree:
@@ -79,7 +81,8 @@ def check_split(tree, q, k, v, prefix_len, window, kernel) -> float:
     ref = dense_reference(q, k, v, tree, prefix_len, window)
     out = split_tree_attention(
         q, k[:, :, :prefix_len], v[:, :, :prefix_len], k[:, :, prefix_len:], v[:, :, prefix_len:],
-        tree.visibility, tree.depths, window=window, prefix_kernel=KERNELS[kernel],
+        tree.visibility, tree.depths, window=window, prefix_kernel=KERNELS[kernel][0],
+        block_kernel=KERNELS[kernel][1],
     )
     assert out.dtype == q.dtype and out.shape == q.shape
     return float((out - ref).abs().max())
@@ -188,10 +191,16 @@ def test_kernels_return_the_log_sum_exp():
     k = torch.randn(1, 2, 1100, 64, generator=g)
     v = torch.randn(1, 2, 1100, 64, generator=g)
     ref_out, ref_lse = attention_with_lse(q, k, v, 0.125)
-    for kernel in KERNELS.values():
+    for kernel, _ in KERNELS.values():
         out, lse = kernel(q, k, v, 0.125)
         torch.testing.assert_close(out.float(), ref_out, rtol=0, atol=1e-5)
         torch.testing.assert_close(lse.float(), ref_lse, rtol=0, atol=1e-5)
+    allowed = torch.rand(1, 7, 1100, generator=g) < 0.3
+    allowed[..., 0] = True
+    ref_out, ref_lse = attention_with_lse(q, k, v, 0.125, allowed)
+    out, lse = fused_block_kernel(q, k, v, 0.125, allowed)
+    torch.testing.assert_close(out.float(), ref_out, rtol=0, atol=1e-5)
+    torch.testing.assert_close(lse.float(), ref_lse, rtol=0, atol=1e-5)
 
 
 def test_bf16_split_is_close_to_float32_dense():
@@ -200,7 +209,8 @@ def test_bf16_split_is_close_to_float32_dense():
     ref = dense_reference(q.float(), k.float(), v.float(), tree, 300, 17)
     for kernel in KERNELS:
         out = split_tree_attention(q, k[:, :, :300], v[:, :, :300], k[:, :, 300:], v[:, :, 300:], tree.visibility,
-                                   tree.depths, window=17, prefix_kernel=KERNELS[kernel])
+                                   tree.depths, window=17, prefix_kernel=KERNELS[kernel][0],
+                                   block_kernel=KERNELS[kernel][1])
         assert out.dtype == torch.bfloat16
         assert float((out.float() - ref).abs().max()) <= 2e-2
 
@@ -271,10 +281,19 @@ def test_backend_names_and_auto_choice():
     assert isinstance(get_backend("sdpa"), DenseMaskBackend) and isinstance(get_backend(None), DenseMaskBackend)
     assert get_backend("split").implementation == "ddtree_split"
     assert get_backend("fused").name == get_backend("torch_cuda").name == "fused"
-    assert auto_backend_name("cpu") == "sdpa"
+    assert auto_backend_name("cpu") == "fused"
     assert auto_backend_name("cuda") == ("flash_attn" if flash_attn_available() else "fused")
     assert isinstance(get_backend("auto"), AutoBackend)
-    assert get_backend("auto", device="cpu").name == "sdpa"
+    cpu_auto = get_backend("auto", device="cpu")
+    assert cpu_auto.name == "fused" and cpu_auto.dense_below == CPU_DENSE_BELOW
+    # Below the crossover the CPU auto backend hands over the dense mask, above it the tree spec.
+    model = tiny_hf_target("llama")
+    tree = DraftTree.from_parents(torch.tensor([[1, 2, 3]]), torch.tensor([[-1, 0, 1]]))
+    assert "attention_mask" in cpu_auto.tree_forward_kwargs(model, tree, CPU_DENSE_BELOW - 1, torch.float64)
+    assert TREE_KWARG in cpu_auto.tree_forward_kwargs(model, tree, CPU_DENSE_BELOW, torch.float64)
+    auto = get_backend("auto")
+    auto.prepare(model)
+    assert auto.name == "fused" and model.config._attn_implementation == "ddtree_fused"
     with pytest.raises(ValueError, match="unknown attention backend"):
         get_backend("nope")
     if not flash_attn_available():
@@ -414,7 +433,7 @@ def test_generation_is_lossless_and_accepts_the_same_with_every_cpu_backend(kind
     for drafter_name, prompt in prompts.items():
         ref = target.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False, pad_token_id=0)
         accepted = {}
-        for attention in ("sdpa", "split", "fused"):
+        for attention in ("sdpa", "split", "fused", "auto"):
             if drafter_name == "dflash":
                 drafter = tiny_drafter_model(target)
             else:
@@ -423,7 +442,7 @@ def test_generation_is_lossless_and_accepts_the_same_with_every_cpu_backend(kind
             out = gen.generate(torch.tensor([prompt]), max_new_tokens=24)
             assert torch.equal(out.sequences, ref), (drafter_name, attention)
             accepted[attention] = out.acceptance_lengths
-        assert accepted["split"] == accepted["fused"] == accepted["sdpa"], accepted
+        assert accepted["split"] == accepted["fused"] == accepted["auto"] == accepted["sdpa"], accepted
         if drafter_name == "scripted":
             assert max(accepted["sdpa"]) > 2  # the tree path really carried several tokens per round
         target.set_attn_implementation("sdpa")
