@@ -78,8 +78,13 @@ class DFlashConfig:
         unknown = set(self.layer_types) - {FULL, SLIDING}
         if unknown:
             raise ValueError(f"unknown layer_types {sorted(unknown)}; expected {FULL!r} or {SLIDING!r}")
-        if SLIDING in self.layer_types and not self.sliding_window:
-            raise ValueError("layer_types has sliding_attention layers but the config sets no sliding_window")
+        if SLIDING in self.layer_types and (
+            not isinstance(self.sliding_window, int) or isinstance(self.sliding_window, bool) or self.sliding_window < 1
+        ):
+            raise ValueError(
+                "layer_types has sliding_attention layers but the config sets no sliding_window "
+                f"(a positive int), got {self.sliding_window!r}"
+            )
         if self.block_size < 2:
             raise ValueError(f"block_size must be >= 2 (root + at least one predicted slot), got {self.block_size}")
         if self.mask_token_id is None:
