@@ -34,7 +34,13 @@ class SamplingConfig:
 
 
 def processed_logprobs(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:
-    """Log-probs of the processed distribution (float32, ``-inf`` where filtered), over the last dim."""
+    """Log-probs of the processed distribution (float32, ``-inf`` where filtered), over the last dim.
+
+    Greedy (temperature 0) is the point mass on the argmax (lowest id on ties).
+    """
+    if cfg.greedy:
+        x = torch.full(logits.shape, float("-inf"), dtype=torch.float32, device=logits.device)
+        return x.scatter_(-1, logits.argmax(dim=-1, keepdim=True), 0.0)
     x = logits.float() / cfg.temperature
     if cfg.top_k is not None and cfg.top_k < x.shape[-1]:
         kth = x.topk(cfg.top_k, dim=-1).values[..., -1:]
