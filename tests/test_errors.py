@@ -1,0 +1,264 @@
+"""Bad inputs fail early with a ValueError whose message names the problem."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from _tiny import MASK_ID, VOCAB, one_thread, tiny_drafter, tiny_qwen3_config, tiny_target  # noqa: F401
+from ddtree import SamplingConfig, SpeculativeGenerator
+from ddtree.drafter import DFlashConfig, DFlashDrafter, check_compatible
+from ddtree.features import build_target_layer_ids
+from ddtree.tree import beam, best_first, chain
+
+# A published-format drafter config (the shape of z-lab's Qwen3-8B DFlash b16 config.json).
+PUBLISHED = {
+    "architectures": ["DFlashDraftModel"],
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "block_size": 16,
+    "bos_token_id": 151643,
+    "dflash_config": {"mask_token_id": 151669, "target_layer_ids": [1, 9, 17, 25, 33]},
+    "dtype": "bfloat16",
+    "eos_token_id": 151645,
+    "head_dim": 128,
+    "hidden_act": "silu",
+    "hidden_size": 4096,
+    "intermediate_size": 12288,
+    "layer_types": ["full_attention"] * 5,
+    "max_position_embeddings": 40960,
+    "max_window_layers": 5,
+    "model_type": "qwen3",
+    "num_attention_heads": 32,
+    "num_hidden_layers": 5,
+    "num_key_value_heads": 8,
+    "num_target_layers": 36,
+    "rms_norm_eps": 1e-06,
+    "rope_scaling": None,
+    "rope_theta": 1000000,
+    "sliding_window": None,
+    "tie_word_embeddings": False,
+    "use_cache": True,
+    "use_sliding_window": False,
+    "vocab_size": 151936,
+}
+
+
+def published(**changes) -> dict:
+    d = copy.deepcopy(PUBLISHED)
+    for k, v in changes.items():
+        if v is None:
+            d.pop(k, None)
+        else:
+            d[k] = v
+    return d
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_target()
+
+
+@pytest.fixture(scope="module")
+def gen(target):
+    return SpeculativeGenerator(target, tiny_drafter(target.config), tree_budget=4)
+
+
+PROMPT = torch.tensor([[5, 17, 3]])
+
+# --------------------------------------------------------------------------- drafter vs target
+
+
+def test_hidden_size_mismatch(target):
+    other = tiny_drafter(tiny_qwen3_config(hidden_size=32, head_dim=8))
+    with pytest.raises(ValueError, match=r"drafter hidden size 32 does not match the target's 64"):
+        SpeculativeGenerator(target, other)
+    with pytest.raises(ValueError, match=r"hidden size 32 .* 64"):
+        DFlashDrafter(other, target)
+
+
+def test_vocab_mismatch(target):
+    other = tiny_drafter(tiny_qwen3_config(vocab_size=101))
+    with pytest.raises(ValueError, match=r"drafter vocab size 101 does not match the target's lm_head \(97\)"):
+        SpeculativeGenerator(target, other)
+
+
+def test_target_layer_ids_out_of_range(target):
+    # A drafter made for an 8-layer target reads layer 6: the 4-layer target has no layer 6.
+    other = tiny_drafter(tiny_qwen3_config(num_hidden_layers=8), target_layer_ids=[1, 6])
+    with pytest.raises(ValueError, match=r"\[6\] out of range: the target has 4 decoder layers"):
+        SpeculativeGenerator(target, other)
+    with pytest.raises(ValueError, match=r"target has 4 decoder layers"):
+        check_compatible(other.config, target)
+    # And in the config itself, against its own num_target_layers.
+    with pytest.raises(ValueError, match=r"\[36\] out of range: the target has 36 decoder layers"):
+        DFlashConfig.from_dict(published(dflash_config={"mask_token_id": 5, "target_layer_ids": [1, 36]}))
+    with pytest.raises(ValueError, match=r"\[-1\] out of range"):
+        DFlashConfig.from_dict(published(dflash_config={"mask_token_id": 5, "target_layer_ids": [-1, 3]}))
+    with pytest.raises(ValueError, match=r"target_layer_ids is empty"):
+        DFlashConfig.from_dict(published(dflash_config={"mask_token_id": 5, "target_layer_ids": []}))
+
+
+def test_mask_token_outside_target_vocab(target):
+    other = tiny_drafter(target.config, mask_token_id=VOCAB + 3)
+    with pytest.raises(ValueError, match=r"mask_token_id 100 is outside the target's vocabulary \(size 97\)"):
+        SpeculativeGenerator(target, other)
+
+
+def test_no_mask_token_id():
+    with pytest.raises(ValueError, match=r"no mask token id"):
+        DFlashConfig.from_dict(published(dflash_config={"target_layer_ids": [1, 9, 17, 25, 33]}))
+    with pytest.raises(ValueError, match=r"no mask token id"):
+        DFlashConfig.from_dict(published(dflash_config=None))
+    with pytest.raises(ValueError, match=r"no mask token id"):
+        DFlashConfig.for_target(tiny_qwen3_config(), mask_token_id=None)
+
+
+def test_no_num_target_layers():
+    with pytest.raises(ValueError, match=r"no num_target_layers"):
+        DFlashConfig.from_dict(published(num_target_layers=None))
+
+
+def test_bad_layer_types_and_sliding_window():
+    with pytest.raises(ValueError, match=r"layer_types has 4 entries for 5 drafter layers"):
+        DFlashConfig.from_dict(published(layer_types=["full_attention"] * 4))
+    with pytest.raises(ValueError, match=r"unknown layer_types \['local_attention'\]"):
+        DFlashConfig.from_dict(published(layer_types=["full_attention"] * 4 + ["local_attention"]))
+    with pytest.raises(ValueError, match=r"sliding_attention layers but the config sets no sliding_window"):
+        DFlashConfig.from_dict(published(layer_types=["sliding_attention"] * 4 + ["full_attention"]))
+    with pytest.raises(ValueError, match=r"no sliding_window"):
+        DFlashConfig.for_target(
+            tiny_qwen3_config(), num_hidden_layers=2, mask_token_id=MASK_ID, layer_types=["sliding_attention"] * 2
+        )
+    # A window that is not a positive int would mask every key (or none): refused.
+    for bad in (0, -3, 2.5, True):
+        with pytest.raises(ValueError, match=r"sliding_window \(a positive int\), got"):
+            DFlashConfig.from_dict(
+                published(layer_types=["sliding_attention"] * 4 + ["full_attention"], sliding_window=bad)
+            )
+    # The Qwen3.6 kind (4 sliding + 1 full, with a window) is fine.
+    cfg = DFlashConfig.from_dict(
+        published(layer_types=["sliding_attention"] * 4 + ["full_attention"], sliding_window=2048)
+    )
+    assert cfg.layer_types[:4] == ["sliding_attention"] * 4 and cfg.sliding_window == 2048
+
+
+def test_block_size_too_small():
+    with pytest.raises(ValueError, match=r"block_size must be >= 2"):
+        DFlashConfig.from_dict(published(block_size=1))
+
+
+# --------------------------------------------------------------------------- published config: target_layer_ids
+
+
+def test_target_layer_ids_default_formula():
+    no_ids = published(dflash_config={"mask_token_id": 151669})
+    assert DFlashConfig.from_dict(no_ids).target_layer_ids == [1, 9, 17, 25, 33]
+    one_layer = published(
+        dflash_config={"mask_token_id": 151669}, num_hidden_layers=1, layer_types=["full_attention"]
+    )
+    assert DFlashConfig.from_dict(one_layer).target_layer_ids == [18]
+    assert DFlashConfig.from_dict(dict(one_layer, num_target_layers=35)).target_layer_ids == [17]
+    # The config's own ids win over the formula.
+    own = published(dflash_config={"mask_token_id": 151669, "target_layer_ids": [2, 3, 5, 7, 11]})
+    cfg = DFlashConfig.from_dict(own)
+    assert cfg.target_layer_ids == [2, 3, 5, 7, 11] and cfg.mask_token_id == 151669
+    # Round trip keeps the ids where the published format puts them.
+    assert cfg.to_dict()["dflash_config"]["target_layer_ids"] == [2, 3, 5, 7, 11]
+
+
+def test_build_target_layer_ids_formula():
+    assert build_target_layer_ids(36, 5) == [1, 9, 17, 25, 33]
+    assert build_target_layer_ids(28, 5) == [1, 7, 13, 19, 25]
+    assert build_target_layer_ids(32, 3) == [1, 15, 29]
+    # Python's round, half to even: 1 + 3.5 = 4.5 -> 4 (not 5), 1 + 2.5 = 3.5 -> 4.
+    assert build_target_layer_ids(11, 3) == [1, 4, 8]
+    assert build_target_layer_ids(9, 3) == [1, 4, 6]
+    assert build_target_layer_ids(36, 1) == [18]
+    with pytest.raises(ValueError, match=r"at least one target and one drafter layer"):
+        build_target_layer_ids(36, 0)
+
+
+# --------------------------------------------------------------------------- budgets
+
+
+def test_budget_below_zero(target, gen):
+    draft = tiny_drafter(target.config)
+    with pytest.raises(ValueError, match=r"tree_budget must be an int >= 0.*got -1"):
+        SpeculativeGenerator(target, draft, tree_budget=-1)
+    with pytest.raises(ValueError, match=r"tree_budget must be an int >= 0.*got -1"):
+        gen.generate(PROMPT, max_new_tokens=4, tree_budget=-1)
+    with pytest.raises(ValueError, match=r"tree_budget must be an int >= 0.*got 2.5"):
+        gen.generate(PROMPT, max_new_tokens=4, tree_budget=2.5)
+    with pytest.raises(ValueError, match=r"tree_budget must be an int >= 0"):
+        SpeculativeGenerator(target, draft, tree_budget=True)
+    lp = torch.zeros(1, 4, VOCAB).log_softmax(-1)
+    for builder in (best_first, chain, beam(2, 3)):
+        with pytest.raises(ValueError, match=r"tree budget must be an int >= 0.*got -1"):
+            builder(torch.tensor([0]), lp, -1)
+
+
+# --------------------------------------------------------------------------- prompts and lengths
+
+
+def test_empty_prompt(gen):
+    with pytest.raises(ValueError, match=r"the prompt is empty"):
+        gen.generate(torch.zeros(1, 0, dtype=torch.long), max_new_tokens=4)
+    with pytest.raises(ValueError, match=r"the prompt is empty"):
+        gen.generate([], max_new_tokens=4)
+
+
+def test_max_new_tokens_below_one(gen):
+    for bad in (0, -3, 2.0):
+        with pytest.raises(ValueError, match=r"max_new_tokens must be an int >= 1"):
+            gen.generate(PROMPT, max_new_tokens=bad)
+
+
+def test_prompt_longer_than_max_positions(gen):
+    with pytest.raises(ValueError, match=r"513 tokens, more than the target's max_position_embeddings \(512\)"):
+        gen.generate(torch.ones(1, 513, dtype=torch.long), max_new_tokens=1)
+
+
+def test_batch_above_one(gen):
+    with pytest.raises(ValueError, match=r"batch 1.*got shape \(2, 3\)"):
+        gen.generate(torch.tensor([[1, 2, 3], [4, 5, 6]]), max_new_tokens=2)
+    with pytest.raises(ValueError, match=r"batch 1"):
+        next(gen.stream(torch.tensor([[1, 2, 3], [4, 5, 6]]), max_new_tokens=2))
+    with pytest.raises(ValueError, match=r"\[1, prompt_len\]"):
+        gen.generate(torch.ones(1, 2, 3, dtype=torch.long), max_new_tokens=2)
+
+
+# --------------------------------------------------------------------------- sampling settings
+
+
+@pytest.mark.parametrize("top_p", [0, 0.0, 1.5, -0.1])
+def test_top_p_outside_unit_interval(gen, top_p):
+    with pytest.raises(ValueError, match=r"top_p must be in \(0, 1\]"):
+        SamplingConfig(1.0, top_p=top_p)
+    with pytest.raises(ValueError, match=r"top_p must be in \(0, 1\]"):
+        gen.generate(PROMPT, max_new_tokens=2, temperature=1.0, top_p=top_p)
+
+
+def test_temperature_below_zero(gen):
+    with pytest.raises(ValueError, match=r"temperature must be >= 0"):
+        SamplingConfig(-0.5)
+    with pytest.raises(ValueError, match=r"temperature must be >= 0"):
+        gen.generate(PROMPT, max_new_tokens=2, temperature=-1.0)
+
+
+@pytest.mark.parametrize("top_k", [0, -3, 2.5])
+def test_top_k_below_one(gen, top_k):
+    with pytest.raises(ValueError, match=r"top_k must be a positive int"):
+        SamplingConfig(1.0, top_k=top_k)
+    with pytest.raises(ValueError, match=r"top_k must be a positive int"):
+        gen.generate(PROMPT, max_new_tokens=2, temperature=1.0, top_k=top_k)
+
+
+def test_valid_inputs_still_run(gen):
+    # The same generator accepts good inputs: the errors above are about the inputs, not the setup.
+    out = gen.generate(PROMPT, max_new_tokens=3, temperature=1.0, top_k=5, top_p=0.9, seed=0)
+    assert out.new_tokens.shape == (1, 3)
+    ref = gen.target.generate(PROMPT, max_new_tokens=3, do_sample=False, pad_token_id=0)
+    assert torch.equal(gen.generate(PROMPT, max_new_tokens=3).sequences, ref)
