@@ -296,12 +296,25 @@ IMPLEMENTATIONS = {
 """backend name -> (transformers attention name, prefix kernel, block kernel, flash-attn for causal calls)."""
 
 
+def _no_mask(*args, attention_mask=None, **kwargs):
+    """Mask builder for the split implementations: they build their own causal/window masks, so only padding passes."""
+    if isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2:
+        return attention_mask
+    return None
+
+
 def register_attention_implementations() -> None:
-    """Register the split implementations with transformers (idempotent), so any HF causal LM can use them by name."""
+    """Register the split implementations with transformers (idempotent), so any HF causal LM can use them by name.
+
+    Their mask builder is registered too: transformers versions differ in what
+    they do for an attention name they have no mask builder for.
+    """
     from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
 
     for impl, prefix_kernel, block_kernel, use_fa in IMPLEMENTATIONS.values():
         AttentionInterface.register(impl, _make_attention_function(prefix_kernel, block_kernel, use_fa))
+        AttentionMaskInterface.register(impl, _no_mask)
 
 
 # --------------------------------------------------------------------------- backends

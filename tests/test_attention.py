@@ -350,6 +350,22 @@ def test_registered_attention_matches_dense_mask_in_hf_models(kind):
             torch.testing.assert_close(a, b, rtol=0, atol=1e-10)
 
 
+@pytest.mark.parametrize("kind", ["llama", "gemma3-sliding"])
+def test_plain_forward_with_left_padding_matches_sdpa(kind):
+    model = tiny_hf_target(kind)
+    ids = torch.randint(0, 61, (2, 12))
+    padding = torch.ones(2, 12, dtype=torch.long)
+    padding[1, :3] = 0
+    model.set_attn_implementation("sdpa")
+    with torch.no_grad():
+        ref = model(input_ids=ids, attention_mask=padding).logits
+        get_backend("fused").prepare(model)
+        out = model(input_ids=ids, attention_mask=padding).logits
+    torch.testing.assert_close(out[0], ref[0], rtol=0, atol=1e-10)
+    torch.testing.assert_close(out[1, 3:], ref[1, 3:], rtol=0, atol=1e-10)
+    assert not out.isnan().any()
+
+
 def test_registered_by_name_without_patching():
     """``attn_implementation="ddtree_split"`` at load time, no model edits: the tree kwarg reaches every layer."""
     from transformers import AutoModelForCausalLM, LlamaConfig
