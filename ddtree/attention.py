@@ -188,12 +188,13 @@ def causal_attention(
     key_padding: torch.Tensor | None = None,
     use_flash_attn: bool = False,
     dropout: float = 0.0,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Causal attention with the queries as the last ``L`` of ``S`` keys (HF cache alignment).
 
     Query ``i`` sits at position ``S - L + i`` and sees keys ``j <= S - L + i``,
     and with a window only ``j > S - L + i - window``, the rule of HF sliding
-    layers. Returns ``[B, Hq, L, D]``.
+    layers. Logit soft-capping (Gemma 2) runs in plain torch. Returns ``[B, Hq, L, D]``.
     """
     bsz, hq, q_len, _ = q.shape
     kv_len, hkv = k.shape[2], k.shape[1]
@@ -201,7 +202,7 @@ def causal_attention(
     if window is not None and window >= kv_len:
         window = None  # no key is ever that far away
     if (
-        use_flash_attn and key_padding is None and q.device.type == "cuda"
+        use_flash_attn and key_padding is None and softcap is None and q.device.type == "cuda"
         and q.dtype in (torch.float16, torch.bfloat16)
     ):
         from flash_attn import flash_attn_func
@@ -211,7 +212,7 @@ def causal_attention(
             causal=True, window_size=(window - 1, 0) if window is not None else (-1, -1),
         )
         return out.transpose(1, 2)
-    if window is None and key_padding is None and (q_len == 1 or q_len == kv_len):
+    if window is None and key_padding is None and softcap is None and (q_len == 1 or q_len == kv_len):
         return F.scaled_dot_product_attention(
             q, k, v, dropout_p=dropout, is_causal=q_len > 1, scale=scale, enable_gqa=gqa
         )
@@ -229,10 +230,13 @@ def causal_attention(
         if key_padding is not None:
             # A padded query still sees itself, so no row is empty (an empty row would give NaN).
             allowed = (allowed & key_padding[:, None, :]) | (dist == 0)
+        q_rows = q[:, :, start : start + rows]
+        if softcap is not None:
+            outs.append(attention_with_lse(q_rows, k, v, scale, allowed, softcap)[0].to(q.dtype))
+            continue
         outs.append(
             F.scaled_dot_product_attention(
-                q[:, :, start : start + rows], k, v, attn_mask=allowed[:, None],
-                dropout_p=dropout, scale=scale, enable_gqa=gqa,
+                q_rows, k, v, attn_mask=allowed[:, None], dropout_p=dropout, scale=scale, enable_gqa=gqa
             )
         )
     return torch.cat(outs, dim=2)
@@ -260,12 +264,10 @@ def _make_attention_function(prefix_kernel: PrefixKernel, block_kernel: BlockKer
                 enable_gqa=query.shape[1] != key.shape[1],
             )
         elif spec is None:
-            if softcap is not None:
-                raise NotImplementedError("softcap is only supported in the tree-verify path; use eager attention")
             padding = _key_padding(attention_mask, query.shape[0], key.shape[2], query.device)
             out = causal_attention(
                 query, key, value, scale=scale, window=window, key_padding=padding,
-                use_flash_attn=use_flash_attn, dropout=dropout,
+                use_flash_attn=use_flash_attn, dropout=dropout, softcap=softcap,
             )
         else:
             if dropout:

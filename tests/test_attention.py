@@ -350,6 +350,26 @@ def test_registered_attention_matches_dense_mask_in_hf_models(kind):
             torch.testing.assert_close(a, b, rtol=0, atol=1e-10)
 
 
+def test_softcapped_target_matches_eager():
+    """Gemma 2 soft-caps its logits: prefill, decode and the tree forward agree with eager (float32 softmax there)."""
+    from transformers import AutoModelForCausalLM, Gemma2Config
+
+    torch.manual_seed(0)
+    cfg = Gemma2Config(vocab_size=61, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                       num_key_value_heads=2, head_dim=8, sliding_window=5, attn_logit_softcapping=2.0)
+    model = AutoModelForCausalLM.from_config(cfg).double().eval()
+    tree = DraftTree.from_parents(torch.randint(0, 61, (1, 8)), torch.tensor([[-1, 0, 1, 2, 3, 4, 0, 6]]))
+    prompt = torch.randint(0, 61, (1, 12))
+
+    class Eager(DenseMaskBackend):
+        def prepare(self, model):
+            model.set_attn_implementation("eager")
+
+    ref = run_target(model, Eager(), tree, prompt)
+    for a, b in zip(run_target(model, get_backend("fused"), tree, prompt), ref):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+
+
 @pytest.mark.parametrize("kind", ["llama", "gemma3-sliding"])
 def test_plain_forward_with_left_padding_matches_sdpa(kind):
     model = tiny_hf_target(kind)
