@@ -1,0 +1,89 @@
+"""Tiny random target/drafter pairs (float64) and test drafters with known proposals."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+from ddtree import DFlashConfig, DFlashDraftModel, DFlashDrafter
+
+VOCAB = 97
+MASK_ID = 96
+
+
+def tiny_target(kind: str = "qwen3", seed: int = 0, dtype=torch.float64, vocab: int = VOCAB, **overrides):
+    torch.manual_seed(seed)
+    common = dict(
+        vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+    )
+    common.update(overrides)
+    if kind == "qwen3":
+        model = Qwen3ForCausalLM(Qwen3Config(head_dim=16, **common))
+    elif kind == "llama":
+        model = LlamaForCausalLM(LlamaConfig(**common))
+    else:
+        raise ValueError(kind)
+    # Sharpen the random target a little so greedy continuations are not degenerate.
+    with torch.no_grad():
+        model.lm_head.weight.mul_(4.0)
+    return model.to(dtype).eval()
+
+
+def tiny_drafter_model(target, seed: int = 1, block_size: int = 5, num_layers: int = 2, **cfg_overrides):
+    torch.manual_seed(seed)
+    cfg = DFlashConfig.for_target(
+        target.config, num_hidden_layers=num_layers, block_size=block_size, mask_token_id=MASK_ID, **cfg_overrides
+    )
+    return DFlashDraftModel(cfg).to(next(target.parameters()).dtype).eval()
+
+
+@pytest.fixture(params=["qwen3", "llama"])
+def tiny_pair(request):
+    target = tiny_target(request.param)
+    return target, tiny_drafter_model(target)
+
+
+class ScriptedDrafter:
+    """A drafter whose proposals come from a known continuation (by absolute position).
+
+    ``reference`` is the full token sequence the target will produce. At context
+    length ``c`` (the root sits at ``c``) slot ``k`` proposes ``reference[c + k]``
+    with probability ``1 - eps``; ``decoy_at`` maps a depth (1-based) to a wrong
+    token that gets the top rank there instead, pushing the right one to rank 1.
+    """
+
+    def __init__(self, reference: torch.Tensor, vocab: int, block_size: int = 5, decoy_at: dict | None = None):
+        self.reference = reference.view(-1)
+        self.vocab = vocab
+        self.block_size = block_size
+        self.target_layer_ids = [0]
+        self.decoy_at = decoy_at or {}
+        self.context_len = 0
+        self.proposals: list[torch.Tensor] = []
+
+    def reset(self):
+        self.context_len = 0
+
+    def context_features(self, hidden_states):
+        return hidden_states[-1]
+
+    def append_context(self, features):
+        self.context_len += features.shape[1]
+
+    def propose(self, root_tokens):
+        depth = self.block_size - 1
+        logits = torch.full((1, depth, self.vocab), -30.0)
+        for k in range(1, depth + 1):
+            pos = self.context_len + k
+            if pos >= self.reference.numel():
+                continue
+            right = int(self.reference[pos])
+            logits[0, k - 1, right] = 10.0
+            if k in self.decoy_at:
+                wrong = (right + 1 + self.decoy_at[k]) % self.vocab
+                logits[0, k - 1, wrong] = 12.0
+        lp = logits.log_softmax(-1)
+        self.proposals.append(lp)
+        return lp
