@@ -37,6 +37,7 @@ from .split_attention import (
     BlockKernel,
     PrefixKernel,
     attention_with_lse,
+    compute_dtype,
     fold_gqa,
     split_tree_attention,
     torch_prefix_kernel,
@@ -143,11 +144,12 @@ def fused_block_kernel(q, k, v, scale, allowed):
     """
     if q.device.type != "cpu":
         return attention_with_lse(q, k, v, scale, allowed)
-    hq, hkv, n = q.shape[1], k.shape[1], q.shape[2]
-    additive = torch.zeros(allowed.shape, dtype=q.dtype).masked_fill_(~allowed, float("-inf"))
+    hq, hkv = q.shape[1], k.shape[1]
+    cdt = compute_dtype(q.dtype)  # the block is small: keep it in float32 so bf16 rounds only once, at the end
+    additive = torch.zeros(allowed.shape, dtype=cdt).masked_fill_(~allowed, float("-inf"))
     additive = additive[:, None].repeat(1, 1, hq // hkv, 1)  # folded rows are group-major: row = g * N + n
     out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        fold_gqa(q, hkv).contiguous(), k, v, 0.0, False, attn_mask=additive, scale=scale
+        fold_gqa(q.to(cdt), hkv).contiguous(), k.to(cdt), v.to(cdt), 0.0, False, attn_mask=additive, scale=scale
     )
     return unfold_gqa(out, hq), unfold_gqa(lse, hq)
 
