@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .attention import block_attention
 from .features import build_target_layer_ids, check_target_layer_ids, extract_context_feature
 
 FULL, SLIDING = "full_attention", "sliding_attention"
@@ -222,7 +223,8 @@ class RotaryEmbedding(nn.Module):
         self.scaling = scaling
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = positions[..., None].float() * self.inv_freq.to(positions.device)
+        # float32 tables whatever the model dtype, as HF computes them (module.to() casts the buffer).
+        freqs = positions[..., None].float() * self.inv_freq.to(positions.device, torch.float32)
         emb = torch.cat((freqs, freqs), dim=-1)
         return (emb.cos() * self.scaling).to(dtype), (emb.sin() * self.scaling).to(dtype)
 
@@ -245,6 +247,18 @@ def window_mask(q_positions: torch.Tensor, k_positions: torch.Tensor, window: in
     return mask.masked_fill_(dist >= window, torch.finfo(dtype).min)[:, None]
 
 
+def _contiguous(context_positions, block_positions, context_len: int) -> bool:
+    """True when keys sit at ``0 .. C+Q-1`` with the block last (positions omitted count as such)."""
+    q_len = block_positions.shape[1]
+    want_blk = torch.arange(context_len, context_len + q_len, device=block_positions.device)
+    if not bool((block_positions == want_blk).all()):
+        return False
+    if context_positions is None:
+        return True
+    want_ctx = torch.arange(context_len, device=context_positions.device)
+    return context_positions.shape[1] == context_len and bool((context_positions == want_ctx).all())
+
+
 class DFlashAttention(nn.Module):
     def __init__(self, config: DFlashConfig):
         super().__init__()
@@ -265,18 +279,14 @@ class DFlashAttention(nn.Module):
         v = self.v_proj(x).view(bsz, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
         return apply_rope(k, cos, sin), v
 
-    def forward(self, x, cos, sin, context_kv, mask):
+    def forward(self, x, cos, sin, context_kv, mask, window=None):
         bsz, q_len, _ = x.shape
         q = self.q_norm(self.q_proj(x).view(bsz, q_len, self.num_heads, self.head_dim)).transpose(1, 2)
         q = apply_rope(q, cos, sin)
         k_blk, v_blk = self.project_kv(x, cos, sin)
         k_ctx, v_ctx = context_kv
         k, v = torch.cat([k_ctx, k_blk], dim=2), torch.cat([v_ctx, v_blk], dim=2)
-        if mask is not None:
-            mask = mask.to(q.dtype)
-        out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, scale=self.scaling, enable_gqa=self.num_heads != self.num_kv_heads
-        )
+        out = block_attention(q, k, v, window=window, additive_mask=mask, scale=self.scaling)
         return self.o_proj(out.transpose(1, 2).reshape(bsz, q_len, -1))
 
 
@@ -300,8 +310,8 @@ class DFlashLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, x, cos, sin, context_kv, mask):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, context_kv, mask)
+    def forward(self, x, cos, sin, context_kv, mask, window=None):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, context_kv, mask, window)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -355,9 +365,10 @@ class DFlashDraftModel(nn.Module):
         """Final-normed hidden states ``[B, Q, H]`` of the block.
 
         Give either projected ``context`` with ``context_positions`` or precomputed
-        per-layer ``context_kv``. ``attention_masks`` maps layer type to an additive
-        ``[B, 1, Q, C + Q]`` mask over ``[context ; block]``; missing entries fall back
-        to :meth:`layer_masks` (requires ``context_positions``).
+        per-layer ``context_kv`` (whose keys then sit at ``0 .. C-1``).
+        ``attention_masks`` maps layer type to an additive ``[B, 1, Q, C + Q]`` mask
+        over ``[context ; block]``. Without one, full layers see every key and
+        sliding layers get the DFlash window ``|p - k| < sliding_window``.
         """
         x = block_embeds.to(self.fc.weight.dtype)
         if context_kv is None:
@@ -365,16 +376,17 @@ class DFlashDraftModel(nn.Module):
                 raise ValueError("give context with context_positions, or context_kv")
             context_kv = self.context_kv(context.to(x.dtype), context_positions)
         masks = dict(attention_masks or {})
-        needs_default = any(t not in masks for t in set(self.config.layer_types))
-        if needs_default:
-            if context_positions is None:
-                raise ValueError("context_positions are needed to build the default (window) masks")
-            key_positions = torch.cat([context_positions, block_positions], dim=1)
-            for t, m in self.layer_masks(block_positions, key_positions, x.dtype).items():
-                masks.setdefault(t, m)
+        window = None
+        if SLIDING in self.config.layer_types and masks.get(SLIDING) is None:
+            if _contiguous(context_positions, block_positions, context_kv[0][0].shape[2]):
+                window = self.config.sliding_window  # the kernel applies it (flash-attn where available)
+            else:
+                key_positions = torch.cat([context_positions, block_positions], dim=1)
+                masks[SLIDING] = self.layer_masks(block_positions, key_positions, x.dtype)[SLIDING]
         cos, sin = self.rotary(block_positions, x.dtype)
         for layer, kv in zip(self.layers, context_kv):
-            x = layer(x, cos, sin, kv, masks[layer.layer_type])
+            sliding = layer.layer_type == SLIDING
+            x = layer(x, cos, sin, kv, masks.get(layer.layer_type), window if sliding else None)
         return self.norm(x)
 
     @classmethod
@@ -506,8 +518,7 @@ class DFlashDrafter:
         start = self.context_len
         device = root_tokens.device
         block_pos = torch.arange(start, start + self.block_size, device=device).expand(bsz, -1)
-        ctx_pos = torch.arange(start, device=device).expand(bsz, -1)
-        hidden = self.model(embed(block), block_pos, context_positions=ctx_pos, context_kv=self.context_kv)
+        hidden = self.model(embed(block), block_pos, context_kv=self.context_kv)
         logits = lm_head(hidden[:, 1:].to(lm_head.weight.dtype))
         return torch.log_softmax(logits.float(), dim=-1)
 

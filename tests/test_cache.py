@@ -1,0 +1,55 @@
+"""Cache compaction keeps exactly the accepted nodes: it equals a cache built from scratch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ddtree import DraftTree, commit_accepted, keep_positions, new_target_cache, tree_attention_mask
+from conftest import tiny_target
+
+
+def random_tree(n: int, vocab: int, seed: int) -> DraftTree:
+    g = torch.Generator().manual_seed(seed)
+    parents = [-1] + [int(torch.randint(0, i, (1,), generator=g)) for i in range(1, n)]
+    tokens = torch.randint(0, vocab, (n,), generator=g)
+    return DraftTree.from_parents(tokens, torch.tensor(parents))
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "llama"])
+@pytest.mark.parametrize("seed", range(4))
+def test_commit_equals_prefill_of_the_accepted_path(kind, seed):
+    target = tiny_target(kind)
+    prefix = torch.randint(0, 90, (1, 13), generator=torch.Generator().manual_seed(seed))
+    tree = random_tree(12, 90, seed)
+    leaf = int(torch.argmax(tree.depths[0] * 100 - torch.arange(12)))  # a deepest node
+    path = torch.nonzero(tree.visibility[0, leaf]).flatten()
+    with torch.no_grad():
+        cache = new_target_cache()
+        target(prefix, cache=cache, use_cache=True)
+        start = cache.get_seq_length()
+        mask = tree_attention_mask(tree.visibility, start, torch.float64)
+        target(tree.tokens, position_ids=start + tree.depths, attention_mask=mask, cache=cache, use_cache=True)
+        commit_accepted(cache, start, path[None])
+        fresh = new_target_cache()
+        target(torch.cat([prefix, tree.tokens[:, path]], 1), cache=fresh, use_cache=True)
+    assert cache.get_seq_length() == fresh.get_seq_length() == start + len(path)
+    for got, want in zip(cache.layers, fresh.layers):
+        torch.testing.assert_close(got.keys, want.keys, rtol=0, atol=1e-10)
+        torch.testing.assert_close(got.values, want.values, rtol=0, atol=1e-10)
+
+
+def test_keep_positions_slices_a_leading_run_and_gathers_otherwise():
+    x = torch.arange(2 * 3 * 10 * 4, dtype=torch.float32).view(2, 3, 10, 4)
+    run = keep_positions(x, 4, torch.tensor([[0, 1, 2], [0, 1, 2]]))
+    assert run.data_ptr() == x.data_ptr() and run.shape[2] == 7
+    got = keep_positions(x, 4, torch.tensor([[0, 2, 5], [0, 3, 4]]))
+    assert torch.equal(got[0, :, 4:], x[0, :, [4, 6, 9]])
+    assert torch.equal(got[1, :, 4:], x[1, :, [4, 7, 8]])
+    assert torch.equal(got[:, :, :4], x[:, :, :4])
+
+
+def test_commit_rejects_padded_rows():
+    cache = new_target_cache()
+    with pytest.raises(ValueError, match="ragged"):
+        commit_accepted(cache, 3, torch.tensor([[0, 1], [0, -1]]))

@@ -1,0 +1,190 @@
+"""The DFlash drafter: published format, cache invariant, layer offset, sliding window."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from ddtree import (
+    DFlashConfig,
+    DFlashDraftModel,
+    DFlashDrafter,
+    SpeculativeGenerator,
+    build_target_layer_ids,
+    extract_context_feature,
+)
+from conftest import MASK_ID, tiny_drafter_model, tiny_target
+
+
+class RecordingDrafter(DFlashDrafter):
+    """Records (context length, root, log-probs) of every proposal made inside generation."""
+
+    def __init__(self, model, target):
+        super().__init__(model, target)
+        self.calls = []
+
+    def propose(self, root_tokens):
+        lp = super().propose(root_tokens)
+        self.calls.append((self.context_len, int(root_tokens.view(-1)[0]), lp.clone()))
+        return lp
+
+
+def from_scratch_logprobs(model, target, sequence, context_len, root, layer_offset=1):
+    """Drafter log-probs computed afresh: one target forward over the committed prefix."""
+    drafter = DFlashDrafter(model, target)
+    with torch.no_grad():
+        hidden = target(sequence[:, :context_len], output_hidden_states=True).hidden_states
+    ids = model.config.target_layer_ids
+    features = torch.cat([hidden[i + layer_offset] for i in ids], dim=-1)
+    drafter.append_context(features)
+    return drafter.propose(torch.tensor([root]))
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "llama"])
+@pytest.mark.parametrize("builder,budget", [("best_first", 16), ("chain", 8)])
+def test_incremental_cache_equals_recompute_and_detects_layer_offset(kind, builder, budget):
+    target = tiny_target(kind)
+    model = tiny_drafter_model(target, num_layers=2)
+    model.config.target_layer_ids = [0, 2]
+    model.fc = torch.nn.Linear(2 * 64, 64, bias=False).double()
+    drafter = RecordingDrafter(model, target)
+    gen = SpeculativeGenerator(target, drafter, tree_budget=budget, builder=builder)
+    prompt = torch.tensor([[3, 14, 15, 92, 65, 35, 89, 79]])
+    out = gen.generate(prompt, max_new_tokens=40)
+    assert len(drafter.calls) == len(out.acceptance_lengths) >= 8
+    seq = out.sequences
+    offset_gaps = []
+    for context_len, root, logprobs in drafter.calls:
+        assert seq[0, context_len] == root  # the root sits right after the committed context
+        fresh = from_scratch_logprobs(model, target, seq, context_len, root)
+        torch.testing.assert_close(logprobs, fresh, rtol=0, atol=1e-9)
+        wrong = from_scratch_logprobs(model, target, seq, context_len, root, layer_offset=0)
+        offset_gaps.append((logprobs - wrong).abs().max().item())
+    assert min(offset_gaps) > 1e-3
+
+
+def test_extract_context_feature_uses_the_plus_one_offset():
+    hidden = tuple(torch.full((1, 3, 2), float(i)) for i in range(5))  # embeddings + 4 layers
+    feat = extract_context_feature(hidden, [0, 3])
+    assert feat[0, 0].tolist() == [1.0, 1.0, 4.0, 4.0]
+    with pytest.raises(ValueError, match="4 decoder layers"):
+        extract_context_feature(hidden, [4])
+
+
+def test_published_layer_id_formula():
+    assert build_target_layer_ids(36, 5) == [1, 9, 17, 25, 33]
+    assert build_target_layer_ids(36, 1) == [18]
+    assert build_target_layer_ids(28, 3) == [1, 13, 25]
+
+
+def naive_dflash_layer(layer, x, ctx, q_pos, k_pos, window):
+    """Attention written out per query slot with an explicit window (|p - k| < window), then the MLP."""
+    attn = layer.self_attn
+    h, kvh, d = attn.num_heads, attn.num_kv_heads, attn.head_dim
+    rope = lambda t, pos: _rope(t, pos, d)  # noqa: E731
+    hx = layer.input_layernorm(x)
+    q = attn.q_norm(attn.q_proj(hx).view(-1, h, d))
+    keys_in = torch.cat([ctx, hx], dim=0)
+    k = attn.k_norm(attn.k_proj(keys_in).view(-1, kvh, d))
+    v = attn.v_proj(keys_in).view(-1, kvh, d)
+    q, k = rope(q, q_pos), rope(k, k_pos)
+    out = torch.zeros(q.shape[0], h, d, dtype=x.dtype)
+    for i, p in enumerate(q_pos.tolist()):
+        for head in range(h):
+            g = head // (h // kvh)
+            scores = []
+            for j, kp in enumerate(k_pos.tolist()):
+                visible = window is None or abs(p - kp) < window
+                scores.append((q[i, head] @ k[j, g]).item() / math.sqrt(d) if visible else -math.inf)
+            w = torch.tensor(scores, dtype=x.dtype).softmax(0)
+            out[i, head] = w @ v[:, g]
+    y = x + attn.o_proj(out.reshape(q.shape[0], h * d))
+    return y + layer.mlp(layer.post_attention_layernorm(y))
+
+
+def _rope(t, pos, d):
+    inv = 1.0 / (10000.0 ** (torch.arange(0, d, 2, dtype=torch.float) / d))
+    ang = pos[:, None].float() * inv
+    emb = torch.cat([ang, ang], -1)  # float32 tables, as HF computes them
+    cos, sin = emb.cos().to(t.dtype)[:, None], emb.sin().to(t.dtype)[:, None]
+    rot = torch.cat([-t[..., d // 2 :], t[..., : d // 2]], -1)
+    return t * cos + rot * sin
+
+
+@pytest.mark.parametrize("window", [2, 3, 6])
+def test_sliding_layer_equals_explicit_window_attention(window):
+    target = tiny_target("qwen3")
+    model = tiny_drafter_model(
+        target, num_layers=2, layer_types=["sliding_attention", "full_attention"], sliding_window=window
+    )
+    ctx_len, block = 9, model.config.block_size
+    torch.manual_seed(5)
+    ctx = torch.randn(1, ctx_len, 64, dtype=torch.float64)
+    x = torch.randn(1, block, 64, dtype=torch.float64)
+    ctx_pos = torch.arange(ctx_len)[None]
+    blk_pos = torch.arange(ctx_len, ctx_len + block)[None]
+    with torch.no_grad():
+        got = model(x, blk_pos, context=ctx, context_positions=ctx_pos)
+        k_pos = torch.cat([ctx_pos, blk_pos], 1)[0]
+        y = naive_dflash_layer(model.layers[0], x[0], ctx[0], blk_pos[0], k_pos, window)
+        y = naive_dflash_layer(model.layers[1], y, ctx[0], blk_pos[0], k_pos, None)
+        want = model.norm(y)
+        torch.testing.assert_close(got[0], want, rtol=0, atol=1e-10)
+        # The window matters: the same weights with full attention give something else.
+        model.layers[0].layer_type = "full_attention"
+        unwindowed = model(x, blk_pos, context=ctx, context_positions=ctx_pos)
+    assert (unwindowed - got).abs().max() > 1e-4
+
+
+PUBLISHED_KEYS = {
+    "fc.weight", "hidden_norm.weight", "norm.weight",
+    *(f"layers.{i}.{k}" for i in range(2) for k in (
+        "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_attn.o_proj.weight",
+        "self_attn.q_norm.weight", "self_attn.k_norm.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight",
+        "mlp.down_proj.weight", "input_layernorm.weight", "post_attention_layernorm.weight",
+    )),
+}
+
+
+def test_loads_a_published_directory_as_it_is(tmp_path):
+    target = tiny_target("qwen3")
+    source = tiny_drafter_model(target, num_layers=2)
+    assert set(source.state_dict()) == PUBLISHED_KEYS
+    # A directory written the way published drafters are, not by save_pretrained.
+    config = {
+        "architectures": ["DFlashDraftModel"], "model_type": "qwen3", "hidden_size": 64,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "intermediate_size": 128,
+        "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "attention_bias": False, "num_hidden_layers": 2,
+        "vocab_size": 97, "num_target_layers": 4, "block_size": 5, "max_position_embeddings": 512,
+        "layer_types": ["sliding_attention", "full_attention"], "sliding_window": 4,
+        "dflash_config": {"target_layer_ids": [1, 2], "mask_token_id": MASK_ID},
+        "torch_dtype": "bfloat16",
+    }
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    state = {f"model.{k}" if k.startswith("layers.0") else k: v.clone() for k, v in source.state_dict().items()}
+    save_file(state, str(tmp_path / "model.safetensors"))
+    loaded = DFlashDraftModel.from_pretrained(tmp_path)
+    assert loaded.config.target_layer_ids == [1, 2]
+    assert loaded.config.layer_types == ["sliding_attention", "full_attention"]
+    assert loaded.config.sliding_window == 4 and loaded.config.mask_token_id == MASK_ID
+    for k, v in source.state_dict().items():
+        assert torch.equal(loaded.state_dict()[k], v)
+    # save_pretrained round trip keeps the published config shape.
+    loaded.save_pretrained(tmp_path / "again")
+    again = json.loads((tmp_path / "again" / "config.json").read_text())
+    assert again["dflash_config"]["target_layer_ids"] == [1, 2] and again["block_size"] == 5
+    assert DFlashConfig.from_pretrained(tmp_path / "again").layer_types == config["layer_types"]
+
+
+def test_missing_weights_are_reported_by_name(tmp_path):
+    target = tiny_target("qwen3")
+    source = tiny_drafter_model(target, num_layers=1)
+    source.save_pretrained(tmp_path)
+    state = {k: v for k, v in source.state_dict().items() if k != "fc.weight"}
+    save_file(state, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ValueError, match="fc.weight"):
+        DFlashDraftModel.from_pretrained(tmp_path)
