@@ -77,8 +77,8 @@ class _Round:
 class SpeculativeGenerator:
     """Lossless DDTree generation for one target and one drafter (batch 1).
 
-    ``tree_budget`` is the number of draft nodes per round (0 = plain decoding
-    through the verify path). ``builder`` is ``"best_first"`` (DDTree),
+    ``tree_budget`` is the number of draft nodes per round; a fixed 0 is plain
+    target-only decoding (the drafter does no work), the baseline for speedups. ``builder`` is ``"best_first"`` (DDTree),
     ``"chain"`` (DFlash), ``"beam@WxD"``, ``"module:function"`` or any callable
     with the :class:`~ddtree.tree.TreeBuilder` signature. ``attention`` names the
     tree-verify attention backend (see :mod:`ddtree.attention`).
@@ -215,6 +215,7 @@ class SpeculativeGenerator:
         budget = self.tree_budget if tree_budget is None else tree_budget
         _check_budget(budget)
         policy = self._policy(budget)
+        plain = policy is None and budget == 0  # target-only decoding: the drafter does no work at all
         device = input_ids.device
         rng = torch.Generator(device=device)
         rng.manual_seed(seed if seed is not None else int(torch.randint(0, 2**62, (1,)).item()))
@@ -222,13 +223,22 @@ class SpeculativeGenerator:
         self.drafter.reset()
         with torch.inference_mode():
             with timer.stage("prefill"):
-                out = self._forward(input_ids, None, cache)
+                out = self._forward(input_ids, None, cache, hidden=not plain)
                 root = choose_tokens(out.logits[:, -1], sampling, rng)  # [1]
-                self.drafter.append_context(self.drafter.context_features(out.hidden_states))
+                if not plain:
+                    self.drafter.append_context(self.drafter.context_features(out.hidden_states))
             emitted = 1
             yield _Round([int(root)], None, None)
             if int(root) in stops or emitted >= max_new_tokens:
                 return
+            while plain:
+                with timer.stage("verify"):
+                    out = self._forward(root.view(1, 1), None, cache, hidden=False)
+                    root = choose_tokens(out.logits[:, -1], sampling, rng)
+                emitted += 1
+                yield _Round([int(root)], 1, None)
+                if int(root) in stops or emitted >= max_new_tokens:
+                    return
             while True:
                 start = cache_length(cache)
                 tree, result, hidden = self._verify_round(root, start, cache, sampling, policy or budget, rng, timer)
@@ -284,13 +294,13 @@ class SpeculativeGenerator:
             return self._auto_policy
         return budget
 
-    def _forward(self, input_ids, position_ids, cache, **kwargs):
+    def _forward(self, input_ids, position_ids, cache, hidden: bool = True, **kwargs):
         return self.target(
             input_ids=input_ids,
             position_ids=position_ids,
             cache=cache,
             use_cache=True,
-            output_hidden_states=True,
+            output_hidden_states=hidden,
             **kwargs,
         )
 
