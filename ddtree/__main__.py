@@ -1,0 +1,39 @@
+"""``python -m ddtree demo|bench|train``."""
+
+from __future__ import annotations
+
+import sys
+
+USAGE = """usage: python -m ddtree COMMAND [options]
+
+commands:
+  demo    one prompt through plain decoding, the DFlash chain and DDTree (default pair)
+  bench   benchmarks (python -m ddtree.bench --help)
+  train   train a DFlash drafter (python -m ddtree.train --help)
+"""
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(USAGE)
+        return 0
+    command, rest = argv[0], argv[1:]
+    if command == "demo":
+        from .demo import main as demo_main
+
+        return demo_main(rest)
+    if command == "bench":
+        from .bench.__main__ import main as bench_main
+
+        return bench_main(rest) or 0
+    if command == "train":
+        from .train.__main__ import main as train_main
+
+        return train_main(rest) or 0
+    print(f"unknown command {command!r}\n\n{USAGE}", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
