@@ -1,0 +1,137 @@
+"""Command-line entry: build (or reuse) the feature cache, then train and export.
+
+Example (the shipped SmolLM2 drafter; see models/smollm2-135m-dflash/README.md)::
+
+    python -m ddtree.train --target smollm2 --out-dir runs/smollm2 --num-prompts 2000 --steps 3000
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from ddtree.features import build_target_layer_ids
+
+from .config import TrainConfig, parse_args
+from .data import (FeatureDataset, build_dataset, load_dataset, plain_text_jobs, read_texts, self_distill_jobs,
+                   split_train_heldout)
+from .loop import train
+
+
+def log(msg: str) -> None:
+    print(f"{time.strftime('%H:%M:%S')} {msg}", flush=True)
+
+
+def load_target(cfg: TrainConfig):
+    dtype = getattr(torch, cfg.target_dtype)
+    if cfg.target == "smollm2":
+        from ddtree.pretrained import load_default_target
+
+        return load_default_target(dtype=dtype)
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(cfg.target, dtype=dtype).eval()
+    return model, AutoTokenizer.from_pretrained(cfg.target)
+
+
+def pick_mask_token(tokenizer, vocab_size: int, used: torch.Tensor | None = None) -> int:
+    """A token for the masked slots: the tokenizer's mask token, else an unused special token, else the last id."""
+    if tokenizer is not None:
+        if getattr(tokenizer, "mask_token_id", None) is not None:
+            return int(tokenizer.mask_token_id)
+        skip = {tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id, tokenizer.unk_token_id}
+        seen = set(used.unique().tolist()) if used is not None else set()
+        cands = [i for i in sorted(getattr(tokenizer, "all_special_ids", [])) if i not in skip and i not in seen]
+        added = sorted(getattr(tokenizer, "added_tokens_decoder", {}) or {})
+        cands += [i for i in added if i not in skip and i not in seen and i not in cands]
+        cands = [i for i in cands if i < vocab_size]
+        if cands:
+            return int(cands[-1])
+    return vocab_size - 1
+
+
+def layer_ids_for(cfg: TrainConfig, target) -> tuple[list[int], list[int]]:
+    tc = target.config.get_text_config() if hasattr(target.config, "get_text_config") else target.config
+    ids = cfg.target_layer_ids or build_target_layer_ids(tc.num_hidden_layers, cfg.num_layers)
+    cache = cfg.cache_layer_ids or ids
+    missing = [i for i in ids if i not in cache]
+    if missing:
+        raise ValueError(f"target_layer_ids {missing} are not in cache_layer_ids {cache}")
+    return list(ids), list(cache)
+
+
+def prepare_data(cfg: TrainConfig, target, tokenizer, prompts=None, cache_ids=None, worker: int = 0,
+                 num_workers: int = 1) -> Path:
+    """Build the feature cache in ``data_dir`` (resumes a partial build)."""
+    data_dir = Path(cfg.resolved_data_dir())
+    meta_path = data_dir / "meta.json"
+    meta = {"source": cfg.source, "target": cfg.target, "layer_ids": cache_ids, "topk": cfg.topk,
+            "num_prompts": cfg.num_prompts, "max_new_tokens": cfg.max_new_tokens, "temperature": cfg.temperature,
+            "seed": cfg.seed}
+    if meta_path.exists():
+        old = json.loads(meta_path.read_text())
+        if old.get("complete") and {k: old.get(k) for k in meta} == meta:
+            return data_dir
+    if cfg.source == "self-distill":
+        if prompts is None:
+            from .prompts import training_prompts
+
+            prompts = training_prompts(cfg.num_prompts, seed=cfg.seed)
+        jobs = self_distill_jobs(target, tokenizer, prompts, max_new_tokens=cfg.max_new_tokens,
+                                 batch_size=cfg.gen_batch, temperature=cfg.temperature, seed=cfg.seed)
+    elif cfg.source == "text":
+        if not cfg.text_paths:
+            raise ValueError("--source text needs --text-paths (files or folders of .py/.txt)")
+        jobs = plain_text_jobs(target, tokenizer, read_texts(cfg.text_paths, cfg.seed), cfg.seq_len, cfg.gen_batch,
+                               cfg.max_text_tokens)
+    else:
+        raise ValueError(f"unknown --source {cfg.source!r}: use self-distill or text")
+    data_dir.mkdir(parents=True, exist_ok=True)
+    meta_path.write_text(json.dumps(meta, indent=2))
+    log(f"[data] building the feature cache in {data_dir}: {len(jobs)} shards, layers {cache_ids}")
+    build_dataset(data_dir, jobs, cache_ids, cfg.topk, log=log, worker=worker, num_workers=num_workers)
+    if num_workers > 1 and len(list(data_dir.glob("shard_*.pt"))) < len(jobs):
+        return data_dir  # other workers are still building
+    meta_path.write_text(json.dumps({**meta, "complete": True}, indent=2))
+    return data_dir
+
+
+def run(cfg: TrainConfig, target=None, tokenizer=None, prompts=None, log_fn=log) -> dict:
+    """Data (cached) + training; returns the best held-out eval. The drafter is written to ``out_dir/best``."""
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    if target is None:
+        target, tokenizer = load_target(cfg)
+    target.eval()
+    ids, cache_ids = layer_ids_for(cfg, target)
+    data_dir = prepare_data(cfg, target, tokenizer, prompts, cache_ids, cfg.data_worker, cfg.data_workers)
+    if cfg.data_only:
+        log(f"[data] feature cache ready in {data_dir}")
+        return {}
+    data = load_dataset(data_dir)
+    tr, ho = split_train_heldout(data, cfg.heldout_frac, seed=cfg.seed)
+    train_ds = FeatureDataset(data, tr, feature_layers=ids)
+    heldout_ds = FeatureDataset(data, ho, feature_layers=ids)
+    vocab = target.get_output_embeddings().weight.shape[0]
+    mask_id = cfg.mask_token_id if cfg.mask_token_id >= 0 else pick_mask_token(tokenizer, vocab, data["input_ids"])
+    (Path(cfg.out_dir)).mkdir(parents=True, exist_ok=True)
+    (Path(cfg.out_dir) / "train_config.json").write_text(json.dumps(vars(cfg), indent=2))
+    return train(cfg, target, train_ds, heldout_ds, mask_id, log=log_fn)
+
+
+def main(argv=None) -> int:
+    cfg = parse_args(argv)
+    log(f"[ddtree.train] {json.dumps(vars(cfg))}")
+    best = run(cfg)
+    if cfg.data_only:
+        return 0
+    log(f"[ddtree.train] best drafter: {Path(cfg.out_dir) / 'best'} (held-out acceptance {best['acceptance']:.3f})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,353 @@
+"""The DFlash drafter training loop.
+
+Read top to bottom:
+
+* :func:`make_batch` draws random anchor positions in each sequence's response.
+  A block is ``[token at anchor, mask, ..., mask]`` at positions
+  ``anchor .. anchor + B - 1``; slot ``k`` must predict the token at
+  ``anchor + k``. The block attends to the cached target features of every
+  position before its anchor and, bidirectionally, to its own slots only
+  (plus the sliding window on sliding layers). All blocks of a sequence share
+  one context, so one forward serves ``anchors_per_seq`` blocks.
+* :func:`block_loss` scores the predicted slots with a weight ``exp(-(k-1)/gamma)``
+  that decays with depth, mixing hard cross-entropy on the actual next token with
+  soft cross-entropy on the teacher's cached top-k distribution. The softmax runs
+  over a vocabulary subset (frequent tokens + this batch's labels + random
+  negatives): the lm_head is the most expensive matmul of the step.
+* :func:`evaluate` measures, on held-out sequences and with the FULL vocabulary,
+  the per-depth accuracy of greedy drafts and the expected chain acceptance
+  length ``E[1 + leading correct slots]`` (what a greedy DFlash chain achieves
+  when the target's continuation is the held-out text).
+* :func:`train` is the loop: AdamW on fp32 master weights, bf16 autocast,
+  warmup + cosine learning rate, periodic eval, checkpoint/resume, and export of
+  the best drafter in the published format.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from ddtree.drafter import SLIDING, DFlashConfig, DFlashDraftModel, window_mask
+
+from .config import TrainConfig
+from .data import FeatureDataset
+
+NEG_INF = torch.finfo(torch.float32).min
+
+
+# --------------------------------------------------------------------------- batches
+
+
+def make_batch(ds: FeatureDataset, seq_ks: list[int], anchors_per_seq: int, block_size: int, mask_token_id: int,
+               gen: torch.Generator, full_blocks: bool = False) -> dict | None:
+    """Random anchor blocks from the given sequences, with their shared contexts and block-sparse mask."""
+    data, B = ds.data, block_size
+    ids_all = data["input_ids"]
+    rows = []
+    for k in seq_ks:
+        start, n, p = ds.sequence(k)
+        lo = max(p, 1)
+        hi = n - B if full_blocks else n - 2  # inclusive: slot 1 must exist (or all slots when full_blocks)
+        if hi < lo:
+            continue
+        count = hi - lo + 1
+        take = min(anchors_per_seq, count)
+        anchors = (torch.randperm(count, generator=gen)[:take] + lo).sort().values
+        rows.append((start, n, anchors))
+    if not rows:
+        return None
+    S, A = len(rows), anchors_per_seq
+    C = max(int(a.max()) for _, _, a in rows)  # context needed: positions < the last anchor
+    Fdim = ds.features.shape[1]
+    K = data["topk_ids"].shape[1]
+    feats = torch.zeros(S, C, Fdim, dtype=ds.features.dtype)
+    block_tokens = torch.full((S, A, B), mask_token_id, dtype=torch.long)
+    block_pos = torch.zeros(S, A, B, dtype=torch.long)
+    labels = torch.full((S, A, B - 1), -100, dtype=torch.long)
+    t_ids = torch.zeros(S, A, B - 1, K, dtype=torch.long)
+    t_lp = torch.full((S, A, B - 1, K), NEG_INF, dtype=torch.float32)
+    anchor_of = torch.full((S, A), -1, dtype=torch.long)  # -1: padding anchor
+    ar = torch.arange(B)
+    for s, (start, n, anchors) in enumerate(rows):
+        m = min(C, n)
+        feats[s, :m] = ds.features[start:start + m]
+        na = len(anchors)
+        anchor_of[s, :na] = anchors
+        block_tokens[s, :na, 0] = ids_all[start + anchors].long()
+        pos = anchors[:, None] + ar  # [na, B]
+        block_pos[s, :na] = pos
+        tgt = pos[:, 1:]  # positions predicted by slots 1..B-1
+        ok = tgt < n
+        lab = ids_all[start + tgt.clamp(max=n - 1)].long()
+        labels[s, :na] = torch.where(ok, lab, torch.full_like(lab, -100))
+        src = start + (tgt - 1).clamp(max=n - 1)  # teacher distribution for token t lives at t-1
+        t_ids[s, :na] = data["topk_ids"][src].long()
+        lp = data["topk_logprobs"][src].float()
+        t_lp[s, :na] = torch.where(ok[..., None], lp, torch.full_like(lp, NEG_INF))
+    # mask over keys [context (C) ; blocks (A*B)]
+    ctx_pos = torch.arange(C)
+    ctx_ok = ctx_pos[None, None, :] < anchor_of[:, :, None]  # [S, A, C]; padding anchors (-1) see none
+    same_blk = torch.eye(A, dtype=torch.bool)[:, :, None, None].expand(A, A, B, B)  # [A, A', B, B']
+    blk_ok = same_blk.permute(0, 2, 1, 3).reshape(A * B, A * B)
+    allowed = torch.cat([ctx_ok[:, :, None, :].expand(S, A, B, C).reshape(S, A * B, C),
+                         blk_ok[None].expand(S, -1, -1)], dim=-1)
+    return {
+        "features": feats, "ctx_pos": ctx_pos[None].expand(S, C), "block_tokens": block_tokens.view(S, A * B),
+        "block_pos": block_pos.view(S, A * B), "allowed": allowed, "labels": labels, "teacher_ids": t_ids,
+        "teacher_logprobs": t_lp,
+    }
+
+
+def attention_masks(model: DFlashDraftModel, batch: dict, dtype=torch.float32) -> dict:
+    allowed = batch["allowed"]
+    full = torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, torch.finfo(dtype).min)[:, None]
+    masks = {"full_attention": full}
+    if SLIDING in model.config.layer_types:
+        keys = torch.cat([batch["ctx_pos"], batch["block_pos"]], dim=1)
+        masks[SLIDING] = full + window_mask(batch["block_pos"], keys, model.config.sliding_window, dtype)
+        masks[SLIDING].clamp_(min=torch.finfo(dtype).min)
+    return masks
+
+
+def draft_hidden(model: DFlashDraftModel, embed: torch.nn.Module, batch: dict) -> torch.Tensor:
+    """Drafter output ``[S, A, B-1, H]`` for the predicted slots of every block."""
+    S = batch["features"].shape[0]
+    ctx = model.project_context(batch["features"])
+    h = model(embed(batch["block_tokens"]), batch["block_pos"], context=ctx, context_positions=batch["ctx_pos"],
+              attention_masks=attention_masks(model, batch))
+    B = model.config.block_size
+    return h.view(S, -1, B, h.shape[-1])[:, :, 1:]
+
+
+# --------------------------------------------------------------------------- loss
+
+
+def slot_weights(block_size: int, gamma: float) -> torch.Tensor:
+    k = torch.arange(block_size - 1, dtype=torch.float32)
+    return torch.exp(-k / gamma) if gamma > 0 else torch.ones(block_size - 1)
+
+
+def block_loss(hidden: torch.Tensor, batch: dict, lm_weight: torch.Tensor, cfg: TrainConfig, static_vocab,
+               gen: torch.Generator) -> tuple[torch.Tensor, dict]:
+    """Depth-weighted mix of hard and soft cross-entropy over a vocabulary subset."""
+    labels, t_ids, t_lp = batch["labels"], batch["teacher_ids"], batch["teacher_logprobs"]
+    B1 = labels.shape[-1]
+    w = slot_weights(B1 + 1, cfg.loss_gamma).expand_as(labels)
+    valid = labels >= 0
+    h, lab, w = hidden[valid], labels[valid], w[valid]
+    tid, tlp = t_ids[valid], t_lp[valid]
+    V = lm_weight.shape[0]
+    if static_vocab is not None:
+        extra = torch.randint(0, V, (1024,), generator=gen)  # random negatives keep the tail suppressed
+        sub = torch.unique(torch.cat([static_vocab, lab, tid.flatten(), extra]))
+        remap = torch.full((V,), -1, dtype=torch.long)
+        remap[sub] = torch.arange(len(sub))
+        W, lab_s, tid_s = lm_weight[sub], remap[lab], remap[tid]
+    else:
+        W, lab_s, tid_s = lm_weight, lab, tid
+    logits = (h @ W.t().to(h.dtype)).float()
+    logp = torch.log_softmax(logits, dim=-1)
+    hard = -logp.gather(1, lab_s[:, None]).squeeze(1)
+    tprob = torch.softmax(tlp, dim=-1)  # teacher top-k, renormalised
+    soft = -(tprob * logp.gather(1, tid_s)).sum(-1)
+    per = (1 - cfg.soft_weight) * hard + cfg.soft_weight * soft
+    loss = (per * w).sum() / w.sum()
+    with torch.no_grad():
+        acc1 = (logits.argmax(-1) == lab_s).float()
+    return loss, {"hard": float((hard * w).sum() / w.sum()), "acc": float((acc1 * w).sum() / w.sum())}
+
+
+# --------------------------------------------------------------------------- eval
+
+
+@torch.no_grad()
+def evaluate(model: DFlashDraftModel, embed, lm_head, ds: FeatureDataset, num_blocks: int, anchors_per_seq: int,
+             seed: int = 1234, autocast: bool = True) -> dict:
+    """Held-out per-depth greedy accuracy and expected chain acceptance (full vocabulary)."""
+    model.eval()
+    gen = torch.Generator().manual_seed(seed)
+    B = model.config.block_size
+    correct_lead, per_depth, n_blocks = [], torch.zeros(B - 1), 0
+    order = torch.randperm(len(ds), generator=gen).tolist()
+    i = 0
+    while n_blocks < num_blocks and i < len(order):
+        ks = order[i:i + 4]
+        i += 4
+        batch = make_batch(ds, ks, anchors_per_seq, B, model.config.mask_token_id, gen, full_blocks=True)
+        if batch is None:
+            continue
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            h = draft_hidden(model, embed, batch)
+        labels = batch["labels"]
+        keep = (labels >= 0).all(-1)  # full blocks only
+        h, labels = h[keep], labels[keep]
+        pred = torch.cat([lm_head(x.to(lm_head.weight.dtype)).argmax(-1) for x in h.split(256)])
+        ok = (pred == labels).float()
+        per_depth += ok.sum(0)
+        correct_lead.append(ok.cumprod(-1).sum(-1))
+        n_blocks += len(labels)
+    model.train()
+    if n_blocks == 0:
+        return {"acceptance": 1.0, "per_depth": [0.0] * (B - 1), "blocks": 0, "cond": [0.0] * (B - 1)}
+    lead = torch.cat(correct_lead)
+    reach = torch.stack([(lead >= d).float().mean() for d in range(1, B)])  # P(first d slots all correct)
+    cond = [float(reach[0])] + [float(reach[d] / reach[d - 1]) if reach[d - 1] > 0 else 0.0 for d in range(1, B - 1)]
+    return {
+        "acceptance": float(1 + lead.mean()),
+        "per_depth": [round(float(x), 4) for x in per_depth / n_blocks],
+        "reach": [round(float(x), 4) for x in reach],
+        "cond": [round(x, 4) for x in cond],
+        "blocks": n_blocks,
+    }
+
+
+# --------------------------------------------------------------------------- model
+
+
+def build_drafter(cfg: TrainConfig, target, mask_token_id: int, target_layer_ids: list[int]) -> DFlashDraftModel:
+    dcfg = DFlashConfig.for_target(
+        target.config, num_hidden_layers=cfg.num_layers, block_size=cfg.block_size, mask_token_id=mask_token_id,
+        target_layer_ids=target_layer_ids, intermediate_size=cfg.intermediate_size or None)
+    model = DFlashDraftModel(dcfg)
+    if cfg.init_from_target >= 0:
+        init_from_target_layer(model, target, cfg.init_from_target)
+    return model.float()
+
+
+def init_from_target_layer(model: DFlashDraftModel, target, layer: int) -> None:
+    """Copy a target decoder layer's attention/MLP/norm weights into every drafter layer (shapes permitting)."""
+    base = target.get_decoder() if hasattr(target, "get_decoder") else target.model
+    src = base.layers[layer].state_dict()
+    for dl in model.layers:
+        own = dl.state_dict()
+        upd = {k: v.float() for k, v in src.items() if k in own and own[k].shape == v.shape}
+        dl.load_state_dict(upd, strict=False)
+
+
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    if step < cfg.warmup:
+        return cfg.lr * (step + 1) / cfg.warmup
+    frac = min(1.0, (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup))
+    return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1 + math.cos(math.pi * frac))
+
+
+def frequent_vocab(ds: FeatureDataset, n: int, vocab: int) -> torch.Tensor | None:
+    if n <= 0 or n >= vocab:
+        return None
+    counts = torch.bincount(ds.data["input_ids"].long(), minlength=vocab)
+    counts += torch.bincount(ds.data["topk_ids"][:, :4].flatten().long(), minlength=vocab)
+    return counts.topk(n).indices.sort().values
+
+
+# --------------------------------------------------------------------------- loop
+
+
+def train(cfg: TrainConfig, target, train_ds: FeatureDataset, heldout_ds: FeatureDataset, mask_token_id: int,
+          log=print) -> dict:
+    """Train (or resume) a drafter; returns the final eval. Writes ckpt.pt, log.jsonl, best/ under out_dir."""
+    out = Path(cfg.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(cfg.seed)
+    for p in target.parameters():
+        p.requires_grad_(False)
+    embed = target.get_input_embeddings()
+    lm_head = target.get_output_embeddings()
+    lm_weight = lm_head.weight.detach().float()
+    use_autocast = cfg.autocast == "bfloat16"
+
+    model = build_drafter(cfg, target, mask_token_id, train_ds.layer_ids)
+    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
+    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
+                             {"params": no_decay, "weight_decay": 0.0}], lr=cfg.lr, betas=(0.9, 0.95))
+    step, best, elapsed_before = 0, {"acceptance": 0.0}, 0.0
+    ckpt_path = out / "ckpt.pt"
+    if cfg.resume and ckpt_path.exists():
+        ck = torch.load(ckpt_path, weights_only=False)
+        model.load_state_dict(ck["model"])
+        opt.load_state_dict(ck["opt"])
+        step, best, elapsed_before = ck["step"], ck.get("best", best), ck.get("elapsed", 0.0)
+        log(f"[train] resumed from {ckpt_path} at step {step} (best acceptance {best['acceptance']:.3f})")
+    static_vocab = frequent_vocab(train_ds, cfg.vocab_subset, lm_weight.shape[0])
+    gen = torch.Generator().manual_seed(cfg.seed * 1000 + step)
+    n_params = sum(p.numel() for p in model.parameters())
+    log(f"[train] drafter {cfg.num_layers} layer(s), {n_params / 1e6:.2f}M params, block {cfg.block_size}, "
+        f"target layers {train_ds.layer_ids}, mask token {mask_token_id}; train {len(train_ds)} seqs "
+        f"({train_ds.response_tokens()} response tokens), held-out {len(heldout_ds)} seqs")
+
+    def save(tag_best: bool = False):
+        torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step, "best": best,
+                    "elapsed": elapsed_before + time.time() - t0, "config": vars(cfg)}, str(ckpt_path) + ".tmp")
+        Path(str(ckpt_path) + ".tmp").replace(ckpt_path)
+        if tag_best:
+            model.save_pretrained(out / "best", dtype=torch.bfloat16)
+            (out / "best" / "train_stats.json").write_text(json.dumps({"step": step, **best}, indent=2))
+
+    def do_eval():
+        nonlocal best
+        ev = evaluate(model, embed, lm_head, heldout_ds, cfg.eval_blocks, cfg.anchors_per_seq, autocast=use_autocast)
+        is_best = ev["acceptance"] > best["acceptance"]
+        if is_best:
+            best = {**ev, "step": step}
+        rec = {"step": step, "eval": ev, "time_s": round(elapsed_before + time.time() - t0, 1)}
+        with open(out / "log.jsonl", "a") as f:
+            f.write(json.dumps(rec) + "\n")
+        log(f"[eval] step {step}: acceptance {ev['acceptance']:.3f}  per-depth acc {ev['per_depth']}"
+            f"{'  (best)' if is_best else ''}")
+        return is_best
+
+    t0 = time.time()
+    if step == 0:
+        do_eval()
+    model.train()
+    sw = slot_weights(cfg.block_size, cfg.loss_gamma)
+    log(f"[train] slot loss weights {[round(float(x), 3) for x in sw]}")
+    run_loss, run_acc, run_n, t_log = 0.0, 0.0, 0, time.time()
+    while step < cfg.steps:
+        if cfg.max_minutes and (time.time() - t0) / 60 > cfg.max_minutes:
+            log(f"[train] time budget of {cfg.max_minutes} min reached at step {step}")
+            break
+        ks = torch.randint(0, len(train_ds), (cfg.seqs_per_step,), generator=gen).tolist()
+        batch = make_batch(train_ds, ks, cfg.anchors_per_seq, cfg.block_size, mask_token_id, gen)
+        if batch is None:
+            continue
+        lr = lr_at(step, cfg)
+        for g in opt.param_groups:
+            g["lr"] = lr
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=use_autocast):
+            h = draft_hidden(model, embed, batch)
+            loss, info = block_loss(h, batch, lm_weight, cfg, static_vocab, gen)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        if cfg.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        opt.step()
+        step += 1
+        run_loss += float(loss)
+        run_acc += info["acc"]
+        run_n += 1
+        if step % cfg.log_every == 0 or step == cfg.steps:
+            dt = (time.time() - t_log) / run_n
+            rec = {"step": step, "loss": round(run_loss / run_n, 4), "train_acc": round(run_acc / run_n, 4),
+                   "lr": lr, "s_per_step": round(dt, 3), "time_s": round(elapsed_before + time.time() - t0, 1)}
+            with open(out / "log.jsonl", "a") as f:
+                f.write(json.dumps(rec) + "\n")
+            log(f"[train] step {step}/{cfg.steps}  loss {rec['loss']:.4f}  slot-acc {rec['train_acc']:.3f}  "
+                f"lr {lr:.2e}  {dt:.2f}s/step")
+            run_loss, run_acc, run_n, t_log = 0.0, 0.0, 0, time.time()
+        if step % cfg.eval_every == 0 or step == cfg.steps:
+            is_best = do_eval()
+            save(tag_best=is_best)
+        elif step % cfg.save_every == 0:
+            save()
+    if step % cfg.eval_every != 0:
+        is_best = do_eval()
+        save(tag_best=is_best)
+    log(f"[train] done: {step} steps, best held-out acceptance {best['acceptance']:.3f} at step {best.get('step')}")
+    return best
