@@ -160,7 +160,8 @@ def block_loss(hidden: torch.Tensor, batch: dict, lm_weight: torch.Tensor, cfg: 
     loss = (per * w).sum() / w.sum()
     with torch.no_grad():
         acc1 = (logits.argmax(-1) == lab_s).float()
-    return loss, {"hard": float((hard * w).sum() / w.sum()), "acc": float((acc1 * w).sum() / w.sum())}
+        hard_mean = float((hard.detach() * w).sum() / w.sum())
+    return loss, {"hard": hard_mean, "acc": float((acc1 * w).sum() / w.sum())}
 
 
 # --------------------------------------------------------------------------- eval
@@ -304,7 +305,7 @@ def train(cfg: TrainConfig, target, train_ds: FeatureDataset, heldout_ds: Featur
 
     t0 = time.time()
     if step == 0:
-        do_eval()
+        save(tag_best=do_eval())
     model.train()
     sw = slot_weights(cfg.block_size, cfg.loss_gamma)
     log(f"[train] slot loss weights {[round(float(x), 3) for x in sw]}")
