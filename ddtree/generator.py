@@ -91,7 +91,7 @@ class SpeculativeGenerator:
         *,
         tree_budget: int = 32,
         builder: str | TreeBuilder = "best_first",
-        attention: str | None = "sdpa",
+        attention: str | None = "auto",
     ):
         if isinstance(drafter, DFlashDraftModel):
             drafter = DFlashDrafter(drafter, target)
