@@ -67,6 +67,8 @@ def layer_ids_for(cfg: TrainConfig, target) -> tuple[list[int], list[int]]:
 def prepare_data(cfg: TrainConfig, target, tokenizer, prompts=None, cache_ids=None, worker: int = 0,
                  num_workers: int = 1) -> Path:
     """Build the feature cache in ``data_dir`` (resumes a partial build)."""
+    if worker < 0:  # use the cache as it is (shards may still be arriving from data workers)
+        return Path(cfg.resolved_data_dir())
     data_dir = Path(cfg.resolved_data_dir())
     meta_path = data_dir / "meta.json"
     meta = {"source": cfg.source, "target": cfg.target, "layer_ids": cache_ids, "topk": cfg.topk,
@@ -120,7 +122,23 @@ def run(cfg: TrainConfig, target=None, tokenizer=None, prompts=None, log_fn=log)
     mask_id = cfg.mask_token_id if cfg.mask_token_id >= 0 else pick_mask_token(tokenizer, vocab, data["input_ids"])
     (Path(cfg.out_dir)).mkdir(parents=True, exist_ok=True)
     (Path(cfg.out_dir) / "train_config.json").write_text(json.dumps(vars(cfg), indent=2))
-    return train(cfg, target, train_ds, heldout_ds, mask_id, log=log_fn)
+    state = {"n": len(list(_shard_files(data_dir)))}
+
+    def reload():
+        n = len(list(_shard_files(data_dir)))
+        if not cfg.reload_data or n == state["n"]:
+            return None
+        state["n"] = n
+        d = load_dataset(data_dir)
+        tr_, ho_ = split_train_heldout(d, cfg.heldout_frac, seed=cfg.seed)
+        return FeatureDataset(d, tr_, feature_layers=ids), FeatureDataset(d, ho_, feature_layers=ids)
+
+    return train(cfg, target, train_ds, heldout_ds, mask_id, log=log_fn, reload=reload)
+
+
+def _shard_files(data_dir):
+    for d in str(data_dir).split(","):
+        yield from Path(d).glob("shard_*.pt")
 
 
 def main(argv=None) -> int:

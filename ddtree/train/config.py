@@ -30,7 +30,7 @@ class TrainConfig:
     cache_layer_ids: list[int] = field(default_factory=list)  # layers to cache (superset); default = target_layer_ids
     heldout_frac: float = 0.05         # sequences kept out of training for the acceptance estimate
     data_only: bool = False            # build the feature cache and stop
-    data_worker: int = 0               # with data_workers > 1: this process builds shards i % data_workers == data_worker
+    data_worker: int = 0               # with data_workers > 1: build shards i % data_workers == data_worker; -1: build none
     data_workers: int = 1
 
     # --- drafter -------------------------------------------------------------
@@ -52,10 +52,13 @@ class TrainConfig:
     grad_clip: float = 1.0
     loss_gamma: float = 3.0            # slot k (1-based) weighs exp(-(k-1)/gamma)
     soft_weight: float = 0.5           # mix of soft (teacher top-k) and hard (actual token) cross-entropy
-    vocab_subset: int = 8192           # loss over the N most frequent target tokens (+ the batch's labels); 0 = full vocab
-    autocast: str = "bfloat16"         # "bfloat16" or "none"; master weights stay fp32
+    vocab_subset: int = 4096           # loss over the N most frequent target tokens (+ the batch's labels); 0 = full vocab
+    vocab_negatives: int = 512         # with vocab_subset: random extra tokens per step, to keep the tail suppressed
+    autocast: str = "none"             # "bfloat16" or "none"; master weights stay fp32 (bf16 is slow on CPUs without avx512_bf16)
     seed: int = 0
-    max_minutes: float = 0.0           # stop (and save) after this wall-clock time; 0 = no limit
+    max_minutes: float = 0.0           # stop (and save) after this wall-clock time; 0 = no limit. The cosine
+                                       # schedule then follows whichever budget (steps or minutes) runs out first
+    reload_data: bool = True           # at each eval, pick up shards added to the cache since the start
 
     # --- logging / checkpoints ----------------------------------------------
     log_every: int = 10

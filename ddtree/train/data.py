@@ -287,10 +287,21 @@ def merge_shards(shards: Sequence[dict]) -> dict:
 
 
 def load_dataset(data_dir: str | Path) -> dict:
-    files = sorted(Path(data_dir).glob("shard_*.pt"))
-    if not files:
+    """All shards of one or more cache folders (comma-separated), merged, with a stable key per sequence."""
+    shards = []
+    for d_i, d in enumerate(str(data_dir).split(",")):
+        files = sorted(Path(d).glob("shard_*.pt"))
+        for f in files:
+            sh = torch.load(f, weights_only=True)
+            n = len(sh["prompt_lens"])
+            shard_no = int(f.stem.split("_")[1])
+            sh["keys"] = torch.arange(n, dtype=torch.long) + shard_no * 10_000 + d_i * 100_000_000
+            shards.append(sh)
+    if not shards:
         raise FileNotFoundError(f"no feature shards in {data_dir}: build the dataset first")
-    return merge_shards([torch.load(f, weights_only=True) for f in files])
+    data = merge_shards(shards)
+    data["keys"] = torch.cat([s["keys"] for s in shards])
+    return data
 
 
 class FeatureDataset:
@@ -327,8 +338,14 @@ class FeatureDataset:
 
 
 def split_train_heldout(data: dict, heldout_frac: float, seed: int = 0) -> tuple[list[int], list[int]]:
+    """Held-out sequences chosen by a hash of their stable key, so adding shards never moves one into training."""
     n = len(data["offsets"]) - 1
-    g = torch.Generator().manual_seed(seed)
-    perm = torch.randperm(n, generator=g).tolist()
-    k = max(1, int(math.ceil(n * heldout_frac))) if n > 1 else 0
-    return sorted(perm[k:]), sorted(perm[:k])
+    keys = data.get("keys", torch.arange(n))
+    h = ((keys + seed * 7919) * 2654435761) % (2**32)
+    held = (h.double() / 2**32) < heldout_frac
+    if n > 1 and not bool(held.any()):
+        held[int(h.argmin())] = True
+    if bool(held.all()):
+        held[int(h.argmax())] = False
+    idx = torch.arange(n)
+    return idx[~held].tolist(), idx[held].tolist()

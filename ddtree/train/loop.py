@@ -144,7 +144,7 @@ def block_loss(hidden: torch.Tensor, batch: dict, lm_weight: torch.Tensor, cfg: 
     tid, tlp = t_ids[valid], t_lp[valid]
     V = lm_weight.shape[0]
     if static_vocab is not None:
-        extra = torch.randint(0, V, (1024,), generator=gen)  # random negatives keep the tail suppressed
+        extra = torch.randint(0, V, (cfg.vocab_negatives,), generator=gen)  # random negatives keep the tail suppressed
         sub = torch.unique(torch.cat([static_vocab, lab, tid.flatten(), extra]))
         remap = torch.full((V,), -1, dtype=torch.long)
         remap[sub] = torch.arange(len(sub))
@@ -231,10 +231,13 @@ def init_from_target_layer(model: DFlashDraftModel, target, layer: int) -> None:
         dl.load_state_dict(upd, strict=False)
 
 
-def lr_at(step: int, cfg: TrainConfig) -> float:
+def lr_at(step: int, cfg: TrainConfig, minutes: float = 0.0) -> float:
+    """Linear warmup, then cosine to ``min_lr`` over the steps or the time budget, whichever ends first."""
     if step < cfg.warmup:
         return cfg.lr * (step + 1) / cfg.warmup
     frac = min(1.0, (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup))
+    if cfg.max_minutes:
+        frac = max(frac, min(1.0, minutes / cfg.max_minutes))
     return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1 + math.cos(math.pi * frac))
 
 
@@ -250,8 +253,12 @@ def frequent_vocab(ds: FeatureDataset, n: int, vocab: int) -> torch.Tensor | Non
 
 
 def train(cfg: TrainConfig, target, train_ds: FeatureDataset, heldout_ds: FeatureDataset, mask_token_id: int,
-          log=print) -> dict:
-    """Train (or resume) a drafter; returns the final eval. Writes ckpt.pt, log.jsonl, best/ under out_dir."""
+          log=print, reload=None) -> dict:
+    """Train (or resume) a drafter; returns the best eval. Writes ckpt.pt, log.jsonl, best/ under out_dir.
+
+    ``reload()``, when given, returns fresh ``(train_ds, heldout_ds)`` or None; it is
+    called at each eval so that shards still being generated join the run.
+    """
     out = Path(cfg.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(cfg.seed)
@@ -311,14 +318,14 @@ def train(cfg: TrainConfig, target, train_ds: FeatureDataset, heldout_ds: Featur
     log(f"[train] slot loss weights {[round(float(x), 3) for x in sw]}")
     run_loss, run_acc, run_n, t_log = 0.0, 0.0, 0, time.time()
     while step < cfg.steps:
-        if cfg.max_minutes and (time.time() - t0) / 60 > cfg.max_minutes:
+        if cfg.max_minutes and (elapsed_before + time.time() - t0) / 60 > cfg.max_minutes:
             log(f"[train] time budget of {cfg.max_minutes} min reached at step {step}")
             break
         ks = torch.randint(0, len(train_ds), (cfg.seqs_per_step,), generator=gen).tolist()
         batch = make_batch(train_ds, ks, cfg.anchors_per_seq, cfg.block_size, mask_token_id, gen)
         if batch is None:
             continue
-        lr = lr_at(step, cfg)
+        lr = lr_at(step, cfg, (elapsed_before + time.time() - t0) / 60)
         for g in opt.param_groups:
             g["lr"] = lr
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=use_autocast):
@@ -343,6 +350,13 @@ def train(cfg: TrainConfig, target, train_ds: FeatureDataset, heldout_ds: Featur
                 f"lr {lr:.2e}  {dt:.2f}s/step")
             run_loss, run_acc, run_n, t_log = 0.0, 0.0, 0, time.time()
         if step % cfg.eval_every == 0 or step == cfg.steps:
+            if reload is not None:
+                fresh = reload()
+                if fresh is not None:
+                    train_ds, heldout_ds = fresh
+                    static_vocab = frequent_vocab(train_ds, cfg.vocab_subset, lm_weight.shape[0])
+                    log(f"[train] data reloaded: train {len(train_ds)} seqs ({train_ds.response_tokens()} "
+                        f"response tokens), held-out {len(heldout_ds)} seqs")
             is_best = do_eval()
             save(tag_best=is_best)
         elif step % cfg.save_every == 0:
