@@ -79,3 +79,15 @@ def test_shipped_drafter_loads_for_the_default_target():
     drafter.append_context(extract_context_feature(hs, model.config.target_layer_ids)[:, :-1])
     lp = drafter.propose(ids[:, -1:])
     assert lp.shape == (1, model.config.block_size - 1, target.config.vocab_size)
+
+
+def test_packaged_and_checkout_drafters_agree():
+    """The drafter ships twice (package data for `pip install .`, models/ for the checkout): same bytes."""
+    a, b = pretrained.PACKAGED_DRAFTER_DIR, pretrained.REPO_DRAFTER_DIR
+    if not (a / "model.safetensors").is_file() or not (b / "model.safetensors").is_file():
+        pytest.skip("only one copy of the drafter present")
+    for name in ("config.json", "model.safetensors"):
+        assert (a / name).read_bytes() == (b / name).read_bytes(), name
+    cfg = json.loads((a / "config.json").read_text())
+    assert cfg["num_target_layers"] == 30 and cfg["hidden_size"] == 576
+    assert "dflash_config" in cfg and "mask_token_id" in cfg["dflash_config"]

@@ -1,0 +1,83 @@
+"""Summarise a training run as markdown (loss curve table, held-out acceptance) and export its best drafter.
+
+    python -m ddtree.train.report runs/smollm2                 # print the summary
+    python -m ddtree.train.report runs/smollm2 --export DIR    # copy best/ (config.json + model.safetensors) to DIR
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+from pathlib import Path
+
+
+def read_log(out_dir: str | Path) -> tuple[list[dict], list[dict]]:
+    train, evals = [], []
+    for line in (Path(out_dir) / "log.jsonl").read_text().splitlines():
+        rec = json.loads(line)
+        (evals if "eval" in rec else train).append(rec)
+    return train, evals
+
+
+def loss_table(train: list[dict], rows: int = 16) -> str:
+    if not train:
+        return "(no training steps logged)\n"
+    stride = max(1, len(train) // rows)
+    picked = train[::stride]
+    if picked[-1] is not train[-1]:
+        picked.append(train[-1])
+    out = ["| step | time (min) | loss | train slot acc (weighted) | lr |", "|---:|---:|---:|---:|---:|"]
+    for r in picked:
+        out.append(f"| {r['step']} | {r['time_s'] / 60:.1f} | {r['loss']:.3f} | {r['train_acc']:.3f} | {r['lr']:.2e} |")
+    return "\n".join(out) + "\n"
+
+
+def eval_table(evals: list[dict]) -> str:
+    if not evals:
+        return "(no evaluations logged)\n"
+    depth = len(evals[0]["eval"]["per_depth"])
+    head = "| step | time (min) | held-out blocks | acceptance | " + " | ".join(f"acc@{d}" for d in range(1, depth + 1)) + " |"
+    out = [head, "|" + "---:|" * (4 + depth)]
+    for r in evals:
+        e = r["eval"]
+        out.append(f"| {r['step']} | {r['time_s'] / 60:.1f} | {e['blocks']} | {e['acceptance']:.3f} | "
+                   + " | ".join(f"{x:.3f}" for x in e["per_depth"]) + " |")
+    return "\n".join(out) + "\n"
+
+
+def summary(out_dir: str | Path) -> str:
+    out_dir = Path(out_dir)
+    train, evals = read_log(out_dir)
+    best = max(evals, key=lambda r: r["eval"]["acceptance"]) if evals else None
+    parts = ["## Loss curve\n", loss_table(train), "\n## Held-out evaluation\n", eval_table(evals)]
+    if best:
+        e = best["eval"]
+        parts.append(
+            f"\nBest: step {best['step']}, expected chain acceptance {e['acceptance']:.3f}; per-depth accuracy "
+            f"{e['per_depth']}; P(first d slots all correct) {e.get('reach')}; "
+            f"conditional acceptance per depth {e.get('cond')}.\n")
+    return "".join(parts)
+
+
+def export(out_dir: str | Path, dest: str | Path) -> Path:
+    src, dest = Path(out_dir) / "best", Path(dest)
+    dest.mkdir(parents=True, exist_ok=True)
+    for name in ("config.json", "model.safetensors"):
+        shutil.copyfile(src / name, dest / name)
+    return dest
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m ddtree.train.report")
+    p.add_argument("out_dir")
+    p.add_argument("--export", action="append", default=[], help="copy the best drafter here (repeatable)")
+    a = p.parse_args(argv)
+    print(summary(a.out_dir))
+    for d in a.export:
+        print(f"exported {export(a.out_dir, d)}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
