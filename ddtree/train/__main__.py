@@ -72,7 +72,7 @@ def prepare_data(cfg: TrainConfig, target, tokenizer, prompts=None, cache_ids=No
     data_dir = Path(cfg.resolved_data_dir())
     meta_path = data_dir / "meta.json"
     meta = {"source": cfg.source, "target": cfg.target, "layer_ids": cache_ids, "topk": cfg.topk,
-            "num_prompts": cfg.num_prompts, "max_new_tokens": cfg.max_new_tokens, "temperature": cfg.temperature,
+            "num_prompts": cfg.num_prompts, "prompt_offset": cfg.prompt_offset, "max_new_tokens": cfg.max_new_tokens, "temperature": cfg.temperature,
             "seed": cfg.seed}
     if meta_path.exists():
         old = json.loads(meta_path.read_text())
@@ -82,7 +82,7 @@ def prepare_data(cfg: TrainConfig, target, tokenizer, prompts=None, cache_ids=No
         if prompts is None:
             from .prompts import training_prompts
 
-            prompts = training_prompts(cfg.num_prompts, seed=cfg.seed)
+            prompts = training_prompts(cfg.prompt_offset + cfg.num_prompts, seed=cfg.seed)[cfg.prompt_offset:]
         jobs = self_distill_jobs(target, tokenizer, prompts, max_new_tokens=cfg.max_new_tokens,
                                  batch_size=cfg.gen_batch, temperature=cfg.temperature, seed=cfg.seed)
     elif cfg.source == "text":

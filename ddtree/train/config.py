@@ -14,12 +14,13 @@ class TrainConfig:
     # --- target and output -------------------------------------------------
     target: str = "smollm2"            # "smollm2" (the packaged default) or an HF model directory
     out_dir: str = "runs/drafter"      # checkpoints, log and the exported drafter (out_dir/export)
-    data_dir: str = ""                 # feature cache; default: <out_dir>/data
+    data_dir: str = ""                 # feature cache; default: <out_dir>/data (several: comma-separated)
     target_dtype: str = "bfloat16"     # dtype the frozen target runs in for data generation
 
     # --- data ----------------------------------------------------------------
     source: str = "self-distill"       # "self-distill" (target's own responses) or "text"
     num_prompts: int = 2000            # self-distill: number of generated training prompts
+    prompt_offset: int = 0             # self-distill: skip the first N generated prompts (to extend a cache)
     max_new_tokens: int = 256          # self-distill: response length cap
     gen_batch: int = 32                # self-distill: prompts per generation batch
     temperature: float = 0.0           # self-distill: 0 = greedy responses (matches greedy decoding)

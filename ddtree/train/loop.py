@@ -311,8 +311,9 @@ def train(cfg: TrainConfig, target, train_ds: FeatureDataset, heldout_ds: Featur
         return is_best
 
     t0 = time.time()
-    if step == 0:
-        save(tag_best=do_eval())
+    if step > 0:
+        best = {"acceptance": 0.0}  # the held-out set may have grown since the checkpoint: score afresh
+    save(tag_best=do_eval())
     model.train()
     sw = slot_weights(cfg.block_size, cfg.loss_gamma)
     log(f"[train] slot loss weights {[round(float(x), 3) for x in sw]}")
@@ -355,6 +356,7 @@ def train(cfg: TrainConfig, target, train_ds: FeatureDataset, heldout_ds: Featur
                 if fresh is not None:
                     train_ds, heldout_ds = fresh
                     static_vocab = frequent_vocab(train_ds, cfg.vocab_subset, lm_weight.shape[0])
+                    best = {"acceptance": 0.0}  # a new held-out set: scores are not comparable to earlier ones
                     log(f"[train] data reloaded: train {len(train_ds)} seqs ({train_ds.response_tokens()} "
                         f"response tokens), held-out {len(heldout_ds)} seqs")
             is_best = do_eval()
