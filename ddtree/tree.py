@@ -21,6 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
+import numpy as np
 import torch
 
 
@@ -173,66 +174,140 @@ def _check_inputs(root_tokens: torch.Tensor, logprobs: torch.Tensor, budget: int
 
 def _assemble(
     root_tokens: torch.Tensor,
-    level_scores: list[torch.Tensor],
-    level_tokens: list[torch.Tensor],
-    level_parents: list[torch.Tensor],
+    level_scores: list[np.ndarray],
+    level_tokens: list[np.ndarray],
+    level_parents: list[np.ndarray],
     budget: int,
+    order: np.ndarray | None = None,
 ) -> DraftTree:
     """Select the ``budget`` best candidates over all levels and index them in pop order.
 
     Levels are concatenated depth-major with each level already in key order, so a
-    stable descending sort on score realises the documented tie rule.
+    stable descending sort on score realises the documented tie rule. Depths are the
+    level numbers and visibility is filled level by level, so no pointer chasing is needed.
     """
     bsz = root_tokens.shape[0]
-    device = root_tokens.device
     sizes = [s.shape[1] for s in level_scores]
-    offsets = [0]
-    for s in sizes[:-1]:
-        offsets.append(offsets[-1] + s)
-    scores = torch.cat(level_scores, dim=1)
-    tokens = torch.cat(level_tokens, dim=1)
+    offsets = np.cumsum([0] + sizes[:-1])
+    scores = np.concatenate(level_scores, axis=1)
+    tokens = np.concatenate(level_tokens, axis=1)
     # Parent ids in the concatenated numbering; -1 means the root.
-    parent_ids = torch.cat(
-        [level_parents[0].new_full(level_parents[0].shape, -1)]
+    parent_ids = np.concatenate(
+        [np.full(level_parents[0].shape, -1, dtype=np.int64)]
         + [p + offsets[d - 1] for d, p in enumerate(level_parents) if d > 0],
-        dim=1,
+        axis=1,
     )
+    level_depth = np.repeat(np.arange(1, len(sizes) + 1), sizes)
     total = scores.shape[1]
-    budget = min(budget, total)
-    order = torch.sort(scores, dim=1, descending=True, stable=True).indices[:, :budget]
-    final_index = torch.zeros(bsz, total + 1, dtype=torch.long, device=device)  # slot `total` is the root
-    final_index.scatter_(1, order, torch.arange(1, budget + 1, device=device).expand(bsz, budget))
-    sel_parent = parent_ids.gather(1, order)
-    sel_parent = torch.where(sel_parent < 0, torch.full_like(sel_parent, total), sel_parent)
-    parents = torch.cat(
-        [torch.full((bsz, 1), -1, dtype=torch.long, device=device), final_index.gather(1, sel_parent)], dim=1
+    order = _top_stable(scores, min(budget, total)) if order is None else order
+    budget = order.shape[1]
+    rows = np.arange(bsz)[:, None]
+    final_index = np.zeros((bsz, total + 1), dtype=np.int64)  # slot `total` is the root
+    final_index[rows, order] = np.arange(1, budget + 1)
+    sel_parent = parent_ids[rows, order]
+    sel_parent[sel_parent < 0] = total
+    n = budget + 1
+    parents = np.concatenate([np.full((bsz, 1), -1), final_index[rows, sel_parent]], axis=1)
+    depths = np.concatenate([np.zeros((bsz, 1), dtype=np.int64), level_depth[order]], axis=1)
+    visibility = np.zeros((bsz * n, n), dtype=bool)
+    visibility[np.arange(bsz * n), np.tile(np.arange(n), bsz)] = True
+    flat_parent = (parents + n * np.arange(bsz)[:, None]).ravel()
+    flat_depth = depths.ravel()
+    for d in range(1, int(flat_depth.max(initial=0)) + 1):  # parents' rows are complete before their children's
+        at = np.flatnonzero(flat_depth == d)
+        visibility[at] |= visibility[flat_parent[at]]
+    device = root_tokens.device
+    node_tokens = torch.cat([root_tokens.view(bsz, 1).long(), torch.from_numpy(tokens[rows, order]).to(device)], 1)
+    node_scores = np.concatenate([np.zeros((bsz, 1), np.float32), scores[rows, order]], axis=1)
+    return DraftTree(
+        node_tokens,
+        torch.from_numpy(parents).to(device),
+        torch.from_numpy(depths).to(device),
+        torch.from_numpy(node_scores).to(device),
+        torch.from_numpy(visibility.reshape(bsz, n, n)).to(device),
     )
-    node_tokens = torch.cat([root_tokens.view(bsz, 1).long(), tokens.gather(1, order)], dim=1)
-    node_scores = torch.cat([scores.new_zeros(bsz, 1), scores.gather(1, order)], dim=1)
-    return DraftTree.from_parents(node_tokens, parents, node_scores)
 
 
 def _expand_levels(
-    logprobs: torch.Tensor, keep: int, max_depth: int, stop_below: torch.Tensor | None = None
-) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
-    """Per depth, keep the ``keep`` best paths (by the tie rule) among extensions of the last level."""
-    bsz, _, vocab = logprobs.shape
-    k = min(keep, vocab)
-    vals, toks = ranked_topk(logprobs.float(), k)
-    level_scores, level_tokens, level_parents = [vals[:, 0]], [toks[:, 0]], [
-        torch.zeros(bsz, k, dtype=torch.long, device=logprobs.device)
-    ]
+    vals: np.ndarray, toks: np.ndarray, keep: int, max_depth: int, prune: bool = False, deep_keep: int | None = None
+) -> tuple[list[np.ndarray], list[np.ndarray], list[np.ndarray]]:
+    """Per depth, keep the ``keep`` best paths (by the tie rule) among extensions of the last level.
+
+    ``deep_keep`` (default ``keep``) caps the levels below depth 1; see :func:`best_first_from_topk`.
+
+    ``vals``/``toks`` are the ranked top-k lists ``[B, D, k]`` from :func:`ranked_topk`, as
+    numpy arrays: the work is many small steps, where numpy's per-call cost is far below
+    torch's (the scores are float32 sums either way). Two prunings leave the result unchanged:
+
+    - dominance: both lists are in key order, so the ``(i+1)(j+1) - 1`` pairs ``(i', j') <= (i, j)``
+      all come before ``(parent i, rank j)``; a pair with ``(i+1)(j+1) > keep`` cannot make the
+      level's top ``keep``. About ``keep * ln(keep)`` pairs remain instead of ``keep * k``.
+    - ``prune=True`` (best_first, ``k == keep``): if ``keep`` genuine nodes score at least ``T``, a
+      node scoring below ``T`` (and its whole subtree) is out of the tree. ``T`` is the keep-th
+      best of (a) the depth-1 nodes with their top-1 chains below them, and, separately, (b) the
+      nodes kept so far. Children are kept down to ``T`` minus a rounding margin (ties included),
+      so the pruning can only ever keep more than needed, never less.
+    """
+    bsz, _, k = vals.shape
+    m = keep if deep_keep is None else deep_keep
+    rows = np.arange(bsz)[:, None]
+    neg_vals = -vals
+    level_scores, level_tokens, level_parents = [vals[:, 0]], [toks[:, 0]], [np.zeros((bsz, k), dtype=np.int64)]
+    pool = floor = None
+    if prune:
+        # Genuine nodes give the first bound: each depth-1 node with its top-1 chain below (summed in
+        # the same order as the levels do). ``floor`` is the keep-th best score among them.
+        chain_scores = [vals[:, 0]]
+        for d in range(1, max_depth):
+            chain_scores.append(chain_scores[-1] + vals[:, d, :1])
+        floor = _top_values(np.concatenate(chain_scores, axis=1), keep).min(axis=1, keepdims=True)
+        pool = vals[:, 0]  # the best scores among the kept level nodes (a second, separate bound)
     for d in range(1, max_depth):
         prev = level_scores[-1]
-        cand = (prev[:, :, None] + vals[:, d, None, :]).reshape(bsz, -1)
-        if stop_below is not None and bool((cand.max(dim=1).values < stop_below).all()):
+        widths = np.minimum(m // np.arange(1, prev.shape[1] + 1), k)
+        if prune and np.isfinite(floor).all():
+            # Children need vals > floor - prev; the margin dwarfs float32 rounding of the sums.
+            need = (floor - 1e-5 * (1.0 + np.abs(floor))) - prev
+            above = [np.searchsorted(neg_vals[b, d], -need[b], side="left") for b in range(bsz)]
+            widths = np.minimum(widths, above[0] if bsz == 1 else np.max(above, axis=0))
+        widths = widths[widths > 0]  # non-increasing, so this keeps a prefix of the parents
+        if widths.size == 0:
             break
-        m = min(keep, cand.shape[1])
-        pick = torch.sort(cand, dim=1, descending=True, stable=True).indices[:, :m]
-        level_scores.append(cand.gather(1, pick))
-        level_parents.append(torch.div(pick, k, rounding_mode="floor"))
-        level_tokens.append(toks[:, d].gather(1, pick % k))
+        ii = np.repeat(np.arange(widths.size), widths)
+        jj = np.arange(ii.size) - np.repeat(np.cumsum(widths) - widths, widths)
+        # Row-major (parent, rank) order, so a stable selection breaks score ties by the key.
+        cand = prev[:, ii] + vals[:, d, jj]
+        pick = _top_stable(cand, m)
+        level_scores.append(cand[rows, pick])
+        level_parents.append(ii[pick])
+        level_tokens.append(toks[:, d][rows, jj[pick]])
+        if prune:  # the two node sets overlap, so each bounds on its own: never pool them
+            pool = _top_values(np.concatenate([pool, level_scores[-1]], axis=1), keep)
+            floor = np.maximum(floor, pool.min(axis=1, keepdims=True))
     return level_scores, level_tokens, level_parents
+
+
+def _top_values(x: np.ndarray, m: int) -> np.ndarray:
+    """The ``m`` largest values per row, in no particular order."""
+    cut = x.shape[1] - m
+    return x if cut <= 0 else np.partition(x, cut, axis=1)[:, cut:]
+
+
+def _top_stable(x: np.ndarray, m: int) -> np.ndarray:
+    """Per row, the first ``m`` indices of a stable descending sort: partition, then sort the few left."""
+    n = x.shape[1]
+    if m >= n:
+        return np.argsort(-x, axis=1, kind="stable")
+    out = np.empty((x.shape[0], m), dtype=np.int64)
+    for b, row in enumerate(x):
+        kth = np.partition(row, n - m)[n - m]
+        idx = np.flatnonzero(row >= kth)  # ties with the m-th value included, in index order
+        out[b] = idx[np.argsort(-row[idx], kind="stable")[:m]]
+    return out
+
+
+def _host(vals: torch.Tensor, toks: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
+    return vals.detach().float().cpu().numpy(), toks.detach().cpu().numpy().astype(np.int64, copy=False)
 
 
 def best_first(root_tokens: torch.Tensor, logprobs: torch.Tensor, budget: int) -> DraftTree:
@@ -245,13 +320,39 @@ def best_first(root_tokens: torch.Tensor, logprobs: torch.Tensor, budget: int) -
     _check_inputs(root_tokens, logprobs, budget)
     if budget == 0 or logprobs.shape[1] == 0:
         return _root_only(root_tokens, torch.float32)
-    bsz, depth, vocab = logprobs.shape
-    k = min(budget, vocab)
-    vals, _ = ranked_topk(logprobs[:, :1].float(), k)
-    # The budget-th best score among depth-1 nodes bounds every deeper useful node from below.
-    floor = vals[:, 0, k - 1] if k == budget else None
-    levels = _expand_levels(logprobs, budget, depth, stop_below=floor)
-    return _assemble(root_tokens, *levels, budget)
+    vals, toks = ranked_topk(logprobs.float(), min(budget, logprobs.shape[-1]))
+    return best_first_from_topk(root_tokens, vals, toks, budget)
+
+
+def best_first_from_topk(root_tokens: torch.Tensor, vals: torch.Tensor, toks: torch.Tensor, budget: int) -> DraftTree:
+    """:func:`best_first` after its top-k step (``vals``/``toks`` ``[B, D, min(budget, V)]`` from
+    :func:`ranked_topk`), split out so benchmarks can time the tree growth alone."""
+    host = _host(vals, toks)
+    prune = vals.shape[-1] == budget
+    deep_keep = max(16, budget // 4) if prune else budget
+    while True:
+        levels = _expand_levels(*host, budget, vals.shape[1], prune=prune, deep_keep=min(deep_keep, budget))
+        order = _top_stable(np.concatenate(levels[0], axis=1), budget)
+        if deep_keep >= budget or _levels_suffice(levels[0], order, deep_keep):
+            return _assemble(root_tokens, *levels, budget, order=order)
+        deep_keep *= 4
+
+
+def _levels_suffice(level_scores: list[np.ndarray], order: np.ndarray, deep_keep: int) -> bool:
+    """True when capping the deep levels at ``deep_keep`` cannot have changed the tree.
+
+    A capped level holds the first ``deep_keep`` nodes of its depth in key order. If the
+    selection leaves at least one of them out, every node beyond the cap comes after that
+    one, which already lost to ``budget`` selected nodes: nothing beyond the cap is needed.
+    """
+    sizes = [s.shape[1] for s in level_scores]
+    bounds = np.cumsum([0] + sizes)
+    for d in range(1, len(sizes)):
+        if sizes[d] >= deep_keep:
+            chosen = ((order >= bounds[d]) & (order < bounds[d + 1])).sum(axis=1)
+            if (chosen >= sizes[d]).any():
+                return False
+    return True
 
 
 def chain(root_tokens: torch.Tensor, logprobs: torch.Tensor, budget: int) -> DraftTree:
@@ -282,7 +383,8 @@ def beam(width: int, depth: int | None = None) -> Callable[[torch.Tensor, torch.
         max_depth = logprobs.shape[1] if depth is None else min(depth, logprobs.shape[1])
         if budget == 0 or max_depth == 0:
             return _root_only(root_tokens, torch.float32)
-        levels = _expand_levels(logprobs, width, max_depth)
+        vals, toks = ranked_topk(logprobs[:, :max_depth].float(), min(width, logprobs.shape[-1]))
+        levels = _expand_levels(*_host(vals, toks), width, max_depth)
         return _assemble(root_tokens, *levels, budget)
 
     build.__name__ = f"beam_{width}x{depth if depth is not None else 'D'}"

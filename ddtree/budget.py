@@ -1,0 +1,340 @@
+"""``tree_budget="auto"``: each round, the budget that maximises expected tokens per second.
+
+A bigger tree accepts more tokens but costs a longer verify forward; where the
+two cross depends on the device, the model and the context length, so the
+choice is made from measurements, not constants. The cost model, all of whose
+terms :meth:`AutoBudget.describe` reports (``out.stats.budget_policy``)::
+
+    tokens_per_second(n) = E[tokens | n] / (overhead + scale * verify(n + 1, bucket(context)))
+
+``verify(nodes, ctx)``
+    Seconds of one target forward over a tree of ``nodes`` nodes on top of a
+    cache of ``ctx`` tokens, profiled on the real target, device, dtype and
+    attention backend (:class:`ProfiledLatency`). Profiled once per context
+    bucket (powers of two, at least 64) and cached; a new bucket is profiled
+    when the context grows into it. Linear in between profiled node counts.
+``scale``
+    Observed verify seconds over profiled ones, an exponential moving average:
+    folds in the bucket's rounding and machine drift.
+``overhead``
+    The per-round seconds outside verify (draft, tree build, mask, commit and
+    this policy): wall time between two ``choose`` calls minus that round's
+    verify, averaged. Before the first round it is taken as ``verify(1)``.
+``E[tokens | n] = 1 + sum_d r_d(n)``
+    ``r_d(n) = min(1, c_d * p_d(n))``, made non-increasing in ``d``; ``p_d(n)`` is
+    the drafter's probability that the target's path reaches depth ``d`` in the
+    budget-``n`` tree (the sum of ``exp(path log-prob)`` over its depth-``d``
+    nodes: the paths are disjoint). ``c_d`` calibrates the drafter online:
+    reached-depth counts over predicted ones, with a prior of ``prior_rounds``
+    rounds at ratio 1 and exponential forgetting, so a depth that has not been
+    tried for a while drifts back to the prior and gets explored again.
+
+The trees of all candidate budgets come from one builder call at the largest
+candidate: the budget-``n`` tree is taken as its first ``n`` nodes, which is
+exact for ``best_first``, ``chain`` and ``beam`` (their nodes are in key order).
+"""
+
+from __future__ import annotations
+
+import bisect
+import time
+from typing import Callable, Protocol, Sequence
+
+import torch
+
+from .tree import DraftTree, TreeBuilder, best_first
+
+DEFAULT_CANDIDATES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+COST_MODEL = (
+    "tokens_per_second(n) = E[tokens|n] / (overhead + scale * verify(n+1 nodes, bucket(context))); "
+    "E[tokens|n] = 1 + sum_d min(1, c_d * p_d(n)) (non-increasing in d), p_d(n) = sum of exp(path log-prob) "
+    "over the depth-d nodes of the budget-n tree"
+)
+
+
+class LatencyModel(Protocol):
+    """Seconds of one verify forward over ``nodes`` tree nodes after ``context`` committed tokens."""
+
+    def seconds(self, nodes: int, context: int) -> float: ...
+
+    def describe(self) -> dict: ...
+
+
+class FunctionLatency:
+    """A latency model from a plain function; for known cost models (tests) or external measurements."""
+
+    def __init__(self, fn: Callable[[int, int], float], name: str = "function"):
+        self.fn = fn
+        self.name = name
+
+    def seconds(self, nodes: int, context: int) -> float:
+        return float(self.fn(nodes, context))
+
+    def describe(self) -> dict:
+        return {"kind": self.name}
+
+
+def context_bucket(context: int, minimum: int = 64) -> int:
+    """The power of two (at least ``minimum``) that a context length is profiled at."""
+    return max(minimum, 1 << max(0, int(context)).bit_length())
+
+
+class ProfiledLatency:
+    """Verify latency measured on the generator's own target, backend and device.
+
+    For a context bucket ``C`` it prefills ``C`` random tokens into a fresh cache,
+    then times the tree forward (mask built outside the timing, as in a round)
+    for each node count, the fastest of ``repeats`` after one warm-up, cropping the
+    cache back to ``C`` after each. Results are cached per bucket.
+    """
+
+    def __init__(self, generator, node_counts: Sequence[int], repeats: int = 3, seed: int = 0):
+        self.generator = generator
+        self.node_counts = sorted(set(int(n) for n in node_counts))
+        self.repeats = repeats
+        self.seed = seed
+        self.profiles: dict[int, dict[int, float]] = {}
+        self.profile_seconds = 0.0
+        self._tree: DraftTree | None = None
+
+    def seconds(self, nodes: int, context: int) -> float:
+        table = self.profile(context_bucket(context))
+        xs = sorted(table)
+        i = bisect.bisect_left(xs, nodes)
+        if i < len(xs) and xs[i] == nodes:
+            return table[nodes]
+        if len(xs) == 1:
+            return table[xs[0]]
+        lo, hi = (xs[0], xs[1]) if i == 0 else (xs[-2], xs[-1]) if i >= len(xs) else (xs[i - 1], xs[i])
+        slope = (table[hi] - table[lo]) / (hi - lo) if hi != lo else 0.0
+        return max(table[lo] + slope * (nodes - lo), 1e-6)
+
+    def profile(self, bucket: int) -> dict[int, float]:
+        if bucket not in self.profiles:
+            t0 = time.perf_counter()
+            self.profiles[bucket] = self._measure(self._fit_bucket(bucket))
+            self.profile_seconds += time.perf_counter() - t0
+        return self.profiles[bucket]
+
+    def _fit_bucket(self, bucket: int) -> int:
+        limit = getattr(self.generator.target.config, "max_position_embeddings", None)
+        depth = self.generator.drafter.block_size
+        return bucket if limit is None else max(1, min(bucket, limit - depth - 1))
+
+    def _shape_tree(self, nodes: int, vocab: int, device) -> DraftTree:
+        """A realistic tree shape (best_first over drafter-like log-probs); smaller ones are its prefixes."""
+        if self._tree is None or self._tree.num_nodes < nodes:
+            from .bench.tree_build import synthetic_logprobs
+
+            depth = max(1, self.generator.drafter.block_size - 1)
+            lp = synthetic_logprobs(depth, min(vocab, 4096), self.seed)
+            self._tree = best_first(torch.zeros(1, dtype=torch.long), lp, max(self.node_counts) - 1)
+        parents = self._tree.parents[:, :nodes]
+        if parents.shape[1] < nodes:  # a tiny vocabulary caps the tree: hang the rest on the root
+            parents = torch.cat([parents, parents.new_zeros(1, nodes - parents.shape[1])], dim=1)
+        parents = parents.to(device)
+        return DraftTree.from_parents(torch.zeros_like(parents), parents.clone())
+
+    @torch.inference_mode()
+    def _measure(self, context: int) -> dict[int, float]:
+        from .cache import commit_accepted, new_target_cache
+        from .masks import tree_position_ids
+
+        gen = self.generator
+        device = gen.target.get_input_embeddings().weight.device
+        vocab = gen.target.get_input_embeddings().weight.shape[0]
+        rng = torch.Generator().manual_seed(self.seed)
+        cache = new_target_cache()
+        gen._forward(torch.randint(0, vocab, (1, context), generator=rng).to(device), None, cache)
+        sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+        keep_none = torch.zeros(1, 0, dtype=torch.long, device=device)
+        table = {}
+        for nodes in self.node_counts:
+            tree = self._shape_tree(nodes, vocab, device)
+            tokens = torch.randint(0, vocab, (1, nodes), generator=rng).to(device)
+            kwargs = gen.backend.tree_forward_kwargs(gen.target, tree, context, gen._dtype)
+            positions = tree_position_ids(tree.depths, context)
+            times = []
+            for rep in range(self.repeats + 1):
+                sync()
+                t0 = time.perf_counter()
+                gen._forward(tokens, positions, cache, **kwargs)
+                sync()
+                if rep:
+                    times.append(time.perf_counter() - t0)
+                commit_accepted(cache, context, keep_none)  # back to the prefix
+            table[nodes] = min(times)  # the least disturbed run; `scale` restores typical speed
+        for a, b in zip(self.node_counts, self.node_counts[1:]):  # more nodes never verify faster
+            table[b] = max(table[b], table[a])
+        return table
+
+    def describe(self) -> dict:
+        return {
+            "kind": "profiled",
+            "repeats": self.repeats,
+            "profile_seconds": round(self.profile_seconds, 4),
+            "verify_seconds": {
+                str(b): {str(n): round(s, 6) for n, s in t.items()} for b, t in sorted(self.profiles.items())
+            },
+        }
+
+
+class AutoBudget:
+    """The ``BudgetPolicy`` behind ``tree_budget="auto"``; the cost model is in the module docstring."""
+
+    def __init__(
+        self,
+        latency: LatencyModel,
+        builder: TreeBuilder = best_first,
+        candidates: Sequence[int] = DEFAULT_CANDIDATES,
+        overhead_seconds: float | None = None,
+        prior_rounds: float = 4.0,
+        forget: float = 0.97,
+        ema: float = 0.2,
+    ):
+        if not candidates or any(int(c) < 0 for c in candidates):
+            raise ValueError(f"candidates must be non-empty budgets >= 0, got {candidates!r}")
+        self.latency = latency
+        self.builder = builder
+        self.candidates = sorted(set(int(c) for c in candidates))
+        self.fixed_overhead = overhead_seconds
+        self.overhead = overhead_seconds
+        self.prior_rounds = prior_rounds
+        self.forget = forget
+        self.ema = ema
+        self.scale = 1.0
+        self.reached: torch.Tensor | None = None  # [D] decayed count of rounds that reached depth d
+        self.predicted: torch.Tensor | None = None  # [D] decayed sum of p_d over verified trees
+        self.rounds = 0
+        self.choices: dict[int, int] = {}
+        self.last: dict = {}
+        self._last_choose: float | None = None
+        self._last_context = -1
+        self._last_verify: float | None = None
+
+    @classmethod
+    def for_generator(cls, generator, **options) -> "AutoBudget":
+        """Profile the generator's own target; estimate with its own builder."""
+        candidates = options.pop("candidates", DEFAULT_CANDIDATES)
+        repeats = options.pop("repeats", 3)
+        latency = ProfiledLatency(generator, [c + 1 for c in candidates], repeats=repeats)
+        return cls(latency, builder=generator.builder, candidates=candidates, **options)
+
+    # ------------------------------------------------------------------ the model
+
+    def calibration(self, depth: int) -> torch.Tensor:
+        """``c_d`` for depths ``1..depth``."""
+        c = torch.ones(depth, dtype=torch.float64)
+        if self.reached is not None:
+            n = min(depth, self.reached.numel())
+            c[:n] = (self.prior_rounds + self.reached[:n]) / (self.prior_rounds + self.predicted[:n])
+        return c
+
+    def reach_probabilities(self, logprobs: torch.Tensor) -> torch.Tensor:
+        """``p_d(n)`` ``[len(candidates), D]`` for every candidate, from one tree at the largest budget."""
+        bsz, depth, _ = logprobs.shape
+        out = torch.zeros(len(self.candidates), depth, dtype=torch.float64)
+        top = self.candidates[-1]
+        if top == 0 or depth == 0:
+            return out
+        tree = self.builder(torch.zeros(bsz, dtype=torch.long, device=logprobs.device), logprobs, top)
+        probs = tree.scores[:, 1:].double().exp().cpu()  # [B, N-1]
+        depths = tree.depths[:, 1:].cpu()
+        per_depth = torch.zeros(bsz, probs.shape[1], depth, dtype=torch.float64)
+        per_depth.scatter_(2, (depths - 1).clamp(0, depth - 1)[..., None], probs[..., None])
+        cum = per_depth.cumsum(dim=1).mean(dim=0)  # [N-1, D], averaged over rows
+        for i, n in enumerate(self.candidates):
+            if n > 0:
+                out[i] = cum[min(n, cum.shape[0]) - 1]
+        return out.clamp(max=1.0)
+
+    def expected_tokens(self, reach: torch.Tensor) -> torch.Tensor:
+        """``E[tokens | n]`` per candidate from ``p_d(n)`` ``[C, D]`` and the calibration."""
+        r = (reach * self.calibration(reach.shape[1])).clamp(max=1.0)
+        r = torch.cummin(r, dim=1).values  # reaching depth d needs depth d-1
+        return 1.0 + r.sum(dim=1)
+
+    def round_seconds(self, context: int) -> list[float]:
+        overhead = self.overhead if self.overhead is not None else self.latency.seconds(1, context)
+        return [overhead + self.scale * self.latency.seconds(n + 1, context) for n in self.candidates]
+
+    # ------------------------------------------------------------------ BudgetPolicy
+
+    def choose(self, logprobs: torch.Tensor, context_len: int) -> int:
+        self._track_overhead(context_len)
+        expected = self.expected_tokens(self.reach_probabilities(logprobs))
+        seconds = self.round_seconds(context_len)
+        rates = [float(e) / s for e, s in zip(expected.tolist(), seconds)]
+        best = max(range(len(rates)), key=lambda i: (rates[i], -i))
+        choice = self.candidates[best]
+        self.choices[choice] = self.choices.get(choice, 0) + 1
+        self.last = {
+            "context": context_len,
+            "chosen": choice,
+            "expected_tokens": {n: round(float(e), 4) for n, e in zip(self.candidates, expected.tolist())},
+            "round_seconds": {n: round(s, 6) for n, s in zip(self.candidates, seconds)},
+            "tokens_per_second": {n: round(r, 2) for n, r in zip(self.candidates, rates)},
+        }
+        return choice
+
+    def observe(self, tree: DraftTree, result, verify_seconds: float, context_len: int) -> None:
+        depth_max = max(1, tree.max_depth)
+        probs = tree.scores[0, 1:].double().exp().cpu()
+        depths = tree.depths[0, 1:].cpu()
+        predicted = torch.zeros(depth_max, dtype=torch.float64)
+        predicted.scatter_add_(0, (depths - 1).clamp(min=0), probs)
+        accepted = int(result.num_accepted[0]) - 1
+        reached = (torch.arange(1, depth_max + 1) <= accepted).double()
+        self._grow(depth_max)
+        self.reached *= self.forget
+        self.predicted *= self.forget
+        self.reached[:depth_max] += reached
+        self.predicted[:depth_max] += predicted.clamp(max=1.0)
+        profiled = self.latency.seconds(tree.num_nodes, context_len)
+        if profiled > 0 and verify_seconds > 0:
+            ratio = min(4.0, max(0.25, verify_seconds / profiled))
+            self.scale += self.ema * (ratio - self.scale)
+        self._last_verify = verify_seconds
+        self.rounds += 1
+
+    def describe(self) -> dict:
+        depth = self.reached.numel() if self.reached is not None else 0
+        return {
+            "policy": "auto",
+            "cost_model": COST_MODEL,
+            "candidates": list(self.candidates),
+            "rounds": self.rounds,
+            "choices": {str(k): v for k, v in sorted(self.choices.items())},
+            "overhead_seconds": None if self.overhead is None else round(self.overhead, 6),
+            "verify_scale": round(self.scale, 4),
+            "depth_calibration": [round(c, 4) for c in self.calibration(depth).tolist()],
+            "latency": self.latency.describe(),
+            "last_round": self.last,
+        }
+
+    # ------------------------------------------------------------------ helpers
+
+    def _grow(self, depth: int) -> None:
+        if self.reached is None:
+            self.reached = torch.zeros(depth, dtype=torch.float64)
+            self.predicted = torch.zeros(depth, dtype=torch.float64)
+        elif self.reached.numel() < depth:
+            pad = depth - self.reached.numel()
+            self.reached = torch.cat([self.reached, torch.zeros(pad, dtype=torch.float64)])
+            self.predicted = torch.cat([self.predicted, torch.zeros(pad, dtype=torch.float64)])
+
+    def _track_overhead(self, context_len: int) -> None:
+        """Round wall time minus its verify, between consecutive rounds of one sequence."""
+        now = time.perf_counter()
+        same_sequence = context_len > self._last_context and self._last_verify is not None
+        if self.fixed_overhead is None and same_sequence and self._last_choose is not None:
+            observed = max(0.0, now - self._last_choose - self._last_verify)
+            if self.overhead is None:
+                self.overhead = observed
+            elif observed < 5 * self.overhead + 1e-3:  # skip outliers (a paused consumer, a new prompt)
+                self.overhead += self.ema * (observed - self.overhead)
+        self._last_choose = now
+        self._last_context = context_len
+        if not same_sequence:
+            self._last_verify = None
+

@@ -1,0 +1,176 @@
+"""The bench: method and prompt parsing, the lossless check, an end-to-end run, and the tree-build reference."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from conftest import tiny_drafter_model, tiny_target
+
+from ddtree import SpeculativeGenerator, best_first
+from ddtree.bench.runner import (
+    Bench,
+    Method,
+    Prompt,
+    Run,
+    load_prompts,
+    load_rounds,
+    lossless_check,
+    markdown_table,
+    parse_methods,
+    run_main_bench,
+    summarize,
+)
+from ddtree.bench.tree_build import heap_best_first, same_tree
+from ddtree.bench.tree_build import main as tree_build_main
+
+
+def names(spec):
+    return [m.name for m in parse_methods(spec)]
+
+
+def test_parse_methods_lists_and_ranges():
+    ms = parse_methods("ar,chain,best_first@16,32,beam@4x8,auto,examples.custom_builder:spine@8,12")
+    assert [m.name for m in ms] == [
+        "ar", "chain", "best_first@16", "best_first@32", "beam@4x8", "auto",
+        "examples.custom_builder:spine@8", "examples.custom_builder:spine@12",
+    ]
+    by = {m.name: m for m in ms}
+    assert by["ar"].kind == "ar"
+    assert by["chain"] == Method("chain", builder="chain", budget=None)
+    assert by["beam@4x8"].budget == 32 and by["beam@4x8"].builder == "beam@4x8"
+    assert by["auto"].budget == "auto" and by["auto"].builder == "best_first"
+    assert by["examples.custom_builder:spine@12"].builder == "examples.custom_builder:spine"
+    assert names("best_first@1-16") == ["ar", "best_first@1", "best_first@2", "best_first@4", "best_first@8",
+                                        "best_first@16"]
+    assert names(["chain", "best_first@4,4,3-8"]) == ["ar", "chain", "best_first@4", "best_first@8"]
+    assert names("best_first,chain@3") == ["ar", "best_first@32", "chain@3"]
+
+
+@pytest.mark.parametrize("bad", ["16", "auto,8", "beam@4", "beam@0x3", "greedy", "best_first@8-2", "chain,4",
+                                 "mod:fn-x@4"])
+def test_parse_methods_rejects(bad):
+    with pytest.raises(ValueError):
+        parse_methods(bad)
+
+
+class WordTokenizer:
+    """A stand-in tokenizer: one id per word, a chat template that joins the turns."""
+
+    chat_template = "x"
+    eos_token_id = 0
+
+    def __call__(self, text, add_special_tokens=True):
+        ids = [len(w) for w in text.split()]
+        return type("Enc", (), {"input_ids": ([1] if add_special_tokens else []) + ids})()
+
+    def apply_chat_template(self, messages, tokenize=False, add_generation_prompt=True):
+        return " ".join(f"<{m['role']}> {m['content']}" for m in messages) + " <assistant>"
+
+
+def test_load_prompts(tmp_path):
+    f = tmp_path / "p.jsonl"
+    rows = [
+        {"id": "m", "messages": [{"role": "user", "content": "hello big world"}]},
+        {"prompt": "abc de"},
+        {"input_ids": [5, 6, 7]},
+    ]
+    f.write_text("\n".join(json.dumps(r) for r in rows) + "\n\n")
+    ps = load_prompts(f, WordTokenizer())
+    assert [p.id for p in ps] == ["m", "1", "2"]
+    assert ps[0].input_ids == [6, 5, 3, 5, 11] and ps[1].input_ids == [1, 3, 2] and ps[2].input_ids == [5, 6, 7]
+    assert load_prompts(f, None, vocab_size=50, limit=2)[1].input_ids == [b % 50 for b in b"abc de"]
+    assert len(load_prompts(None, WordTokenizer())) >= 8  # the shipped default set
+    (tmp_path / "bad.jsonl").write_text('{"text": "x"}\n')
+    with pytest.raises(ValueError, match="needs 'messages', 'prompt' or 'input_ids'"):
+        load_prompts(tmp_path / "bad.jsonl", WordTokenizer())
+
+
+def _run(method, prompt, repeat, tokens):
+    return Run(method, prompt, repeat, len(tokens), 1.0, [2] * 2, {}, [4, 4], tokens)
+
+
+def test_lossless_check_finds_the_first_mismatch():
+    runs = [
+        _run("ar", "a", 0, [1, 2, 3, 4]), _run("ar", "b", 0, [5, 6]), _run("ar", "a", 1, [1, 2, 3, 4]),
+        _run("good", "a", 0, [1, 2, 3, 4]), _run("good", "b", 0, [5, 6]), _run("good", "a", 1, [1, 2, 3, 4]),
+        _run("bad", "a", 0, [1, 2, 3, 4]), _run("bad", "b", 0, [5, 7]), _run("short", "a", 0, [1, 2]),
+    ]
+    check = lossless_check(runs)
+    assert check["good"] == {"runs": 3, "equal": 3, "first_mismatch": None, "lossless": True}
+    assert check["bad"]["lossless"] is False and check["bad"]["equal"] == 1
+    assert check["bad"]["first_mismatch"] == {"prompt": "b", "repeat": 0, "token_index": 1}
+    assert check["short"]["first_mismatch"]["token_index"] == 2  # a prefix of the reference is not equal
+
+
+def test_bench_end_to_end_on_tiny_pair(tmp_path):
+    torch.manual_seed(0)
+    target = tiny_target("qwen3")
+    gen = SpeculativeGenerator(target, tiny_drafter_model(target))
+    methods = parse_methods("chain,best_first@8,beam@2x2,examples.custom_builder:spine@6")
+    bench = Bench(gen, methods, max_new_tokens=8, seed=1)
+    prompts = [Prompt("p0", list(range(3, 14))), Prompt("p1", [40, 41, 42, 7])]
+    runs = bench.run(prompts, repeats=2, warmup=False, progress=False, trees_path=tmp_path / "trees.jsonl")
+    assert len(runs) == len(methods) * len(prompts) * 2
+    rows = summarize(runs, methods, bench.depth, greedy=True)
+    assert [r["method"] for r in rows] == [m.name for m in methods]
+    for r in rows:
+        assert r["lossless"] is True
+        assert len(r["speedup_per_repeat"]) == 2 and r["tokens_per_second"] > 0
+        if r["method"] != "ar":
+            assert 1.0 <= r["tau"] <= 1 + bench.depth
+            acc = r["depth_acceptance"]
+            assert len(acc) == bench.depth and all(a >= b for a, b in zip(acc, acc[1:]))
+            assert set(r["stage_ms_per_round"]) >= {"draft", "tree_build", "mask", "verify", "commit"}
+    assert {r["method"]: r["budget"] for r in rows}["chain"] == bench.depth
+    assert "| best_first@8 | 8 |" in markdown_table(rows)
+    saved = load_rounds(tmp_path / "trees.jsonl")
+    assert {s["method"] for s in saved} == {m.name for m in methods if m.kind == "tree"}
+    row = next(s for s in saved if s["method"] == "best_first@8")
+    tree = row["tree"]
+    assert tree.num_nodes <= 9 and row["accepted"][0] == 0
+    graph = tree.to_networkx()
+    assert graph.number_of_edges() == tree.num_nodes - 1
+    assert all(graph.has_edge(a, b) for a, b in zip(row["accepted"], row["accepted"][1:]))
+
+
+def test_cli_on_saved_tiny_pair(tmp_path):
+    torch.manual_seed(0)
+    target = tiny_target("llama", dtype=torch.float32)
+    drafter = tiny_drafter_model(target)
+    target.save_pretrained(tmp_path / "target")
+    drafter.save_pretrained(tmp_path / "drafter")
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"id": "x", "prompt": "hello tree"}\n{"id": "y", "input_ids": [4, 9, 2, 30]}\n')
+    out = tmp_path / "out"
+    rc = run_main_bench([
+        "--target", str(tmp_path / "target"), "--drafter", str(tmp_path / "drafter"), "--prompts", str(prompts),
+        "--methods", "chain,best_first@4", "--max-new-tokens", "6", "--repeats", "1", "--out", str(out),
+        "--no-plots", "--no-warmup", "--no-progress", "--save-trees",
+    ])
+    assert rc == 0
+    result = json.loads((out / "results.json").read_text())
+    assert [m["method"] for m in result["methods"]] == ["ar", "chain", "best_first@4"]
+    assert result["meta"]["num_prompts"] == 2 and result["meta"]["command"].startswith("python -m ddtree.bench")
+    assert "| chain |" in (out / "results.md").read_text()
+    assert load_rounds(out / "trees.jsonl")
+
+
+def test_heap_reference_builds_the_same_trees():
+    g = torch.Generator().manual_seed(0)
+    for trial in range(40):
+        lp = torch.randn(1, 1 + trial % 6, 30, generator=g) * (1 + trial % 4)
+        if trial % 2:
+            lp = (lp * 2).round() / 2  # many exact ties
+        lp = lp.log_softmax(-1)
+        for budget in (0, 1, 4, 17, 60, 200):
+            root = torch.tensor([trial % 30])
+            assert same_tree(heap_best_first(root, lp, budget), best_first(root, lp, budget)), (trial, budget)
+
+
+def test_tree_build_command(tmp_path, capsys):
+    assert tree_build_main(["--budgets", "8,32", "--vocabs", "500", "--repeats", "1", "--out", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "tree_build.json").read_text())["rows"]
+    assert [(r["budget"], r["vocab"], r["same_tree"]) for r in rows] == [(8, 500, True), (32, 500, True)]
+    assert "ratio after top-k" in capsys.readouterr().out

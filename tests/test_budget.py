@@ -1,0 +1,128 @@
+"""AutoBudget: the documented cost model picks the known optimum; calibration and profiling behave."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import tiny_drafter_model, tiny_target
+
+from ddtree import SpeculativeGenerator, VerifyResult, best_first, chain
+from ddtree.budget import AutoBudget, FunctionLatency, ProfiledLatency, context_bucket
+from ddtree.tree import beam
+
+
+def certain_logprobs(depth: int, vocab: int = 11) -> torch.Tensor:
+    """The drafter is sure at every depth: one token with probability 1 (log-prob 0)."""
+    lp = torch.full((1, depth, vocab), float("-inf"))
+    lp[0, torch.arange(depth), torch.arange(depth) % vocab] = 0.0
+    return lp
+
+
+def linear_policy(fixed: float, per_node: float, candidates=(1, 2, 4, 8, 16), **kw) -> AutoBudget:
+    latency = FunctionLatency(lambda nodes, ctx: fixed + per_node * nodes, "linear")
+    return AutoBudget(latency, candidates=candidates, overhead_seconds=0.01, **kw)
+
+
+def test_known_optimum_cheap_nodes():
+    # E[tokens | n] = 1 + min(n, 6); seconds = 0.01 + 0.01 + 0.001 * (n + 1):
+    # n=4 -> 5 / 0.025 = 200, n=8 -> 7 / 0.029 = 241, n=16 -> 7 / 0.037 = 189 tokens/s.
+    policy = linear_policy(0.01, 0.001)
+    assert policy.choose(certain_logprobs(6), 100) == 8
+    assert policy.last["expected_tokens"] == {1: 2.0, 2: 3.0, 4: 5.0, 8: 7.0, 16: 7.0}
+
+
+def test_known_optimum_expensive_nodes():
+    # seconds = 0.02 + 0.01 * (n + 1): n=2 -> 3 / 0.05 = 60, n=4 -> 5 / 0.07 = 71.4, n=8 -> 7 / 0.11 = 63.6.
+    assert linear_policy(0.01, 0.01).choose(certain_logprobs(6), 100) == 4
+
+
+def test_choice_is_argmax_of_documented_formula():
+    """Brute force: build every candidate tree separately and evaluate the formula by hand."""
+    g = torch.Generator().manual_seed(3)
+    cands = (1, 3, 6, 12, 24, 48)
+    for trial in range(5):
+        lp = (torch.randn(1, 5, 40, generator=g) * 3).log_softmax(-1)
+        per_node = [0.0005, 0.002, 0.01][trial % 3]
+        policy = linear_policy(0.004, per_node, candidates=cands)
+        rates = {}
+        for n in cands:
+            tree = best_first(torch.zeros(1, dtype=torch.long), lp, n)
+            p = torch.zeros(5, dtype=torch.float64)
+            p.scatter_add_(0, tree.depths[0, 1:] - 1, tree.scores[0, 1:].double().exp())
+            r = torch.cummin(p.clamp(max=1), 0).values
+            rates[n] = float(1 + r.sum()) / (0.01 + 0.004 + per_node * (n + 1))
+        assert policy.choose(lp, 50) == max(cands, key=lambda n: (rates[n], -n))
+
+
+@pytest.mark.parametrize("builder", [best_first, chain, beam(3, 4)])
+def test_candidate_trees_are_prefixes(builder):
+    lp = (torch.randn(1, 4, 30, generator=torch.Generator().manual_seed(0)) * 2).log_softmax(-1)
+    policy = AutoBudget(FunctionLatency(lambda n, c: 1.0), builder=builder, candidates=(1, 2, 5, 9))
+    reach = policy.reach_probabilities(lp)
+    for i, n in enumerate(policy.candidates):
+        tree = builder(torch.zeros(1, dtype=torch.long), lp, n)
+        p = torch.zeros(4, dtype=torch.float64)
+        p.scatter_add_(0, tree.depths[0, 1:] - 1, tree.scores[0, 1:].double().exp())
+        assert torch.allclose(reach[i], p.clamp(max=1))
+
+
+def _result(num_accepted: int) -> VerifyResult:
+    path = torch.arange(num_accepted)[None]
+    return VerifyResult(path, torch.tensor([num_accepted]), torch.tensor([0]), torch.zeros(1, 1))
+
+
+def test_calibration_learns_that_deep_drafts_fail():
+    policy = linear_policy(0.01, 0.001)
+    lp = certain_logprobs(6)
+    assert policy.choose(lp, 10) == 8
+    tree = best_first(torch.zeros(1, dtype=torch.long), lp, 8)
+    for i in range(30):  # the drafter is sure, yet the target never goes past depth 1
+        policy.observe(tree, _result(2), verify_seconds=0.019, context_len=10 + i)
+    c = policy.calibration(6)
+    assert c[0] > 0.95 and bool((c[1:] < 0.2).all())
+    assert policy.choose(lp, 50) < 8  # the deep half of the tree no longer pays for itself
+    d = policy.describe()
+    assert d["policy"] == "auto" and d["rounds"] == 30 and len(d["depth_calibration"]) == 6
+    assert "E[tokens|n]" in d["cost_model"]
+
+
+def test_scale_follows_observed_verify_time():
+    policy = linear_policy(0.01, 0.001)
+    tree = chain(torch.zeros(1, dtype=torch.long), certain_logprobs(6), 4)
+    for i in range(40):
+        policy.observe(tree, _result(5), verify_seconds=2 * (0.01 + 0.001 * 5), context_len=10 + i)
+    assert policy.scale == pytest.approx(2.0, rel=0.01)
+
+
+def test_context_bucket():
+    assert [context_bucket(c) for c in (0, 1, 63, 64, 100, 128, 300)] == [64, 64, 64, 128, 128, 256, 512]
+
+
+def test_auto_on_tiny_pair_is_lossless_and_described():
+    torch.manual_seed(0)
+    target = tiny_target("qwen3")
+    drafter = tiny_drafter_model(target)
+    gen = SpeculativeGenerator(target, drafter)
+    gen._auto_policy = AutoBudget.for_generator(gen, candidates=(1, 4, 16), repeats=1)
+    ids = torch.randint(0, 90, (1, 12))
+    out = gen.generate(ids, max_new_tokens=20, tree_budget="auto")
+    ref = gen.generate(ids, max_new_tokens=20, tree_budget=0)
+    assert torch.equal(out.sequences, ref.sequences)
+    assert set(out.stats.budgets) <= {1, 4, 16} and out.stats.budgets
+    desc = out.stats.budget_policy
+    profile = desc["latency"]["verify_seconds"]["64"]
+    assert list(profile) == ["2", "5", "17"]
+    times = list(profile.values())
+    assert times == sorted(times)  # made monotone in the node count
+    assert desc["last_round"]["chosen"] in (1, 4, 16)
+
+
+def test_profiled_latency_interpolates():
+    torch.manual_seed(0)
+    target = tiny_target("llama")
+    gen = SpeculativeGenerator(target, tiny_drafter_model(target))
+    lat = ProfiledLatency(gen, [2, 10], repeats=1)
+    lat.profiles[64] = {2: 1.0, 10: 3.0}  # a known table: no measuring needed
+    assert lat.seconds(6, 20) == pytest.approx(2.0)
+    assert lat.seconds(2, 63) == 1.0
+    assert lat.seconds(14, 5) == pytest.approx(4.0)
