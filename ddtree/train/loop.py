@@ -338,7 +338,7 @@ def train(cfg: TrainConfig, target, train_ds: FeatureDataset, heldout_ds: Featur
             torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
         opt.step()
         step += 1
-        run_loss += float(loss)
+        run_loss += float(loss.detach())
         run_acc += info["acc"]
         run_n += 1
         if step % cfg.log_every == 0 or step == cfg.steps:
