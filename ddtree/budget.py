@@ -84,14 +84,23 @@ class ProfiledLatency:
 
     For a context bucket ``C`` it prefills ``C`` random tokens into a fresh cache,
     then times the tree forward (mask built outside the timing, as in a round)
-    for each node count, the fastest of ``repeats`` after one warm-up, cropping the
-    cache back to ``C`` after each. Results are cached per bucket.
+    for each node count: the fastest of up to ``repeats`` runs, fewer once a count
+    has taken ``time_per_count`` seconds (big trees on a CPU are slow and steady),
+    cropping the cache back to ``C`` after each. Results are cached per bucket.
+
+    Counts stop once one verifies slower than ``2 * (1 + D)`` times the smallest: even
+    with all ``D`` drafts accepted, and an overhead of one small verify, such a tree
+    commits fewer tokens per second than the smallest one. Larger counts are
+    extrapolated from the last two, so they are never chosen.
     """
 
-    def __init__(self, generator, node_counts: Sequence[int], repeats: int = 3, seed: int = 0):
+    def __init__(self, generator, node_counts: Sequence[int], repeats: int = 3, seed: int = 0,
+                 time_per_count: float = 0.1):
         self.generator = generator
         self.node_counts = sorted(set(int(n) for n in node_counts))
         self.repeats = repeats
+        self.time_per_count = time_per_count
+        self.hopeless = 2.0 * max(2, generator.drafter.block_size)
         self.seed = seed
         self.profiles: dict[int, dict[int, float]] = {}
         self.profile_seconds = 0.0
@@ -154,17 +163,23 @@ class ProfiledLatency:
             tokens = torch.randint(0, vocab, (1, nodes), generator=rng).to(device)
             kwargs = gen.backend.tree_forward_kwargs(gen.target, tree, context, gen._dtype)
             positions = tree_position_ids(tree.depths, context)
-            times = []
-            for rep in range(self.repeats + 1):
+            times: list[float] = []
+            warm = not table  # the first forward on a fresh cache pays one-off allocations: untimed
+            while len(times) < self.repeats and (not times or sum(times) < self.time_per_count):
                 sync()
                 t0 = time.perf_counter()
                 gen._forward(tokens, positions, cache, **kwargs)
                 sync()
-                if rep:
+                if warm:
+                    warm = False
+                else:
                     times.append(time.perf_counter() - t0)
                 commit_accepted(cache, context, keep_none)  # back to the prefix
             table[nodes] = min(times)  # the least disturbed run; `scale` restores typical speed
-        for a, b in zip(self.node_counts, self.node_counts[1:]):  # more nodes never verify faster
+            if len(table) > 1 and table[nodes] > self.hopeless * table[self.node_counts[0]]:
+                break  # bigger trees cannot pay for themselves here: leave them to extrapolation
+        counts = sorted(table)
+        for a, b in zip(counts, counts[1:]):  # more nodes never verify faster
             table[b] = max(table[b], table[a])
         return table
 
@@ -230,11 +245,12 @@ class AutoBudget:
             c[:n] = (self.prior_rounds + self.reached[:n]) / (self.prior_rounds + self.predicted[:n])
         return c
 
-    def reach_probabilities(self, logprobs: torch.Tensor) -> torch.Tensor:
-        """``p_d(n)`` ``[len(candidates), D]`` for every candidate, from one tree at the largest budget."""
+    def reach_probabilities(self, logprobs: torch.Tensor, top: int | None = None) -> torch.Tensor:
+        """``p_d(n)`` ``[len(candidates), D]`` for every candidate, from one tree at budget ``top``
+        (default the largest candidate; larger candidates get the budget-``top`` figures)."""
         bsz, depth, _ = logprobs.shape
         out = torch.zeros(len(self.candidates), depth, dtype=torch.float64)
-        top = self.candidates[-1]
+        top = self.candidates[-1] if top is None else top
         if top == 0 or depth == 0:
             return out
         tree = self.builder(torch.zeros(bsz, dtype=torch.long, device=logprobs.device), logprobs, top)
@@ -262,18 +278,24 @@ class AutoBudget:
 
     def choose(self, logprobs: torch.Tensor, context_len: int) -> int:
         self._track_overhead(context_len)
-        expected = self.expected_tokens(self.reach_probabilities(logprobs))
         seconds = self.round_seconds(context_len)
-        rates = [float(e) / s for e, s in zip(expected.tolist(), seconds)]
+        # Exact pruning: a candidate that could not beat the slowest-possible rate of another
+        # even with every draft accepted is skipped, and the one tree build stays small.
+        floor_rate = max(1.0 / s for s in seconds)
+        viable = [(1 + min(n, logprobs.shape[1])) / s >= floor_rate for n, s in zip(self.candidates, seconds)]
+        top = max(n for n, v in zip(self.candidates, viable) if v)
+        expected = self.expected_tokens(self.reach_probabilities(logprobs, top)).tolist()
+        rates = [e / s if v else 0.0 for e, s, v in zip(expected, seconds, viable)]
         best = max(range(len(rates)), key=lambda i: (rates[i], -i))
         choice = self.candidates[best]
         self.choices[choice] = self.choices.get(choice, 0) + 1
         self.last = {
             "context": context_len,
             "chosen": choice,
-            "expected_tokens": {n: round(float(e), 4) for n, e in zip(self.candidates, expected.tolist())},
+            "expected_tokens": {n: round(e, 4) for n, e, v in zip(self.candidates, expected, viable) if v},
             "round_seconds": {n: round(s, 6) for n, s in zip(self.candidates, seconds)},
-            "tokens_per_second": {n: round(r, 2) for n, r in zip(self.candidates, rates)},
+            "tokens_per_second": {n: round(r, 2) for n, r, v in zip(self.candidates, rates, viable) if v},
+            "pruned": [n for n, v in zip(self.candidates, viable) if not v],
         }
         return choice
 

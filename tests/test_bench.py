@@ -81,7 +81,10 @@ def test_load_prompts(tmp_path):
     assert [p.id for p in ps] == ["m", "1", "2"]
     assert ps[0].input_ids == [6, 5, 3, 5, 11] and ps[1].input_ids == [1, 3, 2] and ps[2].input_ids == [5, 6, 7]
     assert load_prompts(f, None, vocab_size=50, limit=2)[1].input_ids == [b % 50 for b in b"abc de"]
-    assert len(load_prompts(None, WordTokenizer())) >= 8  # the shipped default set
+    shipped = load_prompts(None, WordTokenizer())
+    assert len(shipped) >= 8
+    spread = load_prompts(None, WordTokenizer(), per_category=1)
+    assert 1 < len(spread) < len(shipped) and len({p.id.split("-")[0] for p in spread}) == len(spread)
     (tmp_path / "bad.jsonl").write_text('{"text": "x"}\n')
     with pytest.raises(ValueError, match="needs 'messages', 'prompt' or 'input_ids'"):
         load_prompts(tmp_path / "bad.jsonl", WordTokenizer())

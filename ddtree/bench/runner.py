@@ -126,18 +126,25 @@ class Prompt:
 
 
 def load_prompts(path: str | Path | None, tokenizer=None, vocab_size: int | None = None,
-                 limit: int | None = None) -> list[Prompt]:
+                 limit: int | None = None, per_category: int | None = None) -> list[Prompt]:
     """JSONL rows with ``messages`` (chat template), ``prompt`` (plain text) or ``input_ids``.
 
-    Without a tokenizer, text falls back to UTF-8 bytes modulo the vocabulary, enough
-    to drive a tokenizer-less (random test) target.
+    ``per_category`` keeps the first N rows of each ``category`` (a cheap spread over
+    the kinds of text). Without a tokenizer, text falls back to UTF-8 bytes modulo the
+    vocabulary, enough to drive a tokenizer-less (random test) target.
     """
     path = Path(path) if path is not None else DEFAULT_PROMPTS
     prompts = []
+    seen: dict[str, int] = {}
     for i, line in enumerate(path.read_text().splitlines()):
         if not line.strip():
             continue
         row = json.loads(line)
+        if per_category is not None:
+            cat = str(row.get("category", ""))
+            seen[cat] = seen.get(cat, 0) + 1
+            if seen[cat] > per_category:
+                continue
         pid = str(row.get("id", i))
         if "input_ids" in row:
             ids = [int(t) for t in row["input_ids"]]
@@ -527,6 +534,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--drafter", help="DFlash drafter directory (default: the shipped drafter)")
     p.add_argument("--prompts", type=Path, default=None, help=f"JSONL prompt file (default: {DEFAULT_PROMPTS.name})")
     p.add_argument("--num-prompts", type=int, default=None, help="use only the first N prompts")
+    p.add_argument("--per-category", type=int, default=None,
+                   help="use only the first N prompts of each 'category' (before --num-prompts)")
     p.add_argument("--methods", action="append", default=None,
                    help="e.g. 'ar,chain,best_first@16,32,64,beam@4x8,auto,examples.custom_builder:build@32'")
     p.add_argument("--max-new-tokens", type=int, default=128)
@@ -573,7 +582,7 @@ def run_main_bench(argv: Sequence[str] | None = None) -> int:
     gen = load_generator(args)
     tok = gen.tokenizer
     vocab = gen.target.get_input_embeddings().weight.shape[0]
-    prompts = load_prompts(args.prompts, tok, vocab, args.num_prompts)
+    prompts = load_prompts(args.prompts, tok, vocab, args.num_prompts, args.per_category)
     stops = [] if args.ignore_eos or tok is None or tok.eos_token_id is None else [tok.eos_token_id]
     bench = Bench(gen, methods, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                   top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop_token_ids=stops)
