@@ -455,6 +455,11 @@ def check_compatible(config: DFlashConfig, target) -> None:
             "use a drafter trained for this target's tokenizer"
         )
     check_target_layer_ids(config.target_layer_ids, tc.num_hidden_layers)
+    if config.num_target_layers != tc.num_hidden_layers:
+        raise ValueError(
+            f"the drafter was trained for a target with {config.num_target_layers} decoder layers, this target "
+            f"has {tc.num_hidden_layers}: use a drafter trained for this target"
+        )
     if not 0 <= config.mask_token_id < vocab:
         raise ValueError(f"mask_token_id {config.mask_token_id} is outside the target's vocabulary (size {vocab})")
 

@@ -188,3 +188,11 @@ def test_missing_weights_are_reported_by_name(tmp_path):
     save_file(state, str(tmp_path / "model.safetensors"))
     with pytest.raises(ValueError, match="fc.weight"):
         DFlashDraftModel.from_pretrained(tmp_path)
+
+
+def test_drafter_for_another_target_depth_is_refused():
+    target = tiny_target("qwen3")
+    model = tiny_drafter_model(target)
+    model.config.num_target_layers = 36
+    with pytest.raises(ValueError, match="36 decoder layers.*has 4"):
+        DFlashDrafter(model, target)
