@@ -184,7 +184,7 @@ def _assemble(
 
     Levels are concatenated depth-major with each level already in key order, so a
     stable descending sort on score realises the documented tie rule. Depths are the
-    level numbers and visibility is filled level by level, so no pointer chasing is needed.
+    level numbers; visibility comes from walking all nodes up to the root together.
     """
     bsz = root_tokens.shape[0]
     sizes = [s.shape[1] for s in level_scores]
@@ -209,13 +209,16 @@ def _assemble(
     n = budget + 1
     parents = np.concatenate([np.full((bsz, 1), -1), final_index[rows, sel_parent]], axis=1)
     depths = np.concatenate([np.zeros((bsz, 1), dtype=np.int64), level_depth[order]], axis=1)
-    visibility = np.zeros((bsz * n, n), dtype=bool)
-    visibility[np.arange(bsz * n), np.tile(np.arange(n), bsz)] = True
-    flat_parent = (parents + n * np.arange(bsz)[:, None]).ravel()
-    flat_depth = depths.ravel()
-    for d in range(1, int(flat_depth.max(initial=0)) + 1):  # parents' rows are complete before their children's
-        at = np.flatnonzero(flat_depth == d)
-        visibility[at] |= visibility[flat_parent[at]]
+    visibility = np.zeros((bsz, n, n), dtype=bool)
+    row, node = np.repeat(np.arange(bsz), n), np.tile(np.arange(n), bsz)
+    ancestor, flat_parent = node.copy(), parents.ravel()
+    while True:  # walk every node up to the root at once, one level per step
+        visibility[row, node, ancestor] = True
+        up = ancestor > 0
+        if not up.any():
+            break
+        row, node = row[up], node[up]
+        ancestor = flat_parent[row * n + ancestor[up]]
     device = root_tokens.device
     node_tokens = torch.cat([root_tokens.view(bsz, 1).long(), torch.from_numpy(tokens[rows, order]).to(device)], 1)
     node_scores = np.concatenate([np.zeros((bsz, 1), np.float32), scores[rows, order]], axis=1)
@@ -224,7 +227,7 @@ def _assemble(
         torch.from_numpy(parents).to(device),
         torch.from_numpy(depths).to(device),
         torch.from_numpy(node_scores).to(device),
-        torch.from_numpy(visibility.reshape(bsz, n, n)).to(device),
+        torch.from_numpy(visibility).to(device),
     )
 
 
@@ -253,6 +256,7 @@ def _expand_levels(
     rows = np.arange(bsz)[:, None]
     neg_vals = -vals
     level_scores, level_tokens, level_parents = [vals[:, 0]], [toks[:, 0]], [np.zeros((bsz, k), dtype=np.int64)]
+    dominance = np.minimum(m // np.arange(1, max(k, m) + 1), k)  # widths allowed by (i+1)(j+1) <= m
     pool = floor = None
     if prune:
         # Genuine nodes give the first bound: each depth-1 node with its top-1 chain below (summed in
@@ -264,7 +268,7 @@ def _expand_levels(
         pool = vals[:, 0]  # the best scores among the kept level nodes (a second, separate bound)
     for d in range(1, max_depth):
         prev = level_scores[-1]
-        widths = np.minimum(m // np.arange(1, prev.shape[1] + 1), k)
+        widths = dominance[: prev.shape[1]]
         if prune and np.isfinite(floor).all():
             # Children need vals > floor - prev; the margin dwarfs float32 rounding of the sums.
             need = (floor - 1e-5 * (1.0 + np.abs(floor))) - prev

@@ -172,6 +172,25 @@ def test_heap_reference_builds_the_same_trees():
             assert same_tree(heap_best_first(root, lp, budget), best_first(root, lp, budget)), (trial, budget)
 
 
+def test_heap_reference_matches_on_wide_and_deep_trees():
+    """Budgets where the deep levels outgrow best_first's first cap (and it must lift it), and peaked
+    drafter-like rows where the pruning bounds bite."""
+    from ddtree.bench.tree_build import synthetic_logprobs
+
+    g = torch.Generator().manual_seed(1)
+    root = torch.tensor([0])
+    for _ in range(4):
+        logits = torch.randn(1, 4, 300, generator=g) * 0.2
+        logits.scatter_add_(2, torch.randint(0, 300, (1, 4, 40), generator=g), torch.full((1, 4, 40), 8.0))
+        lp = logits.log_softmax(-1)  # ~40 equally likely tokens per depth: wide trees
+        for budget in (64, 128, 300):
+            assert same_tree(heap_best_first(root, lp, budget), best_first(root, lp, budget))
+    for seed in range(2):
+        lp = synthetic_logprobs(15, 3000, seed)
+        for budget in (64, 256, 1024):
+            assert same_tree(heap_best_first(root, lp, budget), best_first(root, lp, budget))
+
+
 def test_tree_build_command(tmp_path, capsys):
     assert tree_build_main(["--budgets", "8,32", "--vocabs", "500", "--repeats", "1", "--out", str(tmp_path)]) == 0
     rows = json.loads((tmp_path / "tree_build.json").read_text())["rows"]
