@@ -266,13 +266,14 @@ def _expand_levels(
             chain_scores.append(chain_scores[-1] + vals[:, d, :1])
         floor = _top_values(np.concatenate(chain_scores, axis=1), keep).min(axis=1, keepdims=True)
         pool = vals[:, 0]  # the best scores among the kept level nodes (a second, separate bound)
+    # Children need vals > floor - prev; the margin dwarfs the float32 rounding of the sums.
+    cut = None if floor is None or not np.isfinite(floor).all() else floor - 1e-5 * (1.0 + np.abs(floor))
     for d in range(1, max_depth):
         prev = level_scores[-1]
         widths = dominance[: prev.shape[1]]
-        if prune and np.isfinite(floor).all():
-            # Children need vals > floor - prev; the margin dwarfs float32 rounding of the sums.
-            need = (floor - 1e-5 * (1.0 + np.abs(floor))) - prev
-            above = [np.searchsorted(neg_vals[b, d], -need[b], side="left") for b in range(bsz)]
+        if cut is not None:
+            slack = prev - cut  # children with -vals below this can still make the tree
+            above = [np.searchsorted(neg_vals[b, d], slack[b]) for b in range(bsz)]
             widths = np.minimum(widths, above[0] if bsz == 1 else np.max(above, axis=0))
         widths = widths[widths > 0]  # non-increasing, so this keeps a prefix of the parents
         if widths.size == 0:
@@ -288,6 +289,7 @@ def _expand_levels(
         if prune:  # the two node sets overlap, so each bounds on its own: never pool them
             pool = _top_values(np.concatenate([pool, level_scores[-1]], axis=1), keep)
             floor = np.maximum(floor, pool.min(axis=1, keepdims=True))
+            cut = None if not np.isfinite(floor).all() else floor - 1e-5 * (1.0 + np.abs(floor))
     return level_scores, level_tokens, level_parents
 
 

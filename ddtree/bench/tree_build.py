@@ -93,15 +93,18 @@ def synthetic_logprobs(depth: int, vocab: int, seed: int) -> torch.Tensor:
     return probs.log()[None]
 
 
-def _min_seconds(fn, repeats: int) -> float:
-    """Fastest of ``repeats`` runs after a warm-up: robust to other processes on a shared machine."""
-    fn()
-    times = []
+def _min_seconds(fns: dict, repeats: int) -> dict[str, float]:
+    """Fastest of ``repeats`` runs of each function, interleaved so that a busy moment on a
+    shared machine hits all of them alike; the minimum is the least disturbed figure."""
+    for fn in fns.values():
+        fn()  # warm-up
+    best = {name: float("inf") for name in fns}
     for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return min(times)
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            best[name] = min(best[name], time.perf_counter() - t0)
+    return best
 
 
 def time_tree_build(budget: int, vocab: int, depth: int = 15, repeats: int = 5, seed: int = 0) -> dict:
@@ -113,14 +116,18 @@ def time_tree_build(budget: int, vocab: int, depth: int = 15, repeats: int = 5, 
     heap_tree = heap_best_first(root, lp, budget)
     equal = same_tree(core_tree, heap_tree)
     vals, toks = ranked_topk(lp.float(), k)
-    topk_s = _min_seconds(lambda: ranked_topk(lp.float(), k), repeats)
-    core_after_s = _min_seconds(lambda: best_first_from_topk(root, vals, toks, budget), repeats)
-    heap_after_s = _min_seconds(lambda: heap_best_first_from_topk(0, vals[0], toks[0], budget), repeats)
+    t = _min_seconds({
+        "topk": lambda: ranked_topk(lp.float(), k),
+        "core": lambda: best_first_from_topk(root, vals, toks, budget),
+        "heap": lambda: heap_best_first_from_topk(0, vals[0], toks[0], budget),
+    }, repeats)
+    topk_s, core_after_s, heap_after_s = t["topk"], t["core"], t["heap"]
     core_s = topk_s + core_after_s
     return {
         "budget": budget,
         "vocab": vocab,
         "depth": depth,
+        "max_tree_depth": core_tree.max_depth,
         "same_tree": equal,
         "topk_ms": topk_s * 1e3,
         "core_total_ms": core_s * 1e3,
