@@ -386,7 +386,7 @@ def summarize(runs: list[Run], methods: list[Method], depth: int, greedy: bool) 
             "stage_seconds_per_run": {k: v / len(rs) for k, v in stage_totals.items()},
             "stage_ms_per_round": {k: 1e3 * v / rounds for k, v in stage_totals.items()} if rounds else {},
             "mean_budget": statistics.fmean(b for r in rs for b in r.budgets) if rounds else 0,
-            "lossless": checks.get(m.name, {}).get("lossless", None) if m.kind == "tree" else (True if greedy else None),
+            "lossless": checks.get(m.name, {}).get("lossless") if m.kind == "tree" else (True if greedy else None),
             "lossless_detail": checks.get(m.name),
         }
         if m.kind == "tree":
@@ -423,7 +423,8 @@ def markdown_table(rows: list[dict]) -> str:
             f"| {r['method']} | {budget} | {r['tau']:.2f} ± {r['tau_std']:.2f} | {r['tokens_per_second']:.1f} | "
             f"{r['speedup']:.2f}x ({min(sp):.2f}–{max(sp):.2f}) | {stages} | {lossless} |"
         )
-    note = "\nStage columns are milliseconds per verify round; tau counts the tokens a round commits (accepted + bonus).\n"
+    note = ("\nStage columns are milliseconds per verify round; "
+            "tau counts the tokens a round commits (accepted + bonus).\n")
     return head + "\n".join(lines) + "\n" + note
 
 
