@@ -232,52 +232,29 @@ def _assemble(
 
 
 def _expand_levels(
-    vals: np.ndarray, toks: np.ndarray, keep: int, max_depth: int, prune: bool = False, deep_keep: int | None = None
+    vals: np.ndarray, toks: np.ndarray, keep: int, max_depth: int, deep_keep: int | None = None
 ) -> tuple[list[np.ndarray], list[np.ndarray], list[np.ndarray]]:
     """Per depth, keep the ``keep`` best paths (by the tie rule) among extensions of the last level.
 
-    ``deep_keep`` (default ``keep``) caps the levels below depth 1; see :func:`best_first_from_topk`.
-
     ``vals``/``toks`` are the ranked top-k lists ``[B, D, k]`` from :func:`ranked_topk`, as
     numpy arrays: the work is many small steps, where numpy's per-call cost is far below
-    torch's (the scores are float32 sums either way). Two prunings leave the result unchanged:
+    torch's (the scores are float32 sums either way). ``deep_keep`` (default ``keep``) caps
+    the levels below depth 1; see :func:`best_first_from_topk`.
 
-    - dominance: both lists are in key order, so the ``(i+1)(j+1) - 1`` pairs ``(i', j') <= (i, j)``
-      all come before ``(parent i, rank j)``; a pair with ``(i+1)(j+1) > keep`` cannot make the
-      level's top ``keep``. About ``keep * ln(keep)`` pairs remain instead of ``keep * k``.
-    - ``prune=True`` (best_first, ``k == keep``): if ``keep`` genuine nodes score at least ``T``, a
-      node scoring below ``T`` (and its whole subtree) is out of the tree. ``T`` is the keep-th
-      best of (a) the depth-1 nodes with their top-1 chains below them, and, separately, (b) the
-      nodes kept so far. Children are kept down to ``T`` minus a rounding margin (ties included),
-      so the pruning can only ever keep more than needed, never less.
+    Dominance pruning leaves the result unchanged: both lists are in key order, so the
+    ``(i+1)(j+1) - 1`` pairs ``(i', j') <= (i, j)`` all come before ``(parent i, rank j)``, and
+    a pair with ``(i+1)(j+1) > m`` cannot make the level's top ``m``. About ``m * ln(m)``
+    pairs remain instead of ``m * k``.
     """
     bsz, _, k = vals.shape
     m = keep if deep_keep is None else deep_keep
     rows = np.arange(bsz)[:, None]
-    neg_vals = -vals
     level_scores, level_tokens, level_parents = [vals[:, 0]], [toks[:, 0]], [np.zeros((bsz, k), dtype=np.int64)]
     dominance = np.minimum(m // np.arange(1, max(k, m) + 1), k)  # widths allowed by (i+1)(j+1) <= m
-    pool = floor = None
-    if prune:
-        # Genuine nodes give the first bound: each depth-1 node with its top-1 chain below (summed in
-        # the same order as the levels do). ``floor`` is the keep-th best score among them.
-        chain_scores = [vals[:, 0]]
-        for d in range(1, max_depth):
-            chain_scores.append(chain_scores[-1] + vals[:, d, :1])
-        floor = _top_values(np.concatenate(chain_scores, axis=1), keep).min(axis=1, keepdims=True)
-        pool = vals[:, 0]  # the best scores among the kept level nodes (a second, separate bound)
-    # Children need vals > floor - prev; the margin dwarfs the float32 rounding of the sums.
-    cut = None if floor is None or not np.isfinite(floor).all() else floor - 1e-5 * (1.0 + np.abs(floor))
     for d in range(1, max_depth):
         prev = level_scores[-1]
         widths = dominance[: prev.shape[1]]
-        if cut is not None:
-            slack = prev - cut  # children with -vals below this can still make the tree
-            above = [np.searchsorted(neg_vals[b, d], slack[b]) for b in range(bsz)]
-            widths = np.minimum(widths, above[0] if bsz == 1 else np.max(above, axis=0))
         widths = widths[widths > 0]  # non-increasing, so this keeps a prefix of the parents
-        if widths.size == 0:
-            break
         ii = np.repeat(np.arange(widths.size), widths)
         jj = np.arange(ii.size) - np.repeat(np.cumsum(widths) - widths, widths)
         # Row-major (parent, rank) order, so a stable selection breaks score ties by the key.
@@ -286,17 +263,7 @@ def _expand_levels(
         level_scores.append(cand[rows, pick])
         level_parents.append(ii[pick])
         level_tokens.append(toks[:, d][rows, jj[pick]])
-        if prune:  # the two node sets overlap, so each bounds on its own: never pool them
-            pool = _top_values(np.concatenate([pool, level_scores[-1]], axis=1), keep)
-            floor = np.maximum(floor, pool.min(axis=1, keepdims=True))
-            cut = None if not np.isfinite(floor).all() else floor - 1e-5 * (1.0 + np.abs(floor))
     return level_scores, level_tokens, level_parents
-
-
-def _top_values(x: np.ndarray, m: int) -> np.ndarray:
-    """The ``m`` largest values per row, in no particular order."""
-    cut = x.shape[1] - m
-    return x if cut <= 0 else np.partition(x, cut, axis=1)[:, cut:]
 
 
 def _top_stable(x: np.ndarray, m: int) -> np.ndarray:
@@ -332,12 +299,16 @@ def best_first(root_tokens: torch.Tensor, logprobs: torch.Tensor, budget: int) -
 
 def best_first_from_topk(root_tokens: torch.Tensor, vals: torch.Tensor, toks: torch.Tensor, budget: int) -> DraftTree:
     """:func:`best_first` after its top-k step (``vals``/``toks`` ``[B, D, min(budget, V)]`` from
-    :func:`ranked_topk`), split out so benchmarks can time the tree growth alone."""
+    :func:`ranked_topk`), split out so benchmarks can time the tree growth alone.
+
+    The levels below depth 1 are first capped at a quarter of the budget, which drafter-like
+    distributions never fill at one depth; when the selection shows that a cap may have
+    mattered (:func:`_levels_suffice`), the levels are grown again with a 4x larger cap.
+    """
     host = _host(vals, toks)
-    prune = vals.shape[-1] == budget
-    deep_keep = max(16, budget // 4) if prune else budget
+    deep_keep = max(16, budget // 4)
     while True:
-        levels = _expand_levels(*host, budget, vals.shape[1], prune=prune, deep_keep=min(deep_keep, budget))
+        levels = _expand_levels(*host, budget, vals.shape[1], deep_keep=min(deep_keep, budget))
         order = _top_stable(np.concatenate(levels[0], axis=1), budget)
         if deep_keep >= budget or _levels_suffice(levels[0], order, deep_keep):
             return _assemble(root_tokens, *levels, budget, order=order)
