@@ -251,12 +251,15 @@ def _expand_levels(
     rows = np.arange(bsz)[:, None]
     level_scores, level_tokens, level_parents = [vals[:, 0]], [toks[:, 0]], [np.zeros((bsz, k), dtype=np.int64)]
     dominance = np.minimum(m // np.arange(1, max(k, m) + 1), k)  # widths allowed by (i+1)(j+1) <= m
+    pairs: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # by parent count: levels repeat their sizes
     for d in range(1, max_depth):
         prev = level_scores[-1]
-        widths = dominance[: prev.shape[1]]
-        widths = widths[widths > 0]  # non-increasing, so this keeps a prefix of the parents
-        ii = np.repeat(np.arange(widths.size), widths)
-        jj = np.arange(ii.size) - np.repeat(np.cumsum(widths) - widths, widths)
+        if prev.shape[1] not in pairs:
+            widths = dominance[: prev.shape[1]]
+            widths = widths[widths > 0]  # non-increasing, so this keeps a prefix of the parents
+            ii = np.repeat(np.arange(widths.size), widths)
+            pairs[prev.shape[1]] = ii, np.arange(ii.size) - np.repeat(np.cumsum(widths) - widths, widths)
+        ii, jj = pairs[prev.shape[1]]
         # Row-major (parent, rank) order, so a stable selection breaks score ties by the key.
         cand = prev[:, ii] + vals[:, d, jj]
         pick = _top_stable(cand, m)
