@@ -209,16 +209,14 @@ def _assemble(
     n = budget + 1
     parents = np.concatenate([np.full((bsz, 1), -1), final_index[rows, sel_parent]], axis=1)
     depths = np.concatenate([np.zeros((bsz, 1), dtype=np.int64), level_depth[order]], axis=1)
+    # Walk every node up to the root at once, one level per step (the root is its own parent here).
+    up = parents.copy()
+    up[:, 0] = 0
+    steps = [np.broadcast_to(np.arange(n), (bsz, n))]
+    for _ in range(len(sizes)):
+        steps.append(up[rows, steps[-1]])
     visibility = np.zeros((bsz, n, n), dtype=bool)
-    row, node = np.repeat(np.arange(bsz), n), np.tile(np.arange(n), bsz)
-    ancestor, flat_parent = node.copy(), parents.ravel()
-    while True:  # walk every node up to the root at once, one level per step
-        visibility[row, node, ancestor] = True
-        up = ancestor > 0
-        if not up.any():
-            break
-        row, node = row[up], node[up]
-        ancestor = flat_parent[row * n + ancestor[up]]
+    visibility[rows[:, :, None], np.arange(n)[None, :, None], np.stack(steps, axis=2)] = True
     device = root_tokens.device
     node_tokens = torch.cat([root_tokens.view(bsz, 1).long(), torch.from_numpy(tokens[rows, order]).to(device)], 1)
     node_scores = np.concatenate([np.zeros((bsz, 1), np.float32), scores[rows, order]], axis=1)
@@ -325,13 +323,12 @@ def _levels_suffice(level_scores: list[np.ndarray], order: np.ndarray, deep_keep
     selection leaves at least one of them out, every node beyond the cap comes after that
     one, which already lost to ``budget`` selected nodes: nothing beyond the cap is needed.
     """
-    sizes = [s.shape[1] for s in level_scores]
-    bounds = np.cumsum([0] + sizes)
-    for d in range(1, len(sizes)):
-        if sizes[d] >= deep_keep:
-            chosen = ((order >= bounds[d]) & (order < bounds[d + 1])).sum(axis=1)
-            if (chosen >= sizes[d]).any():
-                return False
+    sizes = np.array([s.shape[1] for s in level_scores])
+    level = np.searchsorted(np.cumsum(sizes), order, side="right")  # the level of each selected node
+    for row in level:
+        chosen = np.bincount(row, minlength=sizes.size)
+        if ((chosen[1:] >= sizes[1:]) & (sizes[1:] >= deep_keep)).any():
+            return False
     return True
 
 
