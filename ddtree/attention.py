@@ -253,7 +253,7 @@ def _make_attention_function(prefix_kernel: PrefixKernel, block_kernel: BlockKer
     def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, sliding_window=None,
                   softcap=None, **kwargs):
         if kwargs.get("s_aux") is not None:
-            raise NotImplementedError("ddtree split attention does not support attention sinks (s_aux)")
+            raise ValueError("ddtree split attention does not support attention sinks (s_aux): use attention=\"sdpa\" for this target")
         scale = scaling if scaling is not None else 1.0 / math.sqrt(query.shape[-1])
         window = sliding_window if sliding_window is not None else getattr(module, "sliding_window", None)
         spec = kwargs.get(TREE_KWARG)
@@ -279,7 +279,7 @@ def _make_attention_function(prefix_kernel: PrefixKernel, block_kernel: BlockKer
                 raise ValueError(f"tree spec has {spec.num_nodes} nodes but the forward has {n} queries")
             prefix_len = key.shape[2] - n
             if _key_padding(attention_mask, query.shape[0], key.shape[2], query.device) is not None:
-                raise NotImplementedError("split tree attention does not support padded batches")
+                raise ValueError("split tree attention does not support padded batches: use attention=\"sdpa\" or unpadded input")
             _, _, allowed = spec.block(prefix_len, window, query.device)
             out = split_tree_attention(
                 query, key[:, :, :prefix_len], value[:, :, :prefix_len], key[:, :, prefix_len:],
