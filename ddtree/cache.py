@@ -27,7 +27,9 @@ def cache_length(cache) -> int:
     return int(cache.get_seq_length()) if cache is not None else 0
 
 
-def keep_positions(tensor: torch.Tensor, prefix_len: int, accepted: torch.Tensor) -> torch.Tensor:
+def keep_positions(
+    tensor: torch.Tensor, prefix_len: int, accepted: torch.Tensor, contiguous: bool | None = None
+) -> torch.Tensor:
     """``tensor[..., :prefix_len, :]`` followed by the tree rows ``accepted`` (``[B, L]`` node indices).
 
     Works on ``[B, heads, T, d]`` states. When the accepted nodes are the first
@@ -36,12 +38,17 @@ def keep_positions(tensor: torch.Tensor, prefix_len: int, accepted: torch.Tensor
     bsz, length = accepted.shape
     if bsz != tensor.shape[0]:
         raise ValueError(f"accepted indices are for {bsz} rows, the cache has {tensor.shape[0]}")
-    contiguous = bool((accepted == torch.arange(length, device=accepted.device)).all())
+    if contiguous is None:
+        contiguous = _is_leading_run(accepted)
     if contiguous:
         return tensor[..., : prefix_len + length, :]
     index = (prefix_len + accepted).to(tensor.device)  # [B, L]
     index = index[:, None, :, None].expand(bsz, tensor.shape[1], length, tensor.shape[-1])
     return torch.cat([tensor[..., :prefix_len, :], tensor.gather(2, index)], dim=2)
+
+
+def _is_leading_run(accepted: torch.Tensor) -> bool:
+    return bool((accepted == torch.arange(accepted.shape[1], device=accepted.device)).all())
 
 
 def commit_accepted(cache, prefix_len: int, accepted: torch.Tensor) -> None:
@@ -54,6 +61,7 @@ def commit_accepted(cache, prefix_len: int, accepted: torch.Tensor) -> None:
         raise ValueError(f"accepted must be [batch, length], got shape {tuple(accepted.shape)}")
     if (accepted < 0).any():
         raise ValueError("ragged acceptance across batch rows is not supported yet (found padded indices)")
+    contiguous = _is_leading_run(accepted)  # once per round, not once per layer
     for layer in getattr(cache, "layers", []):
         if getattr(layer, "is_linear", False) or hasattr(layer, "recurrent_states"):
             raise ValueError(
@@ -68,5 +76,5 @@ def commit_accepted(cache, prefix_len: int, accepted: torch.Tensor) -> None:
         keys = getattr(layer, "keys", None)
         if keys is None or keys.numel() == 0:
             continue
-        layer.keys = keep_positions(layer.keys, prefix_len, accepted)
-        layer.values = keep_positions(layer.values, prefix_len, accepted)
+        layer.keys = keep_positions(layer.keys, prefix_len, accepted, contiguous)
+        layer.values = keep_positions(layer.values, prefix_len, accepted, contiguous)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import pytest
 import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
@@ -10,16 +9,6 @@ from ddtree.drafter import DFlashConfig, DFlashDraftModel
 
 VOCAB = 97
 MASK_ID = 96
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Run each test on one intra-op thread: these tensors are tiny, and on busy shared
-    cores two threads made the 20000-row verify simulations about 10x slower."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def tiny_qwen3_config(**overrides) -> Qwen3Config:

@@ -39,6 +39,15 @@ def tiny_drafter_model(target, seed: int = 1, block_size: int = 5, num_layers: i
     return DFlashDraftModel(cfg).to(next(target.parameters()).dtype).eval()
 
 
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tests run tiny models: a second intra-op thread costs more than the math it takes over."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(params=["qwen3", "llama"])
 def tiny_pair(request):
     target = tiny_target(request.param)

@@ -31,13 +31,6 @@ from ddtree.tree import DraftTree
 TOL = {torch.float64: 1e-10, torch.float32: 1e-5}
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """These shapes are tiny: one thread avoids oversubscription on a shared 2-core machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 KERNELS = {"torch": (torch_prefix_kernel(chunk=512), None), "fused": (fused_prefix_kernel, fused_block_kernel)}
 
 

@@ -26,15 +26,6 @@ from ddtree.bench.tree_build import heap_best_first, same_tree
 from ddtree.bench.tree_build import main as tree_build_main
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny models: handing work to a second thread costs more than the math, far more on a busy machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def names(spec):
     return [m.name for m in parse_methods(spec)]
 

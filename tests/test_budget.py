@@ -11,15 +11,6 @@ from ddtree.budget import AutoBudget, FunctionLatency, ProfiledLatency, context_
 from ddtree.tree import beam
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny models: handing work to a second thread costs more than the math, far more on a busy machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def certain_logprobs(depth: int, vocab: int = 11) -> torch.Tensor:
     """The drafter is sure at every depth: one token with probability 1 (log-prob 0)."""
     lp = torch.full((1, depth, vocab), float("-inf"))

@@ -7,7 +7,7 @@ import copy
 import pytest
 import torch
 
-from _tiny import MASK_ID, VOCAB, one_thread, tiny_drafter, tiny_qwen3_config, tiny_target  # noqa: F401
+from _tiny import MASK_ID, VOCAB, tiny_drafter, tiny_qwen3_config, tiny_target  # noqa: F401
 from ddtree import SamplingConfig, SpeculativeGenerator
 from ddtree.drafter import DFlashConfig, DFlashDrafter, check_compatible
 from ddtree.features import build_target_layer_ids

@@ -7,7 +7,6 @@ import random
 import pytest
 import torch
 
-from _tiny import one_thread  # noqa: F401  (autouse: one intra-op thread per test)
 
 from ddtree.masks import tree_attention_mask, tree_position_ids
 from ddtree.tree import DraftTree

@@ -64,7 +64,6 @@ def expected_first_round_acceptance(target, record, first: int, cfg: SamplingCon
     ],
 )
 def test_speculative_sampling_matches_target_distribution(cfg, builder, budget):
-    torch.set_num_threads(1)
     target = tiny_target("qwen3", vocab=VOCAB)
     torch.manual_seed(3)
     dcfg = DFlashConfig.for_target(target.config, num_hidden_layers=1, block_size=4, mask_token_id=VOCAB - 1)

@@ -18,7 +18,6 @@ import numpy as np
 import pytest
 import torch
 
-from _tiny import one_thread  # noqa: F401  (autouse: one intra-op thread per test)
 
 from ddtree.tree import BUILDERS, DraftTree, beam, best_first, chain, ranked_topk, resolve_builder
 

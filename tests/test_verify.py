@@ -14,7 +14,6 @@ import random
 import pytest
 import torch
 
-from _tiny import one_thread  # noqa: F401  (autouse: one intra-op thread per test)
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 from ddtree.sampling import SamplingConfig, choose_tokens, processed_logprobs
