@@ -71,6 +71,23 @@ def test_resume_continues_from_checkpoint(tmp_path):
     assert ck["step"] == 30
 
 
+def test_warm_start_from_a_drafter(tmp_path):
+    target = tiny_target()
+    prompts = tiny_prompts(24)
+    run(tiny_cfg(tmp_path, num_prompts=24, steps=20, eval_every=10, save_every=10), target=target, prompts=prompts,
+        log_fn=lambda m: None)
+    trained = DFlashDraftModel.from_pretrained(tmp_path / "run" / "best", dtype=torch.float32)
+    cfg = tiny_cfg(tmp_path / "b", init_from_drafter=str(tmp_path / "run" / "best"))
+    warm = build_drafter(cfg, target, 127, trained.config.target_layer_ids)
+    for (k, a), b in zip(warm.state_dict().items(), trained.state_dict().values()):
+        assert torch.equal(a, b), k
+    cold = build_drafter(tiny_cfg(tmp_path / "c"), target, 127, trained.config.target_layer_ids)
+    assert not torch.equal(cold.fc.weight, trained.fc.weight)
+    with pytest.raises(ValueError, match="block_size: drafter has 4, run asks for 6"):
+        build_drafter(tiny_cfg(tmp_path / "d", block_size=6, init_from_drafter=str(tmp_path / "run" / "best")),
+                      target, 127, trained.config.target_layer_ids)
+
+
 def test_training_block_matches_runtime_propose(tmp_path):
     """The block-sparse training forward equals the runtime drafter on the same prefix."""
     target = tiny_target()

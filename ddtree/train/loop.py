@@ -216,9 +216,28 @@ def build_drafter(cfg: TrainConfig, target, mask_token_id: int, target_layer_ids
         target.config, num_hidden_layers=cfg.num_layers, block_size=cfg.block_size, mask_token_id=mask_token_id,
         target_layer_ids=target_layer_ids, intermediate_size=cfg.intermediate_size or None)
     model = DFlashDraftModel(dcfg)
-    if cfg.init_from_target >= 0:
+    if cfg.init_from_drafter:
+        init_from_drafter(model, cfg.init_from_drafter)
+    elif cfg.init_from_target >= 0:
         init_from_target_layer(model, target, cfg.init_from_target)
     return model.float()
+
+
+def init_from_drafter(model: DFlashDraftModel, path: str) -> None:
+    """Warm start from a trained drafter, so more data or a longer run need not repeat the early steps."""
+    src = DFlashDraftModel.from_pretrained(path, dtype=torch.float32)
+    keys = ("hidden_size", "num_hidden_layers", "block_size", "target_layer_ids", "mask_token_id",
+            "intermediate_size", "layer_types")
+    def norm(v):
+        return list(v) if isinstance(v, (list, tuple)) else v
+
+    diff = {k: (norm(getattr(src.config, k)), norm(getattr(model.config, k))) for k in keys}
+    diff = {k: v for k, v in diff.items() if v[0] != v[1]}
+    if diff:
+        detail = ", ".join(f"{k}: drafter has {a}, run asks for {b}" for k, (a, b) in diff.items())
+        raise ValueError(f"--init-from-drafter {path} does not fit this run ({detail}); "
+                         "pass the same drafter options as the run that trained it")
+    model.load_state_dict(src.state_dict())
 
 
 def init_from_target_layer(model: DFlashDraftModel, target, layer: int) -> None:
