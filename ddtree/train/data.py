@@ -330,6 +330,16 @@ class FeatureDataset:
         o, p = self.offsets, self.data["prompt_lens"]
         return int(sum(int(o[i + 1] - o[i] - p[i]) for i in self.seq_index))
 
+    def ranked_vocab(self, vocab_size: int) -> torch.Tensor:
+        """All token ids, most frequent first in these sequences (plus the teacher's top-4), ties by id.
+
+        Low ids come first among unseen tokens: BPE ids roughly follow merge order, hence frequency.
+        """
+        rows = torch.cat([torch.arange(s, s + n) for s, n, _ in map(self.sequence, range(len(self)))])
+        counts = torch.bincount(self.data["input_ids"][rows].long(), minlength=vocab_size).double()
+        counts += torch.bincount(self.data["topk_ids"][rows, :4].flatten().long(), minlength=vocab_size)
+        return torch.sort(-counts, stable=True).indices[:vocab_size]
+
     def sequence(self, k: int) -> tuple[int, int, int]:
         """``(start, length, prompt_len)`` of the k-th sequence in the flat arrays."""
         i = self.seq_index[k]

@@ -263,9 +263,7 @@ def lr_at(step: int, cfg: TrainConfig, minutes: float = 0.0) -> float:
 def frequent_vocab(ds: FeatureDataset, n: int, vocab: int) -> torch.Tensor | None:
     if n <= 0 or n >= vocab:
         return None
-    counts = torch.bincount(ds.data["input_ids"].long(), minlength=vocab)
-    counts += torch.bincount(ds.data["topk_ids"][:, :4].flatten().long(), minlength=vocab)
-    return counts.topk(n).indices.sort().values
+    return ds.ranked_vocab(vocab)[:n].sort().values
 
 
 # --------------------------------------------------------------------------- loop
@@ -313,6 +311,7 @@ def train(cfg: TrainConfig, target, train_ds: FeatureDataset, heldout_ds: Featur
                     "elapsed": elapsed_before + time.time() - t0, "config": vars(cfg)}, str(ckpt_path) + ".tmp")
         Path(str(ckpt_path) + ".tmp").replace(ckpt_path)
         if tag_best:
+            model.draft_vocab = train_ds.ranked_vocab(lm_weight.shape[0])[:cfg.draft_vocab] if cfg.draft_vocab else None
             model.save_pretrained(out / "best", dtype=torch.bfloat16)
             (out / "best" / "train_stats.json").write_text(json.dumps({"step": step, **best}, indent=2))
 

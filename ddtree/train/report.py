@@ -1,7 +1,7 @@
 """Summarise a training run as markdown (loss curve table, held-out acceptance) and export its best drafter.
 
     python -m ddtree.train.report runs/smollm2                 # print the summary
-    python -m ddtree.train.report runs/smollm2 --export DIR    # copy best/ (config.json + model.safetensors) to DIR
+    python -m ddtree.train.report runs/smollm2 --export DIR    # copy best/ (config.json, model.safetensors, draft_vocab.safetensors) to DIR
 """
 
 from __future__ import annotations
@@ -10,6 +10,8 @@ import argparse
 import json
 import shutil
 from pathlib import Path
+
+from ..drafter import DRAFT_VOCAB_FILE
 
 
 def read_log(out_dir: str | Path) -> tuple[list[dict], list[dict]]:
@@ -63,8 +65,11 @@ def summary(out_dir: str | Path) -> str:
 def export(out_dir: str | Path, dest: str | Path) -> Path:
     src, dest = Path(out_dir) / "best", Path(dest)
     dest.mkdir(parents=True, exist_ok=True)
-    for name in ("config.json", "model.safetensors"):
-        shutil.copyfile(src / name, dest / name)
+    for name in ("config.json", "model.safetensors", DRAFT_VOCAB_FILE):
+        if (src / name).exists():
+            shutil.copyfile(src / name, dest / name)
+        elif name == DRAFT_VOCAB_FILE:
+            (dest / name).unlink(missing_ok=True)
     return dest
 
 
