@@ -81,12 +81,40 @@ def test_shipped_drafter_loads_for_the_default_target():
     assert lp.shape == (1, model.config.block_size - 1, target.config.vocab_size)
 
 
+@pytest.mark.smollm
+@smollm
+def test_default_pair_is_lossless_and_its_acceptance_needs_the_right_features():
+    """The real pair: output equals plain decoding, every round accepts what a walk of its tree against
+    that output gives, and features taken one layer off (the classic integration bug) cut acceptance."""
+    from ddtree import SpeculativeGenerator, extract_context_feature
+    from test_generator import expected_acceptance
+
+    gen = SpeculativeGenerator.from_pretrained(tree_budget=16)
+    tok = gen.tokenizer
+    ids = tok.apply_chat_template([{"role": "user", "content": "Write a short story about a lighthouse keeper."}],
+                                  add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]
+    plain = gen.generate(ids, max_new_tokens=48, tree_budget=0).sequences
+    out = gen.generate(ids, max_new_tokens=48, record_trees=True)
+    assert torch.equal(out.sequences, plain)
+    ref = plain[0].tolist()
+    assert out.acceptance_lengths == [expected_acceptance(r, ref) for r in out.rounds]
+    tau = sum(out.acceptance_lengths) / len(out.acceptance_lengths)
+    assert tau >= 1.4, tau
+
+    ids_ = gen.drafter.target_layer_ids
+    gen.drafter.context_features = lambda hs: extract_context_feature(hs, [i - 1 for i in ids_])  # hidden_states[i]
+    off = gen.generate(ids, max_new_tokens=48)
+    assert torch.equal(off.sequences, plain)  # still lossless ...
+    tau_off = sum(off.acceptance_lengths) / len(off.acceptance_lengths)
+    assert tau_off < tau - 0.2, (tau_off, tau)  # ... but the drafter no longer sees what it was trained on
+
+
 def test_packaged_and_checkout_drafters_agree():
     """The drafter ships twice (package data for `pip install .`, models/ for the checkout): same bytes."""
     a, b = pretrained.PACKAGED_DRAFTER_DIR, pretrained.REPO_DRAFTER_DIR
     if not (a / "model.safetensors").is_file() or not (b / "model.safetensors").is_file():
         pytest.skip("only one copy of the drafter present")
-    for name in ("config.json", "model.safetensors"):
+    for name in ("config.json", "model.safetensors", "draft_vocab.safetensors"):
         assert (a / name).read_bytes() == (b / name).read_bytes(), name
     cfg = json.loads((a / "config.json").read_text())
     assert cfg["num_target_layers"] == 30 and cfg["hidden_size"] == 576
