@@ -216,7 +216,9 @@ def _assemble(
     for _ in range(len(sizes)):
         steps.append(up[rows, steps[-1]])
     visibility = np.zeros((bsz, n, n), dtype=bool)
-    visibility[rows[:, :, None], np.arange(n)[None, :, None], np.stack(steps, axis=2)] = True
+    # One flat scatter: entry (b, i, ancestor) sits at (b * n + i) * n + ancestor.
+    flat = (np.arange(bsz * n).reshape(bsz, n, 1) * n + np.stack(steps, axis=2)).ravel()
+    visibility.reshape(-1)[flat] = True
     device = root_tokens.device
     node_tokens = torch.cat([root_tokens.view(bsz, 1).long(), torch.from_numpy(tokens[rows, order]).to(device)], 1)
     node_scores = np.concatenate([np.zeros((bsz, 1), np.float32), scores[rows, order]], axis=1)
