@@ -260,10 +260,11 @@ def lr_at(step: int, cfg: TrainConfig, minutes: float = 0.0) -> float:
     return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1 + math.cos(math.pi * frac))
 
 
-def frequent_vocab(ds: FeatureDataset, n: int, vocab: int) -> torch.Tensor | None:
-    if n <= 0 or n >= vocab:
+def frequent_vocab(ranked: torch.Tensor, n: int) -> torch.Tensor | None:
+    """The loss's static vocabulary: the ``n`` top-ranked ids, sorted (None: the full vocabulary)."""
+    if n <= 0 or n >= ranked.numel():
         return None
-    return ds.ranked_vocab(vocab)[:n].sort().values
+    return ranked[:n].sort().values
 
 
 # --------------------------------------------------------------------------- loop
@@ -299,7 +300,8 @@ def train(cfg: TrainConfig, target, train_ds: FeatureDataset, heldout_ds: Featur
         opt.load_state_dict(ck["opt"])
         step, best, elapsed_before = ck["step"], ck.get("best", best), ck.get("elapsed", 0.0)
         log(f"[train] resumed from {ckpt_path} at step {step} (best acceptance {best['acceptance']:.3f})")
-    static_vocab = frequent_vocab(train_ds, cfg.vocab_subset, lm_weight.shape[0])
+    ranked = train_ds.ranked_vocab(lm_weight.shape[0])  # token frequencies: the loss vocabulary and the draft vocab
+    static_vocab = frequent_vocab(ranked, cfg.vocab_subset)
     gen = torch.Generator().manual_seed(cfg.seed * 1000 + step)
     n_params = sum(p.numel() for p in model.parameters())
     log(f"[train] drafter {cfg.num_layers} layer(s), {n_params / 1e6:.2f}M params, block {cfg.block_size}, "
@@ -311,7 +313,7 @@ def train(cfg: TrainConfig, target, train_ds: FeatureDataset, heldout_ds: Featur
                     "elapsed": elapsed_before + time.time() - t0, "config": vars(cfg)}, str(ckpt_path) + ".tmp")
         Path(str(ckpt_path) + ".tmp").replace(ckpt_path)
         if tag_best:
-            model.draft_vocab = train_ds.ranked_vocab(lm_weight.shape[0])[:cfg.draft_vocab] if cfg.draft_vocab else None
+            model.draft_vocab = ranked[:cfg.draft_vocab] if cfg.draft_vocab else None
             model.save_pretrained(out / "best", dtype=torch.bfloat16)
             (out / "best" / "train_stats.json").write_text(json.dumps({"step": step, **best}, indent=2))
 
@@ -373,7 +375,8 @@ def train(cfg: TrainConfig, target, train_ds: FeatureDataset, heldout_ds: Featur
                 fresh = reload()
                 if fresh is not None:
                     train_ds, heldout_ds = fresh
-                    static_vocab = frequent_vocab(train_ds, cfg.vocab_subset, lm_weight.shape[0])
+                    ranked = train_ds.ranked_vocab(lm_weight.shape[0])
+                    static_vocab = frequent_vocab(ranked, cfg.vocab_subset)
                     best = {"acceptance": 0.0}  # a new held-out set: scores are not comparable to earlier ones
                     log(f"[train] data reloaded: train {len(train_ds)} seqs ({train_ds.response_tokens()} "
                         f"response tokens), held-out {len(heldout_ds)} seqs")
