@@ -95,6 +95,8 @@ def test_training_block_matches_runtime_propose(tmp_path):
     from ddtree.train.__main__ import prepare_data
 
     prepare_data(cfg, target, None, tiny_prompts(8), [2])
+    with pytest.raises(ValueError, match=r"layer_ids: cache has \[2\], run asks for \[1, 2\]"):
+        prepare_data(cfg, target, None, tiny_prompts(8), [1, 2])  # would mix layers in one cache
     data = load_dataset(cfg.resolved_data_dir())
     ds = FeatureDataset(data, list(range(8)), feature_layers=[2])
     torch.manual_seed(1)

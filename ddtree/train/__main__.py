@@ -76,7 +76,12 @@ def prepare_data(cfg: TrainConfig, target, tokenizer, prompts=None, cache_ids=No
             "seed": cfg.seed}
     if meta_path.exists():
         old = json.loads(meta_path.read_text())
-        if old.get("complete") and {k: old.get(k) for k in meta} == meta:
+        diff = {k: (old.get(k), v) for k, v in meta.items() if old.get(k) != v}
+        if diff and any(data_dir.glob("shard_*.pt")):
+            said = ", ".join(f"{k}: cache has {a}, run asks for {b}" for k, (a, b) in diff.items())
+            raise ValueError(f"the feature cache in {data_dir} was built with other settings ({said}); "
+                             "repeat those settings to extend it, or pass a new --data-dir")
+        if old.get("complete") and not diff:
             return data_dir
     if cfg.source == "self-distill":
         if prompts is None:
