@@ -25,6 +25,7 @@ import shutil
 import subprocess
 import sys
 import types
+from contextlib import contextmanager
 from functools import lru_cache
 from pathlib import Path
 
@@ -169,3 +170,16 @@ def uninstall(model: torch.nn.Module) -> int:
 def installed(model: torch.nn.Module) -> int:
     """How many of ``model``'s linears go through the kernel."""
     return sum(1 for mod in model.modules() if hasattr(mod, _INSTALLED))
+
+
+@contextmanager
+def suspended(model: torch.nn.Module):
+    """Run the block with ``model``'s own linears (a stock baseline), then route them again."""
+    saved = [(mod, getattr(mod, _INSTALLED)) for mod in model.modules() if hasattr(mod, _INSTALLED)]
+    uninstall(model)
+    try:
+        yield model
+    finally:
+        for mod, max_rows in saved:
+            setattr(mod, _INSTALLED, max_rows)
+            mod.forward = types.MethodType(_forward, mod)

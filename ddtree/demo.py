@@ -62,6 +62,8 @@ def run_demo(args: argparse.Namespace) -> int:
     gen = SpeculativeGenerator.from_pretrained(dtype=dtype, attention=args.attention)
     tok = gen.tokenizer
     torch.set_num_threads(max(1, torch.get_num_threads()))
+    if gen.cpu_linear:
+        print(f"target linears: ddtree.cpu_linear ({gen.cpu_linear} layers; plain decoding uses it too)")
     ids = _encode(tok, args.prompt)
     stop = [tok.eos_token_id] if tok.eos_token_id is not None else None
     depth = gen.drafter.block_size - 1

@@ -81,7 +81,10 @@ class SpeculativeGenerator:
     target-only decoding (the drafter does no work), the baseline for speedups. ``builder`` is ``"best_first"`` (DDTree),
     ``"chain"`` (DFlash), ``"beam@WxD"``, ``"module:function"`` or any callable
     with the :class:`~ddtree.tree.TreeBuilder` signature. ``attention`` names the
-    tree-verify attention backend (see :mod:`ddtree.attention`).
+    tree-verify attention backend (see :mod:`ddtree.attention`). ``cpu_linear``
+    routes a float32 CPU target's linear layers through :mod:`ddtree.cpu_linear`
+    (faster few-token verify forwards): ``True`` requires it, ``"auto"`` uses it
+    where it runs, ``False`` leaves the target as it is.
     """
 
     def __init__(
@@ -92,11 +95,13 @@ class SpeculativeGenerator:
         tree_budget: int = 32,
         builder: str | TreeBuilder = "best_first",
         attention: str | None = "auto",
+        cpu_linear: bool | str = False,
     ):
         if isinstance(drafter, DFlashDraftModel):
             drafter = DFlashDrafter(drafter, target)
         _check_budget(tree_budget)
         self.target = target.eval()
+        self.cpu_linear = _route_cpu_linear(target, cpu_linear)
         self.drafter = drafter
         self.tree_budget = tree_budget
         self.builder = resolve_builder(builder)
@@ -125,7 +130,8 @@ class SpeculativeGenerator:
         with AVX512-BF16, but its argmax near-ties can differ between a tree
         forward and a one-token forward). ``draft_vocab`` restricts the drafter's
         proposals (see :meth:`DFlashDrafter.set_draft_vocab`); ``"auto"`` uses the
-        drafter directory's ``draft_vocab.safetensors`` when it has one.
+        drafter directory's ``draft_vocab.safetensors`` when it has one. The target
+        loaded here is ours to change, so ``cpu_linear`` defaults to ``"auto"``.
         """
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -143,6 +149,7 @@ class SpeculativeGenerator:
         target_dtype = next(target.parameters()).dtype
         drafter = DFlashDrafter.from_pretrained(drafter_path_or_id, target, dtype=target_dtype, device=device,
                                                 draft_vocab=draft_vocab)
+        options.setdefault("cpu_linear", "auto")
         gen = cls(target, drafter, **options)
         try:
             gen.tokenizer = AutoTokenizer.from_pretrained(target_path_or_id)
@@ -345,6 +352,24 @@ class BudgetPolicy(Protocol):
     def choose(self, logprobs: torch.Tensor, context_len: int) -> int: ...
 
     def observe(self, tree: DraftTree, result: VerifyResult, verify_seconds: float, context_len: int) -> None: ...
+
+
+def _route_cpu_linear(target, mode) -> int:
+    """Install :mod:`ddtree.cpu_linear` on ``target`` as ``mode`` asks; returns the routed layer count."""
+    from . import cpu_linear
+
+    if mode not in (True, False, "auto"):
+        raise ValueError(f"cpu_linear must be True, False or 'auto', got {mode!r}")
+    if mode is False:
+        return cpu_linear.installed(target)
+    param = next(target.parameters())
+    suitable = param.device.type == "cpu" and param.dtype == torch.float32
+    if mode == "auto" and not (suitable and cpu_linear.available()):
+        return cpu_linear.installed(target)
+    if not suitable:
+        raise ValueError(f"cpu_linear=True needs a float32 target on the CPU, this one is {param.dtype} on "
+                         f"{param.device}; pass cpu_linear='auto' or False")
+    return cpu_linear.install(target)
 
 
 def _check_budget(budget) -> None:

@@ -16,6 +16,7 @@ means the powers of two from 1 to 256), ``beam@WxD``, ``auto`` and any builder
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import platform
@@ -29,6 +30,7 @@ from typing import Iterable, Sequence
 
 import torch
 
+from .. import cpu_linear
 from ..cache import new_target_cache
 from ..sampling import SamplingConfig, choose_tokens
 from ..tree import DraftTree
@@ -80,6 +82,8 @@ def parse_methods(specs: str | Sequence[str], default_budget: int = 32) -> list[
             new = [_with_budget(last_tree, b) for b in _budget_list(item, item)]
         elif item == "ar":
             new = [Method("ar", kind="ar", builder="", budget=0)]
+        elif item == "ar_stock":
+            new = [Method("ar_stock", kind="ar", builder="stock", budget=0)]
         elif item == "auto":
             new = [Method("auto", builder="best_first", budget="auto")]
         elif item.startswith("beam@"):
@@ -99,14 +103,15 @@ def parse_methods(specs: str | Sequence[str], default_budget: int = 32) -> list[
                 new = [Method(f"{base}@{b}", builder=base, budget=b) for b in budgets]
             else:
                 raise ValueError(
-                    f"unknown method {item!r}: use ar, chain, best_first@N, beam@WxD, auto or module:function[@N]"
+                    f"unknown method {item!r}: use ar, ar_stock, chain, best_first@N, beam@WxD, auto or "
+                    "module:function[@N]"
                 )
         for m in new:
             if m.name not in {x.name for x in methods}:
                 methods.append(m)
         if new and new[-1].kind == "tree" and isinstance(new[-1].budget, int):
             last_tree = new[-1]
-    if not any(m.kind == "ar" for m in methods):
+    if not any(m.name == "ar" for m in methods):
         methods.insert(0, Method("ar", kind="ar", builder="", budget=0))
     return methods
 
@@ -247,8 +252,10 @@ class Bench:
         n = max_new_tokens or self.max_new_tokens
         seed = self.seed + repeat
         if m.kind == "ar":
-            t0 = time.perf_counter()
-            tokens, stages = autoregressive(self.base.target, ids, n, self.sampling, seed, self.stops)
+            stock = cpu_linear.suspended(self.base.target) if m.builder == "stock" else contextlib.nullcontext()
+            with stock:
+                t0 = time.perf_counter()
+                tokens, stages = autoregressive(self.base.target, ids, n, self.sampling, seed, self.stops)
             return Run(m.name, prompt.id, repeat, len(tokens), time.perf_counter() - t0, [], stages, [], tokens), []
         gen = self.generators[m.builder]
         out = gen.generate(
@@ -386,7 +393,7 @@ def summarize(runs: list[Run], methods: list[Method], depth: int, greedy: bool) 
             "stage_seconds_per_run": {k: v / len(rs) for k, v in stage_totals.items()},
             "stage_ms_per_round": {k: 1e3 * v / rounds for k, v in stage_totals.items()} if rounds else {},
             "mean_budget": statistics.fmean(b for r in rs for b in r.budgets) if rounds else 0,
-            "lossless": checks.get(m.name, {}).get("lossless") if m.kind == "tree" else (True if greedy else None),
+            "lossless": checks.get(m.name, {}).get("lossless") if m.name != "ar" else (True if greedy else None),
             "lossless_detail": checks.get(m.name),
         }
         if m.kind == "tree":
@@ -442,7 +449,7 @@ def write_plots(rows: list[dict], out_dir: Path, depth: int) -> list[Path]:
         return []
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = []
-    tree_rows = [r for r in rows if r["method"] != "ar"]
+    tree_rows = [r for r in rows if r["method"] not in ("ar", "ar_stock")]
     sweep = sorted((r for r in tree_rows if r["builder"] == "best_first" and isinstance(r["budget"], int)),
                    key=lambda r: r["budget"])
     others = [r for r in tree_rows if r not in sweep]
@@ -551,6 +558,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--attention", default="sdpa", help="tree-verify attention backend (see ddtree.attention)")
     p.add_argument("--draft-vocab", default="auto",
                    help="drafter proposal vocabulary: 'auto' (the drafter's draft_vocab file), 'full', or N top-ranked ids")
+    p.add_argument("--cpu-linear", default="auto", choices=["auto", "on", "off"],
+                   help="route a float32 CPU target's linears through ddtree.cpu_linear (method ar_stock "
+                        "times plain decoding without it)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--out", type=Path, default=Path("bench_out"), help="output directory")
     p.add_argument("--save-trees", action="store_true", help="write every round's tree to OUT/trees.jsonl")
@@ -573,7 +583,8 @@ def load_generator(args):
         except ValueError:
             raise SystemExit(f"--draft-vocab takes 'auto', 'full' or a number of tokens, got {args.draft_vocab!r}")
     return SpeculativeGenerator.from_pretrained(
-        args.target, args.drafter, device=args.device, dtype=dtype, attention=args.attention, draft_vocab=vocab
+        args.target, args.drafter, device=args.device, dtype=dtype, attention=args.attention, draft_vocab=vocab,
+        cpu_linear={"auto": "auto", "on": True, "off": False}[args.cpu_linear],
     )
 
 
@@ -637,6 +648,7 @@ def _meta(args, gen, prompts, seconds, argv) -> dict:
         "target": args.target or f"default ({getattr(cfg, '_name_or_path', '')})",
         "drafter": args.drafter or "default (shipped)",
         "draft_depth": gen.drafter.block_size - 1,
+        "cpu_linear_layers": cpu_linear.installed(gen.target),
         "draft_vocab": (None if getattr(gen.drafter, "draft_vocab", None) is None
                         else int(gen.drafter.draft_vocab.numel())),
         "prompts": str(args.prompts or DEFAULT_PROMPTS.name),
@@ -652,7 +664,8 @@ def _meta(args, gen, prompts, seconds, argv) -> dict:
 def _md_header(meta: dict) -> str:
     return (
         f"`{meta['command']}`\n\n{meta['machine']}, {meta['processor']}, {meta['device']} {meta['dtype']}, "
-        f"torch {meta['torch']} ({meta['torch_threads']} threads), transformers {meta['transformers']}; "
+        f"torch {meta['torch']} ({meta['torch_threads']} threads), transformers {meta['transformers']}, "
+        f"{'ddtree.cpu_linear on %d target linears' % meta['cpu_linear_layers'] if meta.get('cpu_linear_layers') else 'stock linears'}; "
         f"{meta['num_prompts']} prompts x {meta['max_new_tokens']} new tokens, temperature {meta['temperature']}, "
         f"{meta['repeats']} interleaved repeats, {meta['wall_seconds']} s.\n\n"
     )

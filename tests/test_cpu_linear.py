@@ -1,0 +1,172 @@
+"""The few-row CPU linear: exact enough, batch-invariant, and lossless inside the generator."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from ddtree import SpeculativeGenerator, cpu_linear
+from conftest import ScriptedDrafter, tiny_drafter_model, tiny_target
+from test_generator import PROMPTS, expected_acceptance, reference
+
+needs_kernel = pytest.mark.skipif(not cpu_linear.available(), reason=f"kernel: {cpu_linear.unavailable_reason()}")
+
+
+def _weights(n, k, seed=0, bias=True):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g) / k**0.5
+    return w, (torch.randn(n, generator=g) if bias else None)
+
+
+@needs_kernel
+@pytest.mark.parametrize("n,k", [(64, 64), (37, 13), (1, 8), (130, 577)])
+@pytest.mark.parametrize("bias", [True, False])
+def test_matches_torch_linear(n, k, bias):
+    w, b = _weights(n, k, bias=bias)
+    for rows in (1, 2, 3, 4, 5, 9, 17, 32):
+        x = torch.randn(rows, k)
+        torch.testing.assert_close(cpu_linear.linear(x, w, b), F.linear(x, w, b), atol=1e-5, rtol=1e-5)
+    x3 = torch.randn(2, 3, k)  # leading dims are kept
+    out = cpu_linear.linear(x3, w, b)
+    assert out.shape == (2, 3, n)
+    torch.testing.assert_close(out, F.linear(x3, w, b), atol=1e-5, rtol=1e-5)
+
+
+@needs_kernel
+def test_a_row_does_not_depend_on_its_batch():
+    """Bit-identical rows whatever the row count: the property that lets verify and decode agree."""
+    w, b = _weights(203, 577, seed=3)
+    x = torch.randn(31, 577)
+    full = cpu_linear.linear(x, w, b)
+    for i in range(31):
+        assert torch.equal(cpu_linear.linear(x[i:i + 1], w, b), full[i:i + 1]), i
+    for m in (2, 3, 5, 8, 13):
+        assert torch.equal(cpu_linear.linear(x[m:2 * m], w, b), full[m:2 * m]), m
+    assert cpu_linear._use_kernel(x, w, b, rows=31, max_rows=32)  # the kernel, not BLAS, gave these rows
+
+
+@needs_kernel
+def test_outside_its_range_it_is_torch_linear():
+    w, b = _weights(48, 40)
+    big = torch.randn(40, 40)
+    assert torch.equal(cpu_linear.linear(big, w, b, max_rows=32), F.linear(big, w, b))
+    x = torch.randn(3, 40, dtype=torch.float64)
+    assert torch.equal(cpu_linear.linear(x, w.double(), b.double()), F.linear(x, w.double(), b.double()))
+    xg = torch.randn(3, 40, requires_grad=True)  # no backward in the kernel: autograd falls back
+    cpu_linear.linear(xg, w, b).sum().backward()
+    torch.testing.assert_close(xg.grad, w.sum(0).expand(3, 40))
+
+
+def test_bad_shapes_are_named():
+    w, b = _weights(8, 16)
+    with pytest.raises(ValueError, match="input has 15 features but the weight"):
+        cpu_linear.linear(torch.randn(2, 15), w, b)
+    with pytest.raises(ValueError, match="bias has shape"):
+        cpu_linear.linear(torch.randn(2, 16), w, torch.zeros(7))
+    with pytest.raises(ValueError, match="max_rows must be >= 1"):
+        cpu_linear.install(torch.nn.Linear(4, 4), max_rows=0)
+
+
+def test_unavailable_kernel_is_explained(monkeypatch):
+    monkeypatch.setattr(cpu_linear, "_cpu_flags", lambda: {"sse2"})
+    cpu_linear._load.cache_clear()
+    try:
+        assert not cpu_linear.available()
+        assert "lacks avx2, fma" in cpu_linear.unavailable_reason()
+        with pytest.raises(RuntimeError, match="unavailable: this CPU lacks avx2"):
+            cpu_linear.install(torch.nn.Linear(4, 4))
+        target = tiny_target("qwen3", dtype=torch.float32)
+        gen = SpeculativeGenerator(target, tiny_drafter_model(target), cpu_linear="auto")
+        assert gen.cpu_linear == 0  # auto quietly keeps the stock linears
+        x = torch.randn(2, 4)
+        lin = torch.nn.Linear(4, 4)
+        assert torch.equal(cpu_linear.linear(x, lin.weight.detach(), lin.bias.detach()), lin(x).detach())
+    finally:
+        monkeypatch.undo()
+        cpu_linear._load.cache_clear()
+
+
+@needs_kernel
+def test_install_uninstall_and_suspend():
+    target = tiny_target("llama", dtype=torch.float32)
+    ids = torch.tensor([PROMPTS[1]])
+    with torch.no_grad():
+        before = target(ids).logits
+        n = cpu_linear.install(target)
+        assert n == cpu_linear.installed(target) == 4 * 7 + 1  # q k v o gate up down per layer + lm_head
+        routed = target(ids).logits
+        with cpu_linear.suspended(target):
+            assert cpu_linear.installed(target) == 0
+            assert torch.equal(target(ids).logits, before)
+        assert cpu_linear.installed(target) == n
+        torch.testing.assert_close(routed, before, atol=1e-4, rtol=1e-4)
+        assert cpu_linear.uninstall(target) == n
+        assert torch.equal(target(ids).logits, before)
+
+
+@needs_kernel
+@pytest.mark.parametrize("kind", ["qwen3", "llama"])
+def test_generator_lossless_with_acceptance_of_a_recompute(kind):
+    target = tiny_target(kind, dtype=torch.float32)
+    draft = tiny_drafter_model(target)
+    gen = SpeculativeGenerator(target, draft, tree_budget=12, cpu_linear=True)
+    assert gen.cpu_linear == cpu_linear.installed(target) > 0
+    for prompt in PROMPTS:
+        ref = reference(target, prompt)  # plain decoding of the same (routed) target
+        out = gen.generate(torch.tensor([prompt]), max_new_tokens=64, record_trees=True)
+        assert torch.equal(out.sequences, ref)
+        ref_tokens = ref[0].tolist()
+        assert out.acceptance_lengths == [expected_acceptance(r, ref_tokens) for r in out.rounds]
+    cpu_linear.uninstall(target)
+
+
+@needs_kernel
+def test_agreeing_drafter_keeps_full_acceptance_with_the_kernel():
+    target = tiny_target("qwen3", dtype=torch.float32)
+    cpu_linear.install(target)
+    ref = reference(target, PROMPTS[1], new=61)
+    drafter = ScriptedDrafter(ref, vocab=target.config.vocab_size, block_size=5)
+    out = SpeculativeGenerator(target, drafter, tree_budget=8).generate(torch.tensor([PROMPTS[1]]), max_new_tokens=61)
+    assert torch.equal(out.sequences, ref)
+    assert out.acceptance_lengths == [5] * 12
+
+
+def test_generator_option_is_checked():
+    target = tiny_target("qwen3")  # float64
+    draft = tiny_drafter_model(target)
+    with pytest.raises(ValueError, match="cpu_linear=True needs a float32 target on the CPU"):
+        SpeculativeGenerator(target, draft, cpu_linear=True)
+    with pytest.raises(ValueError, match="cpu_linear must be True, False or 'auto'"):
+        SpeculativeGenerator(target, draft, cpu_linear="yes")
+    assert SpeculativeGenerator(target, draft, cpu_linear="auto").cpu_linear == 0
+
+
+@needs_kernel
+def test_bench_times_the_stock_target_side_by_side():
+    from ddtree.bench.runner import Bench, Prompt, parse_methods, summarize
+
+    methods = parse_methods("ar_stock,best_first@6")
+    assert [m.name for m in methods] == ["ar", "ar_stock", "best_first@6"]
+    target = tiny_target("llama", dtype=torch.float32)
+    gen = SpeculativeGenerator(target, tiny_drafter_model(target), cpu_linear=True)
+    seen = []
+    real = cpu_linear.suspended
+
+    def spy(model):
+        seen.append(cpu_linear.installed(model))
+        return real(model)
+
+    import ddtree.bench.runner as runner
+
+    runner.cpu_linear.suspended, restore = spy, real
+    try:
+        bench = Bench(gen, methods, max_new_tokens=24)
+        runs = bench.run([Prompt("p", PROMPTS[1])], repeats=1, warmup=False, progress=False)
+    finally:
+        runner.cpu_linear.suspended = restore
+    assert seen == [gen.cpu_linear]  # ar_stock ran once, with the kernel taken out for it
+    assert cpu_linear.installed(target) == gen.cpu_linear  # and put back
+    rows = {r["method"]: r for r in summarize(runs, methods, depth=4, greedy=True)}
+    assert rows["best_first@6"]["lossless"] and rows["best_first@6"]["tau"] > 1.0
+    assert rows["ar_stock"]["lossless"] is True  # the stock target said the same as the routed one
