@@ -83,8 +83,9 @@ class SpeculativeGenerator:
     with the :class:`~ddtree.tree.TreeBuilder` signature. ``attention`` names the
     tree-verify attention backend (see :mod:`ddtree.attention`). ``cpu_linear``
     routes a float32 CPU target's linear layers through :mod:`ddtree.cpu_linear`
-    (faster few-token verify forwards): ``True`` requires it, ``"auto"`` uses it
-    where it runs, ``False`` leaves the target as it is.
+    (faster few-token verify forwards), and the DFlash drafter's along with it:
+    ``True`` requires it, ``"auto"`` uses it where it runs, ``False`` leaves the
+    models as they are.
     """
 
     def __init__(
@@ -102,6 +103,8 @@ class SpeculativeGenerator:
         _check_budget(tree_budget)
         self.target = target.eval()
         self.cpu_linear = _route_cpu_linear(target, cpu_linear)
+        if self.cpu_linear and isinstance(drafter, DFlashDrafter):
+            _route_cpu_linear(drafter.model, "auto")  # the draft step is a few-row forward as well
         self.drafter = drafter
         self.tree_budget = tree_budget
         self.builder = resolve_builder(builder)
