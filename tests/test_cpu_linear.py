@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -170,3 +172,15 @@ def test_bench_times_the_stock_target_side_by_side():
     rows = {r["method"]: r for r in summarize(runs, methods, depth=4, greedy=True)}
     assert rows["best_first@6"]["lossless"] and rows["best_first@6"]["tau"] > 1.0
     assert rows["ar_stock"]["lossless"] is True  # the stock target said the same as the routed one
+
+
+@needs_kernel
+def test_cpu_linear_bench_command(tmp_path, capsys):
+    from ddtree.bench.runner import run_main_bench
+
+    assert run_main_bench(["cpu-linear", "--rows", "1,3,7", "--repeats", "1", "--dims", "32,16,48,2,100",
+                           "--out", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "cpu_linear.json").read_text())["rows"]
+    assert [r["rows"] for r in rows] == [1, 3, 7]
+    assert rows[0]["blas_vs_1row_blas"] == 1.0 and all(r["kernel_ms"] > 0 for r in rows)
+    assert "| 7 |" in capsys.readouterr().out

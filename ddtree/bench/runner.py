@@ -595,6 +595,10 @@ def run_main_bench(argv: Sequence[str] | None = None) -> int:
         from .tree_build import main as tree_build_main
 
         return tree_build_main(argv[1:])
+    if argv and argv[0] == "cpu-linear":
+        from .cpu_linear import main as cpu_linear_main
+
+        return cpu_linear_main(argv[1:])
     args = build_parser().parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
