@@ -71,17 +71,17 @@ def _load() -> tuple[ctypes.CDLL | None, str | None]:
     tag = hashlib.sha256(src + " ".join([cc, *FLAGS]).encode()).hexdigest()[:16]
     out = _build_dir() / f"skinny_linear_{tag}.so"
     if not out.exists():
-        out.parent.mkdir(parents=True, exist_ok=True)
         tmp = out.with_suffix(f".{os.getpid()}.tmp")
         try:
+            out.parent.mkdir(parents=True, exist_ok=True)
             proc = subprocess.run([cc, *FLAGS, str(SOURCE), "-o", str(tmp)], capture_output=True, text=True,
                                   timeout=120)
+            if proc.returncode != 0:
+                tmp.unlink(missing_ok=True)
+                return None, f"compiling {SOURCE.name} with {cc} failed: {proc.stderr.strip()[-400:]}"
+            tmp.replace(out)  # atomic: concurrent processes never load a half-written library
         except (OSError, subprocess.TimeoutExpired) as e:
-            return None, f"compiling {SOURCE.name} failed: {e}"
-        if proc.returncode != 0:
-            tmp.unlink(missing_ok=True)
-            return None, f"compiling {SOURCE.name} with {cc} failed: {proc.stderr.strip()[-400:]}"
-        tmp.replace(out)  # atomic: concurrent processes never load a half-written library
+            return None, f"building {out} failed: {e} (set DDTREE_CACHE to a writable directory)"
     try:
         lib = ctypes.CDLL(str(out))
     except OSError as e:

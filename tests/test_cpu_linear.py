@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import platform
+import sys
 
 import pytest
 import torch
@@ -84,6 +86,27 @@ def test_unavailable_kernel_is_explained(monkeypatch):
         x = torch.randn(2, 4)
         lin = torch.nn.Linear(4, 4)
         assert torch.equal(cpu_linear.linear(x, lin.weight.detach(), lin.bias.detach()), lin(x).detach())
+    finally:
+        monkeypatch.undo()
+        cpu_linear._load.cache_clear()
+
+
+@pytest.mark.parametrize("case", ["bad_compiler", "unwritable_cache"])
+def test_failed_build_is_explained(monkeypatch, tmp_path, case):
+    if case == "bad_compiler":
+        monkeypatch.setenv("CC", "/bin/false")
+        monkeypatch.setattr(cpu_linear, "_build_dir", lambda: tmp_path)
+        want = "with /bin/false failed"
+    else:
+        (tmp_path / "a_file").write_text("")
+        monkeypatch.setattr(cpu_linear, "_build_dir", lambda: tmp_path / "a_file" / "kernels")
+        want = "set DDTREE_CACHE to a writable directory"
+    monkeypatch.setattr(cpu_linear, "_cpu_flags", lambda: {"avx2", "fma"})
+    cpu_linear._load.cache_clear()
+    try:
+        if sys.platform.startswith("linux") and platform.machine() in ("x86_64", "AMD64"):
+            assert not cpu_linear.available()
+            assert want in cpu_linear.unavailable_reason()
     finally:
         monkeypatch.undo()
         cpu_linear._load.cache_clear()
