@@ -363,7 +363,7 @@ def _route_cpu_linear(target, mode) -> int:
 
     if mode not in (True, False, "auto"):
         raise ValueError(f"cpu_linear must be True, False or 'auto', got {mode!r}")
-    if mode is False:
+    if not mode:
         return cpu_linear.installed(target)
     param = next(target.parameters())
     suitable = param.device.type == "cpu" and param.dtype == torch.float32
