@@ -83,7 +83,7 @@ def parse_methods(specs: str | Sequence[str], default_budget: int = 32) -> list[
         elif item == "ar":
             new = [Method("ar", kind="ar", builder="", budget=0)]
         elif item == "ar_stock":
-            new = [Method("ar_stock", kind="ar", builder="stock", budget=0)]
+            new = [Method("ar_stock", kind="ar", builder="", budget=0)]
         elif item == "auto":
             new = [Method("auto", builder="best_first", budget="auto")]
         elif item.startswith("beam@"):
@@ -252,7 +252,7 @@ class Bench:
         n = max_new_tokens or self.max_new_tokens
         seed = self.seed + repeat
         if m.kind == "ar":
-            stock = cpu_linear.suspended(self.base.target) if m.builder == "stock" else contextlib.nullcontext()
+            stock = cpu_linear.suspended(self.base.target) if m.name == "ar_stock" else contextlib.nullcontext()
             with stock:
                 t0 = time.perf_counter()
                 tokens, stages = autoregressive(self.base.target, ids, n, self.sampling, seed, self.stops)
@@ -666,10 +666,12 @@ def _meta(args, gen, prompts, seconds, argv) -> dict:
 
 
 def _md_header(meta: dict) -> str:
+    routed = meta.get("cpu_linear_layers")
+    linears = f"ddtree.cpu_linear on {routed} target linears" if routed else "stock linears"
     return (
         f"`{meta['command']}`\n\n{meta['machine']}, {meta['processor']}, {meta['device']} {meta['dtype']}, "
         f"torch {meta['torch']} ({meta['torch_threads']} threads), transformers {meta['transformers']}, "
-        f"{'ddtree.cpu_linear on %d target linears' % meta['cpu_linear_layers'] if meta.get('cpu_linear_layers') else 'stock linears'}; "
+        f"{linears}; "
         f"{meta['num_prompts']} prompts x {meta['max_new_tokens']} new tokens, temperature {meta['temperature']}, "
         f"{meta['repeats']} interleaved repeats, {meta['wall_seconds']} s.\n\n"
     )
