@@ -167,6 +167,11 @@ def uninstall(model: torch.nn.Module) -> int:
     return count
 
 
+def routed(layer: torch.nn.Linear) -> bool:
+    """Whether this one linear goes through the kernel (O(1), for per-round checks)."""
+    return hasattr(layer, _INSTALLED)
+
+
 def installed(model: torch.nn.Module) -> int:
     """How many of ``model``'s linears go through the kernel."""
     return sum(1 for mod in model.modules() if hasattr(mod, _INSTALLED))

@@ -609,7 +609,7 @@ class DFlashDrafter:
         hidden = self.model(embed(block), block_pos, context_kv=self.context_kv)[:, 1:].to(lm_head.weight.dtype)
         if self._head_slice is None:
             return torch.log_softmax(lm_head(hidden).float(), dim=-1)
-        linear = cpu_linear.linear if cpu_linear.installed(self.model) else F.linear  # routed with the model
+        linear = cpu_linear.linear if cpu_linear.routed(self.model.fc) else F.linear  # routed with the model
         sub = torch.log_softmax(linear(hidden, *self._head_slice).float(), dim=-1)
         out = sub.new_full((*sub.shape[:-1], lm_head.weight.shape[0]), float("-inf"))
         return out.index_copy_(-1, self.draft_vocab, sub)

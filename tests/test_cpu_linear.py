@@ -137,7 +137,7 @@ def test_generator_lossless_with_acceptance_of_a_recompute(kind):
     draft = tiny_drafter_model(target)
     gen = SpeculativeGenerator(target, draft, tree_budget=12, cpu_linear=True)
     assert gen.cpu_linear == cpu_linear.installed(target) > 0
-    assert cpu_linear.installed(draft) > 0  # the draft step goes through it too
+    assert cpu_linear.installed(draft) > 0 and cpu_linear.routed(draft.fc)  # the draft step goes through it too
     for prompt in PROMPTS:
         ref = reference(target, prompt)  # plain decoding of the same (routed) target
         out = gen.generate(torch.tensor([prompt]), max_new_tokens=64, record_trees=True)
