@@ -1,7 +1,7 @@
 """ddtree: lossless tree-based speculative decoding (DDTree) with DFlash block-diffusion drafters."""
 
 from .attention import get_backend
-from .cache import commit_accepted, keep_positions, new_target_cache
+from .cache import cache_kwargs, commit_accepted, keep_positions, new_target_cache
 from .drafter import DFlashConfig, DFlashDraftModel, DFlashDrafter, Drafter
 from .features import build_target_layer_ids, check_target_layer_ids, extract_context_feature
 from .generator import GenerationOutput, GenerationStats, RoundRecord, SpeculativeGenerator
@@ -40,6 +40,7 @@ __all__ = [
     "VerifyResult",
     "accept_longest_branch",
     "verify_tree",
+    "cache_kwargs",
     "commit_accepted",
     "keep_positions",
     "new_target_cache",

@@ -8,7 +8,44 @@ transformers' cache classes stay here.
 
 from __future__ import annotations
 
+import functools
+import inspect
+
 import torch
+
+SUPPORTED_TRANSFORMERS = ">=5.0,<6"
+"""The transformers versions ddtree is exact on (kept equal to pyproject.toml's range by a test)."""
+
+
+class CacheNotUpdatedError(RuntimeError):
+    """The target forward did not fill the cache it was given: continuing would decode without the prefix."""
+
+
+@functools.lru_cache(maxsize=None)
+def _cache_keyword(forward_owner: type) -> str:
+    params = inspect.signature(forward_owner.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def cache_kwargs(model, cache) -> dict:
+    """The keyword that passes ``cache`` to ``model``'s forward: ``cache=`` on transformers that renamed it,
+    ``past_key_values=`` before (5.0 to 5.17 at least). An unknown keyword is swallowed by ``**kwargs``, so
+    guessing wrong would silently drop the cache; :func:`check_cache_length` catches what this misses."""
+    return {_cache_keyword(type(model)): cache}
+
+
+def check_cache_length(cache, expected: int, step: str) -> None:
+    """Raise :class:`CacheNotUpdatedError` unless ``cache`` holds ``expected`` positions after ``step``."""
+    got = cache_length(cache)
+    if got != expected:
+        import transformers
+
+        raise CacheNotUpdatedError(
+            f"after the {step} the target cache holds {got} positions, expected {expected}: the target's forward "
+            f"did not use the cache ddtree passed. Installed transformers {transformers.__version__}; ddtree "
+            f"supports transformers{SUPPORTED_TRANSFORMERS} with models whose forward takes `cache=` or "
+            "`past_key_values=`. Install a supported version, or pass the cache keyword your model expects."
+        )
 
 
 def new_target_cache():

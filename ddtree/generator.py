@@ -19,7 +19,7 @@ from typing import Iterator, Protocol, Sequence
 import torch
 
 from .attention import get_backend
-from .cache import cache_length, commit_accepted, new_target_cache
+from .cache import cache_kwargs, cache_length, check_cache_length, commit_accepted, new_target_cache
 from .drafter import DFlashDrafter, DFlashDraftModel, Drafter
 from .masks import tree_position_ids
 from .sampling import SamplingConfig, choose_tokens
@@ -242,6 +242,7 @@ class SpeculativeGenerator:
         with torch.inference_mode():
             with timer.stage("prefill"):
                 out = self._forward(input_ids, None, cache, hidden=not plain)
+                check_cache_length(cache, input_ids.shape[1], "prefill")
                 root = choose_tokens(out.logits[:, -1], sampling, rng)  # [1]
                 if not plain:
                     self.drafter.append_context(self.drafter.context_features(out.hidden_states))
@@ -252,6 +253,7 @@ class SpeculativeGenerator:
             while plain:
                 with timer.stage("verify"):
                     out = self._forward(root.view(1, 1), None, cache, hidden=False)
+                    check_cache_length(cache, input_ids.shape[1] + emitted, "decode step")
                     root = choose_tokens(out.logits[:, -1], sampling, rng)
                 emitted += 1
                 yield _Round([int(root)], 1, None)
@@ -288,7 +290,12 @@ class SpeculativeGenerator:
             positions = tree_position_ids(tree.depths, start)
         verify_before = timer.seconds["verify"]
         with timer.stage("verify"):
-            out = self._forward(tree.tokens, positions, cache, **kwargs)
+            try:
+                out = self._forward(tree.tokens, positions, cache, **kwargs)
+            except RuntimeError:  # a mask sized for a prefix the forward never saw fails inside attention
+                check_cache_length(cache, start + tree.num_nodes, "verify forward")
+                raise
+            check_cache_length(cache, start + tree.num_nodes, "verify forward")
             result: VerifyResult = verify_tree(tree, out.logits, sampling, rng)
         if not isinstance(budget, int):
             budget.observe(tree, result, timer.seconds["verify"] - verify_before, start)
@@ -316,9 +323,9 @@ class SpeculativeGenerator:
         return self.target(
             input_ids=input_ids,
             position_ids=position_ids,
-            cache=cache,
             use_cache=True,
             output_hidden_states=hidden,
+            **cache_kwargs(self.target, cache),
             **kwargs,
         )
 

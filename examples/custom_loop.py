@@ -18,7 +18,7 @@ import ddtree
 def speculative_greedy(target, drafter, prompt_ids: torch.Tensor, max_new_tokens: int, budget: int = 16):
     cache = ddtree.new_target_cache()
     drafter.reset()
-    out = target(prompt_ids, cache=cache, use_cache=True, output_hidden_states=True)
+    out = target(prompt_ids, use_cache=True, output_hidden_states=True, **ddtree.cache_kwargs(target, cache))
     drafter.append_context(drafter.context_features(out.hidden_states))
     root = out.logits[:, -1].argmax(-1)  # [1]
     generated, acceptance = [int(root)], []
@@ -31,9 +31,9 @@ def speculative_greedy(target, drafter, prompt_ids: torch.Tensor, max_new_tokens
             tree.tokens,
             position_ids=ddtree.tree_position_ids(tree.depths, start),
             attention_mask=mask,
-            cache=cache,
             use_cache=True,
             output_hidden_states=True,
+            **ddtree.cache_kwargs(target, cache),  # `cache=` or `past_key_values=`, by transformers version
         )
         result = ddtree.verify_tree(tree, out.logits)  # greedy by default
         path = result.accepted  # [1, L], root first

@@ -24,6 +24,7 @@ from ddtree.attention import (
     fused_prefix_kernel,
     get_backend,
 )
+from ddtree.cache import cache_kwargs
 from ddtree.masks import tree_attention_mask
 from ddtree.split_attention import attention_with_lse, merge_attention, split_tree_attention, torch_prefix_kernel
 from ddtree.tree import DraftTree
@@ -318,13 +319,13 @@ def run_target(model, backend, tree: DraftTree, prompt: torch.Tensor):
     cache = DynamicCache()
     outs = []
     with torch.no_grad():
-        outs.append(model(input_ids=prompt[:, :-3], cache=cache, use_cache=True).logits)
-        outs.append(model(input_ids=prompt[:, -3:-1], cache=cache, use_cache=True).logits)
-        outs.append(model(input_ids=prompt[:, -1:], cache=cache, use_cache=True).logits)
+        outs.append(model(input_ids=prompt[:, :-3], use_cache=True, **cache_kwargs(model, cache)).logits)
+        outs.append(model(input_ids=prompt[:, -3:-1], use_cache=True, **cache_kwargs(model, cache)).logits)
+        outs.append(model(input_ids=prompt[:, -1:], use_cache=True, **cache_kwargs(model, cache)).logits)
         prefix_len = cache.get_seq_length()
         kwargs = backend.tree_forward_kwargs(model, tree, prefix_len, torch.float64)
-        out = model(input_ids=tree.tokens, position_ids=prefix_len + tree.depths, cache=cache, use_cache=True,
-                    output_hidden_states=True, **kwargs)
+        out = model(input_ids=tree.tokens, position_ids=prefix_len + tree.depths, use_cache=True,
+                    output_hidden_states=True, **cache_kwargs(model, cache), **kwargs)
     return outs + [out.logits, out.hidden_states[-1]]
 
 

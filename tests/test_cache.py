@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ddtree import DraftTree, commit_accepted, keep_positions, new_target_cache, tree_attention_mask
+from ddtree import DraftTree, cache_kwargs, commit_accepted, keep_positions, new_target_cache, tree_attention_mask
 from conftest import tiny_target
 
 
@@ -26,13 +26,13 @@ def test_commit_equals_prefill_of_the_accepted_path(kind, seed):
     path = torch.nonzero(tree.visibility[0, leaf]).flatten()
     with torch.no_grad():
         cache = new_target_cache()
-        target(prefix, cache=cache, use_cache=True)
+        target(prefix, use_cache=True, **cache_kwargs(target, cache))
         start = cache.get_seq_length()
         mask = tree_attention_mask(tree.visibility, start, torch.float64)
-        target(tree.tokens, position_ids=start + tree.depths, attention_mask=mask, cache=cache, use_cache=True)
+        target(tree.tokens, position_ids=start + tree.depths, attention_mask=mask, use_cache=True, **cache_kwargs(target, cache))
         commit_accepted(cache, start, path[None])
         fresh = new_target_cache()
-        target(torch.cat([prefix, tree.tokens[:, path]], 1), cache=fresh, use_cache=True)
+        target(torch.cat([prefix, tree.tokens[:, path]], 1), use_cache=True, **cache_kwargs(target, fresh))
     assert cache.get_seq_length() == fresh.get_seq_length() == start + len(path)
     for got, want in zip(cache.layers, fresh.layers):
         torch.testing.assert_close(got.keys, want.keys, rtol=0, atol=1e-10)

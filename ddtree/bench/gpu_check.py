@@ -9,12 +9,15 @@ Writes ``gpu_check.json`` (every check with its max abs error and tolerance),
 (default ``$OUT`` when set, else ``runs/gpu_check``). Exits non-zero when a
 check fails. Each check is isolated, so one failure does not hide the others.
 The checks also run on the CPU (``--device cpu --quick``), which the tests do.
+
+Dependencies: it runs on the GPU image's preinstalled transformers (5.17 there), with no
+wheel carried: ddtree picks the cache keyword that version takes (``past_key_values=``)
+and raises rather than decode without a cache. CI runs the suite on 5.0.0 and the newest 5.x.
 """
 
 from __future__ import annotations
 
 import argparse
-import inspect
 import json
 import math
 import os
@@ -35,6 +38,7 @@ from ..attention import (
     flash_attn_available,
     get_backend,
 )
+from ..cache import cache_kwargs
 from ..masks import tree_attention_mask
 from ..tree import DraftTree
 from .attention import _Layer, random_tree
@@ -135,12 +139,6 @@ def check_block(device, dtype, tol, tiny: bool = False) -> list[dict]:
     return rows
 
 
-def _cache_kwargs(model, cache) -> dict:
-    """``cache=`` on transformers that renamed it, ``past_key_values=`` on older 5.x."""
-    params = inspect.signature(model.forward).parameters
-    return {"cache": cache} if "cache" in params else {"past_key_values": cache}
-
-
 def check_model(device, dtype, tol, tiny: bool = False) -> list[dict]:
     """A tiny Qwen3 target with a sliding layer: tree-verify logits of each backend against the dense mask."""
     from transformers import AutoModelForCausalLM, DynamicCache, Qwen3Config
@@ -161,11 +159,11 @@ def check_model(device, dtype, tol, tiny: bool = False) -> list[dict]:
         backend.prepare(model)
         cache = DynamicCache()
         with torch.no_grad():
-            model(input_ids=prompt[:, :-1], use_cache=True, **_cache_kwargs(model, cache))
-            model(input_ids=prompt[:, -1:], use_cache=True, **_cache_kwargs(model, cache))
+            model(input_ids=prompt[:, :-1], use_cache=True, **cache_kwargs(model, cache))
+            model(input_ids=prompt[:, -1:], use_cache=True, **cache_kwargs(model, cache))
             kw = backend.tree_forward_kwargs(model, tree, prompt.shape[1], dtype)
             return model(input_ids=tree.tokens, position_ids=prompt.shape[1] + tree.depths, use_cache=True,
-                         **_cache_kwargs(model, cache), **kw).logits.float()
+                         **cache_kwargs(model, cache), **kw).logits.float()
 
     ref = verify_logits("sdpa")
     rows = []

@@ -31,7 +31,7 @@ from typing import Iterable, Sequence
 import torch
 
 from .. import cpu_linear
-from ..cache import new_target_cache
+from ..cache import cache_kwargs, new_target_cache
 from ..sampling import SamplingConfig, choose_tokens
 from ..tree import DraftTree
 
@@ -204,12 +204,12 @@ def autoregressive(target, input_ids: torch.Tensor, max_new_tokens: int, samplin
     rng.manual_seed(seed)
     cache = new_target_cache()
     t0 = time.perf_counter()
-    out = target(input_ids=input_ids, cache=cache, use_cache=True)
+    out = target(input_ids=input_ids, use_cache=True, **cache_kwargs(target, cache))
     tok = choose_tokens(out.logits[:, -1], sampling, rng)
     tokens = [int(tok)]
     t1 = time.perf_counter()
     while len(tokens) < max_new_tokens and tokens[-1] not in stops:
-        out = target(input_ids=tok.view(1, 1), cache=cache, use_cache=True)
+        out = target(input_ids=tok.view(1, 1), use_cache=True, **cache_kwargs(target, cache))
         tok = choose_tokens(out.logits[:, -1], sampling, rng)
         tokens.append(int(tok))
     if input_ids.device.type == "cuda":
