@@ -335,12 +335,14 @@ class DenseMaskBackend:
         if impl not in ("sdpa", "eager"):
             model.set_attn_implementation("sdpa")
 
-    def tree_forward_kwargs(self, model, tree: DraftTree, prefix_len: int, dtype: torch.dtype) -> dict:
-        full = tree_attention_mask(tree.visibility, prefix_len, dtype)
+    def tree_forward_kwargs(self, model, tree: DraftTree, prefix_len: int, dtype: torch.dtype,
+                            prefix_valid: torch.Tensor | None = None) -> dict:
+        full = tree_attention_mask(tree.visibility, prefix_len, dtype, prefix_valid=prefix_valid)
         window = _sliding_window(model.config)
         if window is None:
             return {"attention_mask": full}
-        sliding = tree_attention_mask(tree.visibility, prefix_len, dtype, sliding_window=window, depths=tree.depths)
+        sliding = tree_attention_mask(tree.visibility, prefix_len, dtype, sliding_window=window, depths=tree.depths,
+                                      prefix_valid=prefix_valid)
         return {"attention_mask": {"full_attention": full, "sliding_attention": sliding}}
 
 
@@ -364,9 +366,10 @@ class SplitBackend:
         register_attention_implementations()
         model.set_attn_implementation(self.implementation)
 
-    def tree_forward_kwargs(self, model, tree: DraftTree, prefix_len: int, dtype: torch.dtype) -> dict:
-        if prefix_len < self.dense_below:
-            return DenseMaskBackend().tree_forward_kwargs(model, tree, prefix_len, dtype)
+    def tree_forward_kwargs(self, model, tree: DraftTree, prefix_len: int, dtype: torch.dtype,
+                            prefix_valid: torch.Tensor | None = None) -> dict:
+        if prefix_len < self.dense_below or prefix_valid is not None:  # the split kernels take no padding
+            return DenseMaskBackend().tree_forward_kwargs(model, tree, prefix_len, dtype, prefix_valid)
         return {TREE_KWARG: TreeAttentionSpec.from_tree(tree)}
 
 
@@ -384,10 +387,11 @@ class AutoBackend:
         self.chosen = get_backend("auto", device=next(model.parameters()).device)
         self.chosen.prepare(model)
 
-    def tree_forward_kwargs(self, model, tree: DraftTree, prefix_len: int, dtype: torch.dtype) -> dict:
+    def tree_forward_kwargs(self, model, tree: DraftTree, prefix_len: int, dtype: torch.dtype,
+                            prefix_valid: torch.Tensor | None = None) -> dict:
         if self.chosen is None:
             self.prepare(model)
-        return self.chosen.tree_forward_kwargs(model, tree, prefix_len, dtype)
+        return self.chosen.tree_forward_kwargs(model, tree, prefix_len, dtype, prefix_valid)
 
 
 _ALIASES = {None: "sdpa", "dense": "sdpa", "torch": "split", "torch_cuda": "fused", "flash": "flash_attn"}

@@ -52,10 +52,58 @@ COST_MODEL = (
 )
 
 
-class LatencyModel(Protocol):
-    """Seconds of one verify forward over ``nodes`` tree nodes after ``context`` committed tokens."""
+class BudgetPolicy(Protocol):
+    """Chooses the tree budget each round. One instance serves one generation (it may learn as it goes).
 
-    def seconds(self, nodes: int, context: int) -> float: ...
+    ``prepare`` runs before a round, outside the round's stages (profiling goes
+    there); ``choose`` sees the round's draft log-probs ``[B, D, V]``; ``observe``
+    sees the verified tree and its verify time.
+    """
+
+    def prepare(self, context_len: int, batch: int) -> None: ...
+
+    def choose(self, logprobs: torch.Tensor, context_len: int) -> int: ...
+
+    def observe(self, tree: DraftTree, result, verify_seconds: float, context_len: int) -> None: ...
+
+
+class FixedBudget:
+    """The same budget every round."""
+
+    def __init__(self, budget: int):
+        check_budget(budget)
+        self.budget = budget
+
+    def prepare(self, context_len: int, batch: int) -> None:
+        pass
+
+    def choose(self, logprobs: torch.Tensor, context_len: int) -> int:
+        return self.budget
+
+    def observe(self, tree: DraftTree, result, verify_seconds: float, context_len: int) -> None:
+        pass
+
+    def describe(self) -> dict:
+        return {"policy": "fixed", "budget": self.budget}
+
+
+def check_budget(budget) -> None:
+    """A budget is an int >= 0, ``"auto"`` or a :class:`BudgetPolicy`."""
+    if isinstance(budget, str) and budget == "auto":
+        return
+    if all(hasattr(budget, m) for m in ("choose", "observe")):
+        return
+    if not isinstance(budget, int) or isinstance(budget, bool) or budget < 0:
+        raise ValueError(
+            f"tree_budget must be an int >= 0 (draft nodes per round; 0 = no drafting), 'auto' "
+            f"or a BudgetPolicy, got {budget!r}"
+        )
+
+
+class LatencyModel(Protocol):
+    """Seconds of one verify forward over ``nodes`` tree nodes per row, ``batch`` rows, after ``context`` tokens."""
+
+    def seconds(self, nodes: int, context: int, batch: int = 1) -> float: ...
 
     def describe(self) -> dict: ...
 
@@ -63,15 +111,32 @@ class LatencyModel(Protocol):
 class FunctionLatency:
     """A latency model from a plain function; for known cost models (tests) or external measurements."""
 
-    def __init__(self, fn: Callable[[int, int], float], name: str = "function"):
+    def __init__(self, fn: Callable[..., float], name: str = "function"):
         self.fn = fn
         self.name = name
 
-    def seconds(self, nodes: int, context: int) -> float:
-        return float(self.fn(nodes, context))
+    def seconds(self, nodes: int, context: int, batch: int = 1) -> float:
+        """``fn(nodes, context)`` at batch 1; ``fn(nodes, context, batch)`` otherwise."""
+        return float(self.fn(nodes, context) if batch == 1 else self.fn(nodes, context, batch))
 
     def describe(self) -> dict:
         return {"kind": self.name}
+
+
+def synthetic_logprobs(depth: int, vocab: int, seed: int) -> torch.Tensor:
+    """Drafter-like rows ``[1, depth, vocab]``: a confident head (top-1 0.7 fading to 0.35) over a random tail.
+
+    Peaked like a trained drafter, so best_first trees grow deep (a flat random
+    distribution would only ever give depth-1 and depth-2 trees): the tree
+    shapes the profile times are the shapes rounds verify.
+    """
+    g = torch.Generator().manual_seed(seed)
+    fade = torch.linspace(1.0, 0.5, depth).view(depth, 1)
+    head = fade * torch.tensor([0.7, 0.12, 0.05, 0.03])  # [depth, 4]
+    tail = torch.softmax(torch.randn(depth, vocab, generator=g) * 1.5, dim=-1) * (1.0 - head.sum(-1, keepdim=True))
+    ids = torch.stack([torch.randperm(vocab, generator=g)[:4] for _ in range(depth)])
+    probs = tail.scatter_add(1, ids, head)
+    return probs.log()[None]
 
 
 def context_bucket(context: int, minimum: int = 64) -> int:
@@ -91,7 +156,11 @@ class ProfiledLatency:
     Counts stop once one verifies slower than ``2 * (1 + D)`` times the smallest: even
     with all ``D`` drafts accepted, and an overhead of one small verify, such a tree
     commits fewer tokens per second than the smallest one. Larger counts are
-    extrapolated from the last two, so they are never chosen.
+    extrapolated from the last two, and :class:`AutoBudget` never chooses them.
+
+    It measures the model and the machine, not a sequence, so a generator keeps
+    one and every generation on it shares the table. Profiles are keyed by
+    ``(bucket, batch)``: a batch verifies ``batch`` trees in one forward.
     """
 
     def __init__(self, generator, node_counts: Sequence[int], repeats: int = 3, seed: int = 0,
@@ -102,12 +171,16 @@ class ProfiledLatency:
         self.time_per_count = time_per_count
         self.hopeless = 2.0 * max(2, generator.drafter.block_size)
         self.seed = seed
-        self.profiles: dict[int, dict[int, float]] = {}
+        self.profiles: dict[tuple[int, int], dict[int, float]] = {}
         self.profile_seconds = 0.0
         self._tree: DraftTree | None = None
 
-    def seconds(self, nodes: int, context: int) -> float:
-        table = self.profile(context_bucket(context))
+    def measured(self, context: int, batch: int = 1) -> set[int]:
+        """Node counts actually timed for this context bucket and batch (profiling it if needed)."""
+        return set(self.profile(context_bucket(context), batch))
+
+    def seconds(self, nodes: int, context: int, batch: int = 1) -> float:
+        table = self.profile(context_bucket(context), batch)
         xs = sorted(table)
         i = bisect.bisect_left(xs, nodes)
         if i < len(xs) and xs[i] == nodes:
@@ -118,12 +191,13 @@ class ProfiledLatency:
         slope = (table[hi] - table[lo]) / (hi - lo) if hi != lo else 0.0
         return max(table[lo] + slope * (nodes - lo), 1e-6)
 
-    def profile(self, bucket: int) -> dict[int, float]:
-        if bucket not in self.profiles:
+    def profile(self, bucket: int, batch: int = 1) -> dict[int, float]:
+        key = (bucket, batch)
+        if key not in self.profiles:
             t0 = time.perf_counter()
-            self.profiles[bucket] = self._measure(self._fit_bucket(bucket))
+            self.profiles[key] = self._measure(self._fit_bucket(bucket), batch)
             self.profile_seconds += time.perf_counter() - t0
-        return self.profiles[bucket]
+        return self.profiles[key]
 
     def _fit_bucket(self, bucket: int) -> int:
         limit = getattr(self.generator.target.config, "max_position_embeddings", None)
@@ -133,8 +207,6 @@ class ProfiledLatency:
     def _shape_tree(self, nodes: int, vocab: int, device) -> DraftTree:
         """A realistic tree shape (best_first over drafter-like log-probs); smaller ones are its prefixes."""
         if self._tree is None or self._tree.num_nodes < nodes:
-            from .bench.tree_build import synthetic_logprobs
-
             depth = max(1, self.generator.drafter.block_size - 1)
             lp = synthetic_logprobs(depth, min(vocab, 4096), self.seed)
             self._tree = best_first(torch.zeros(1, dtype=torch.long), lp, max(self.node_counts) - 1)
@@ -145,36 +217,40 @@ class ProfiledLatency:
         return DraftTree.from_parents(torch.zeros_like(parents), parents.clone())
 
     @torch.inference_mode()
-    def _measure(self, context: int) -> dict[int, float]:
-        from .cache import commit_accepted, new_target_cache
+    def _measure(self, context: int, batch: int) -> dict[int, float]:
+        from .cache import new_target_cache, truncate
         from .masks import tree_position_ids
+        from .round import target_forward
 
         gen = self.generator
-        device = gen.target.get_input_embeddings().weight.device
-        vocab = gen.target.get_input_embeddings().weight.shape[0]
+        target = gen.target
+        device = target.get_input_embeddings().weight.device
+        vocab = target.get_input_embeddings().weight.shape[0]
+        dtype = next(target.parameters()).dtype
         rng = torch.Generator().manual_seed(self.seed)
         cache = new_target_cache()
-        gen._forward(torch.randint(0, vocab, (1, context), generator=rng).to(device), None, cache)
+        target_forward(target, torch.randint(0, vocab, (batch, context), generator=rng).to(device), None, cache)
         sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-        keep_none = torch.zeros(1, 0, dtype=torch.long, device=device)
         table = {}
         for nodes in self.node_counts:
-            tree = self._shape_tree(nodes, vocab, device)
-            tokens = torch.randint(0, vocab, (1, nodes), generator=rng).to(device)
-            kwargs = gen.backend.tree_forward_kwargs(gen.target, tree, context, gen._dtype)
+            shape = self._shape_tree(nodes, vocab, device)
+            tree = DraftTree.from_parents(torch.zeros(batch, nodes, dtype=torch.long, device=device),
+                                          shape.parents.expand(batch, -1).clone())
+            tokens = torch.randint(0, vocab, (batch, nodes), generator=rng).to(device)
+            kwargs = gen.backend.tree_forward_kwargs(target, tree, context, dtype)
             positions = tree_position_ids(tree.depths, context)
             times: list[float] = []
             warm = not table  # the first forward on a fresh cache pays one-off allocations: untimed
             while len(times) < self.repeats and (not times or sum(times) < self.time_per_count):
                 sync()
                 t0 = time.perf_counter()
-                gen._forward(tokens, positions, cache, **kwargs)
+                target_forward(target, tokens, positions, cache, hidden=False, **kwargs)
                 sync()
                 if warm:
                     warm = False
                 else:
                     times.append(time.perf_counter() - t0)
-                commit_accepted(cache, context, keep_none)  # back to the prefix
+                truncate(cache, context)  # back to the prefix
             table[nodes] = min(times)  # the least disturbed run; `scale` restores typical speed
             if len(table) > 1 and table[nodes] > self.hopeless * table[self.node_counts[0]]:
                 break  # bigger trees cannot pay for themselves here: leave them to extrapolation
@@ -189,7 +265,7 @@ class ProfiledLatency:
             "repeats": self.repeats,
             "profile_seconds": round(self.profile_seconds, 4),
             "verify_seconds": {
-                str(b): {str(n): round(s, 6) for n, s in t.items()} for b, t in sorted(self.profiles.items())
+                f"{b}x{r}": {str(n): round(s, 6) for n, s in t.items()} for (b, r), t in sorted(self.profiles.items())
             },
         }
 
@@ -223,16 +299,20 @@ class AutoBudget:
         self.rounds = 0
         self.choices: dict[int, int] = {}
         self.last: dict = {}
+        self.batch = 1
+        self._measured: set[int] | None = None
         self._last_choose: float | None = None
         self._last_context = -1
         self._last_verify: float | None = None
 
     @classmethod
-    def for_generator(cls, generator, **options) -> "AutoBudget":
-        """Profile the generator's own target; estimate with its own builder."""
+    def for_generator(cls, generator, latency: LatencyModel | None = None, **options) -> "AutoBudget":
+        """A policy for one generation on ``generator``: its builder, and ``latency`` (default: a new
+        profile of its own target; pass a shared :class:`ProfiledLatency` to profile once per generator)."""
         candidates = options.pop("candidates", DEFAULT_CANDIDATES)
         repeats = options.pop("repeats", 3)
-        latency = ProfiledLatency(generator, [c + 1 for c in candidates], repeats=repeats)
+        if latency is None:
+            latency = ProfiledLatency(generator, [c + 1 for c in candidates], repeats=repeats)
         return cls(latency, builder=generator.builder, candidates=candidates, **options)
 
     # ------------------------------------------------------------------ the model
@@ -271,18 +351,31 @@ class AutoBudget:
         return 1.0 + r.sum(dim=1)
 
     def round_seconds(self, context: int) -> list[float]:
-        overhead = self.overhead if self.overhead is not None else self.latency.seconds(1, context)
-        return [overhead + self.scale * self.latency.seconds(n + 1, context) for n in self.candidates]
+        lat = self.latency
+        overhead = self.overhead if self.overhead is not None else lat.seconds(1, context, self.batch)
+        return [overhead + self.scale * lat.seconds(n + 1, context, self.batch) for n in self.candidates]
 
     # ------------------------------------------------------------------ BudgetPolicy
 
+    def prepare(self, context_len: int, batch: int) -> None:
+        """Profile the context bucket and batch now (before the round, not inside its stages)."""
+        self.batch = batch
+        measured = getattr(self.latency, "measured", None)
+        self._measured = measured(context_len, batch) if measured is not None else None
+
     def choose(self, logprobs: torch.Tensor, context_len: int) -> int:
         self._track_overhead(context_len)
+        self.batch = logprobs.shape[0]
         seconds = self.round_seconds(context_len)
         # Exact pruning: a candidate that could not beat the slowest-possible rate of another
         # even with every draft accepted is skipped, and the one tree build stays small.
+        # A candidate whose verify was never timed (only extrapolated) is never chosen.
         floor_rate = max(1.0 / s for s in seconds)
-        viable = [(1 + min(n, logprobs.shape[1])) / s >= floor_rate for n, s in zip(self.candidates, seconds)]
+        viable = [(1 + min(n, logprobs.shape[1])) / s >= floor_rate
+                  and (self._measured is None or n == 0 or n + 1 in self._measured)
+                  for n, s in zip(self.candidates, seconds)]
+        if not any(viable):
+            viable = [n == self.candidates[0] for n in self.candidates]
         top = max(n for n, v in zip(self.candidates, viable) if v)
         expected = self.expected_tokens(self.reach_probabilities(logprobs, top)).tolist()
         rates = [e / s if v else 0.0 for e, s, v in zip(expected, seconds, viable)]
@@ -301,18 +394,19 @@ class AutoBudget:
 
     def observe(self, tree: DraftTree, result, verify_seconds: float, context_len: int) -> None:
         depth_max = max(1, tree.max_depth)
-        probs = tree.scores[0, 1:].double().exp().cpu()
-        depths = tree.depths[0, 1:].cpu()
-        predicted = torch.zeros(depth_max, dtype=torch.float64)
-        predicted.scatter_add_(0, (depths - 1).clamp(min=0), probs)
-        accepted = int(result.num_accepted[0]) - 1
-        reached = (torch.arange(1, depth_max + 1) <= accepted).double()
+        bsz = tree.batch_size
+        probs = tree.scores[:, 1:].double().exp().cpu()
+        depths = (tree.depths[:, 1:].cpu() - 1).clamp(min=0)
+        predicted = torch.zeros(bsz, depth_max, dtype=torch.float64)
+        predicted = predicted.scatter_add_(1, depths, probs).clamp(max=1.0).mean(dim=0)  # averaged over rows
+        accepted = result.num_accepted.cpu()[:, None] - 1
+        reached = (torch.arange(1, depth_max + 1)[None] <= accepted).double().mean(dim=0)
         self._grow(depth_max)
         self.reached *= self.forget
         self.predicted *= self.forget
         self.reached[:depth_max] += reached
-        self.predicted[:depth_max] += predicted.clamp(max=1.0)
-        profiled = self.latency.seconds(tree.num_nodes, context_len)
+        self.predicted[:depth_max] += predicted
+        profiled = self.latency.seconds(tree.num_nodes, context_len, bsz)
         if profiled > 0 and verify_seconds > 0:
             ratio = min(4.0, max(0.25, verify_seconds / profiled))
             self.scale += self.ema * (ratio - self.scale)

@@ -88,17 +88,60 @@ def _is_leading_run(accepted: torch.Tensor) -> bool:
     return bool((accepted == torch.arange(accepted.shape[1], device=accepted.device)).all())
 
 
-def commit_accepted(cache, prefix_len: int, accepted: torch.Tensor) -> None:
-    """Keep the committed prefix plus the accepted tree nodes in every layer of ``cache``, in place.
+def compaction_index(prefix_len: int, accepted: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """Source columns ``[B, W]`` of the compacted cache, rows right-aligned (left padding, as HF pads).
 
-    ``accepted`` is ``[B, L]``: node indices along the accepted path, root first.
-    Rows of a batch must accept the same number of nodes until ragged batches land.
+    Row ``b`` keeps its ``lengths[b]`` committed columns (the last ones of the
+    prefix) and its accepted tree nodes (``accepted[b]``, ``-1`` padded), in
+    that order, at the right end; ``W`` is the longest row. Pad columns point at
+    column 0 and are masked by :func:`padding_mask`.
+    """
+    bsz, length = accepted.shape
+    device = accepted.device
+    counts = (accepted >= 0).sum(dim=1)  # [B]
+    kept = lengths.to(device) + counts
+    width = int(kept.max())
+    col = torch.arange(width, device=device)[None]  # [1, W]
+    offset = (width - kept)[:, None]  # pads in front of each row
+    rel = col - offset  # index into [committed ; accepted] per row, < 0 for pads
+    n = lengths.to(device)[:, None]
+    from_prefix = prefix_len - n + rel
+    from_tree = prefix_len + accepted.gather(1, (rel - n).clamp(0, length - 1))
+    index = torch.where(rel < n, from_prefix, from_tree)
+    return torch.where(rel < 0, torch.zeros_like(index), index)
+
+
+def padding_mask(lengths: torch.Tensor, width: int) -> torch.Tensor:
+    """Bool ``[B, width]``: True on each row's committed columns (the last ``lengths[b]``)."""
+    col = torch.arange(width, device=lengths.device)[None]
+    return col >= (width - lengths)[:, None]
+
+
+def commit_accepted(cache, prefix_len: int, accepted: torch.Tensor, lengths: torch.Tensor | None = None) -> None:
+    """Keep each row's committed columns plus its accepted tree nodes in every layer of ``cache``, in place.
+
+    ``accepted`` is ``[B, L]``: node indices along each row's accepted path,
+    root first, ``-1`` after a row's last node. ``lengths`` ``[B]`` counts each
+    row's committed columns before the tree (the last ``lengths[b]`` of the
+    ``prefix_len``); omitted, every row has all ``prefix_len``. Rows end
+    right-aligned (see :func:`compaction_index`). A batch of rows that share a
+    length and accept equally many nodes keeps the cheap path: a slice for a
+    chain, one gather of the tree block otherwise.
     """
     if accepted.dim() != 2:
         raise ValueError(f"accepted must be [batch, length], got shape {tuple(accepted.shape)}")
-    if (accepted < 0).any():
-        raise ValueError("ragged acceptance across batch rows is not supported yet (found padded indices)")
-    contiguous = _is_leading_run(accepted)  # once per round, not once per layer
+    if accepted.shape[1] == 0 or bool((accepted[:, 0] != 0).any()):
+        raise ValueError("every row's accepted path starts at the root (node 0)")
+    counts = (accepted >= 0).sum(dim=1)
+    if bool(((accepted >= 0) != (torch.arange(accepted.shape[1], device=accepted.device) < counts[:, None])).any()):
+        raise ValueError("accepted paths must be -1 padded at the end only")
+    uniform = (lengths is None or bool((lengths == prefix_len).all())) and bool((counts == accepted.shape[1]).all())
+    index = None
+    if uniform:
+        contiguous = _is_leading_run(accepted)  # once per round, not once per layer
+    else:
+        index = compaction_index(prefix_len, accepted, lengths if lengths is not None else
+                                 torch.full_like(counts, prefix_len))
     for layer in getattr(cache, "layers", []):
         if getattr(layer, "is_linear", False) or hasattr(layer, "recurrent_states"):
             raise ValueError(
@@ -113,5 +156,46 @@ def commit_accepted(cache, prefix_len: int, accepted: torch.Tensor) -> None:
         keys = getattr(layer, "keys", None)
         if keys is None or keys.numel() == 0:
             continue
-        layer.keys = keep_positions(layer.keys, prefix_len, accepted, contiguous)
-        layer.values = keep_positions(layer.values, prefix_len, accepted, contiguous)
+        if index is None:
+            layer.keys = keep_positions(layer.keys, prefix_len, accepted, contiguous)
+            layer.values = keep_positions(layer.values, prefix_len, accepted, contiguous)
+        else:
+            layer.keys = _gather_columns(layer.keys, index)
+            layer.values = _gather_columns(layer.values, index)
+
+
+def _gather_columns(tensor: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``tensor[b, :, index[b], :]`` for ``[B, heads, T, d]`` states."""
+    bsz, heads, _, dim = tensor.shape
+    idx = index.to(tensor.device)[:, None, :, None].expand(bsz, heads, index.shape[1], dim)
+    return tensor.gather(2, idx)
+
+
+def truncate(cache, length: int) -> None:
+    """Drop every column from ``length`` on, in every layer (``DynamicCache.crop``'s meaning moved across versions)."""
+    for layer in getattr(cache, "layers", []):
+        keys = getattr(layer, "keys", None)
+        if keys is None or keys.numel() == 0:
+            continue
+        layer.keys = layer.keys[..., :length, :]
+        layer.values = layer.values[..., :length, :]
+
+
+def truncate_front(cache, count: int) -> None:
+    """Drop the first ``count`` columns of every layer (padding that no remaining row needs)."""
+    for layer in getattr(cache, "layers", []):
+        keys = getattr(layer, "keys", None)
+        if keys is None or keys.numel() == 0:
+            continue
+        layer.keys = layer.keys[..., count:, :]
+        layer.values = layer.values[..., count:, :]
+
+
+def select_rows(cache, rows: torch.Tensor) -> None:
+    """Keep only batch rows ``rows`` of every layer of ``cache`` (finished rows stop costing compute)."""
+    for layer in getattr(cache, "layers", []):
+        keys = getattr(layer, "keys", None)
+        if keys is None or keys.numel() == 0:
+            continue
+        layer.keys = layer.keys.index_select(0, rows.to(keys.device))
+        layer.values = layer.values.index_select(0, rows.to(keys.device))

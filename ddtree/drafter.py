@@ -6,9 +6,9 @@ for each of the ``block_size - 1`` masked slots. It has no embedding and no
 lm_head of its own: it borrows the target's.
 
 :class:`DFlashDraftModel` is the checkpoint (published key names, loads a
-published directory as it is). :class:`DFlashDrafter` binds it to a target and
-keeps the per-layer KV cache of the *context* only; block entries are never
-cached, so nothing has to be cropped after a round.
+published directory as it is). :class:`DFlashDrafter` binds it to a target;
+each generation gets its own :class:`DFlashContext`, the per-layer KV cache of
+the *context* only (block entries are never cached, so nothing is cropped).
 """
 
 from __future__ import annotations
@@ -31,19 +31,37 @@ FULL, SLIDING = "full_attention", "sliding_attention"
 DRAFT_VOCAB_FILE = "draft_vocab.safetensors"
 
 
+class DraftContext(Protocol):
+    """One generation's drafter state: what each row has committed so far.
+
+    Rows are the active rows of a batch. ``append`` takes left-aligned
+    ``features`` ``[B, T, F]`` and ``tokens`` ``[B, T]`` of the tokens each row
+    just committed, of which row ``b`` has ``counts[b]`` (default all ``T``).
+    """
+
+    def append(self, features: torch.Tensor | None, tokens: torch.Tensor, counts: torch.Tensor | None = None) -> None: ...
+
+    def propose(self, root_tokens: torch.Tensor) -> torch.Tensor:
+        """Log-probs ``[B, block_size - 1, V]`` for the positions after each row's root."""
+
+    def select_rows(self, rows: torch.Tensor) -> None:
+        """Keep only these rows (others finished)."""
+
+
 class Drafter(Protocol):
-    """What the generator needs from a drafter: a context it grows and one proposal per round."""
+    """What the generator needs from a drafter: features to read, and a fresh context per generation.
+
+    The drafter itself holds only weights and settings, so one drafter serves
+    any number of interleaved generations.
+    """
 
     block_size: int
     target_layer_ids: list[int]
 
-    def reset(self) -> None: ...
+    def context_features(self, hidden_states: Sequence[torch.Tensor]) -> torch.Tensor | None:
+        """The target features this drafter reads, ``[B, T, F]``, from a forward's ``hidden_states``."""
 
-    def append_context(self, features: torch.Tensor) -> None:
-        """Add target features ``[B, T, F]`` for the next ``T`` committed tokens."""
-
-    def propose(self, root_tokens: torch.Tensor) -> torch.Tensor:
-        """Log-probs ``[B, block_size - 1, V]`` for the positions after the root."""
+    def new_context(self, batch_size: int = 1) -> DraftContext: ...
 
 
 @dataclass
@@ -506,10 +524,11 @@ def check_compatible(config: DFlashConfig, target) -> None:
 
 
 class DFlashDrafter:
-    """A DFlash model bound to its target, with a KV cache of the committed context.
+    """A DFlash model bound to its target: weights and settings only, shared by every generation.
 
-    Each round: :meth:`propose` for the block at position ``context_len``, then
-    :meth:`append_context` with the features of the tokens the target accepted.
+    Per generation, :meth:`new_context` gives a :class:`DFlashContext`: each round
+    ``ctx.propose(roots)`` for the block after each row's committed context, then
+    ``ctx.append(features, tokens, counts)`` for the tokens the target accepted.
     """
 
     def __init__(self, model: DFlashDraftModel, target, draft_vocab: "str | int | torch.Tensor | None" = "auto"):
@@ -522,7 +541,6 @@ class DFlashDrafter:
         # Borrowed, not owned: kept in a tuple so they are not registered anywhere.
         self._target_parts = (target.get_input_embeddings(), target.get_output_embeddings())
         self.set_draft_vocab(draft_vocab)
-        self.reset()
 
     def set_draft_vocab(self, draft_vocab: "str | int | torch.Tensor | None" = "auto") -> None:
         """Restrict proposals to a token subset, so the drafter's lm_head reads a slice of the target's.
@@ -570,43 +588,16 @@ class DFlashDrafter:
         dev = device if device is not None else target.get_input_embeddings().weight.device
         return cls(DFlashDraftModel.from_pretrained(path, dtype=dtype, device=dev), target, draft_vocab=draft_vocab)
 
-    def reset(self) -> None:
-        self.context_kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None
-        self.context_len = 0
-
     def context_features(self, hidden_states: Sequence[torch.Tensor]) -> torch.Tensor:
         return extract_context_feature(hidden_states, self.target_layer_ids)
 
-    @torch.no_grad()
-    def append_context(self, features: torch.Tensor) -> None:
-        bsz, t, _ = features.shape
-        if t == 0:
-            return
-        positions = torch.arange(self.context_len, self.context_len + t, device=features.device).expand(bsz, t)
-        ctx = self.model.project_context(features)
-        new = self.model.context_kv(ctx, positions)
-        if self.context_kv is None:
-            self.context_kv = new
-        else:
-            self.context_kv = [
-                (torch.cat([k0, k1], dim=2), torch.cat([v0, v1], dim=2))
-                for (k0, v0), (k1, v1) in zip(self.context_kv, new)
-            ]
-        self.context_len += t
+    def new_context(self, batch_size: int = 1) -> "DFlashContext":
+        return DFlashContext(self, batch_size)
 
-    @torch.no_grad()
-    def propose(self, root_tokens: torch.Tensor) -> torch.Tensor:
-        """Log-probs ``[B, block_size - 1, V]`` for positions ``context_len + 1 ..``, in float32."""
-        if self.context_kv is None:
-            raise RuntimeError("the drafter has no context yet: append the prompt's target features first")
-        embed, lm_head = self._target_parts
-        root_tokens = root_tokens.view(-1, 1)
-        bsz = root_tokens.shape[0]
-        block = torch.cat([root_tokens, root_tokens.new_full((bsz, self.block_size - 1), self.mask_token_id)], dim=1)
-        start = self.context_len
-        device = root_tokens.device
-        block_pos = torch.arange(start, start + self.block_size, device=device).expand(bsz, -1)
-        hidden = self.model(embed(block), block_pos, context_kv=self.context_kv)[:, 1:].to(lm_head.weight.dtype)
+    def block_logprobs(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Log-probs over the target's vocabulary (``-inf`` outside a draft vocabulary), float32."""
+        lm_head = self._target_parts[1]
+        hidden = hidden.to(lm_head.weight.dtype)
         if self._head_slice is None:
             return torch.log_softmax(lm_head(hidden).float(), dim=-1)
         linear = cpu_linear.linear if cpu_linear.routed(self.model.fc) else F.linear  # routed with the model
@@ -615,8 +606,122 @@ class DFlashDrafter:
         return out.index_copy_(-1, self.draft_vocab, sub)
 
 
+class DFlashContext:
+    """The DFlash drafter's per-generation state: each layer's keys/values of the committed context.
+
+    Row ``b``'s context fills buffer columns ``0 .. lengths[b] - 1`` (column =
+    token position). Buffers grow by doubling, so appending a round's tokens
+    copies only those tokens, never the whole context. Block entries are never
+    stored: nothing has to be cropped after a round.
+    """
+
+    def __init__(self, drafter: DFlashDrafter, batch_size: int = 1):
+        self.drafter = drafter
+        self.kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # [B, Hkv, capacity + 1, d]; the last is scratch
+        self.lengths = torch.zeros(batch_size, dtype=torch.long)
+
+    @property
+    def capacity(self) -> int:
+        return 0 if self.kv is None else self.kv[0][0].shape[2] - 1
+
+    def nbytes(self) -> int:
+        """Bytes held by the context buffers."""
+        return 0 if self.kv is None else sum(k.numel() * k.element_size() * 2 for k, _ in self.kv)
+
+    @torch.no_grad()
+    def append(self, features: torch.Tensor | None, tokens: torch.Tensor | None = None,
+               counts: torch.Tensor | None = None) -> None:
+        if features is None:
+            raise ValueError("the DFlash drafter needs target features for every committed token")
+        bsz, t, _ = features.shape
+        if bsz != self.lengths.numel():
+            raise ValueError(f"features are for {bsz} rows, the context has {self.lengths.numel()}")
+        if t == 0:
+            return
+        model = self.drafter.model
+        device = features.device
+        self.lengths = self.lengths.to(device)
+        counts = torch.full((bsz,), t, dtype=torch.long, device=device) if counts is None else counts.to(device)
+        positions = self.lengths[:, None] + torch.arange(t, device=device)  # [B, T]
+        new = model.context_kv(model.project_context(features), positions)
+        need = int((self.lengths + counts).max())
+        self._reserve(need, new)
+        uniform = bool((counts == t).all()) and bool((self.lengths == self.lengths[0]).all())
+        if uniform:
+            at = int(self.lengths[0])
+            for (kb, vb), (k, v) in zip(self.kv, new):
+                kb[:, :, at : at + t] = k
+                vb[:, :, at : at + t] = v
+        else:
+            cols = torch.where(torch.arange(t, device=device) < counts[:, None], positions, self.capacity)
+            for (kb, vb), (k, v) in zip(self.kv, new):
+                idx = cols[:, None, :, None].expand(bsz, k.shape[1], t, k.shape[-1])
+                kb.scatter_(2, idx, k)
+                vb.scatter_(2, idx, v)
+        self.lengths = self.lengths + counts
+
+    def _reserve(self, need: int, like: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        if need <= self.capacity:
+            return
+        cap = max(need, 2 * self.capacity, 64)
+        grown = []
+        for i, (k, v) in enumerate(like):
+            bsz, heads, _, dim = k.shape
+            kb = k.new_zeros(bsz, heads, cap + 1, dim)
+            vb = v.new_zeros(bsz, heads, cap + 1, v.shape[-1])
+            if self.kv is not None:
+                old_k, old_v = self.kv[i]
+                kb[:, :, : self.capacity] = old_k[:, :, : self.capacity]
+                vb[:, :, : self.capacity] = old_v[:, :, : self.capacity]
+            grown.append((kb, vb))
+        self.kv = grown
+
+    def select_rows(self, rows: torch.Tensor) -> None:
+        self.lengths = self.lengths.index_select(0, rows.to(self.lengths.device))
+        if self.kv is not None:
+            self.kv = [(k.index_select(0, rows.to(k.device)), v.index_select(0, rows.to(v.device))) for k, v in self.kv]
+
+    @torch.no_grad()
+    def propose(self, root_tokens: torch.Tensor) -> torch.Tensor:
+        """Log-probs ``[B, block_size - 1, V]`` for positions ``lengths + 1 ..``, in float32."""
+        if self.kv is None or bool((self.lengths == 0).any()):
+            raise RuntimeError("the drafter has no context yet: append the prompt's target features first")
+        drafter = self.drafter
+        model = drafter.model
+        embed = drafter._target_parts[0]
+        root_tokens = root_tokens.view(-1, 1)
+        bsz = root_tokens.shape[0]
+        size = drafter.block_size
+        device = root_tokens.device
+        lengths = self.lengths.to(device)
+        block = torch.cat([root_tokens, root_tokens.new_full((bsz, size - 1), drafter.mask_token_id)], dim=1)
+        block_pos = lengths[:, None] + torch.arange(size, device=device)
+        width = int(lengths.max())
+        kv = [(k[:, :, :width], v[:, :, :width]) for k, v in self.kv]
+        masks = None
+        if not bool((lengths == width).all()):  # ragged rows: mask each row's unused columns
+            masks = self._ragged_masks(lengths, width, block_pos, model.fc.weight.dtype)
+        hidden = model(embed(block), block_pos, context_kv=kv, attention_masks=masks)[:, 1:]
+        return drafter.block_logprobs(hidden)
+
+    def _ragged_masks(self, lengths, width, block_pos, dtype) -> dict[str, torch.Tensor]:
+        col = torch.arange(width, device=lengths.device)
+        key_pos = torch.cat([col.expand(len(lengths), -1), block_pos], dim=1)  # column = position
+        valid = torch.cat([col[None] < lengths[:, None], torch.ones_like(block_pos, dtype=torch.bool)], dim=1)
+        hidden = torch.finfo(dtype).min
+        full = torch.zeros(valid.shape, dtype=dtype, device=valid.device).masked_fill_(~valid, hidden)
+        full = full[:, None, None].expand(-1, 1, block_pos.shape[1], -1)
+        masks = {FULL: full, SLIDING: None}
+        if SLIDING in self.drafter.config.layer_types:
+            window = window_mask(block_pos, key_pos, self.drafter.config.sliding_window, dtype)
+            masks[SLIDING] = window.masked_fill(~valid[:, None, None], hidden)
+        return masks
+
+
 __all__ = [
     "Drafter",
+    "DraftContext",
+    "DFlashContext",
     "DFlashConfig",
     "DFlashDraftModel",
     "DFlashDrafter",

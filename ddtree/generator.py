@@ -1,36 +1,36 @@
 """``SpeculativeGenerator``: draft a tree, verify it in one target forward, commit the longest match.
 
-One round, in order (each step is a public building block):
-
-1. ``drafter.propose(root)``: per-depth log-probs for the block after the root;
-2. ``builder(root, logprobs, budget)``: a :class:`~ddtree.tree.DraftTree`;
-3. ``backend.tree_forward_kwargs``: the tree attention mask (or split-attention info);
-4. one target forward over the tree at positions ``start + depth``;
-5. ``verify_tree``: the accepted path and the bonus token;
-6. ``commit_accepted``: compact the target cache, feed accepted features to the drafter.
+The generator holds models and settings only. Each call makes a
+:class:`~ddtree.state.DecodeState` (:meth:`SpeculativeGenerator.start`) and runs
+:func:`~ddtree.round.speculative_round` on it until every row stops; the
+round's steps are public building blocks (see :mod:`ddtree.round`).
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Iterator, Protocol, Sequence
+from typing import Iterator, Sequence
 
 import torch
 
 from .attention import get_backend
-from .cache import cache_kwargs, cache_length, check_cache_length, commit_accepted, new_target_cache
+from .budget import AutoBudget, BudgetPolicy, FixedBudget, ProfiledLatency, check_budget, DEFAULT_CANDIDATES
 from .drafter import DFlashDrafter, DFlashDraftModel, Drafter
-from .masks import tree_position_ids
-from .sampling import SamplingConfig, choose_tokens
+from .round import speculative_round
+from .sampling import SamplingConfig
+from .state import DecodeState, RoundRecord
 from .timing import StageTimer
-from .tree import DraftTree, TreeBuilder, resolve_builder
-from .verify import VerifyResult, verify_tree
+from .tree import TreeBuilder, resolve_builder
 
 
 @dataclass
 class GenerationStats:
-    """Counts and seconds for one ``generate`` call; ``seconds`` is keyed by stage."""
+    """Counts and seconds for one ``generate`` call; ``seconds`` is keyed by stage.
+
+    ``seconds["calibration"]`` is the auto budget's verify profiling, outside
+    the rounds. ``mean_acceptance`` pools every row's rounds.
+    """
 
     rounds: int
     new_tokens: int
@@ -41,41 +41,33 @@ class GenerationStats:
     tree_budget: int | str | None = None
     budgets: list[int] = field(default_factory=list)
     budget_policy: dict | None = None
-
-
-@dataclass
-class RoundRecord:
-    """One verify round, kept when ``record_trees=True``: the tree and the accepted node indices."""
-
-    start: int
-    tree: DraftTree
-    accepted: list[int]
-    bonus: int
+    batch_size: int = 1
 
 
 @dataclass
 class GenerationOutput:
+    """``sequences`` ``[B, P + N]``: each prompt left-padded to the longest (``P``), then its new tokens,
+    right-padded to the longest row (``N``) with the pad id. For one prompt that is ``[1, prompt + new]``.
+
+    ``acceptance_lengths`` and ``rounds`` are lists for one prompt, and lists of
+    per-row lists for a batch; ``row_tokens`` is each row's new tokens, unpadded.
+    """
+
     sequences: torch.Tensor
-    acceptance_lengths: list[int]
+    acceptance_lengths: list
     stats: GenerationStats
-    rounds: list[RoundRecord] = field(default_factory=list)
+    rounds: list = field(default_factory=list)
     prompt_length: int = 0
+    row_tokens: list[list[int]] = field(default_factory=list)
 
     @property
     def new_tokens(self) -> torch.Tensor:
-        """``[1, new]``: the generated part of ``sequences``."""
+        """``[B, N]``: the generated part of ``sequences``."""
         return self.sequences[:, self.prompt_length :]
 
 
-@dataclass
-class _Round:
-    tokens: list[int]
-    acceptance: int | None
-    record: RoundRecord | None
-
-
 class SpeculativeGenerator:
-    """Lossless DDTree generation for one target and one drafter (batch 1).
+    """Lossless DDTree generation for one target and one drafter, one prompt or a batch.
 
     ``tree_budget`` is the number of draft nodes per round; a fixed 0 is plain
     target-only decoding (the drafter does no work), the baseline for speedups. ``builder`` is ``"best_first"`` (DDTree),
@@ -86,6 +78,10 @@ class SpeculativeGenerator:
     (faster few-token verify forwards), and the DFlash drafter's along with it:
     ``True`` requires it, ``"auto"`` uses it where it runs, ``False`` leaves the
     models as they are.
+
+    It holds models and settings only (plus a verify-latency profile that
+    ``tree_budget="auto"`` shares): every call keeps its own state, so calls can
+    interleave.
     """
 
     def __init__(
@@ -100,7 +96,7 @@ class SpeculativeGenerator:
     ):
         if isinstance(drafter, DFlashDraftModel):
             drafter = DFlashDrafter(drafter, target)
-        _check_budget(tree_budget)
+        check_budget(tree_budget)
         self.target = target.eval()
         self.cpu_linear = _route_cpu_linear(target, cpu_linear)
         if self.cpu_linear and isinstance(drafter, DFlashDrafter):
@@ -111,8 +107,7 @@ class SpeculativeGenerator:
         self.backend = get_backend(attention) if isinstance(attention, (str, type(None))) else attention
         self.backend.prepare(self.target)
         self.tokenizer = None
-        self._auto_policy = None
-        self._budget_trace: list[int] = []
+        self._latency: ProfiledLatency | None = None  # measures the model and machine, shared by generations
 
     @classmethod
     def from_pretrained(
@@ -162,206 +157,187 @@ class SpeculativeGenerator:
 
     # ----------------------------------------------------------------- public API
 
-    def generate(
+    def start(
         self,
-        input_ids: torch.Tensor,
+        input_ids,
         *,
         max_new_tokens: int,
         temperature: float = 0.0,
         top_k: int | None = None,
         top_p: float | None = None,
         stop_token_ids: Sequence[int] | int | None = None,
-        tree_budget: int | None = None,
+        tree_budget: int | str | BudgetPolicy | None = None,
         seed: int | None = None,
         record_trees: bool = False,
-    ) -> GenerationOutput:
-        """Generate up to ``max_new_tokens`` tokens after ``input_ids`` ``[1, T]``."""
-        input_ids = self._check_prompt(input_ids, max_new_tokens)
-        timer = StageTimer(input_ids.device)
-        new: list[int] = []
-        acceptance: list[int] = []
-        records: list[RoundRecord] = []
-        t0 = time.perf_counter()
-        for rnd in self._rounds(
-            input_ids, max_new_tokens, SamplingConfig(temperature, top_k, top_p),
-            _stop_set(stop_token_ids), tree_budget, seed, timer, record_trees,
-        ):
-            new.extend(rnd.tokens)
-            if rnd.acceptance is not None:
-                acceptance.append(rnd.acceptance)
-            if rnd.record is not None:
-                records.append(rnd.record)
-        elapsed = time.perf_counter() - t0
-        seq = torch.cat([input_ids, torch.tensor([new], dtype=input_ids.dtype, device=input_ids.device)], dim=1)
-        stats = GenerationStats(
-            rounds=len(acceptance),
-            new_tokens=len(new),
-            mean_acceptance=sum(acceptance) / len(acceptance) if acceptance else 0.0,
-            tokens_per_second=len(new) / elapsed if elapsed > 0 else float("inf"),
-            total_seconds=elapsed,
-            seconds=dict(timer.seconds),
-            tree_budget=self.tree_budget if tree_budget is None else tree_budget,
-            budgets=list(self._budget_trace),
-            budget_policy=self._describe_policy(tree_budget),
-        )
-        return GenerationOutput(seq, acceptance, stats, records, prompt_length=input_ids.shape[1])
+        attention_mask: torch.Tensor | None = None,
+    ) -> DecodeState:
+        """A fresh :class:`~ddtree.state.DecodeState` for these prompts; advance it with ``speculative_round``.
 
-    def stream(
-        self,
-        input_ids: torch.Tensor,
-        *,
-        max_new_tokens: int,
-        temperature: float = 0.0,
-        top_k: int | None = None,
-        top_p: float | None = None,
-        stop_token_ids: Sequence[int] | int | None = None,
-        tree_budget: int | None = None,
-        seed: int | None = None,
-    ) -> Iterator[list[int]]:
-        """Yield the token ids each round commits (the first yield is the prefill's token)."""
-        input_ids = self._check_prompt(input_ids, max_new_tokens)
-        for rnd in self._rounds(
-            input_ids, max_new_tokens, SamplingConfig(temperature, top_k, top_p),
-            _stop_set(stop_token_ids), tree_budget, seed, StageTimer(input_ids.device), False,
-        ):
-            if rnd.tokens:
-                yield rnd.tokens
-
-    # ----------------------------------------------------------------- the loop
-
-    def _rounds(self, input_ids, max_new_tokens, sampling, stops, tree_budget, seed, timer, record):
+        ``input_ids``: ``[T]`` or ``[B, T]`` ids (with ``attention_mask`` for a
+        left-padded batch, as HF pads), a list of ids, or a list of prompts of
+        any lengths (lists or 1-D tensors). Everything is checked before any
+        state exists, so a bad call leaves nothing behind.
+        """
+        rows = self._prompt_rows(input_ids, attention_mask)
+        if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
+        sampling = SamplingConfig(temperature, top_k, top_p)
         budget = self.tree_budget if tree_budget is None else tree_budget
-        _check_budget(budget)
-        policy = self._policy(budget)
-        plain = policy is None and budget == 0  # target-only decoding: the drafter does no work at all
-        device = input_ids.device
+        check_budget(budget)
+        if len(rows) > 1 and _has_linear_attention(self.target):
+            raise ValueError("batch > 1 is not supported yet for targets with linear-attention (recurrent) layers: "
+                             "generate one prompt at a time")
+        device = self.target.get_input_embeddings().weight.device
         rng = torch.Generator(device=device)
         rng.manual_seed(seed if seed is not None else int(torch.randint(0, 2**62, (1,)).item()))
-        cache = new_target_cache()
-        self.drafter.reset()
-        with torch.inference_mode():
-            with timer.stage("prefill"):
-                out = self._forward(input_ids, None, cache, hidden=not plain)
-                check_cache_length(cache, input_ids.shape[1], "prefill")
-                root = choose_tokens(out.logits[:, -1], sampling, rng)  # [1]
-                if not plain:
-                    self.drafter.append_context(self.drafter.context_features(out.hidden_states))
-            emitted = 1
-            yield _Round([int(root)], None, None)
-            if int(root) in stops or emitted >= max_new_tokens:
-                return
-            while plain:
-                with timer.stage("verify"):
-                    out = self._forward(root.view(1, 1), None, cache, hidden=False)
-                    check_cache_length(cache, input_ids.shape[1] + emitted, "decode step")
-                    root = choose_tokens(out.logits[:, -1], sampling, rng)
-                emitted += 1
-                yield _Round([int(root)], 1, None)
-                if int(root) in stops or emitted >= max_new_tokens:
-                    return
-            while True:
-                start = cache_length(cache)
-                tree, result, hidden = self._verify_round(root, start, cache, sampling, policy or budget, rng, timer)
-                with timer.stage("commit"):
-                    commit_accepted(cache, start, result.accepted)
-                    self.drafter.append_context(
-                        self.drafter.context_features(hidden)[:, result.accepted[0]]
-                    )
-                path = result.accepted[0].tolist()
-                root = result.bonus
-                tokens = tree.tokens[0, path[1:]].tolist() + [int(root)]
-                tokens, stopped = _truncate(tokens, stops, max_new_tokens - emitted)
-                emitted += len(tokens)
-                rec = RoundRecord(start, tree, path, int(root)) if record else None
-                yield _Round(tokens, int(result.num_accepted[0]), rec)
-                if stopped or emitted >= max_new_tokens:
-                    return
-
-    def _verify_round(self, root, start, cache, sampling, budget, rng, timer):
-        """Draft, build, mask and verify one tree; returns the tree, the verdict and hidden states."""
-        with timer.stage("draft"):
-            logprobs = self.drafter.propose(root)
-        with timer.stage("tree_build"):
-            size = budget.choose(logprobs, start) if not isinstance(budget, int) else budget
-            tree = self.builder(root.view(-1), logprobs, size)
-            self._budget_trace.append(size)
-        with timer.stage("mask"):
-            kwargs = self.backend.tree_forward_kwargs(self.target, tree, start, self._dtype)
-            positions = tree_position_ids(tree.depths, start)
-        verify_before = timer.seconds["verify"]
-        with timer.stage("verify"):
-            try:
-                out = self._forward(tree.tokens, positions, cache, **kwargs)
-            except RuntimeError:  # a mask sized for a prefix the forward never saw fails inside attention
-                check_cache_length(cache, start + tree.num_nodes, "verify forward")
-                raise
-            check_cache_length(cache, start + tree.num_nodes, "verify forward")
-            result: VerifyResult = verify_tree(tree, out.logits, sampling, rng)
-        if not isinstance(budget, int):
-            budget.observe(tree, result, timer.seconds["verify"] - verify_before, start)
-        return tree, result, out.hidden_states
-
-    def _describe_policy(self, tree_budget) -> dict | None:
-        budget = self.tree_budget if tree_budget is None else tree_budget
-        policy = self._auto_policy if budget == "auto" else (None if isinstance(budget, int) else budget)
-        return policy.describe() if policy is not None and hasattr(policy, "describe") else None
-
-    def _policy(self, budget):
-        """The budget policy for this call: ``None`` for a fixed int budget."""
-        self._budget_trace: list[int] = []
-        if isinstance(budget, int):
-            return None
-        if budget == "auto":
-            if self._auto_policy is None:
-                from .budget import AutoBudget
-
-                self._auto_policy = AutoBudget.for_generator(self)
-            return self._auto_policy
-        return budget
-
-    def _forward(self, input_ids, position_ids, cache, hidden: bool = True, **kwargs):
-        return self.target(
-            input_ids=input_ids,
-            position_ids=position_ids,
-            use_cache=True,
-            output_hidden_states=hidden,
-            **cache_kwargs(self.target, cache),
-            **kwargs,
+        return DecodeState(
+            generator=self, prompts=rows, max_new_tokens=max_new_tokens, sampling=sampling,
+            stops=_stop_set(stop_token_ids), policy=self.budget_policy(budget), rng=rng,
+            timer=StageTimer(device), record=record_trees,
         )
 
+    def generate(self, input_ids, *, max_new_tokens: int, **options) -> GenerationOutput:
+        """Generate up to ``max_new_tokens`` tokens after each prompt; options as in :meth:`start`."""
+        state = self.start(input_ids, max_new_tokens=max_new_tokens, **options)
+        t0 = time.perf_counter()
+        rounds = 0
+        while not state.done:
+            rounds += speculative_round(state).acceptance.count(None) < state.batch_size
+        elapsed = time.perf_counter() - t0
+        return self._output(state, rounds, elapsed, options.get("tree_budget"))
+
+    def stream(self, input_ids, *, max_new_tokens: int, **options) -> Iterator[list]:
+        """Yield what each round commits: a list of ids for one prompt, a list of per-row lists for a batch.
+
+        The first yield is the prefill's token(s). Options as in :meth:`start`.
+        """
+        state = self.start(input_ids, max_new_tokens=max_new_tokens, **options)
+        while not state.done:
+            tokens = speculative_round(state).tokens
+            if state.batch_size > 1:
+                yield tokens
+            elif tokens[0]:
+                yield tokens[0]
+
+    def budget_policy(self, budget) -> BudgetPolicy | None:
+        """A per-generation policy for ``budget``: ``None`` for 0 (plain decoding, no drafter work),
+        :class:`FixedBudget` for an int, a new :class:`AutoBudget` for ``"auto"`` (sharing this
+        generator's verify-latency profile), or the given policy object."""
+        check_budget(budget)
+        if isinstance(budget, int):
+            return None if budget == 0 else FixedBudget(budget)
+        if budget == "auto":
+            if self._latency is None:
+                self._latency = ProfiledLatency(self, [c + 1 for c in DEFAULT_CANDIDATES])
+            return AutoBudget.for_generator(self, latency=self._latency)
+        return budget
+
     @property
-    def _dtype(self) -> torch.dtype:
+    def dtype(self) -> torch.dtype:
         return next(self.target.parameters()).dtype
 
-    def _check_prompt(self, input_ids, max_new_tokens) -> torch.Tensor:
-        if not isinstance(input_ids, torch.Tensor):
-            input_ids = torch.tensor(input_ids, dtype=torch.long)
-        if input_ids.dim() == 1:
-            input_ids = input_ids[None]
-        if input_ids.dim() != 2 or input_ids.shape[0] != 1:
-            raise ValueError(
-                f"input_ids must be [1, prompt_len] (batch 1 for now), got shape {tuple(input_ids.shape)}"
+    @property
+    def pad_token_id(self) -> int:
+        """Fills padding in batched prompts and outputs: the target's pad id, else its first EOS id, else 0."""
+        cfg = getattr(self.target, "generation_config", None)
+        for name in ("pad_token_id", "eos_token_id"):
+            value = getattr(cfg, name, None) if cfg is not None else None
+            if isinstance(value, (list, tuple)):
+                value = value[0] if value else None
+            if value is not None:
+                return int(value)
+        return 0
+
+    # ----------------------------------------------------------------- helpers
+
+    def _output(self, state: DecodeState, rounds: int, elapsed: float, tree_budget) -> GenerationOutput:
+        rows = state.batch_size
+        prompt_width = max(len(p) for p in state.prompts)
+        new_width = max(len(t) for t in state.new_tokens)
+        device = state.prompts[0].device
+        seq = torch.full((rows, prompt_width + new_width), self.pad_token_id, dtype=torch.long, device=device)
+        for b, (p, new) in enumerate(zip(state.prompts, state.new_tokens)):
+            seq[b, prompt_width - len(p) : prompt_width] = p
+            seq[b, prompt_width : prompt_width + len(new)] = torch.tensor(new, dtype=torch.long, device=device)
+        pooled = [a for row in state.acceptance for a in row]
+        total = sum(len(t) for t in state.new_tokens)
+        stats = GenerationStats(
+            rounds=rounds,
+            new_tokens=total,
+            mean_acceptance=sum(pooled) / len(pooled) if pooled else 0.0,
+            tokens_per_second=total / elapsed if elapsed > 0 else float("inf"),
+            total_seconds=elapsed,
+            seconds=dict(state.timer.seconds),
+            tree_budget=self.tree_budget if tree_budget is None else tree_budget,
+            budgets=list(state.budgets),
+            budget_policy=state.policy.describe() if hasattr(state.policy, "describe") else None,
+            batch_size=rows,
+        )
+        one = rows == 1
+        return GenerationOutput(
+            seq,
+            state.acceptance[0] if one else state.acceptance,
+            stats,
+            state.records[0] if one else state.records,
+            prompt_length=prompt_width,
+            row_tokens=state.new_tokens,
+        )
+
+    def _prompt_rows(self, input_ids, attention_mask) -> list[torch.Tensor]:
+        """One 1-D id tensor per prompt, checked: non-empty, in the vocabulary, within the position limit."""
+        if isinstance(input_ids, torch.Tensor):
+            ids = input_ids if input_ids.dim() != 1 else input_ids[None]
+            if ids.dim() != 2:
+                raise ValueError(f"input_ids must be [T] or [batch, T], got shape {tuple(input_ids.shape)}")
+            if attention_mask is None:
+                rows = list(ids)
+            else:
+                mask = torch.as_tensor(attention_mask).to(ids.device)
+                mask = mask if mask.dim() == 2 else mask[None]
+                if mask.shape != ids.shape:
+                    raise ValueError(f"attention_mask {tuple(mask.shape)} does not match input_ids {tuple(ids.shape)}")
+                mask = mask.bool()
+                left_padded = (mask.long().cummax(dim=1).values.bool() == mask).all()
+                if not bool(left_padded):
+                    raise ValueError("attention_mask must be left padding (zeros, then ones, in every row); "
+                                     "pad prompts on the left, as HF does for generation")
+                rows = [ids[b][mask[b]] for b in range(ids.shape[0])]
+        elif isinstance(input_ids, (list, tuple)) and not input_ids:
+            rows = [torch.zeros(0, dtype=torch.long)]
+        elif isinstance(input_ids, (list, tuple)) and input_ids and all(
+                isinstance(x, int) and not isinstance(x, bool) for x in input_ids):
+            rows = [torch.tensor(input_ids, dtype=torch.long)]
+        elif isinstance(input_ids, (list, tuple)) and input_ids and all(
+                isinstance(x, (list, tuple, torch.Tensor)) for x in input_ids):
+            rows = [torch.as_tensor(x, dtype=torch.long).flatten() if not isinstance(x, torch.Tensor) else x
+                    for x in input_ids]
+        else:
+            raise TypeError(
+                f"input_ids must be a tensor ([T] or [batch, T], with attention_mask for left padding), a list "
+                f"of token ids, or a list of prompts (lists or 1-D tensors of ids); got {type(input_ids).__name__}"
             )
-        if input_ids.shape[1] == 0:
-            raise ValueError("the prompt is empty: give at least one token (e.g. the BOS token)")
-        if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
+        vocab = self.target.get_input_embeddings().weight.shape[0]
         limit = getattr(self.target.config, "max_position_embeddings", None)
-        if limit is not None and input_ids.shape[1] > limit:
-            raise ValueError(
-                f"the prompt has {input_ids.shape[1]} tokens, more than the target's max_position_embeddings "
-                f"({limit}): shorten it"
-            )
         device = self.target.get_input_embeddings().weight.device
-        return input_ids.to(device)
+        checked = []
+        for b, row in enumerate(rows):
+            if row.dim() != 1 or row.is_floating_point():
+                raise ValueError(f"prompt {b} must be a 1-D sequence of integer ids, got {row.dtype} {tuple(row.shape)}")
+            if row.numel() == 0:
+                raise ValueError(f"prompt {b} is empty: give at least one token (e.g. the BOS token)")
+            if int(row.min()) < 0 or int(row.max()) >= vocab:
+                raise ValueError(f"prompt {b} has token ids outside the target's vocabulary [0, {vocab}): "
+                                 f"[{int(row.min())}, {int(row.max())}]; was it tokenized for another model?")
+            if limit is not None and row.numel() > limit:
+                raise ValueError(f"prompt {b} has {row.numel()} tokens, more than the target's "
+                                 f"max_position_embeddings ({limit}): shorten it")
+            checked.append(row.to(device=device, dtype=torch.long))
+        return checked
 
 
-class BudgetPolicy(Protocol):
-    """Chooses the tree budget each round (see :mod:`ddtree.budget` for ``"auto"``)."""
-
-    def choose(self, logprobs: torch.Tensor, context_len: int) -> int: ...
-
-    def observe(self, tree: DraftTree, result: VerifyResult, verify_seconds: float, context_len: int) -> None: ...
+def _has_linear_attention(target) -> bool:
+    cfg = target.config.get_text_config() if hasattr(target.config, "get_text_config") else target.config
+    return "linear_attention" in (getattr(cfg, "layer_types", None) or [])
 
 
 def _route_cpu_linear(target, mode) -> int:
@@ -382,29 +358,9 @@ def _route_cpu_linear(target, mode) -> int:
     return cpu_linear.install(target)
 
 
-def _check_budget(budget) -> None:
-    if isinstance(budget, str) and budget == "auto":
-        return
-    if hasattr(budget, "choose") and hasattr(budget, "observe"):
-        return
-    if not isinstance(budget, int) or isinstance(budget, bool) or budget < 0:
-        raise ValueError(
-            f"tree_budget must be an int >= 0 (draft nodes per round; 0 = no drafting), 'auto' "
-            f"or a BudgetPolicy, got {budget!r}"
-        )
-
-
 def _stop_set(stop_token_ids) -> frozenset[int]:
     if stop_token_ids is None:
         return frozenset()
     if isinstance(stop_token_ids, int):
         return frozenset([stop_token_ids])
     return frozenset(int(t) for t in stop_token_ids)
-
-
-def _truncate(tokens: list[int], stops: frozenset[int], room: int) -> tuple[list[int], bool]:
-    """Cut at the first stop token (kept) and at the remaining room."""
-    for i, tok in enumerate(tokens[:room]):
-        if tok in stops:
-            return tokens[: i + 1], True
-    return tokens[:room], False

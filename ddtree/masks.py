@@ -24,13 +24,17 @@ def tree_attention_mask(
     dtype: torch.dtype = torch.float32,
     sliding_window: int | None = None,
     depths: torch.Tensor | None = None,
+    prefix_valid: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Additive mask ``[B, 1, N, prefix_len + N]`` over ``[prefix | tree]``.
 
     ``visibility[b, i, j]`` is True when node ``j`` is an ancestor of ``i`` or
     ``i`` itself. With ``sliding_window`` (and ``depths``) a node at position
     ``p`` sees only keys at positions ``> p - sliding_window``, the causal
-    window rule of HF sliding layers.
+    window rule of HF sliding layers. ``prefix_valid`` ``[B, prefix_len]`` hides
+    padding columns of a batch; a row's real columns must be its last ones
+    (right-aligned), so column distance is position distance and the window
+    rule holds as it is.
     """
     if visibility.dim() != 3 or visibility.shape[-1] != visibility.shape[-2]:
         raise ValueError(f"visibility must be [B, N, N], got {tuple(visibility.shape)}")
@@ -39,6 +43,10 @@ def tree_attention_mask(
     allowed = torch.cat(
         [torch.ones(bsz, n, prefix_len, dtype=torch.bool, device=device), visibility.bool()], dim=-1
     )
+    if prefix_valid is not None:
+        if prefix_valid.shape != (bsz, prefix_len):
+            raise ValueError(f"prefix_valid must be [{bsz}, {prefix_len}], got {tuple(prefix_valid.shape)}")
+        allowed[:, :, :prefix_len] &= prefix_valid.to(device)[:, None, :]
     if sliding_window is not None:
         if depths is None:
             raise ValueError("a sliding-window mask needs the node depths")

@@ -7,7 +7,8 @@ from contextlib import contextmanager
 
 import torch
 
-STAGES = ("prefill", "draft", "tree_build", "mask", "verify", "commit")
+STAGES = ("calibration", "prefill", "draft", "tree_build", "mask", "verify", "commit")
+"""``calibration`` is the auto budget's verify profiling, kept apart from the stages of a round."""
 
 
 class StageTimer:

@@ -57,42 +57,65 @@ def tiny_pair(request):
 class ScriptedDrafter:
     """A drafter whose proposals come from a known continuation (by absolute position).
 
-    ``reference`` is the full token sequence the target will produce. At context
-    length ``c`` (the root sits at ``c``) slot ``k`` proposes ``reference[c + k]``
-    with probability ``1 - eps``; ``decoy_at`` maps a depth (1-based) to a wrong
-    token that gets the top rank there instead, pushing the right one to rank 1.
+    ``reference`` is the full token sequence the target will produce (or one per
+    row of a batch: a list). At context length ``c`` (the root sits at ``c``)
+    slot ``k`` proposes ``reference[c + k]`` with probability ``1 - eps``;
+    ``decoy_at`` maps a depth (1-based) to a wrong token that gets the top rank
+    there instead, pushing the right one to rank 1. Every proposal is logged in
+    ``proposals``; the drafter keeps no per-generation state of its own.
     """
 
-    def __init__(self, reference: torch.Tensor, vocab: int, block_size: int = 5, decoy_at: dict | None = None):
-        self.reference = reference.view(-1)
+    def __init__(self, reference, vocab: int, block_size: int = 5, decoy_at: dict | None = None):
+        refs = reference if isinstance(reference, (list, tuple)) else [reference]
+        self.references = [torch.as_tensor(r).view(-1) for r in refs]
         self.vocab = vocab
         self.block_size = block_size
         self.target_layer_ids = [0]
         self.decoy_at = decoy_at or {}
-        self.context_len = 0
         self.proposals: list[torch.Tensor] = []
 
-    def reset(self):
-        self.context_len = 0
+    @property
+    def reference(self) -> torch.Tensor:
+        return self.references[0]
 
     def context_features(self, hidden_states):
         return hidden_states[-1]
 
-    def append_context(self, features):
-        self.context_len += features.shape[1]
+    def new_context(self, batch_size: int = 1):
+        return _ScriptedContext(self, batch_size)
+
+
+class _ScriptedContext:
+    def __init__(self, drafter: ScriptedDrafter, batch_size: int):
+        self.drafter = drafter
+        self.rows = list(range(batch_size))  # which reference each active row follows
+        self.lengths = [0] * batch_size
+
+    def append(self, features, tokens, counts=None):
+        t = tokens.shape[1]
+        counts = [t] * len(self.rows) if counts is None else [int(c) for c in counts]
+        self.lengths = [n + c for n, c in zip(self.lengths, counts)]
+
+    def select_rows(self, rows):
+        keep = [int(r) for r in rows]
+        self.rows = [self.rows[i] for i in keep]
+        self.lengths = [self.lengths[i] for i in keep]
 
     def propose(self, root_tokens):
-        depth = self.block_size - 1
-        logits = torch.full((1, depth, self.vocab), -30.0)
-        for k in range(1, depth + 1):
-            pos = self.context_len + k
-            if pos >= self.reference.numel():
-                continue
-            right = int(self.reference[pos])
-            logits[0, k - 1, right] = 10.0
-            if k in self.decoy_at:
-                wrong = (right + 1 + self.decoy_at[k]) % self.vocab
-                logits[0, k - 1, wrong] = 12.0
-        lp = logits.log_softmax(-1)
-        self.proposals.append(lp)
+        d = self.drafter
+        depth = d.block_size - 1
+        logits = torch.full((len(self.rows), depth, d.vocab), -30.0)
+        for i, (row, length) in enumerate(zip(self.rows, self.lengths)):
+            reference = d.references[min(row, len(d.references) - 1)]
+            for k in range(1, depth + 1):
+                pos = length + k
+                if pos >= reference.numel():
+                    continue
+                right = int(reference[pos])
+                logits[i, k - 1, right] = 10.0
+                if k in d.decoy_at:
+                    wrong = (right + 1 + d.decoy_at[k]) % d.vocab
+                    logits[i, k - 1, wrong] = 12.0
+        lp = logits.log_softmax(-1).to(root_tokens.device)
+        d.proposals.append(lp)
         return lp

@@ -103,14 +103,14 @@ def test_auto_on_tiny_pair_is_lossless_and_described():
     target = tiny_target("qwen3")
     drafter = tiny_drafter_model(target)
     gen = SpeculativeGenerator(target, drafter)
-    gen._auto_policy = AutoBudget.for_generator(gen, candidates=(1, 4, 16), repeats=1)
+    policy = AutoBudget.for_generator(gen, candidates=(1, 4, 16), repeats=1)
     ids = torch.randint(0, 90, (1, 12))
-    out = gen.generate(ids, max_new_tokens=20, tree_budget="auto")
+    out = gen.generate(ids, max_new_tokens=20, tree_budget=policy)
     ref = gen.generate(ids, max_new_tokens=20, tree_budget=0)
     assert torch.equal(out.sequences, ref.sequences)
     assert set(out.stats.budgets) <= {1, 4, 16} and out.stats.budgets
     desc = out.stats.budget_policy
-    profile = desc["latency"]["verify_seconds"]["64"]
+    profile = desc["latency"]["verify_seconds"]["64x1"]
     assert list(profile) == ["2", "5", "17"][: len(profile)] and len(profile) >= 2
     times = list(profile.values())
     assert times == sorted(times)  # made monotone in the node count
@@ -122,7 +122,7 @@ def test_profiled_latency_interpolates():
     target = tiny_target("llama")
     gen = SpeculativeGenerator(target, tiny_drafter_model(target))
     lat = ProfiledLatency(gen, [2, 10], repeats=1)
-    lat.profiles[64] = {2: 1.0, 10: 3.0}  # a known table: no measuring needed
+    lat.profiles[(64, 1)] = {2: 1.0, 10: 3.0}  # a known table: no measuring needed
     assert lat.seconds(6, 20) == pytest.approx(2.0)
     assert lat.seconds(2, 63) == 1.0
     assert lat.seconds(14, 5) == pytest.approx(4.0)

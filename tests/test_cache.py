@@ -49,7 +49,53 @@ def test_keep_positions_slices_a_leading_run_and_gathers_otherwise():
     assert torch.equal(got[:, :, :4], x[:, :, :4])
 
 
-def test_commit_rejects_padded_rows():
+@pytest.mark.parametrize("kind", ["qwen3", "llama"])
+def test_ragged_commit_equals_each_rows_own_prefill(kind):
+    """Rows with different committed lengths (left padding) accept different paths: each row's cache after
+    the commit equals a prefill of that row alone, right-aligned, and the padding is exactly the shortfall."""
+    from ddtree.cache import padding_mask
+
+    target = tiny_target(kind)
+    g = torch.Generator().manual_seed(3)
+    lengths = torch.tensor([9, 4, 7])
+    width = int(lengths.max())
+    prompts = [torch.randint(0, 90, (int(n),), generator=g) for n in lengths]
+    trees = [random_tree(10, 90, seed) for seed in (11, 12, 13)]
+    tree = DraftTree.from_parents(torch.cat([t.tokens for t in trees]), torch.cat([t.parents for t in trees]))
+    paths = []
+    for b, t in enumerate(trees):  # a different depth per row: the root only, a middle node, a deepest node
+        node = [0, 4, int(torch.argmax(t.depths[0] * 100 - torch.arange(10)))][b]
+        paths.append(torch.nonzero(t.visibility[0, node]).flatten())
+    accepted = torch.full((3, max(len(p) for p in paths)), -1)
+    for b, p in enumerate(paths):
+        accepted[b, : len(p)] = p
+    ids = torch.zeros(3, width, dtype=torch.long)
+    for b, p in enumerate(prompts):
+        ids[b, width - len(p):] = p
+    valid = padding_mask(lengths, width)
+    with torch.no_grad():
+        cache = new_target_cache()
+        target(ids, attention_mask=valid.long(), position_ids=(valid.cumsum(-1) - 1).clamp(min=0),
+               use_cache=True, **cache_kwargs(target, cache))
+        mask = tree_attention_mask(tree.visibility, width, torch.float64, prefix_valid=valid)
+        target(tree.tokens, position_ids=lengths[:, None] + tree.depths, attention_mask=mask,
+               use_cache=True, **cache_kwargs(target, cache))
+        commit_accepted(cache, width, accepted, lengths)
+        kept = lengths + torch.tensor([len(p) for p in paths])
+        assert cache.get_seq_length() == int(kept.max())
+        for b in range(3):
+            fresh = new_target_cache()
+            target(torch.cat([prompts[b], tree.tokens[b, paths[b]]])[None], use_cache=True,
+                   **cache_kwargs(target, fresh))
+            n = int(kept[b])
+            for got, want in zip(cache.layers, fresh.layers):
+                torch.testing.assert_close(got.keys[b : b + 1, :, -n:], want.keys, rtol=0, atol=1e-10)
+                torch.testing.assert_close(got.values[b : b + 1, :, -n:], want.values, rtol=0, atol=1e-10)
+
+
+def test_commit_refuses_paths_that_skip_the_root_or_have_inner_padding():
     cache = new_target_cache()
-    with pytest.raises(ValueError, match="ragged"):
-        commit_accepted(cache, 3, torch.tensor([[0, 1], [0, -1]]))
+    with pytest.raises(ValueError, match="starts at the root"):
+        commit_accepted(cache, 3, torch.tensor([[1, 2]]))
+    with pytest.raises(ValueError, match="padded at the end only"):
+        commit_accepted(cache, 3, torch.tensor([[0, -1, 2]]))

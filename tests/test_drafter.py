@@ -27,21 +27,28 @@ class RecordingDrafter(DFlashDrafter):
         super().__init__(model, target)
         self.calls = []
 
-    def propose(self, root_tokens):
-        lp = super().propose(root_tokens)
-        self.calls.append((self.context_len, int(root_tokens.view(-1)[0]), lp.clone()))
-        return lp
+    def new_context(self, batch_size=1):
+        ctx = super().new_context(batch_size)
+        propose = ctx.propose
+
+        def recording(root_tokens):
+            lp = propose(root_tokens)
+            self.calls.append((int(ctx.lengths[0]), int(root_tokens.view(-1)[0]), lp.clone()))
+            return lp
+
+        ctx.propose = recording
+        return ctx
 
 
 def from_scratch_logprobs(model, target, sequence, context_len, root, layer_offset=1):
     """Drafter log-probs computed afresh: one target forward over the committed prefix."""
-    drafter = DFlashDrafter(model, target)
+    ctx = DFlashDrafter(model, target).new_context()
     with torch.no_grad():
         hidden = target(sequence[:, :context_len], output_hidden_states=True).hidden_states
     ids = model.config.target_layer_ids
     features = torch.cat([hidden[i + layer_offset] for i in ids], dim=-1)
-    drafter.append_context(features)
-    return drafter.propose(torch.tensor([root]))
+    ctx.append(features, sequence[:, :context_len])
+    return ctx.propose(torch.tensor([root]))
 
 
 @pytest.mark.parametrize("kind", ["qwen3", "llama"])
@@ -202,18 +209,19 @@ def _drafter_with_context(model, target, prompt):
     drafter = DFlashDrafter(model, target, draft_vocab=None)
     with torch.no_grad():
         hidden = target(torch.tensor([prompt]), output_hidden_states=True).hidden_states
-    drafter.append_context(drafter.context_features(hidden))
-    return drafter
+    ctx = drafter.new_context()
+    ctx.append(drafter.context_features(hidden), torch.tensor([prompt]))
+    return drafter, ctx
 
 
 def test_draft_vocab_renormalises_over_the_subset(tmp_path):
     target = tiny_target("qwen3")
     model = tiny_drafter_model(target)
-    drafter = _drafter_with_context(model, target, [5, 17, 3, 40, 22])
-    full = drafter.propose(torch.tensor([9]))
+    drafter, ctx = _drafter_with_context(model, target, [5, 17, 3, 40, 22])
+    full = ctx.propose(torch.tensor([9]))
     ids = torch.tensor([3, 90, 7, 41, 12, 66])
     drafter.set_draft_vocab(ids)
-    sub = drafter.propose(torch.tensor([9]))
+    sub = ctx.propose(torch.tensor([9]))
     keep = torch.zeros(full.shape[-1], dtype=torch.bool)
     keep[ids] = True
     assert torch.isinf(sub[..., ~keep]).all() and (sub[..., ~keep] < 0).all()

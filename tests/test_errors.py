@@ -204,10 +204,12 @@ def test_budget_below_zero(target, gen):
 
 
 def test_empty_prompt(gen):
-    with pytest.raises(ValueError, match=r"the prompt is empty"):
+    with pytest.raises(ValueError, match=r"prompt 0 is empty"):
         gen.generate(torch.zeros(1, 0, dtype=torch.long), max_new_tokens=4)
-    with pytest.raises(ValueError, match=r"the prompt is empty"):
+    with pytest.raises(ValueError, match=r"prompt 0 is empty"):
         gen.generate([], max_new_tokens=4)
+    with pytest.raises(ValueError, match=r"prompt 1 is empty"):
+        gen.generate([[1, 2], []], max_new_tokens=4)
 
 
 def test_max_new_tokens_below_one(gen):
@@ -221,13 +223,21 @@ def test_prompt_longer_than_max_positions(gen):
         gen.generate(torch.ones(1, 513, dtype=torch.long), max_new_tokens=1)
 
 
-def test_batch_above_one(gen):
-    with pytest.raises(ValueError, match=r"batch 1.*got shape \(2, 3\)"):
-        gen.generate(torch.tensor([[1, 2, 3], [4, 5, 6]]), max_new_tokens=2)
-    with pytest.raises(ValueError, match=r"batch 1"):
-        next(gen.stream(torch.tensor([[1, 2, 3], [4, 5, 6]]), max_new_tokens=2))
-    with pytest.raises(ValueError, match=r"\[1, prompt_len\]"):
+def test_bad_batches_are_refused_before_any_state(gen):
+    with pytest.raises(ValueError, match=r"\[T\] or \[batch, T\]"):
         gen.generate(torch.ones(1, 2, 3, dtype=torch.long), max_new_tokens=2)
+    ids = torch.tensor([[0, 1, 2, 3], [4, 5, 6, 7]])
+    with pytest.raises(ValueError, match=r"left padding"):
+        gen.generate(ids, attention_mask=torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1]]), max_new_tokens=2)
+    with pytest.raises(ValueError, match=r"does not match input_ids"):
+        gen.generate(ids, attention_mask=torch.ones(2, 3), max_new_tokens=2)
+    with pytest.raises(ValueError, match=r"prompt 1 has token ids outside the target's vocabulary"):
+        gen.generate([[1, 2], [3, 10_000]], max_new_tokens=2)
+    with pytest.raises(TypeError, match=r"a list of prompts"):
+        gen.generate("hello", max_new_tokens=2)
+    # nothing was left behind: the same generator still gives the single-prompt answer
+    ok = gen.generate([1, 2, 3], max_new_tokens=4)
+    assert ok.sequences.shape == (1, 7)
 
 
 # --------------------------------------------------------------------------- sampling settings

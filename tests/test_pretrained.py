@@ -76,8 +76,9 @@ def test_shipped_drafter_loads_for_the_default_target():
                                   add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]
     with torch.no_grad():
         hs = target(ids, output_hidden_states=True).hidden_states
-    drafter.append_context(extract_context_feature(hs, model.config.target_layer_ids)[:, :-1])
-    lp = drafter.propose(ids[:, -1:])
+    ctx = drafter.new_context()
+    ctx.append(extract_context_feature(hs, model.config.target_layer_ids)[:, :-1], ids[:, :-1])
+    lp = ctx.propose(ids[:, -1:])
     assert lp.shape == (1, model.config.block_size - 1, target.config.vocab_size)
 
 

@@ -53,8 +53,9 @@ def test_training_beats_untrained_and_exports(tmp_path):
     ids = torch.tensor([tiny_prompts(1, seed=5)[0]])
     with torch.no_grad():
         hs = target(ids, output_hidden_states=True).hidden_states
-    drafter.append_context(extract_context_feature(hs, model.config.target_layer_ids))
-    lp = drafter.propose(ids[:, -1:])
+    ctx = drafter.new_context()
+    ctx.append(extract_context_feature(hs, model.config.target_layer_ids), ids)
+    lp = ctx.propose(ids[:, -1:])
     assert lp.shape == (1, 3, 128)
 
 
@@ -114,9 +115,9 @@ def test_training_block_matches_runtime_propose(tmp_path):
         start, n, _ = ds.sequence(k)
         for a_idx in range(5):
             anchor = int(batch["block_pos"].view(2, 5, -1)[s, a_idx, 0])
-            drafter.reset()
-            drafter.append_context(ds.features[start:start + anchor][None])
-            lp = drafter.propose(data["input_ids"][start + anchor].long().view(1, 1))
+            ctx = drafter.new_context()
+            ctx.append(ds.features[start:start + anchor][None], data["input_ids"][start:start + anchor][None].long())
+            lp = ctx.propose(data["input_ids"][start + anchor].long().view(1, 1))
             ref = torch.log_softmax(lm(h[s, a_idx]).float(), -1)
             torch.testing.assert_close(lp[0], ref, atol=1e-4, rtol=1e-4)
             checked += 1

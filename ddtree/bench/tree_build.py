@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from ..budget import synthetic_logprobs
 from ..tree import DraftTree, best_first, best_first_from_topk, ranked_topk
 
 
@@ -76,21 +77,6 @@ def same_tree(a: DraftTree, b: DraftTree) -> bool:
         and torch.equal(a.parents.long(), b.parents.long())
         and torch.allclose(a.scores.float(), b.scores.float(), atol=1e-4, rtol=1e-5)
     )
-
-
-def synthetic_logprobs(depth: int, vocab: int, seed: int) -> torch.Tensor:
-    """Drafter-like rows ``[1, depth, vocab]``: a confident head (top-1 0.7 fading to 0.35) over a random tail.
-
-    Peaked like a trained drafter, so best_first trees grow deep (a flat random
-    distribution would only ever give depth-1 and depth-2 trees).
-    """
-    g = torch.Generator().manual_seed(seed)
-    fade = torch.linspace(1.0, 0.5, depth).view(depth, 1)
-    head = fade * torch.tensor([0.7, 0.12, 0.05, 0.03])  # [depth, 4]
-    tail = torch.softmax(torch.randn(depth, vocab, generator=g) * 1.5, dim=-1) * (1.0 - head.sum(-1, keepdim=True))
-    ids = torch.stack([torch.randperm(vocab, generator=g)[:4] for _ in range(depth)])
-    probs = tail.scatter_add(1, ids, head)
-    return probs.log()[None]
 
 
 def _min_seconds(fns: dict, repeats: int) -> dict[str, float]:

@@ -1,0 +1,203 @@
+"""``speculative_round(state)``: one step of a generation, the loop body every caller shares.
+
+The first call prefills the prompts and emits each row's first token. Every
+later call runs one round for the active rows:
+
+1. ``draft.propose(roots)``: per-depth log-probs after each row's root;
+2. ``policy.choose`` and ``builder(roots, logprobs, budget)``: one tree per row;
+3. the backend's tree-attention kwargs (rows padded in the cache get a dense mask);
+4. one target forward over every row's tree, at positions ``length + depth``;
+5. ``verify_tree``: each row's accepted path and bonus token;
+6. ``commit_accepted``: compact the cache per row; the drafter context gets
+   the accepted nodes' features.
+
+With budget 0 (no policy) a round is one plain decode step per row.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .cache import (
+    cache_kwargs,
+    cache_length,
+    check_cache_length,
+    commit_accepted,
+    new_target_cache,
+    padding_mask,
+    truncate_front,
+)
+from .cache import select_rows as select_cache_rows
+from .masks import tree_position_ids
+from .sampling import choose_tokens
+from .state import DecodeState, RoundRecord, RoundResult
+from .verify import verify_tree
+
+
+def target_forward(target, input_ids, position_ids, cache, hidden: bool = True, **kwargs):
+    """One target forward that extends ``cache`` (under whichever keyword this transformers takes)."""
+    return target(
+        input_ids=input_ids,
+        position_ids=position_ids,
+        use_cache=True,
+        output_hidden_states=hidden,
+        **cache_kwargs(target, cache),
+        **kwargs,
+    )
+
+
+def speculative_round(state: DecodeState) -> RoundResult:
+    """Advance ``state`` by one round (the prefill on the first call); returns what each row committed."""
+    if state.done:
+        raise RuntimeError("this generation is finished: every row has stopped")
+    with torch.inference_mode():
+        if not state.prefilled:
+            return _prefill(state)
+        if state.policy is None:
+            return _plain_step(state)
+        return _tree_round(state)
+
+
+def _prefill(state: DecodeState) -> RoundResult:
+    gen, timer = state.generator, state.timer
+    target = gen.target
+    device = target.get_input_embeddings().weight.device
+    lengths = torch.tensor([len(p) for p in state.prompts], dtype=torch.long, device=device)
+    width = int(lengths.max())
+    padded = not bool((lengths == width).all())
+    ids = torch.full((len(state.prompts), width), gen.pad_token_id, dtype=torch.long, device=device)
+    for b, p in enumerate(state.prompts):
+        ids[b, width - len(p):] = p.to(device)
+    state.cache = new_target_cache()
+    plain = state.policy is None
+    with timer.stage("prefill"):
+        if padded:
+            valid = padding_mask(lengths, width)
+            positions = (valid.long().cumsum(-1) - 1).clamp(min=0)
+            out = target_forward(target, ids, positions, state.cache, hidden=not plain,
+                                 attention_mask=valid.long())
+        else:
+            out = target_forward(target, ids, None, state.cache, hidden=not plain)
+        check_cache_length(state.cache, width, "prefill")
+        roots = choose_tokens(out.logits[:, -1], state.sampling, state.rng)
+        if not plain:
+            state.draft = gen.drafter.new_context(len(state.prompts))
+            features = gen.drafter.context_features(out.hidden_states)
+            if padded:  # left-align each row's real positions for the drafter
+                take = (torch.arange(width, device=device) + (width - lengths)[:, None]).clamp(max=width - 1)
+                ids = ids.gather(1, take)
+                features = None if features is None else features.gather(
+                    1, take[..., None].expand(-1, -1, features.shape[-1]))
+            state.draft.append(features, ids, lengths)
+    state.lengths, state.roots, state.prefilled = lengths, roots, True
+    tokens = [[] for _ in state.prompts]
+    for i, row in enumerate(state.active):
+        tokens[row] = [int(roots[i])]
+        state.emit(row, tokens[row])
+    return _finish_round(state, tokens, [None] * len(state.prompts))
+
+
+def _plain_step(state: DecodeState) -> RoundResult:
+    target, cache, lengths = state.generator.target, state.cache, state.lengths
+    width = cache_length(cache)
+    with state.timer.stage("verify"):
+        if bool((lengths == width).all()):
+            out = target_forward(target, state.roots.view(-1, 1), None, cache, hidden=False)
+        else:
+            valid = torch.cat([padding_mask(lengths, width), torch.ones_like(lengths[:, None], dtype=torch.bool)], 1)
+            out = target_forward(target, state.roots.view(-1, 1), lengths[:, None], cache, hidden=False,
+                                 attention_mask=valid.long())
+        check_cache_length(cache, width + 1, "decode step")
+        state.roots = choose_tokens(out.logits[:, -1], state.sampling, state.rng)
+    state.lengths = lengths + 1
+    tokens = [[] for _ in state.prompts]
+    acceptance: list[int | None] = [None] * len(state.prompts)
+    for i, row in enumerate(state.active):
+        tokens[row] = [int(state.roots[i])]
+        acceptance[row] = 1
+        state.acceptance[row].append(1)
+        state.emit(row, tokens[row])
+    return _finish_round(state, tokens, acceptance)
+
+
+def _tree_round(state: DecodeState) -> RoundResult:
+    gen, timer, policy = state.generator, state.timer, state.policy
+    target, cache, lengths, roots = gen.target, state.cache, state.lengths, state.roots
+    width = cache_length(cache)
+    rows = len(state.active)
+    context = int(lengths.max())
+    with timer.stage("calibration"):
+        if hasattr(policy, "prepare"):
+            policy.prepare(context, rows)
+    with timer.stage("draft"):
+        logprobs = state.draft.propose(roots)
+    with timer.stage("tree_build"):
+        size = policy.choose(logprobs, context)
+        tree = gen.builder(roots, logprobs, size)
+        state.budgets.append(size)
+    with timer.stage("mask"):
+        uniform = bool((lengths == width).all())
+        valid = None if uniform else padding_mask(lengths, width)
+        kwargs = gen.backend.tree_forward_kwargs(target, tree, width, gen.dtype, **({} if uniform else
+                                                                                  {"prefix_valid": valid}))
+        positions = tree_position_ids(tree.depths, width if uniform else lengths)
+    verify_before = timer.seconds["verify"]
+    with timer.stage("verify"):
+        try:
+            out = target_forward(target, tree.tokens, positions, cache, **kwargs)
+        except RuntimeError:  # a mask sized for a prefix the forward never saw fails inside attention
+            check_cache_length(cache, width + tree.num_nodes, "verify forward")
+            raise
+        check_cache_length(cache, width + tree.num_nodes, "verify forward")
+        result = verify_tree(tree, out.logits, state.sampling, state.rng)
+    policy.observe(tree, result, timer.seconds["verify"] - verify_before, context)
+    with timer.stage("commit"):
+        commit_accepted(cache, width, result.accepted, None if uniform else lengths)
+        path = result.accepted.clamp(min=0)  # [A, L]; rows past their count repeat node 0, never read
+        features = gen.drafter.context_features(out.hidden_states)
+        if features is not None:
+            features = features.gather(1, path[..., None].expand(-1, -1, features.shape[-1]))
+        state.draft.append(features, tree.tokens.gather(1, path), result.num_accepted)
+    counts = result.num_accepted.tolist()
+    path_tokens = tree.tokens.gather(1, path).tolist()
+    bonus = result.bonus.tolist()
+    tokens = [[] for _ in state.prompts]
+    acceptance: list[int | None] = [None] * len(state.prompts)
+    for i, row in enumerate(state.active):
+        tokens[row] = path_tokens[i][1 : counts[i]] + [bonus[i]]
+        acceptance[row] = counts[i]
+        state.acceptance[row].append(counts[i])
+        if state.record:
+            row_tree = type(tree)(*(t[i : i + 1] for t in (tree.tokens, tree.parents, tree.depths, tree.scores,
+                                                            tree.visibility)))
+            state.records[row].append(RoundRecord(int(lengths[i]), row_tree, path[i, : counts[i]].tolist(), bonus[i]))
+        state.emit(row, tokens[row])
+    state.lengths = lengths + result.num_accepted.to(lengths.device)
+    state.roots = result.bonus
+    return _finish_round(state, tokens, acceptance)
+
+
+def _finish_round(state: DecodeState, tokens, acceptance) -> RoundResult:
+    """Drop rows that finished this round from the cache, the drafter context and the row tensors."""
+    finished = [row for row in state.active if state.finished[row]]
+    if finished:
+        keep = [i for i, row in enumerate(state.active) if not state.finished[row]]
+        state.active = [state.active[i] for i in keep]
+        if keep:
+            index = torch.tensor(keep, dtype=torch.long, device=state.lengths.device)
+            select_cache_rows(state.cache, index)
+            if state.draft is not None:
+                state.draft.select_rows(index)
+            state.lengths = state.lengths.index_select(0, index)
+            state.roots = state.roots.index_select(0, index.to(state.roots.device))
+            _trim_leading_padding(state)
+        else:
+            state.cache = state.draft = None  # nothing left to decode: free the memory now
+    return RoundResult(tokens, acceptance, finished)
+
+
+def _trim_leading_padding(state: DecodeState) -> None:
+    """Drop cache columns that are padding in every remaining row."""
+    extra = cache_length(state.cache) - int(state.lengths.max())
+    if extra > 0:
+        truncate_front(state.cache, extra)
