@@ -1,10 +1,13 @@
 """ddtree: lossless tree-based speculative decoding (DDTree) with DFlash block-diffusion drafters."""
 
 from .attention import get_backend
+from .budget import AutoBudget, BudgetPolicy, FixedBudget
 from .cache import cache_kwargs, commit_accepted, keep_positions, new_target_cache
-from .drafter import DFlashConfig, DFlashDraftModel, DFlashDrafter, Drafter
+from .drafter import DFlashConfig, DFlashContext, DFlashDraftModel, DFlashDrafter, DraftContext, Drafter
 from .features import build_target_layer_ids, check_target_layer_ids, extract_context_feature
-from .generator import GenerationOutput, GenerationStats, RoundRecord, SpeculativeGenerator
+from .generator import GenerationOutput, GenerationStats, SpeculativeGenerator
+from .round import speculative_round, target_forward
+from .state import DecodeState, RoundRecord, RoundResult
 from .masks import tree_attention_mask, tree_position_ids
 from .sampling import SamplingConfig, choose_tokens, processed_logprobs
 from .tree import DraftTree, TreeBuilder, beam, best_first, chain, ranked_topk, resolve_builder
@@ -17,10 +20,16 @@ __all__ = [
     "GenerationOutput",
     "GenerationStats",
     "RoundRecord",
+    "DecodeState",
+    "RoundResult",
+    "speculative_round",
+    "target_forward",
     "DFlashConfig",
     "DFlashDraftModel",
     "DFlashDrafter",
     "Drafter",
+    "DraftContext",
+    "DFlashContext",
     "build_target_layer_ids",
     "check_target_layer_ids",
     "extract_context_feature",
@@ -34,6 +43,9 @@ __all__ = [
     "tree_attention_mask",
     "tree_position_ids",
     "get_backend",
+    "AutoBudget",
+    "BudgetPolicy",
+    "FixedBudget",
     "SamplingConfig",
     "choose_tokens",
     "processed_logprobs",

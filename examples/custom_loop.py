@@ -1,9 +1,12 @@
-"""A DDTree decoding loop written only with ddtree's public building blocks.
+"""Two ways to own the decoding loop with ddtree's public pieces.
 
 Run: python examples/custom_loop.py            (a tiny random pair, checks losslessness)
      python examples/custom_loop.py --default  (the shipped SmolLM2 pair)
 
-Each round: draft -> build a tree -> one masked target forward -> verify -> commit.
+1. ``round_loop``: the generator's own round, ``ddtree.speculative_round``, driven
+   by your loop (here: stop on a token budget, print each round as it commits).
+2. ``block_loop``: the round spelled out with the building blocks: draft -> build a
+   tree -> one masked target forward -> verify -> commit.
 """
 
 from __future__ import annotations
@@ -15,30 +18,32 @@ import torch
 import ddtree
 
 
-def speculative_greedy(target, drafter, prompt_ids: torch.Tensor, max_new_tokens: int, budget: int = 16):
+def round_loop(gen: ddtree.SpeculativeGenerator, prompt_ids: torch.Tensor, max_new_tokens: int, budget: int = 16):
+    state = gen.start(prompt_ids, max_new_tokens=max_new_tokens, tree_budget=budget)
+    while not state.done:
+        result = ddtree.speculative_round(state)  # what each row committed this round
+        print(f"round {len(state.acceptance[0]):3d}: +{result.tokens[0]} (accepted {result.acceptance[0]})")
+    return state.new_tokens[0], state.acceptance[0]
+
+
+def block_loop(target, drafter, prompt_ids: torch.Tensor, max_new_tokens: int, budget: int = 16):
     cache = ddtree.new_target_cache()
-    drafter.reset()
-    out = target(prompt_ids, use_cache=True, output_hidden_states=True, **ddtree.cache_kwargs(target, cache))
-    drafter.append_context(drafter.context_features(out.hidden_states))
+    context = drafter.new_context()  # this generation's drafter state
+    out = ddtree.target_forward(target, prompt_ids, None, cache)
+    context.append(drafter.context_features(out.hidden_states), prompt_ids)
     root = out.logits[:, -1].argmax(-1)  # [1]
     generated, acceptance = [int(root)], []
     while len(generated) < max_new_tokens:
         start = cache.get_seq_length()
-        logprobs = drafter.propose(root)  # [1, block_size - 1, vocab]
+        logprobs = context.propose(root)  # [1, block_size - 1, vocab]
         tree = ddtree.best_first(root, logprobs, budget)
         mask = ddtree.tree_attention_mask(tree.visibility, start, target.dtype)
-        out = target(
-            tree.tokens,
-            position_ids=ddtree.tree_position_ids(tree.depths, start),
-            attention_mask=mask,
-            use_cache=True,
-            output_hidden_states=True,
-            **ddtree.cache_kwargs(target, cache),  # `cache=` or `past_key_values=`, by transformers version
-        )
+        positions = ddtree.tree_position_ids(tree.depths, start)
+        out = ddtree.target_forward(target, tree.tokens, positions, cache, attention_mask=mask)
         result = ddtree.verify_tree(tree, out.logits)  # greedy by default
         path = result.accepted  # [1, L], root first
         ddtree.commit_accepted(cache, start, path)
-        drafter.append_context(drafter.context_features(out.hidden_states)[:, path[0]])
+        context.append(drafter.context_features(out.hidden_states)[:, path[0]], tree.tokens[:, path[0]])
         root = result.bonus
         generated += tree.tokens[0, path[0, 1:]].tolist() + [int(root)]
         acceptance.append(int(result.num_accepted[0]))
@@ -56,26 +61,30 @@ def tiny_pair():
     return target, ddtree.DFlashDrafter(ddtree.DFlashDraftModel(dcfg).double().eval(), target), None
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--default", action="store_true", help="use the shipped SmolLM2-135M pair")
-    ap.add_argument("--max-new-tokens", type=int, default=64)
-    args = ap.parse_args()
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--default", action="store_true", help="use the shipped SmolLM2-135M pair (default: a tiny random pair)")
+    ap.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate (default: 64)")
+    args = ap.parse_args(argv)
     if args.default:
         gen = ddtree.SpeculativeGenerator.from_pretrained()
-        target, drafter, tok = gen.target, gen.drafter, gen.tokenizer
+        tok = gen.tokenizer
         msgs = [{"role": "user", "content": "Write a haiku about the sea."}]
         prompt = tok.apply_chat_template(msgs, add_generation_prompt=True, return_tensors="pt", return_dict=True)
         prompt = prompt["input_ids"]
     else:
         target, drafter, tok = tiny_pair()
+        gen = ddtree.SpeculativeGenerator(target, drafter)
         prompt = torch.tensor([[3, 1, 4, 1, 5, 9, 2, 6]])
     with torch.inference_mode():
-        tokens, acceptance = speculative_greedy(target, drafter, prompt, args.max_new_tokens)
-        plain = target.generate(prompt, max_new_tokens=args.max_new_tokens, do_sample=False, pad_token_id=0)
+        tokens, acceptance = block_loop(gen.target, gen.drafter, prompt, args.max_new_tokens)
+        round_tokens, round_acceptance = round_loop(gen, prompt, args.max_new_tokens)
+        plain = gen.target.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=args.max_new_tokens,
+                                    do_sample=False, pad_token_id=0)
     plain = plain[0, prompt.shape[1]:].tolist()  # plain decoding may stop early at EOS
-    assert tokens[: len(plain)] == plain, "speculative output differs from plain greedy"
-    print("lossless: identical to plain greedy decoding")
+    assert tokens[: len(plain)] == plain and round_tokens[: len(plain)] == plain, "output differs from plain greedy"
+    assert acceptance == round_acceptance, "the spelled-out round and speculative_round accepted differently"
+    print("lossless: identical to plain greedy decoding, and both loops accepted the same nodes every round")
     print(f"rounds {len(acceptance)}, mean acceptance {sum(acceptance) / len(acceptance):.2f}")
     if tok is not None:
         print(tok.decode(tokens))

@@ -31,14 +31,30 @@ def target_probs(target, prefixes: list[list[int]], cfg: SamplingConfig) -> torc
     return processed_logprobs(logits, cfg).exp().double()
 
 
-def exact_distribution(target, cfg: SamplingConfig) -> dict[tuple, float]:
+def exact_distribution(target, cfg: SamplingConfig, prompt=PROMPT, horizon=HORIZON) -> dict[tuple, float]:
     dist = {(): 1.0}
-    for _ in range(HORIZON):
+    for _ in range(horizon):
         seqs = list(dist)
-        probs = target_probs(target, [PROMPT + list(s) for s in seqs], cfg)
-        dist = {s + (t,): dist[s] * float(probs[i, t]) for i, s in enumerate(seqs) for t in range(VOCAB)
+        probs = target_probs(target, [prompt + list(s) for s in seqs], cfg)
+        dist = {s + (t,): dist[s] * float(probs[i, t]) for i, s in enumerate(seqs) for t in range(probs.shape[-1])
                 if probs[i, t] > 0}
     return dist
+
+
+def chi2_statistic(counts: dict[tuple, int], exact: dict[tuple, float], samples: int) -> tuple[float, int]:
+    """Chi-square over cells, pooling those with expected count < 5; returns (statistic, degrees of freedom)."""
+    stat, pooled_obs, pooled_exp, df = 0.0, 0, 0.0, -1
+    for seq, p in exact.items():
+        e, o = p * samples, counts.get(seq, 0)
+        if e < 5:
+            pooled_obs, pooled_exp = pooled_obs + o, pooled_exp + e
+            continue
+        stat += (o - e) ** 2 / e
+        df += 1
+    if pooled_exp > 0:
+        stat += (pooled_obs - pooled_exp) ** 2 / pooled_exp
+        df += 1
+    return stat, df
 
 
 def expected_first_round_acceptance(target, record, first: int, cfg: SamplingConfig) -> float:
@@ -85,18 +101,7 @@ def test_speculative_sampling_matches_target_distribution(cfg, builder, budget):
             by_first[seq[0]] = expected_first_round_acceptance(target, out.rounds[0], seq[0], cfg)
         expected.append(by_first[seq[0]])
     assert set(counts) <= set(exact), "a sequence the target cannot produce was sampled"
-    # Chi-square over cells, pooling those with expected count < 5.
-    stat, pooled_obs, pooled_exp, df = 0.0, 0, 0.0, -1
-    for seq, p in exact.items():
-        e, o = p * SAMPLES, counts.get(seq, 0)
-        if e < 5:
-            pooled_obs, pooled_exp = pooled_obs + o, pooled_exp + e
-            continue
-        stat += (o - e) ** 2 / e
-        df += 1
-    if pooled_exp > 0:
-        stat += (pooled_obs - pooled_exp) ** 2 / pooled_exp
-        df += 1
+    stat, df = chi2_statistic(counts, exact, SAMPLES)
     assert df >= 3
     assert stat < chi2_critical(df), f"chi2 {stat:.1f} over {df} dof"
     # Acceptance: the observed mean equals the rule's prediction, and drafting did get accepted.
