@@ -196,3 +196,23 @@ def test_tree_build_command(tmp_path, capsys):
     rows = json.loads((tmp_path / "tree_build.json").read_text())["rows"]
     assert [(r["budget"], r["vocab"], r["same_tree"]) for r in rows] == [(8, 500, True), (32, 500, True)]
     assert "ratio after top-k" in capsys.readouterr().out
+
+
+def test_batch_bench_keeps_batch_one_acceptance_and_outputs():
+    from ddtree.bench.batch import markdown_batch_table, run_batches, summarize_batches
+
+    target = tiny_target("qwen3")
+    gen = SpeculativeGenerator(target, tiny_drafter_model(target))
+    methods = parse_methods("chain,best_first@6")
+    prompts = [Prompt("p0", list(range(3, 14))), Prompt("p1", [40, 41, 42, 7]), Prompt("p2", [9, 8, 7, 6, 5, 4])]
+    runs = run_batches(gen, methods, prompts, [1, 3], max_new_tokens=10, repeats=1, stops=[], depth=4)
+    rows = summarize_batches(runs)
+    assert {(r["batch_size"], r["method"]) for r in rows} == {
+        (b, m) for b in (1, 3) for m in ("hf", "ar", "chain", "best_first@6")}
+    for r in rows:
+        assert r["tokens_per_second"] > 0
+        if r["method"] in ("chain", "best_first@6"):
+            assert r["acceptance_equals_batch_1"] == (3, 3)  # the same trees at batch 3
+            assert r["tau"] >= 1.0 and r["verify_ms_per_round"] > 0
+        assert r["rows_equal_to_batch_1_plain"] == (3, 3)  # float64: every method, every row, exact
+    assert "| 3 | best_first@6 |" in markdown_batch_table(rows)

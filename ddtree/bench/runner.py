@@ -552,6 +552,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-p", type=float, default=None)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--repeats", type=int, default=3, help="interleaved repeats; tokens/s are medians over them")
+    p.add_argument("--batch-size", default=None,
+                   help="e.g. '1,4,8,16': decode the prompts in batches of each size (HF batched generate and "
+                        "ddtree's plain path as baselines) and write batch_results.md (default: off, batch 1)")
     p.add_argument("--ignore-eos", action="store_true", help="always generate max-new-tokens")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", default=None, help="float32 (CPU default), bfloat16 (CUDA default), float16")
@@ -612,6 +615,8 @@ def run_main_bench(argv: Sequence[str] | None = None) -> int:
                   top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop_token_ids=stops)
     args.out.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
+    if args.batch_size:
+        return _run_batch_bench(args, argv, gen, methods, prompts, stops, bench.depth, t0)
     runs = bench.run(prompts, repeats=args.repeats, warmup=not args.no_warmup, progress=not args.no_progress,
                      trees_path=args.out / "trees.jsonl" if args.save_trees else None)
     rows = summarize(runs, methods, bench.depth, greedy=args.temperature == 0)
@@ -632,6 +637,27 @@ def run_main_bench(argv: Sequence[str] | None = None) -> int:
     if bad:
         print(f"LOSSLESS CHECK FAILED for {', '.join(bad)}", file=sys.stderr)
         return 1
+    return 0
+
+
+def _run_batch_bench(args, argv, gen, methods, prompts, stops, depth, t0) -> int:
+    from .batch import markdown_batch_table, run_batches, summarize_batches
+
+    try:
+        sizes = sorted({int(x) for x in str(args.batch_size).split(",") if x.strip()})
+    except ValueError:
+        raise SystemExit(f"--batch-size takes comma-separated ints, e.g. 1,4,8, got {args.batch_size!r}")
+    if not sizes or sizes[0] < 1:
+        raise SystemExit(f"--batch-size values must be >= 1, got {args.batch_size!r}")
+    runs = run_batches(gen, methods, prompts, sizes, max_new_tokens=args.max_new_tokens, repeats=args.repeats,
+                       stops=stops, depth=depth)
+    rows = summarize_batches(runs)
+    meta = _meta(args, gen, prompts, time.time() - t0, argv)
+    table = markdown_batch_table(rows)
+    (args.out / "batch_results.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    (args.out / "batch_results.md").write_text(_md_header(meta) + table)
+    print(table)
+    print(f"wrote {args.out / 'batch_results.json'} and {args.out / 'batch_results.md'}")
     return 0
 
 
