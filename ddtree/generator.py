@@ -30,6 +30,8 @@ class GenerationStats:
 
     ``seconds["calibration"]`` is the auto budget's verify profiling, outside
     the rounds. ``mean_acceptance`` pools every row's rounds.
+    ``accepted_by_source`` counts accepted draft tokens by the proposer that put
+    them in the tree (set when the drafter merges sources, see :mod:`ddtree.lookup`).
     """
 
     rounds: int
@@ -42,6 +44,7 @@ class GenerationStats:
     budgets: list[int] = field(default_factory=list)
     budget_policy: dict | None = None
     batch_size: int = 1
+    accepted_by_source: dict[str, int] | None = None
 
 
 @dataclass
@@ -272,6 +275,7 @@ class SpeculativeGenerator:
             budgets=list(state.budgets),
             budget_policy=state.policy.describe() if hasattr(state.policy, "describe") else None,
             batch_size=rows,
+            accepted_by_source=dict(state.accepted_by_source) if any(state.accepted_by_source.values()) else None,
         )
         one = rows == 1
         return GenerationOutput(

@@ -28,10 +28,14 @@ from .cache import (
     truncate_front,
 )
 from .cache import select_rows as select_cache_rows
+from .lookup import Proposal
 from .masks import tree_position_ids
 from .sampling import choose_tokens
 from .state import DecodeState, RoundRecord, RoundResult
+from .tree import graft_paths
 from .verify import verify_tree
+
+SOURCE_NAMES = {1: "drafter", 2: "lookup", 3: "both"}
 
 
 def target_forward(target, input_ids, position_ids, cache, hidden: bool = True, **kwargs):
@@ -70,19 +74,19 @@ def _prefill(state: DecodeState) -> RoundResult:
         ids[b, width - len(p):] = p.to(device)
     state.cache = new_target_cache()
     plain = state.policy is None
+    hidden = not plain and _reads_features(gen.drafter)
     with timer.stage("prefill"):
         if padded:
             valid = padding_mask(lengths, width)
             positions = (valid.long().cumsum(-1) - 1).clamp(min=0)
-            out = target_forward(target, ids, positions, state.cache, hidden=not plain,
-                                 attention_mask=valid.long())
+            out = target_forward(target, ids, positions, state.cache, hidden=hidden, attention_mask=valid.long())
         else:
-            out = target_forward(target, ids, None, state.cache, hidden=not plain)
+            out = target_forward(target, ids, None, state.cache, hidden=hidden)
         check_cache_length(state.cache, width, "prefill")
         roots = choose_tokens(out.logits[:, -1], state.sampling, state.rng)
         if not plain:
             state.draft = gen.drafter.new_context(len(state.prompts))
-            features = gen.drafter.context_features(out.hidden_states)
+            features = gen.drafter.context_features(out.hidden_states) if hidden else None
             if padded:  # left-align each row's real positions for the drafter
                 take = (torch.arange(width, device=device) + (width - lengths)[:, None]).clamp(max=width - 1)
                 ids = ids.gather(1, take)
@@ -130,10 +134,13 @@ def _tree_round(state: DecodeState) -> RoundResult:
         if hasattr(policy, "prepare"):
             policy.prepare(context, rows)
     with timer.stage("draft"):
-        logprobs = state.draft.propose(roots)
+        proposal = state.draft.propose(roots)
+    logprobs, paths = (proposal.logprobs, proposal.paths) if isinstance(proposal, Proposal) else (proposal, None)
     with timer.stage("tree_build"):
         size = policy.choose(logprobs, context)
         tree = gen.builder(roots, logprobs, size)
+        if paths is not None and any(paths):
+            tree = graft_paths(tree, paths, size)
         state.budgets.append(size)
     with timer.stage("mask"):
         uniform = bool((lengths == width).all())
@@ -144,7 +151,8 @@ def _tree_round(state: DecodeState) -> RoundResult:
     verify_before = timer.seconds["verify"]
     with timer.stage("verify"):
         try:
-            out = target_forward(target, tree.tokens, positions, cache, **kwargs)
+            out = target_forward(target, tree.tokens, positions, cache, hidden=_reads_features(gen.drafter),
+                                 **kwargs)
         except RuntimeError:  # a mask sized for a prefix the forward never saw fails inside attention
             check_cache_length(cache, width + tree.num_nodes, "verify forward")
             raise
@@ -154,11 +162,16 @@ def _tree_round(state: DecodeState) -> RoundResult:
     with timer.stage("commit"):
         commit_accepted(cache, width, result.accepted, None if uniform else lengths)
         path = result.accepted.clamp(min=0)  # [A, L]; rows past their count repeat node 0, never read
-        features = gen.drafter.context_features(out.hidden_states)
+        features = gen.drafter.context_features(out.hidden_states) if _reads_features(gen.drafter) else None
         if features is not None:
             features = features.gather(1, path[..., None].expand(-1, -1, features.shape[-1]))
         state.draft.append(features, tree.tokens.gather(1, path), result.num_accepted)
     counts = result.num_accepted.tolist()
+    if tree.sources is not None:  # accepted draft tokens by the proposer that put them in the tree
+        accepted_sources = tree.sources.gather(1, path).tolist()
+        for i in range(rows):
+            for flag in accepted_sources[i][1 : counts[i]]:
+                state.accepted_by_source[SOURCE_NAMES[flag]] += 1
     path_tokens = tree.tokens.gather(1, path).tolist()
     bonus = result.bonus.tolist()
     tokens = [[] for _ in state.prompts]
@@ -168,13 +181,16 @@ def _tree_round(state: DecodeState) -> RoundResult:
         acceptance[row] = counts[i]
         state.acceptance[row].append(counts[i])
         if state.record:
-            row_tree = type(tree)(*(t[i : i + 1] for t in (tree.tokens, tree.parents, tree.depths, tree.scores,
-                                                            tree.visibility)))
-            state.records[row].append(RoundRecord(int(lengths[i]), row_tree, path[i, : counts[i]].tolist(), bonus[i]))
+            state.records[row].append(RoundRecord(int(lengths[i]), tree.row(i), path[i, : counts[i]].tolist(),
+                                                  bonus[i]))
         state.emit(row, tokens[row])
     state.lengths = lengths + result.num_accepted.to(lengths.device)
     state.roots = result.bonus
     return _finish_round(state, tokens, acceptance)
+
+
+def _reads_features(drafter) -> bool:
+    return getattr(drafter, "needs_hidden_states", True)
 
 
 def _finish_round(state: DecodeState, tokens, acceptance) -> RoundResult:

@@ -31,6 +31,8 @@ class DraftTree:
 
     ``scores`` is the path log-probability under the drafter (0 for the root).
     ``visibility[b, i, j]`` is True when ``j`` is ``i`` or one of its ancestors.
+    ``sources`` (optional) flags which proposer put each node there
+    (:data:`ddtree.lookup.DRAFTER` / ``LOOKUP`` bits), for acceptance by source.
     """
 
     tokens: torch.Tensor
@@ -38,6 +40,13 @@ class DraftTree:
     depths: torch.Tensor
     scores: torch.Tensor
     visibility: torch.Tensor = field(repr=False)
+    sources: torch.Tensor | None = field(default=None, repr=False)
+
+    def row(self, b: int) -> "DraftTree":
+        """Row ``b`` as a batch-1 tree."""
+        pick = slice(b, b + 1)
+        return DraftTree(self.tokens[pick], self.parents[pick], self.depths[pick], self.scores[pick],
+                         self.visibility[pick], None if self.sources is None else self.sources[pick])
 
     @classmethod
     def from_parents(
@@ -369,6 +378,72 @@ def beam(width: int, depth: int | None = None) -> Callable[[torch.Tensor, torch.
     build.__name__ = f"beam_{width}x{depth if depth is not None else 'D'}"
     build.__qualname__ = build.__name__
     return build
+
+
+def graft_paths(tree: DraftTree, paths: list[list[tuple[list[int], list[float]]]], budget: int) -> DraftTree:
+    """Add extra branches to ``tree`` and keep its ``budget`` best non-root nodes by score.
+
+    ``paths[b]`` lists row ``b``'s branches as ``(tokens, scores)`` from the root,
+    scores non-increasing along a branch (cumulative log-probs or log-confidences).
+    A branch follows the tree's nodes while they match and adds the rest; a node
+    on both keeps the higher score. Scores never rise from parent to child, so
+    the best ``budget`` nodes (ties broken by depth) include their ancestors.
+    Rows are padded to one node count with the best leftover candidates where a
+    row has fewer. ``sources`` records each node's origin (drafter 1, branch 2).
+    """
+    from .lookup import DRAFTER, LOOKUP
+
+    bsz = tree.batch_size
+    if len(paths) != bsz:
+        raise ValueError(f"paths are given for {len(paths)} rows, the tree has {bsz}")
+    rows = []
+    for b in range(bsz):
+        toks = tree.tokens[b].tolist()
+        pars = tree.parents[b].tolist()
+        scs = [float(x) for x in tree.scores[b].tolist()]
+        src = [DRAFTER] * len(toks) if tree.sources is None else tree.sources[b].tolist()
+        src[0] = 0
+        children = {}
+        for i in range(1, len(toks)):
+            children.setdefault((pars[i], toks[i]), i)
+        for branch, branch_scores in paths[b]:
+            node = 0
+            for tok, score in zip(branch, branch_scores):
+                child = children.get((node, tok))
+                if child is None:
+                    toks.append(int(tok))
+                    pars.append(node)
+                    scs.append(float(score))
+                    src.append(LOOKUP)
+                    child = len(toks) - 1
+                    children[(node, tok)] = child
+                else:
+                    scs[child] = max(scs[child], float(score))
+                    src[child] |= LOOKUP
+                node = child
+        rows.append((toks, pars, scs, src))
+    depth_of = []
+    for toks, pars, _, _ in rows:
+        d = [0] * len(toks)
+        for i in range(1, len(toks)):
+            d[i] = d[pars[i]] + 1
+        depth_of.append(d)
+    keep = min(budget, min(len(r[0]) for r in rows) - 1)
+    out_t, out_p, out_s, out_src = [], [], [], []
+    for (toks, pars, scs, src), d in zip(rows, depth_of):
+        order = sorted(range(1, len(toks)), key=lambda i: (-scs[i], d[i], i))[:keep]
+        new_index = {0: 0}
+        for j, i in enumerate(order, start=1):
+            new_index[i] = j
+        out_t.append([toks[0]] + [toks[i] for i in order])
+        out_p.append([-1] + [new_index[pars[i]] for i in order])
+        out_s.append([0.0] + [scs[i] for i in order])
+        out_src.append([0] + [src[i] for i in order])
+    device = tree.tokens.device
+    grafted = DraftTree.from_parents(torch.tensor(out_t, device=device), torch.tensor(out_p, device=device),
+                                     torch.tensor(out_s, dtype=tree.scores.dtype, device=device))
+    grafted.sources = torch.tensor(out_src, device=device)
+    return grafted
 
 
 BUILDERS: dict[str, TreeBuilder] = {"best_first": best_first, "chain": chain}

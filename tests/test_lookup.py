@@ -1,0 +1,104 @@
+"""Prompt lookup, alone and merged with a model drafter: exact, accepted as a walk predicts, and credited by source."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from ddtree import DFlashDrafter, DraftTree, SpeculativeGenerator, best_first
+from ddtree.lookup import DRAFTER, LOOKUP, PromptLookup, WithLookup, lookup_continuation
+from ddtree.tree import graft_paths
+from conftest import tiny_drafter_model, tiny_target
+from test_generator import expected_acceptance
+from test_sampling_e2e import chi2_critical, chi2_statistic, exact_distribution
+
+
+def test_lookup_finds_the_longest_latest_match_and_repeats_loops():
+    seq = np.array([7, 1, 2, 3, 9, 1, 2, 3, 4, 5, 8, 1, 2, 3])
+    cont, n = lookup_continuation(seq, 4, max_ngram=3)
+    assert (cont, n) == ([4, 5, 8, 1], 3)  # "1 2 3" last seen followed by 4 5 8 ...
+    cont, n = lookup_continuation(np.array([5, 6, 5, 6, 5]), 5)
+    assert (cont, n) == ([6, 5, 6, 5, 6], 3)  # period 2, copied past the end of the text
+    assert lookup_continuation(np.array([1, 2, 3]), 4) == ([], 0)
+    assert lookup_continuation(np.array([4]), 4) == ([], 0)
+
+
+def test_graft_adds_a_branch_within_the_budget_and_keeps_ancestors():
+    lp = torch.log_softmax(torch.randn(2, 4, 20, generator=torch.Generator().manual_seed(0)) * 2, -1)
+    roots = torch.tensor([3, 4])
+    tree = best_first(roots, lp, 6)
+    top = lp[0, 0].argmax().item()
+    branches = [[([top, 11, 12], [-0.1, -0.2, -0.3])], [([15, 16], [-50.0, -60.0])]]
+    grafted = graft_paths(tree, branches, 6)
+    assert grafted.num_nodes == 7
+    # row 0: the branch shares the drafter's top first token (both), then adds its own nodes, which rank high
+    t0 = grafted.child_table(0)
+    first = t0[0][top]
+    assert grafted.sources[0, first] == DRAFTER | LOOKUP
+    assert 11 in t0.get(first, {}) and grafted.sources[0, t0[first][11]] == LOOKUP
+    # row 1: a hopeless branch is left out entirely
+    assert 15 not in grafted.child_table(1)[0]
+    # every kept node's parent is kept and precedes it
+    assert (grafted.parents[:, 1:] < torch.arange(1, 7)).all()
+    assert bool((grafted.scores[:, 1:] <= grafted.scores.gather(1, grafted.parents.clamp(min=0))[:, 1:] + 1e-6).all())
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "llama"])
+def test_lookup_alone_needs_no_model_drafter_and_is_exact(kind):
+    target = tiny_target(kind)
+    gen = SpeculativeGenerator(target, PromptLookup.for_target(target, block_size=6), tree_budget=8)
+    prompt = [5, 17, 3, 9, 22]
+    out = gen.generate(prompt, max_new_tokens=160, record_trees=True)
+    ids = torch.tensor([prompt])
+    ref = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=160 + 6, do_sample=False,
+                          pad_token_id=0)[0].tolist()  # past the end: the last round may accept beyond the cut
+    assert out.sequences[0].tolist() == ref[: len(prompt) + 160]
+    assert out.acceptance_lengths == [expected_acceptance(r, ref) for r in out.rounds]
+    # small random targets fall into loops; lookup then proposes the loop to full depth
+    assert max(out.acceptance_lengths) == 6 and out.stats.mean_acceptance > 1.8
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "llama"])
+def test_merged_tree_is_exact_walks_as_predicted_and_credits_lookup(kind):
+    target = tiny_target(kind)
+    drafter = DFlashDrafter(tiny_drafter_model(target, block_size=6), target)
+    merged = SpeculativeGenerator(target, WithLookup(drafter, vocab_size=97), tree_budget=8)
+    plain_drafter = SpeculativeGenerator(target, drafter, tree_budget=8)
+    prompt = [5, 17, 3, 9, 22]
+    out = merged.generate(prompt, max_new_tokens=160, record_trees=True)
+    ref = plain_drafter.generate(prompt, max_new_tokens=160 + 6)  # past the end, for the last round's walk
+    full = ref.sequences[0].tolist()
+    assert out.sequences[0].tolist() == full[: len(prompt) + 160]
+    assert out.acceptance_lengths == [expected_acceptance(r, full) for r in out.rounds]
+    src = out.stats.accepted_by_source
+    assert src["lookup"] + src["both"] > 5 * src["drafter"]  # the random drafter rarely helps; the loop does
+    assert out.stats.mean_acceptance > 1.5 * ref.stats.mean_acceptance
+    # budgets hold: never more nodes than the budget
+    assert all(r.tree.num_nodes <= 9 for r in out.rounds)
+
+
+def test_merged_tree_sampling_keeps_the_target_distribution():
+    vocab, horizon, samples = 8, 3, 900
+    target = tiny_target("qwen3", vocab=vocab)
+    from ddtree import DFlashConfig, DFlashDraftModel, SamplingConfig
+
+    torch.manual_seed(3)
+    dcfg = DFlashConfig.for_target(target.config, num_hidden_layers=1, block_size=4, mask_token_id=vocab - 1)
+    drafter = DFlashDrafter(DFlashDraftModel(dcfg).double().eval(), target)
+    gen = SpeculativeGenerator(target, WithLookup(drafter, vocab_size=vocab), tree_budget=5)
+    cfg = SamplingConfig(temperature=1.0, top_k=4)
+    prompt = [1, 2, 1, 2, 1]  # a repetitive prompt: the lookup branch is in every tree
+    counts: dict[tuple, int] = {}
+    lookup_used = 0
+    for seed in range(samples):
+        out = gen.generate(prompt, max_new_tokens=horizon, temperature=1.0, top_k=4, seed=seed)
+        seq = tuple(out.row_tokens[0])
+        counts[seq] = counts.get(seq, 0) + 1
+        src = out.stats.accepted_by_source or {}
+        lookup_used += src.get("lookup", 0) + src.get("both", 0)
+    exact = exact_distribution(target, cfg, prompt, horizon)
+    assert set(counts) <= set(exact)
+    stat, df = chi2_statistic(counts, exact, samples)
+    assert df >= 3 and stat < chi2_critical(df), f"chi2 {stat:.1f} over {df} dof"
+    assert lookup_used > 0
