@@ -216,3 +216,24 @@ def test_batch_bench_keeps_batch_one_acceptance_and_outputs():
             assert r["tau"] >= 1.0 and r["verify_ms_per_round"] > 0
         assert r["rows_equal_to_batch_1_plain"] == (3, 3)  # float64: every method, every row, exact
     assert "| 3 | best_first@6 |" in markdown_batch_table(rows)
+
+
+def test_lookup_methods_parse_run_and_report_sources():
+    methods = parse_methods("lookup,best_first@6+lookup,chain+lookup,hf_lookup")
+    names = [m.name for m in methods]
+    assert names == ["ar", "lookup", "best_first@6+lookup", "chain+lookup", "hf_lookup"]
+    assert {m.name: m.proposer for m in methods}["best_first@6+lookup"] == "merged"
+    with pytest.raises(ValueError, match=r"\+lookup extends a tree method"):
+        parse_methods("ar+lookup")
+    target = tiny_target("llama")
+    gen = SpeculativeGenerator(target, tiny_drafter_model(target))
+    bench = Bench(gen, methods, max_new_tokens=40, seed=1)
+    prompts = [Prompt("p0", [5, 17, 3, 9, 22], "code"), Prompt("p1", [40, 41, 42, 7], "chat")]
+    runs = bench.run(prompts, repeats=1, warmup=False, progress=False)
+    rows = {r["method"]: r for r in summarize(runs, methods, bench.depth, greedy=True)}
+    for name in names:
+        assert rows[name]["lossless"] is True, name
+    merged = rows["best_first@6+lookup"]
+    assert set(merged["tau_by_category"]) == {"code", "chat"}
+    assert merged["accepted_by_source"]["lookup"] + merged["accepted_by_source"]["both"] > 0
+    assert rows["lookup"]["tau"] > 1.0

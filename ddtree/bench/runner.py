@@ -10,7 +10,10 @@ spread, how often each depth is reached, seconds per stage, the budget trace of
 Methods (comma-separated; bare numbers extend the previous ``@`` list):
 ``ar``, ``chain`` (``chain@N``), ``best_first@16,32`` (``best_first@1-256``
 means the powers of two from 1 to 256), ``beam@WxD``, ``auto`` and any builder
-``module:function`` (``module:function@N`` for budget N).
+``module:function`` (``module:function@N`` for budget N). A ``+lookup`` suffix
+(``best_first@8+lookup``) grafts a prompt-lookup branch into each tree;
+``lookup`` drafts with prompt lookup alone (no model drafter); ``hf_lookup`` is
+transformers' own prompt-lookup decoding (``prompt_lookup_num_tokens``).
 """
 
 from __future__ import annotations
@@ -50,6 +53,7 @@ class Method:
     kind: str = "tree"
     builder: str = "best_first"
     budget: int | str | None = None
+    proposer: str = "drafter"  # "drafter", "lookup" (prompt lookup alone) or "merged" (drafter + lookup branch)
 
 
 def _budget_list(text: str, spec: str) -> list[int]:
@@ -76,6 +80,8 @@ def parse_methods(specs: str | Sequence[str], default_budget: int = 32) -> list[
     methods: list[Method] = []
     last_tree: Method | None = None
     for item in items:
+        merged = item.endswith("+lookup")
+        item = item.removesuffix("+lookup")
         if re.fullmatch(r"\d+(-\d+)?", item):
             if last_tree is None or not isinstance(last_tree.budget, int):
                 raise ValueError(f"bare budget {item!r} must follow a method with '@N' (e.g. best_first@16,32)")
@@ -84,6 +90,10 @@ def parse_methods(specs: str | Sequence[str], default_budget: int = 32) -> list[
             new = [Method("ar", kind="ar", builder="", budget=0)]
         elif item == "ar_stock":
             new = [Method("ar_stock", kind="ar", builder="", budget=0)]
+        elif item == "hf_lookup":
+            new = [Method("hf_lookup", kind="ar", builder="", budget=0)]
+        elif item == "lookup":
+            new = [Method("lookup", builder="chain", budget=None, proposer="lookup")]
         elif item == "auto":
             new = [Method("auto", builder="best_first", budget="auto")]
         elif item.startswith("beam@"):
@@ -103,9 +113,13 @@ def parse_methods(specs: str | Sequence[str], default_budget: int = 32) -> list[
                 new = [Method(f"{base}@{b}", builder=base, budget=b) for b in budgets]
             else:
                 raise ValueError(
-                    f"unknown method {item!r}: use ar, ar_stock, chain, best_first@N, beam@WxD, auto or "
-                    "module:function[@N]"
+                    f"unknown method {item!r}: use ar, ar_stock, hf_lookup, lookup, chain, best_first@N, beam@WxD, "
+                    "auto or module:function[@N], tree methods optionally with +lookup"
                 )
+        if merged:
+            if any(m.kind != "tree" or m.proposer != "drafter" for m in new):
+                raise ValueError(f"+lookup extends a tree method (chain, best_first@N, beam@WxD, auto), not {item!r}")
+            new = [Method(m.name + "+lookup", m.kind, m.builder, m.budget, "merged") for m in new]
         for m in new:
             if m.name not in {x.name for x in methods}:
                 methods.append(m)
@@ -118,7 +132,8 @@ def parse_methods(specs: str | Sequence[str], default_budget: int = 32) -> list[
 
 def _with_budget(m: Method, budget: int) -> Method:
     base = m.name.split("@")[0]
-    return Method(f"{base}@{budget}", kind=m.kind, builder=m.builder, budget=budget)
+    suffix = "+lookup" if m.proposer == "merged" else ""
+    return Method(f"{base}@{budget}{suffix}", kind=m.kind, builder=m.builder, budget=budget, proposer=m.proposer)
 
 
 # --------------------------------------------------------------------- prompts
@@ -128,6 +143,7 @@ def _with_budget(m: Method, budget: int) -> Method:
 class Prompt:
     id: str
     input_ids: list[int]
+    category: str = ""
 
 
 def load_prompts(path: str | Path | None, tokenizer=None, vocab_size: int | None = None,
@@ -157,7 +173,7 @@ def load_prompts(path: str | Path | None, tokenizer=None, vocab_size: int | None
             ids = _encode(row, tokenizer, vocab_size)
         else:
             raise ValueError(f"{path}:{i + 1}: a prompt row needs 'messages', 'prompt' or 'input_ids'")
-        prompts.append(Prompt(pid, ids))
+        prompts.append(Prompt(pid, ids, str(row.get("category", ""))))
         if limit is not None and len(prompts) >= limit:
             break
     if not prompts:
@@ -194,6 +210,8 @@ class Run:
     stage_seconds: dict[str, float]
     budgets: list[int]
     tokens: list[int] = field(repr=False)
+    category: str = ""
+    accepted_by_source: dict[str, int] | None = None
 
 
 @torch.inference_mode()
@@ -217,6 +235,28 @@ def autoregressive(target, input_ids: torch.Tensor, max_new_tokens: int, samplin
     return tokens, {"prefill": t1 - t0, "decode": time.perf_counter() - t1}
 
 
+def _proposer(generator, kind: str):
+    """The drafter a method drafts with: the generator's own, prompt lookup alone, or both merged."""
+    from ..lookup import PromptLookup, WithLookup
+
+    if kind == "drafter":
+        return generator.drafter
+    lookup = PromptLookup.for_target(generator.target, block_size=generator.drafter.block_size)
+    return lookup if kind == "lookup" else WithLookup(generator.drafter, lookup)
+
+
+@torch.inference_mode()
+def hf_prompt_lookup(target, input_ids: torch.Tensor, max_new_tokens: int, stops: frozenset[int],
+                     num_tokens: int = 10) -> list[int]:
+    """transformers' own prompt-lookup decoding (greedy), the baseline for ddtree's lookup branch."""
+    out = target.generate(input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=max_new_tokens,
+                          do_sample=False, prompt_lookup_num_tokens=num_tokens,
+                          eos_token_id=sorted(stops) or None, pad_token_id=0)
+    new = out[0, input_ids.shape[1]:].tolist()
+    cut = next((i + 1 for i, t in enumerate(new) if t in stops), len(new))
+    return new[:cut]
+
+
 class Bench:
     """Runs methods on prompts with one target and drafter; ``generators`` holds one per builder."""
 
@@ -234,9 +274,9 @@ class Bench:
         self.depth = generator.drafter.block_size - 1
         self.generators = {}
         for m in methods:
-            if m.kind == "tree" and m.builder not in self.generators:
-                self.generators[m.builder] = SpeculativeGenerator(
-                    generator.target, generator.drafter, tree_budget=0, builder=m.builder,
+            if m.kind == "tree" and (m.builder, m.proposer) not in self.generators:
+                self.generators[(m.builder, m.proposer)] = SpeculativeGenerator(
+                    generator.target, _proposer(generator, m.proposer), tree_budget=0, builder=m.builder,
                     attention=generator.backend,
                 )
         self.policies: dict[str, dict | None] = {}
@@ -256,8 +296,14 @@ class Bench:
             with stock:
                 t0 = time.perf_counter()
                 tokens, stages = autoregressive(self.base.target, ids, n, self.sampling, seed, self.stops)
-            return Run(m.name, prompt.id, repeat, len(tokens), time.perf_counter() - t0, [], stages, [], tokens), []
-        gen = self.generators[m.builder]
+            return Run(m.name, prompt.id, repeat, len(tokens), time.perf_counter() - t0, [], stages, [], tokens,
+                       prompt.category), []
+        if m.name == "hf_lookup":
+            t0 = time.perf_counter()
+            tokens = hf_prompt_lookup(self.base.target, ids, n, self.stops)
+            return Run(m.name, prompt.id, repeat, len(tokens), time.perf_counter() - t0, [], {}, [], tokens,
+                       prompt.category), []
+        gen = self.generators[(m.builder, m.proposer)]
         out = gen.generate(
             ids, max_new_tokens=n, temperature=self.sampling.temperature, top_k=self.sampling.top_k,
             top_p=self.sampling.top_p, stop_token_ids=self.stops, tree_budget=self.budget(m), seed=seed,
@@ -268,7 +314,7 @@ class Bench:
             self.policies[m.name] = s.budget_policy
         stages = {k: v for k, v in s.seconds.items() if k in STAGES or k == "prefill"}
         run = Run(m.name, prompt.id, repeat, s.new_tokens, s.total_seconds, list(out.acceptance_lengths),
-                  stages, list(s.budgets), out.new_tokens[0].tolist())
+                  stages, list(s.budgets), out.new_tokens[0].tolist(), prompt.category, s.accepted_by_source)
         return run, out.rounds
 
     def run(self, prompts: list[Prompt], repeats: int = 3, warmup: bool = True, progress: bool = True,
@@ -395,11 +441,28 @@ def summarize(runs: list[Run], methods: list[Method], depth: int, greedy: bool) 
             "mean_budget": statistics.fmean(b for r in rs for b in r.budgets) if rounds else 0,
             "lossless": checks.get(m.name, {}).get("lossless") if m.name != "ar" else (True if greedy else None),
             "lossless_detail": checks.get(m.name),
+            "tau_by_category": _tau_by_category(rs) if acc else {},
+            "accepted_by_source": _sum_sources(rs),
         }
         if m.kind == "tree":
             row["budget_histogram"] = _histogram(b for r in rs for b in r.budgets) if m.budget == "auto" else None
         rows.append(row)
     return rows
+
+
+def _tau_by_category(rs: list[Run]) -> dict[str, float]:
+    cats: dict[str, list[int]] = {}
+    for r in rs:
+        cats.setdefault(r.category or "-", []).extend(r.acceptance)
+    return {c: round(statistics.fmean(a), 3) for c, a in sorted(cats.items()) if a}
+
+
+def _sum_sources(rs: list[Run]) -> dict[str, int] | None:
+    total: dict[str, int] = {}
+    for r in rs:
+        for k, v in (r.accepted_by_source or {}).items():
+            total[k] = total.get(k, 0) + v
+    return total or None
 
 
 def _quantiles(xs: list[int]) -> list[float]:
