@@ -174,6 +174,51 @@ def check_model(device, dtype, tol, tiny: bool = False) -> list[dict]:
     return rows
 
 
+def check_batch(device, dtype, level: str) -> list[dict]:
+    """Batch > 1 on a random target at Qwen3-8B widths (a few layers): every row equals its batch-1 run in
+    float32, and the throughput table (tokens/s, verify ms per round) for batch 1, 4, 8, 16."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from ..drafter import DFlashConfig, DFlashDraftModel
+    from ..generator import SpeculativeGenerator
+    from ..tree import resolve_builder
+
+    torch.manual_seed(0)
+    if level == "tiny":
+        dims, layers, sizes, new = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                                        num_key_value_heads=2, head_dim=16), 2, (1, 3), 8
+    else:
+        dims, layers, sizes, new = dict(hidden_size=4096, intermediate_size=12288, num_attention_heads=32,
+                                        num_key_value_heads=8, head_dim=128), 2 if level == "quick" else 6, (1, 4, 8, 16), 32
+    cfg = Qwen3Config(vocab_size=32000, num_hidden_layers=layers, max_position_embeddings=4096, **dims)
+    target = Qwen3ForCausalLM(cfg).to(device=device, dtype=dtype).eval()
+    dcfg = DFlashConfig.for_target(cfg, num_hidden_layers=1, block_size=16, mask_token_id=31999)
+    drafter = DFlashDraftModel(dcfg).to(device=device, dtype=dtype).eval()
+    gen = SpeculativeGenerator(target, drafter, attention="auto")
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 32000, (int(n),), generator=g).tolist() for n in torch.randint(8, 200, (16,), generator=g)]
+    single = {b: gen.generate(prompts[b], max_new_tokens=new, tree_budget=16) for b in range(max(sizes))}
+    rows = []
+    for size in sizes:
+        for name, budget, builder in (("plain", 0, "best_first"), ("chain", 15, "chain"), ("best_first@16", 16, "best_first")):
+            gen.builder = resolve_builder(builder)
+            gen.generate(prompts[:size], max_new_tokens=4, tree_budget=budget)  # warm-up
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            out = gen.generate(prompts[:size] if size > 1 else prompts[0], max_new_tokens=new, tree_budget=budget)
+            s = out.stats
+            equal = sum(out.row_tokens[b] == single[b].row_tokens[0] for b in range(size)) if name == "best_first@16" else None
+            mismatch = 0.0 if equal is None else 1.0 - equal / size
+            rows.append(dict(batch=size, method=name, dtype=str(dtype), tokens_per_second=round(s.tokens_per_second, 1),
+                             verify_ms_per_round=round(1e3 * s.seconds["verify"] / max(s.rounds, 1), 2),
+                             rows_equal_batch_1=equal, max_abs_err=mismatch, tol=0.0,
+                             ok=dtype != torch.float32 or mismatch == 0.0))
+    for r in rows:
+        print(f"        batch {r['batch']:>2} {r['method']:<14} {r['tokens_per_second']:>8} tok/s  "
+              f"verify {r['verify_ms_per_round']} ms/round  rows = batch 1: {r['rows_equal_batch_1']}", flush=True)
+    return rows
+
+
 def split_shapes(level: str) -> list[tuple]:
     """(heads, kv_heads, head_dim, prefix, nodes, window): edge cases, then Qwen3-8B-layer shapes up to 32k x 1025."""
     if level == "tiny":
@@ -202,6 +247,7 @@ def run_checks(device: torch.device, level: str = "full") -> dict:
         ("block_bf16", lambda: check_block(device, torch.bfloat16, BF16_TOL, tiny)),
         ("model_fp32", lambda: check_model(device, torch.float32, FP32_TOL, tiny)),
         ("model_bf16", lambda: check_model(device, torch.bfloat16, 0.1, tiny)),
+        ("batch_fp32", lambda: check_batch(device, torch.float32, level)),
     ]
     for name, fn in plan:
         t0 = time.perf_counter()
