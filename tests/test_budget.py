@@ -126,3 +126,18 @@ def test_profiled_latency_interpolates():
     assert lat.seconds(6, 20) == pytest.approx(2.0)
     assert lat.seconds(2, 63) == 1.0
     assert lat.seconds(14, 5) == pytest.approx(4.0)
+
+
+def test_auto_on_a_fresh_generator_picks_only_measured_budgets_and_reports_calibration_apart():
+    torch.manual_seed(0)
+    target = tiny_target("llama")
+    gen = SpeculativeGenerator(target, tiny_drafter_model(target))
+    out = gen.generate(torch.randint(0, 90, (1, 20)), max_new_tokens=24, tree_budget="auto")
+    desc = out.stats.budget_policy
+    measured = {int(n) for table in desc["latency"]["verify_seconds"].values() for n in table}
+    assert out.stats.budgets and all(b + 1 in measured for b in out.stats.budgets)
+    # profiling ran inside the calibration stage, before the rounds, not inside tree building
+    assert out.stats.seconds["calibration"] >= desc["latency"]["profile_seconds"] > 0
+    # a second call on the same generator reuses the profile: no calibration time to speak of
+    again = gen.generate(torch.randint(0, 90, (1, 20)), max_new_tokens=24, tree_budget="auto")
+    assert again.stats.budget_policy["latency"]["profile_seconds"] == desc["latency"]["profile_seconds"]
