@@ -165,14 +165,15 @@ def _tree_round(state: DecodeState) -> RoundResult:
         features = gen.drafter.context_features(out.hidden_states) if _reads_features(gen.drafter) else None
         if features is not None:
             features = features.gather(1, path[..., None].expand(-1, -1, features.shape[-1]))
-        state.draft.append(features, tree.tokens.gather(1, path), result.num_accepted)
+        path_tokens = tree.tokens.gather(1, path)
+        state.draft.append(features, path_tokens, result.num_accepted)
     counts = result.num_accepted.tolist()
     if tree.sources is not None:  # accepted draft tokens by the proposer that put them in the tree
         accepted_sources = tree.sources.gather(1, path).tolist()
         for i in range(rows):
             for flag in accepted_sources[i][1 : counts[i]]:
                 state.accepted_by_source[SOURCE_NAMES[flag]] += 1
-    path_tokens = tree.tokens.gather(1, path).tolist()
+    path_tokens = path_tokens.tolist()
     bonus = result.bonus.tolist()
     tokens = [[] for _ in state.prompts]
     acceptance: list[int | None] = [None] * len(state.prompts)
