@@ -4,6 +4,9 @@ from .attention import get_backend
 from .cache import cache_kwargs, commit_accepted, keep_positions, new_target_cache
 from .drafter import DFlashConfig, DFlashDraftModel, DFlashDrafter, Drafter
 from .features import build_target_layer_ids, check_target_layer_ids, extract_context_feature
+from .hf import DDTreeDecoding, decoding
+from .inputs import GenerationSettings, StreamerFeed, prompt_rows, resolve_generation, streamed
+from .threads import ThreadInfo, configure_threads, thread_info
 from .generator import GenerationOutput, GenerationStats, RoundRecord, SpeculativeGenerator
 from .masks import tree_attention_mask, tree_position_ids
 from .sampling import SamplingConfig, choose_tokens, processed_logprobs
@@ -14,6 +17,16 @@ __version__ = "0.1.0"
 
 __all__ = [
     "SpeculativeGenerator",
+    "decoding",
+    "DDTreeDecoding",
+    "prompt_rows",
+    "resolve_generation",
+    "GenerationSettings",
+    "StreamerFeed",
+    "streamed",
+    "configure_threads",
+    "thread_info",
+    "ThreadInfo",
     "GenerationOutput",
     "GenerationStats",
     "RoundRecord",

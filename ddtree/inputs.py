@@ -194,7 +194,7 @@ _INERT = frozenset({
     "early_stopping", "length_penalty", "num_assistant_tokens", "num_assistant_tokens_schedule",
     "assistant_confidence_threshold", "assistant_lookbehind", "target_lookbehind", "return_dict_in_generate",
     "low_memory", "prefill_chunk_size", "is_assistant", "continuous_batching_config", "token_healing",
-    "min_length", "_commit_hash", "_original_object_hash",
+    "_commit_hash", "_original_object_hash",
 })
 _HANDLED = frozenset({"do_sample", "temperature", "top_k", "top_p", "max_new_tokens", "max_length", "eos_token_id"})
 

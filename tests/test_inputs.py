@@ -152,6 +152,7 @@ def test_ddtree_rule_without_do_sample():
 @pytest.mark.parametrize("option,value", [
     ("num_beams", 4), ("repetition_penalty", 1.2), ("min_new_tokens", 3), ("typical_p", 0.9),
     ("no_repeat_ngram_size", 2), ("suppress_tokens", [5]), ("min_p", 0.1), ("num_return_sequences", 2),
+    ("min_length", 8),
 ])
 def test_options_that_change_the_distribution_are_refused_by_name(option, value):
     with pytest.raises(ValueError, match=re.escape(f"{option}={value!r} cannot be honoured")):
