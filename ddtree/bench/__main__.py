@@ -10,7 +10,8 @@ def main(argv: list[str] | None = None):
     if argv and argv[0] == "attention":
         from .attention import main as attention_main
 
-        return attention_main(argv[1:])
+        attention_main(argv[1:])
+        return 0
     try:
         from .runner import run_main_bench
     except ImportError as exc:
