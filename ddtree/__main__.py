@@ -1,4 +1,4 @@
-"""``python -m ddtree demo|bench|train``."""
+"""``python -m ddtree demo|chat|bench|train``."""
 
 from __future__ import annotations
 
@@ -8,8 +8,12 @@ USAGE = """usage: python -m ddtree COMMAND [options]
 
 commands:
   demo    one prompt through plain decoding, the DFlash chain and DDTree (default pair)
+  chat    a multi-turn chat decoded by DDTree, streamed, with per-reply speed (default pair)
   bench   benchmarks (python -m ddtree.bench --help)
   train   train a DFlash drafter (python -m ddtree.train --help)
+
+Each command takes --help. Example:
+  python -m ddtree demo --budget 8
 """
 
 
@@ -23,6 +27,10 @@ def main(argv: list[str] | None = None) -> int:
         from .demo import main as demo_main
 
         return demo_main(rest)
+    if command == "chat":
+        from .chat import main as chat_main
+
+        return chat_main(rest)
     if command == "bench":
         from .bench.__main__ import main as bench_main
 
