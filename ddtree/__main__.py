@@ -12,9 +12,11 @@ commands:
   bench   benchmarks (python -m ddtree.bench --help)
   train   train a DFlash drafter (python -m ddtree.train --help)
 
-Each command takes --help. Example:
+Each command takes --help. Examples:
   python -m ddtree demo --budget 8
+  python -m ddtree chat
 """
+EXAMPLES = [line.strip() for line in USAGE.split("Examples:")[1].splitlines() if line.strip()]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -72,7 +72,7 @@ def markdown_table(rows: list[dict]) -> str:
 EXAMPLES = ["python -m ddtree.bench cpu-linear --rows 1,4,8,16 --threads 1 --out bench_out/cpu_linear"]
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser():
     from ..cli import parser
 
     p = parser("python -m ddtree.bench cpu-linear", __doc__, EXAMPLES)
@@ -82,7 +82,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dims", default=None,
                    help="hidden,kv,intermediate,layers,vocab of the stack (None: SmolLM2-135M)")
     p.add_argument("--out", type=Path, default=None, help="write cpu_linear.json and cpu_linear.md here")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     dims = dict(SMOLLM2)

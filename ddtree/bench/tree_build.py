@@ -157,7 +157,7 @@ def markdown_table(rows: list[dict]) -> str:
 EXAMPLES = ["python -m ddtree.bench tree-build --budgets 64,256 --vocabs 49152 --out bench_out/tree_build"]
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser():
     from ..cli import parser
 
     p = parser("python -m ddtree.bench tree-build", __doc__, EXAMPLES)
@@ -169,7 +169,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=1,
                    help="torch intra-op threads (1: these ops are too small to split; spare threads only wait)")
     p.add_argument("--out", type=Path, default=None, help="write tree_build.json and tree_build.md here")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     torch.set_num_threads(args.threads)
     rows = []
     for vocab in (int(x) for x in args.vocabs.split(",")):

@@ -107,7 +107,8 @@ def field_help() -> dict[str, str]:
     return helps
 
 
-def parse_args(argv=None) -> TrainConfig:
+def build_parser():
+    """The ``python -m ddtree.train`` parser: one option per :class:`TrainConfig` field."""
     import typing
 
     from ..cli import parser
@@ -131,4 +132,8 @@ def parse_args(argv=None) -> TrainConfig:
                            type=lambda s, inner=inner: [inner(x) for x in s.split(",") if x.strip()])
         else:
             p.add_argument(flag, dest=f.name, type=t, default=default, help=text)
-    return TrainConfig(**vars(p.parse_args(argv)))
+    return p
+
+
+def parse_args(argv=None) -> TrainConfig:
+    return TrainConfig(**vars(build_parser().parse_args(argv)))

@@ -1,0 +1,118 @@
+"""Every ``--help``: each option says what it does and its default, and every example shown runs.
+
+The examples live in each command's ``EXAMPLES`` list, which its help epilog is
+made from; here each is run in a short form (tiny settings appended, which
+argparse lets override, and the tiny saved pair for the default one).
+"""
+
+from __future__ import annotations
+
+import io
+import shlex
+import sys
+
+import pytest
+
+import ddtree.__main__ as top
+from ddtree import chat, demo
+from ddtree.bench import attention, cpu_linear, runner, tree_build
+from ddtree.train import config as train_config
+
+PARSERS = {
+    "demo": demo.build_parser, "chat": chat.build_parser, "bench": runner.build_parser,
+    "bench attention": attention.build_parser, "bench tree-build": tree_build.build_parser,
+    "bench cpu-linear": cpu_linear.build_parser, "train": train_config.build_parser,
+}
+MODULES = [top, demo, chat, runner, attention, tree_build, cpu_linear, train_config]
+ALL_EXAMPLES = sorted({e for m in MODULES for e in m.EXAMPLES})
+
+
+@pytest.mark.parametrize("name", sorted(PARSERS))
+def test_every_option_has_help_with_its_default_and_the_examples_are_shown(name):
+    p = PARSERS[name]()
+    for action in p._actions:
+        if action.dest == "help":
+            continue
+        assert action.help and action.help.strip(), f"{name}: {action.option_strings} has no help"
+    text = p.format_help()
+    options = [a for a in p._actions if a.dest != "help"]
+    assert text.count("(default:") >= len(options)
+    assert "``" not in text and ":func:" not in text
+    module = next(m for m in MODULES if getattr(m, "build_parser", None) is PARSERS[name]
+                  or getattr(m, "build_parser", None) is getattr(train_config, "build_parser") and name == "train")
+    for example in module.EXAMPLES:
+        assert example in text
+
+
+def test_top_level_usage_shows_its_examples(capsys):
+    assert top.main(["--help"]) == 0
+    out = capsys.readouterr().out
+    assert all(e in out for e in top.EXAMPLES) and "chat" in out
+
+
+def test_bench_help_names_real_things():
+    text = runner.build_parser().format_help()
+    assert "cpu-linear" in text and "tree-build" in text and "attention" in text
+    assert "custom_builder:build" not in text
+    import examples.custom_builder as custom
+
+    for example in runner.EXAMPLES:
+        for spec in example.split():
+            if "examples.custom_builder:" in spec:
+                name = spec.split("examples.custom_builder:")[1].split("@")[0]
+                assert callable(getattr(custom, name))
+
+
+def short_form(example: str, pair, tmp) -> list[str]:
+    """The example's argv with tiny settings appended (later options win in argparse)."""
+    argv = shlex.split(example)
+    assert argv[:2] == ["python", "-m"]
+    target, drafter = map(str, pair)
+    cmd = [argv[2]] + argv[3:]
+    head = " ".join(argv[2:4])
+    if head in ("ddtree demo",):
+        return cmd + ["--target", target, "--drafter", drafter, "--max-new-tokens", "6", "--threads", "1"]
+    if head == "ddtree chat":
+        return cmd + ["--target", target, "--drafter", drafter, "--max-new-tokens", "4", "--threads", "1"]
+    if head == "ddtree.bench tree-build":
+        return cmd + ["--vocabs", "500", "--budgets", "8", "--repeats", "1", "--out", str(tmp / "tb")]
+    if head == "ddtree.bench cpu-linear":
+        return cmd + ["--rows", "1,2", "--repeats", "1", "--dims", "64,32,128,1,100", "--threads", "1",
+                      "--out", str(tmp / "cl")]
+    if head == "ddtree.bench attention":
+        return cmd + ["--device", "cpu", "--dtype", "fp32", "--contexts", "64", "--budgets", "4", "--heads", "2",
+                      "--kv-heads", "1", "--head-dim", "8", "--warmup", "0", "--repeats", "1",
+                      "--out", str(tmp / "att.json")]
+    if argv[2] == "ddtree.bench":
+        return cmd + ["--target", target, "--drafter", drafter, "--num-prompts", "1", "--max-new-tokens", "4",
+                      "--repeats", "1", "--no-plots", "--no-warmup", "--no-progress", "--out", str(tmp / "bench")]
+    if argv[2] == "ddtree.train":
+        return cmd + ["--target", target, "--target-dtype", "float32", "--out-dir", str(tmp / "train"),
+                      "--num-prompts", "4", "--max-new-tokens", "8", "--gen-batch", "4", "--steps", "2",
+                      "--eval-every", "2", "--save-every", "2", "--eval-blocks", "8", "--seqs-per-step", "2",
+                      "--anchors-per-seq", "2", "--log-every", "1", "--heldout-frac", "0.5", "--block-size", "4",
+                      "--draft-vocab", "0", "--vocab-subset", "0", "--topk", "4", "--threads", "1"]
+    raise AssertionError(f"no short form for {example!r}")
+
+
+def run_argv(argv: list[str], monkeypatch) -> int:
+    module, rest = argv[0], argv[1:]
+    if module == "ddtree":
+        monkeypatch.setattr(sys, "stdin", io.StringIO("w5 w6\nw7\n"))
+        return top.main(rest)
+    if module == "ddtree.bench":
+        from ddtree.bench.__main__ import main
+
+        return main(rest)
+    if module == "ddtree.train":
+        from ddtree.train.__main__ import main
+
+        return main(rest)
+    raise AssertionError(module)
+
+
+@pytest.mark.parametrize("example", ALL_EXAMPLES)
+def test_every_help_example_runs_in_a_short_form(example, saved_tiny_pair, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path.parent)
+    monkeypatch.syspath_prepend(str(__import__("pathlib").Path(__file__).resolve().parent.parent))
+    assert run_argv(short_form(example, saved_tiny_pair, tmp_path), monkeypatch) == 0
