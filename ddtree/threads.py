@@ -86,7 +86,8 @@ def configure_threads(threads: int | None = None, *, warn: bool = True) -> Threa
     Order: an explicit ``threads``; ``OMP_NUM_THREADS`` / ``MKL_NUM_THREADS``;
     a count already set with ``torch.set_num_threads`` (anything other than
     torch's default of one per available CPU); else :func:`default_threads`.
-    Warns when the machine's load shows other processes on our CPUs.
+    Warns when our threads and the CPUs other processes keep busy (the load
+    average) add up to more than the CPUs we have: that is where it collapses.
     """
     cpus = available_cpus()
     cores = physical_cores(cpus)
@@ -106,7 +107,7 @@ def configure_threads(threads: int | None = None, *, warn: bool = True) -> Threa
         source = "default"
     info = ThreadInfo(torch.get_num_threads(), torch.get_num_interop_threads(), source, len(cpus), cores, load,
                       shared)
-    if warn and shared and info.threads > 1:
+    if warn and shared and info.threads > 1 and info.threads + busy_cpus(load) > len(cpus):
         warnings.warn(
             f"the CPU looks shared (load average {load:.1f} on {len(cpus)} CPUs) and torch runs {info.threads} "
             "threads: throughput can fall ~20x when threads wait for busy cores. Use fewer threads "

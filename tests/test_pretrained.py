@@ -42,6 +42,22 @@ def test_prompt_sets_are_disjoint():
     assert not any(_is_held_out(t) for t in train)
 
 
+def test_long_steps_report_progress_until_they_end(capsys):
+    import threading
+
+    seen = threading.Event()
+    with pretrained._Progress("doing a long thing", quiet=False, every=0.01) as progress:
+        seen.wait(0.05)
+        while "still doing a long thing" not in capsys.readouterr().err:
+            progress._done.wait(0.01)
+    capsys.readouterr()
+    progress._done.wait(0.05)
+    assert capsys.readouterr().err == ""  # silent once the block is over
+    with pretrained._Progress("quiet", quiet=True, every=0.01):
+        seen.wait(0.05)
+    assert capsys.readouterr().err == ""
+
+
 @pytest.mark.smollm
 @smollm
 def test_convert_once_then_reuse(monkeypatch, tmp_path, capsys):
