@@ -34,9 +34,9 @@ def main(argv: list[str] | None = None) -> int:
 
         return chat_main(rest)
     if command == "bench":
-        from .bench.__main__ import main as bench_main
+        from .bench.__main__ import exit_code, main as bench_main
 
-        return bench_main(rest) or 0
+        return exit_code(bench_main(rest))
     if command == "train":
         from .train.__main__ import main as train_main
 

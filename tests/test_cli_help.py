@@ -101,9 +101,9 @@ def run_argv(argv: list[str], monkeypatch) -> int:
         monkeypatch.setattr(sys, "stdin", io.StringIO("w5 w6\nw7\n"))
         return top.main(rest)
     if module == "ddtree.bench":
-        from ddtree.bench.__main__ import main
+        from ddtree.bench.__main__ import exit_code, main
 
-        return main(rest)
+        return exit_code(main(rest))
     if module == "ddtree.train":
         from ddtree.train.__main__ import main
 

@@ -10,8 +10,7 @@ def main(argv: list[str] | None = None):
     if argv and argv[0] == "attention":
         from .attention import main as attention_main
 
-        attention_main(argv[1:])
-        return 0
+        return attention_main(argv[1:])
     try:
         from .runner import run_main_bench
     except ImportError as exc:
@@ -22,5 +21,10 @@ def main(argv: list[str] | None = None):
     return run_main_bench(argv)
 
 
+def exit_code(result) -> int:
+    """``main``'s result as a process exit status (the attention bench returns its results dict)."""
+    return result if isinstance(result, int) else 0
+
+
 if __name__ == "__main__":
-    main()
+    sys.exit(exit_code(main()))
