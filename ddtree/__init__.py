@@ -8,6 +8,9 @@ from .features import build_target_layer_ids, check_target_layer_ids, extract_co
 from .generator import GenerationOutput, GenerationStats, SpeculativeGenerator
 from .round import speculative_round, target_forward
 from .state import DecodeState, RoundRecord, RoundResult
+from .hf import DDTreeDecoding, decoding
+from .inputs import GenerationSettings, StreamerFeed, prompt_rows, resolve_generation, streamed
+from .threads import ThreadInfo, configure_threads, thread_info
 from .masks import tree_attention_mask, tree_position_ids
 from .sampling import SamplingConfig, choose_tokens, processed_logprobs
 from .tree import DraftTree, TreeBuilder, beam, best_first, chain, ranked_topk, resolve_builder
@@ -17,6 +20,16 @@ __version__ = "0.1.0"
 
 __all__ = [
     "SpeculativeGenerator",
+    "decoding",
+    "DDTreeDecoding",
+    "prompt_rows",
+    "resolve_generation",
+    "GenerationSettings",
+    "StreamerFeed",
+    "streamed",
+    "configure_threads",
+    "thread_info",
+    "ThreadInfo",
     "GenerationOutput",
     "GenerationStats",
     "RoundRecord",

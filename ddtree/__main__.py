@@ -1,4 +1,4 @@
-"""``python -m ddtree demo|bench|train``."""
+"""``python -m ddtree demo|chat|bench|train``."""
 
 from __future__ import annotations
 
@@ -8,9 +8,15 @@ USAGE = """usage: python -m ddtree COMMAND [options]
 
 commands:
   demo    one prompt through plain decoding, the DFlash chain and DDTree (default pair)
+  chat    a multi-turn chat decoded by DDTree, streamed, with per-reply speed (default pair)
   bench   benchmarks (python -m ddtree.bench --help)
   train   train a DFlash drafter (python -m ddtree.train --help)
+
+Each command takes --help. Examples:
+  python -m ddtree demo --budget 8
+  python -m ddtree chat
 """
+EXAMPLES = [line.strip() for line in USAGE.split("Examples:")[1].splitlines() if line.strip()]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -23,10 +29,14 @@ def main(argv: list[str] | None = None) -> int:
         from .demo import main as demo_main
 
         return demo_main(rest)
-    if command == "bench":
-        from .bench.__main__ import main as bench_main
+    if command == "chat":
+        from .chat import main as chat_main
 
-        return bench_main(rest) or 0
+        return chat_main(rest)
+    if command == "bench":
+        from .bench.__main__ import exit_code, main as bench_main
+
+        return exit_code(bench_main(rest))
     if command == "train":
         from .train.__main__ import main as train_main
 

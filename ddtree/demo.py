@@ -13,6 +13,7 @@ import sys
 import torch
 
 from .generator import GenerationOutput, RoundRecord, SpeculativeGenerator
+from .threads import configure_threads
 
 DEFAULT_PROMPT = "Explain in a few sentences why the sky is blue."
 
@@ -58,10 +59,15 @@ def _encode(tokenizer, prompt: str) -> torch.Tensor:
 
 def run_demo(args: argparse.Namespace) -> int:
     dtype = getattr(torch, args.dtype)
-    print(f"loading the default pair ({args.dtype}) ...", flush=True)
-    gen = SpeculativeGenerator.from_pretrained(dtype=dtype, attention=args.attention)
+    threads = configure_threads(args.threads)
+    print(threads.describe(), flush=True)
+    if (args.target is None) != (args.drafter is None):
+        raise SystemExit("give --target and --drafter together (or neither, for the default pair)")
+    print(f"loading {'the default pair' if args.target is None else args.target} ({args.dtype}) ...", flush=True)
+    gen = SpeculativeGenerator.from_pretrained(args.target, args.drafter, dtype=dtype, attention=args.attention)
     tok = gen.tokenizer
-    torch.set_num_threads(max(1, torch.get_num_threads()))
+    if tok is None:
+        raise SystemExit(f"the demo needs a tokenizer in the target directory {args.target}")
     if gen.cpu_linear:
         print(f"target linears: ddtree.cpu_linear ({gen.cpu_linear} layers; plain decoding uses it too)")
     ids = _encode(tok, args.prompt)
@@ -108,15 +114,28 @@ def _builder(name: str):
     return resolve_builder(name)
 
 
+EXAMPLES = [
+    "python -m ddtree demo",
+    "python -m ddtree demo --budget 8 --max-new-tokens 64 --prompt 'Write a haiku about trees.'",
+    "python -m ddtree demo --temperature 0.7 --seed 1",
+]
+
+
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m ddtree demo", description=__doc__)
-    ap.add_argument("--prompt", default=DEFAULT_PROMPT)
-    ap.add_argument("--temperature", type=float, default=0.0)
-    ap.add_argument("--max-new-tokens", type=int, default=128)
+    from .cli import parser
+
+    ap = parser("python -m ddtree demo", __doc__, EXAMPLES)
+    ap.add_argument("--prompt", default=DEFAULT_PROMPT, help="the user message (sent through the chat template)")
+    ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (the three outputs must match)")
+    ap.add_argument("--max-new-tokens", type=int, default=128, help="tokens to generate per method")
     ap.add_argument("--budget", type=int, default=4, help="DDTree node budget (4 is the fastest on a 2-core CPU)")
-    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="model dtype")
     ap.add_argument("--attention", default="auto", help="tree attention backend (sdpa, split, fused, auto)")
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seed", type=int, default=0, help="sampling seed")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="torch CPU threads (None: OMP_NUM_THREADS, else the free physical cores)")
+    ap.add_argument("--target", default=None, help="target model directory (None: the default SmolLM2 pair)")
+    ap.add_argument("--drafter", default=None, help="DFlash drafter directory for --target")
     return ap
 
 

@@ -10,16 +10,18 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Iterator, Sequence
+from typing import Iterator
 
 import torch
 
 from .attention import get_backend
 from .budget import AutoBudget, BudgetPolicy, FixedBudget, ProfiledLatency, check_budget, DEFAULT_CANDIDATES
 from .drafter import DFlashDrafter, DFlashDraftModel, Drafter
+from .inputs import StreamerFeed, prompt_rows, resolve_generation
 from .round import speculative_round
 from .sampling import SamplingConfig
 from .state import DecodeState, RoundRecord
+from .threads import thread_info
 from .timing import StageTimer
 from .tree import TreeBuilder, resolve_builder
 
@@ -45,6 +47,7 @@ class GenerationStats:
     budget_policy: dict | None = None
     batch_size: int = 1
     accepted_by_source: dict[str, int] | None = None
+    threads: dict | None = None
 
 
 @dataclass
@@ -62,6 +65,7 @@ class GenerationOutput:
     rounds: list = field(default_factory=list)
     prompt_length: int = 0
     row_tokens: list[list[int]] = field(default_factory=list)
+    text: list[str] | None = None  # each row's new tokens decoded, when the generator has a tokenizer
 
     @property
     def new_tokens(self) -> torch.Tensor:
@@ -162,65 +166,101 @@ class SpeculativeGenerator:
 
     def start(
         self,
-        input_ids,
+        input_ids=None,
+        generation_config=None,
         *,
-        max_new_tokens: int,
-        temperature: float = 0.0,
-        top_k: int | None = None,
-        top_p: float | None = None,
-        stop_token_ids: Sequence[int] | int | None = None,
+        attention_mask=None,
         tree_budget: int | str | BudgetPolicy | None = None,
-        seed: int | None = None,
         record_trees: bool = False,
-        attention_mask: torch.Tensor | None = None,
+        **options,
     ) -> DecodeState:
         """A fresh :class:`~ddtree.state.DecodeState` for these prompts; advance it with ``speculative_round``.
 
-        ``input_ids``: ``[T]`` or ``[B, T]`` ids (with ``attention_mask`` for a
-        left-padded batch, as HF pads), a list of ids, or a list of prompts of
-        any lengths (lists or 1-D tensors). Everything is checked before any
-        state exists, so a bad call leaves nothing behind.
+        ``input_ids``: anything :func:`ddtree.inputs.prompt_rows` reads: ``[T]`` or
+        ``[B, T]`` ids (with ``attention_mask`` for left padding, as HF pads), a
+        list of ids, a list of prompts of any lengths, what a tokenizer returns, or
+        text when the generator has a tokenizer. ``generation_config`` and
+        ``options`` (``max_new_tokens``, ``temperature``, ``top_k``, ``top_p``,
+        ``do_sample``, ``eos_token_id`` / ``stop_token_ids``, ``seed``) are resolved by
+        :func:`ddtree.inputs.resolve_generation`: stop tokens default to the
+        target's EOS ids (``stop_token_ids=()`` turns that off), and options that
+        cannot be honoured exactly are refused by name. Everything is checked
+        before any state exists, so a bad call leaves nothing behind.
         """
-        rows = self._prompt_rows(input_ids, attention_mask)
-        if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
-        sampling = SamplingConfig(temperature, top_k, top_p)
+        embed = self.target.get_input_embeddings().weight
+        rows = prompt_rows(input_ids, attention_mask, self.tokenizer, vocab_size=embed.shape[0])
+        limit = getattr(self.target.config, "max_position_embeddings", None)
+        for b, row in enumerate(rows):
+            if limit is not None and row.numel() > limit:
+                raise ValueError(f"prompt {b} has {row.numel()} tokens, more than the target's "
+                                 f"max_position_embeddings ({limit}): shorten it")
+        settings = resolve_generation(generation_config, target_generation_config=getattr(
+            self.target, "generation_config", None), prompt_length=max(len(r) for r in rows), **options)
+        if settings.max_new_tokens is None or settings.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be an int >= 1, got {settings.max_new_tokens!r}")
         budget = self.tree_budget if tree_budget is None else tree_budget
         check_budget(budget)
         if len(rows) > 1 and _has_linear_attention(self.target):
             raise ValueError("batch > 1 is not supported yet for targets with linear-attention (recurrent) layers: "
                              "generate one prompt at a time")
-        device = self.target.get_input_embeddings().weight.device
-        rng = torch.Generator(device=device)
+        rng = torch.Generator(device=embed.device)
+        seed = settings.seed
         rng.manual_seed(seed if seed is not None else int(torch.randint(0, 2**62, (1,)).item()))
         return DecodeState(
-            generator=self, prompts=rows, max_new_tokens=max_new_tokens, sampling=sampling,
-            stops=_stop_set(stop_token_ids), policy=self.budget_policy(budget), rng=rng,
-            timer=StageTimer(device), record=record_trees,
+            generator=self, prompts=[r.to(embed.device) for r in rows], max_new_tokens=settings.max_new_tokens,
+            sampling=settings.sampling, stops=frozenset(settings.stop_token_ids), policy=self.budget_policy(budget),
+            rng=rng, timer=StageTimer(embed.device), record=record_trees,
         )
 
-    def generate(self, input_ids, *, max_new_tokens: int, **options) -> GenerationOutput:
-        """Generate up to ``max_new_tokens`` tokens after each prompt; options as in :meth:`start`."""
-        state = self.start(input_ids, max_new_tokens=max_new_tokens, **options)
+    def generate(self, input_ids=None, generation_config=None, *, streamer=None, **options) -> GenerationOutput:
+        """Generate after each prompt, like HF ``generate``; inputs and options as in :meth:`start`.
+
+        ``streamer`` (any transformers streamer, batch 1) gets the prompt, then the tokens as rounds commit.
+        """
+        state = self.start(input_ids, generation_config, **options)
+        feed = self._feed(streamer, state)
         t0 = time.perf_counter()
         rounds = 0
-        while not state.done:
-            rounds += speculative_round(state).acceptance.count(None) < state.batch_size
+        try:
+            while not state.done:
+                result = speculative_round(state)
+                rounds += result.acceptance.count(None) < state.batch_size
+                if feed is not None and result.tokens[0]:
+                    feed.put(result.tokens[0])
+        finally:
+            if feed is not None:
+                feed.end()
         elapsed = time.perf_counter() - t0
         return self._output(state, rounds, elapsed, options.get("tree_budget"))
 
-    def stream(self, input_ids, *, max_new_tokens: int, **options) -> Iterator[list]:
+    def stream(self, input_ids=None, generation_config=None, *, streamer=None, **options) -> Iterator[list]:
         """Yield what each round commits: a list of ids for one prompt, a list of per-row lists for a batch.
 
-        The first yield is the prefill's token(s). Options as in :meth:`start`.
+        The first yield is the prefill's token(s). Inputs and options as in :meth:`generate`.
         """
-        state = self.start(input_ids, max_new_tokens=max_new_tokens, **options)
-        while not state.done:
-            tokens = speculative_round(state).tokens
-            if state.batch_size > 1:
-                yield tokens
-            elif tokens[0]:
-                yield tokens[0]
+        state = self.start(input_ids, generation_config, **options)
+        feed = self._feed(streamer, state)
+        try:
+            while not state.done:
+                tokens = speculative_round(state).tokens
+                if feed is not None and tokens[0]:
+                    feed.put(tokens[0])
+                if state.batch_size > 1:
+                    yield tokens
+                elif tokens[0]:
+                    yield tokens[0]
+        finally:
+            if feed is not None:
+                feed.end()
+
+    @staticmethod
+    def _feed(streamer, state: DecodeState) -> StreamerFeed | None:
+        if streamer is None:
+            return None
+        if state.batch_size > 1:
+            raise ValueError("transformers streamers take one sequence: stream a batch with stream(), which yields "
+                             "each row's tokens per round")
+        return StreamerFeed(streamer, state.prompts[0][None])
 
     def budget_policy(self, budget) -> BudgetPolicy | None:
         """A per-generation policy for ``budget``: ``None`` for 0 (plain decoding, no drafter work),
@@ -276,6 +316,7 @@ class SpeculativeGenerator:
             budget_policy=state.policy.describe() if hasattr(state.policy, "describe") else None,
             batch_size=rows,
             accepted_by_source=dict(state.accepted_by_source) if any(state.accepted_by_source.values()) else None,
+            threads=thread_info().as_dict(),
         )
         one = rows == 1
         return GenerationOutput(
@@ -285,58 +326,9 @@ class SpeculativeGenerator:
             state.records[0] if one else state.records,
             prompt_length=prompt_width,
             row_tokens=state.new_tokens,
+            text=None if self.tokenizer is None else [self.tokenizer.decode(t, skip_special_tokens=True)
+                                                      for t in state.new_tokens],
         )
-
-    def _prompt_rows(self, input_ids, attention_mask) -> list[torch.Tensor]:
-        """One 1-D id tensor per prompt, checked: non-empty, in the vocabulary, within the position limit."""
-        if isinstance(input_ids, torch.Tensor):
-            ids = input_ids if input_ids.dim() != 1 else input_ids[None]
-            if ids.dim() != 2:
-                raise ValueError(f"input_ids must be [T] or [batch, T], got shape {tuple(input_ids.shape)}")
-            if attention_mask is None:
-                rows = list(ids)
-            else:
-                mask = torch.as_tensor(attention_mask).to(ids.device)
-                mask = mask if mask.dim() == 2 else mask[None]
-                if mask.shape != ids.shape:
-                    raise ValueError(f"attention_mask {tuple(mask.shape)} does not match input_ids {tuple(ids.shape)}")
-                mask = mask.bool()
-                left_padded = (mask.long().cummax(dim=1).values.bool() == mask).all()
-                if not bool(left_padded):
-                    raise ValueError("attention_mask must be left padding (zeros, then ones, in every row); "
-                                     "pad prompts on the left, as HF does for generation")
-                rows = [ids[b][mask[b]] for b in range(ids.shape[0])]
-        elif isinstance(input_ids, (list, tuple)) and not input_ids:
-            rows = [torch.zeros(0, dtype=torch.long)]
-        elif isinstance(input_ids, (list, tuple)) and input_ids and all(
-                isinstance(x, int) and not isinstance(x, bool) for x in input_ids):
-            rows = [torch.tensor(input_ids, dtype=torch.long)]
-        elif isinstance(input_ids, (list, tuple)) and input_ids and all(
-                isinstance(x, (list, tuple, torch.Tensor)) for x in input_ids):
-            rows = [torch.as_tensor(x, dtype=torch.long).flatten() if not isinstance(x, torch.Tensor) else x
-                    for x in input_ids]
-        else:
-            raise TypeError(
-                f"input_ids must be a tensor ([T] or [batch, T], with attention_mask for left padding), a list "
-                f"of token ids, or a list of prompts (lists or 1-D tensors of ids); got {type(input_ids).__name__}"
-            )
-        vocab = self.target.get_input_embeddings().weight.shape[0]
-        limit = getattr(self.target.config, "max_position_embeddings", None)
-        device = self.target.get_input_embeddings().weight.device
-        checked = []
-        for b, row in enumerate(rows):
-            if row.dim() != 1 or row.is_floating_point():
-                raise ValueError(f"prompt {b} must be a 1-D sequence of integer ids, got {row.dtype} {tuple(row.shape)}")
-            if row.numel() == 0:
-                raise ValueError(f"prompt {b} is empty: give at least one token (e.g. the BOS token)")
-            if int(row.min()) < 0 or int(row.max()) >= vocab:
-                raise ValueError(f"prompt {b} has token ids outside the target's vocabulary [0, {vocab}): "
-                                 f"[{int(row.min())}, {int(row.max())}]; was it tokenized for another model?")
-            if limit is not None and row.numel() > limit:
-                raise ValueError(f"prompt {b} has {row.numel()} tokens, more than the target's "
-                                 f"max_position_embeddings ({limit}): shorten it")
-            checked.append(row.to(device=device, dtype=torch.long))
-        return checked
 
 
 def _has_linear_attention(target) -> bool:
@@ -360,11 +352,3 @@ def _route_cpu_linear(target, mode) -> int:
         raise ValueError(f"cpu_linear=True needs a float32 target on the CPU, this one is {param.dtype} on "
                          f"{param.device}; pass cpu_linear='auto' or False")
     return cpu_linear.install(target)
-
-
-def _stop_set(stop_token_ids) -> frozenset[int]:
-    if stop_token_ids is None:
-        return frozenset()
-    if isinstance(stop_token_ids, int):
-        return frozenset([stop_token_ids])
-    return frozenset(int(t) for t in stop_token_ids)

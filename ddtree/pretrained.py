@@ -94,6 +94,36 @@ def _log(msg: str, quiet: bool) -> None:
         print(f"[ddtree] {msg}", file=sys.stderr, flush=True)
 
 
+class _Progress:
+    """Prints ``still <what> (N s)`` to stderr every ``every`` seconds until the block ends.
+
+    The GGUF read and dequantisation is one library call of about 15 s with no
+    progress of its own; a line now and then tells the user it is not stuck.
+    """
+
+    def __init__(self, what: str, quiet: bool, every: float = 4.0):
+        import threading
+
+        self.what, self.quiet, self.every = what, quiet, every
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        t0 = time.time()
+        while not self._done.wait(self.every):
+            _log(f"    still {self.what} ({time.time() - t0:.0f}s)", self.quiet)
+
+    def __enter__(self) -> "_Progress":
+        if not self.quiet:
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._done.set()
+        if self._thread.is_alive():
+            self._thread.join()
+
+
 def _is_converted(d: Path) -> bool:
     return (d / "config.json").is_file() and (d / "model.safetensors").is_file() and (
         d / "tokenizer_config.json"
@@ -113,8 +143,9 @@ def convert_smollm2(out_dir: Path, dtype: torch.dtype = torch.bfloat16, quiet: b
     t0 = time.time()
     _log(f"first use: converting {gguf.name} to a plain HF model in {out_dir} (one time, ~20 s)", quiet)
     _log("[1/3] reading and dequantising the GGUF ...", quiet)
-    q = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
-    tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    with _Progress("reading and dequantising the GGUF", quiet):
+        q = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+        tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     _log(f"[2/3] rebuilding LlamaForCausalLM ({time.time() - t0:.1f}s) ...", quiet)
     cfg = q.config
     if hasattr(cfg, "quantization_config"):

@@ -119,3 +119,16 @@ class _ScriptedContext:
         lp = logits.log_softmax(-1).to(root_tokens.device)
         d.proposals.append(lp)
         return lp
+
+
+@pytest.fixture(scope="session")
+def saved_tiny_pair(tmp_path_factory):
+    """A float32 tiny Llama target with a word-level tokenizer (and chat template) and its drafter, on disk."""
+    from _tiny import tiny_tokenizer
+
+    root = tmp_path_factory.mktemp("tiny_pair")
+    target = tiny_target("llama", dtype=torch.float32)
+    target.save_pretrained(root / "target")
+    tiny_tokenizer().save_pretrained(root / "target")
+    tiny_drafter_model(target).save_pretrained(root / "drafter")
+    return root / "target", root / "drafter"

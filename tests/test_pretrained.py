@@ -42,6 +42,22 @@ def test_prompt_sets_are_disjoint():
     assert not any(_is_held_out(t) for t in train)
 
 
+def test_long_steps_report_progress_until_they_end(capsys):
+    import threading
+
+    seen = threading.Event()
+    with pretrained._Progress("doing a long thing", quiet=False, every=0.01) as progress:
+        seen.wait(0.05)
+        while "still doing a long thing" not in capsys.readouterr().err:
+            progress._done.wait(0.01)
+    capsys.readouterr()
+    progress._done.wait(0.05)
+    assert capsys.readouterr().err == ""  # silent once the block is over
+    with pretrained._Progress("quiet", quiet=True, every=0.01):
+        seen.wait(0.05)
+    assert capsys.readouterr().err == ""
+
+
 @pytest.mark.smollm
 @smollm
 def test_convert_once_then_reuse(monkeypatch, tmp_path, capsys):
@@ -120,3 +136,19 @@ def test_packaged_and_checkout_drafters_agree():
     cfg = json.loads((a / "config.json").read_text())
     assert cfg["num_target_layers"] == 30 and cfg["hidden_size"] == 576
     assert "dflash_config" in cfg and "mask_token_id" in cfg["dflash_config"]
+
+
+@pytest.mark.smollm
+@smollm
+def test_readme_snippet_stops_at_the_end_of_the_turn(capsys):
+    """The README's Use snippet, run as written: generation ends at <|im_end|>, not in an invented next turn."""
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    snippet = readme.split("## Use", 1)[1].split("```python", 1)[1].split("```", 1)[0]
+    scope: dict = {}
+    exec(compile(snippet, "README.md", "exec"), scope)
+    out, gen = scope["out"], scope["gen"]
+    end = gen.tokenizer.convert_tokens_to_ids("<|im_end|>")
+    tokens = out.row_tokens[0]
+    assert tokens[-1] == end and end not in tokens[:-1] and len(tokens) < 256
+    assert "<|im_start|>" not in gen.tokenizer.decode(tokens)
+    assert out.text[0].strip() and out.text[0] in capsys.readouterr().out

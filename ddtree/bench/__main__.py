@@ -21,5 +21,10 @@ def main(argv: list[str] | None = None):
     return run_main_bench(argv)
 
 
+def exit_code(result) -> int:
+    """``main``'s result as a process exit status (the attention bench returns its results dict)."""
+    return result if isinstance(result, int) else 0
+
+
 if __name__ == "__main__":
-    main()
+    sys.exit(exit_code(main()))

@@ -160,23 +160,31 @@ def format_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+EXAMPLES = [
+    "python -m ddtree.bench attention",
+    "python -m ddtree.bench attention --device cpu --dtype fp32 --contexts 1k,4k --budgets 16,64 --heads 8 --kv-heads 2",
+]
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m ddtree.bench attention", description=__doc__.split("\n\n")[0])
+    from ..cli import parser
+
+    p = parser("python -m ddtree.bench attention", __doc__, EXAMPLES)
     p.add_argument("--contexts", default="1k,4k,16k,32k", help="committed prefix lengths (k = 1024)")
     p.add_argument("--budgets", "--trees", dest="budgets", default="16,64,256,1024", help="tree budgets (non-root nodes)")
-    p.add_argument("--heads", type=int, default=32)
-    p.add_argument("--kv-heads", type=int, default=8)
-    p.add_argument("--head-dim", type=int, default=128)
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    p.add_argument("--heads", type=int, default=32, help="query heads")
+    p.add_argument("--kv-heads", type=int, default=8, help="key/value heads (GQA)")
+    p.add_argument("--head-dim", type=int, default=128, help="head dimension")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="tensor dtype")
     p.add_argument("--device", default="auto", help="auto (cuda if available), cuda or cpu")
     p.add_argument("--backends", default="all", help="comma list of sdpa,split,fused,flash_attn, or all available")
     p.add_argument("--window", type=int, default=None, help="time a sliding-window layer with this window")
     p.add_argument("--max-depth", type=int, default=15, help="tree depth cap (DFlash block size - 1)")
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--repeats", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=3, help="untimed calls before timing")
+    p.add_argument("--repeats", type=int, default=10, help="timed calls (the median is reported)")
     p.add_argument("--no-check", action="store_true", help="skip the float32 dense reference (saves memory)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default=None, help="JSON path (default $OUT/attention_bench.json when OUT is set)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random queries, keys and values")
+    p.add_argument("--out", default=None, help="JSON path (None: $OUT/attention_bench.json when OUT is set)")
     return p
 
 

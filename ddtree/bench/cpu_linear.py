@@ -69,15 +69,24 @@ def markdown_table(rows: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="ddtree-bench cpu-linear", description=__doc__.splitlines()[0])
+EXAMPLES = ["python -m ddtree.bench cpu-linear --rows 1,4,8,16 --threads 1 --out bench_out/cpu_linear"]
+
+
+def build_parser():
+    from ..cli import parser
+
+    p = parser("python -m ddtree.bench cpu-linear", __doc__, EXAMPLES)
     p.add_argument("--rows", default="1,2,4,5,8,9,12,17,24,32", help="comma-separated row counts (first = baseline)")
-    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--repeats", type=int, default=5, help="timed passes per row count (the median is reported)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (the kernel uses as many)")
     p.add_argument("--dims", default=None,
-                   help="hidden,kv,intermediate,layers,vocab of the stack (default: SmolLM2-135M)")
+                   help="hidden,kv,intermediate,layers,vocab of the stack (None: SmolLM2-135M)")
     p.add_argument("--out", type=Path, default=None, help="write cpu_linear.json and cpu_linear.md here")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     dims = dict(SMOLLM2)

@@ -280,11 +280,13 @@ def environment(device: torch.device) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m ddtree.bench.gpu_check", description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", default=os.environ.get("OUT") or "runs/gpu_check")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    from ..cli import parser
+
+    p = parser("python -m ddtree.bench.gpu_check", __doc__.split("\n\n")[0])
+    p.add_argument("--out", default=os.environ.get("OUT") or "runs/gpu_check", help="output directory")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="torch device")
     p.add_argument("--quick", action="store_true", help="small shapes only, and a tiny benchmark")
-    p.add_argument("--skip-bench", action="store_true")
+    p.add_argument("--skip-bench", action="store_true", help="run the checks only, not the benchmark")
     args = p.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -36,6 +36,7 @@ import torch
 from .. import cpu_linear
 from ..cache import cache_kwargs, new_target_cache
 from ..sampling import SamplingConfig, choose_tokens
+from ..threads import thread_info
 from ..tree import DraftTree
 
 STAGES = ("draft", "tree_build", "mask", "verify", "commit")
@@ -595,31 +596,48 @@ class _Progress:
             self.bar.close()
 
 
+EXAMPLES = [
+    "python -m ddtree.bench --methods ar,chain,best_first@4,8,16,auto --num-prompts 8",
+    "python -m ddtree.bench --methods ar,examples.custom_builder:spine@8,16 --per-category 1",
+    "python -m ddtree.bench tree-build --budgets 64,256",
+    "python -m ddtree.bench cpu-linear --rows 1,4,8",
+    "python -m ddtree.bench attention --contexts 1k,4k --budgets 16,64 --device cpu --dtype fp32",
+]
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="ddtree-bench",
-        description="Speculative decoding benchmark (tau, per-depth acceptance, tokens/s, speedup, stages, "
-        "lossless check). Subcommands: `tree-build` (tree construction micro-benchmark), `attention`.",
+    from ..cli import parser
+
+    p = parser(
+        "python -m ddtree.bench",
+        "Speculative decoding benchmark: tau, per-depth acceptance, tokens/s, speedup, stages and the lossless "
+        "check, per method.\n\nsubcommands (each has its own --help):\n"
+        "  tree-build   tree construction: the vectorised best_first against a heap loop\n"
+        "  cpu-linear   the few-row CPU linear kernel against BLAS on a layer stack\n"
+        "  attention    one tree-verify attention layer per backend",
+        EXAMPLES,
     )
-    p.add_argument("--target", help="target model directory (default: the shipped SmolLM2-135M pair)")
-    p.add_argument("--drafter", help="DFlash drafter directory (default: the shipped drafter)")
-    p.add_argument("--prompts", type=Path, default=None, help=f"JSONL prompt file (default: {DEFAULT_PROMPTS.name})")
-    p.add_argument("--num-prompts", type=int, default=None, help="use only the first N prompts")
+    p.add_argument("--target", help="target model directory (None: the shipped SmolLM2-135M pair)")
+    p.add_argument("--drafter", help="DFlash drafter directory (None: the shipped drafter)")
+    p.add_argument("--prompts", type=Path, default=None, help=f"JSONL prompt file (None: {DEFAULT_PROMPTS.name})")
+    p.add_argument("--num-prompts", type=int, default=None, help="use only the first N prompts (None: all)")
     p.add_argument("--per-category", type=int, default=None,
                    help="use only the first N prompts of each 'category' (before --num-prompts)")
     p.add_argument("--methods", action="append", default=None,
-                   help="e.g. 'ar,chain,best_first@16,32,64,beam@4x8,auto,examples.custom_builder:build@32'")
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-k", type=int, default=None)
-    p.add_argument("--top-p", type=float, default=None)
-    p.add_argument("--seed", type=int, default=0)
+                   help="comma-separated methods: ar, chain, best_first@N (N,M,.. or A-B powers of two), beam@WxD, "
+                        "auto, module:function@N, e.g. 'ar,chain,best_first@16,32,beam@4x8,auto,"
+                        "examples.custom_builder:spine@16' (None: ar,chain,best_first@8,32,auto)")
+    p.add_argument("--max-new-tokens", type=int, default=128, help="tokens generated per prompt")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (checked lossless against ar)")
+    p.add_argument("--top-k", type=int, default=None, help="top-k filter when sampling (None: off)")
+    p.add_argument("--top-p", type=float, default=None, help="top-p filter when sampling (None: off)")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed")
     p.add_argument("--repeats", type=int, default=3, help="interleaved repeats; tokens/s are medians over them")
     p.add_argument("--batch-size", default=None,
                    help="e.g. '1,4,8,16': decode the prompts in batches of each size (HF batched generate and "
                         "ddtree's plain path as baselines) and write batch_results.md (default: off, batch 1)")
     p.add_argument("--ignore-eos", action="store_true", help="always generate max-new-tokens")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="torch device")
     p.add_argument("--dtype", default=None, help="float32 (CPU default), bfloat16 (CUDA default), float16")
     p.add_argument("--attention", default="sdpa", help="tree-verify attention backend (see ddtree.attention)")
     p.add_argument("--draft-vocab", default="auto",
@@ -627,12 +645,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cpu-linear", default="auto", choices=["auto", "on", "off"],
                    help="route a float32 CPU target's linears through ddtree.cpu_linear (method ar_stock "
                         "times plain decoding without it)")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch CPU threads (None: OMP_NUM_THREADS, else the free physical cores; see ddtree.threads)")
     p.add_argument("--out", type=Path, default=Path("bench_out"), help="output directory")
     p.add_argument("--save-trees", action="store_true", help="write every round's tree to OUT/trees.jsonl")
-    p.add_argument("--no-plots", action="store_true")
-    p.add_argument("--no-warmup", action="store_true")
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--no-plots", action="store_true", help="skip the matplotlib plots")
+    p.add_argument("--no-warmup", action="store_true", help="skip the warm-up generation of every method")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     return p
 
 
@@ -666,8 +685,10 @@ def run_main_bench(argv: Sequence[str] | None = None) -> int:
 
         return cpu_linear_main(argv[1:])
     args = build_parser().parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    from ..threads import configure_threads
+
+    threads = configure_threads(args.threads)
+    print(threads.describe(), file=sys.stderr, flush=True)
     methods = parse_methods(args.methods or ["ar,chain,best_first@8,32,auto"])
     gen = load_generator(args)
     tok = gen.tokenizer
@@ -734,6 +755,7 @@ def _meta(args, gen, prompts, seconds, argv) -> dict:
         "machine": platform.platform(),
         "processor": platform.processor() or platform.machine(),
         "torch_threads": torch.get_num_threads(),
+        "threads": thread_info().as_dict(),
         "device": str(args.device),
         "dtype": str(next(gen.target.parameters()).dtype).replace("torch.", ""),
         "torch": torch.__version__,

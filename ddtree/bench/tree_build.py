@@ -140,17 +140,26 @@ def markdown_table(rows: list[dict]) -> str:
     return head + "\n".join(lines) + "\n"
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="ddtree-bench tree-build", description=__doc__.splitlines()[0])
+EXAMPLES = ["python -m ddtree.bench tree-build --budgets 64,256 --vocabs 49152 --out bench_out/tree_build"]
+
+
+def build_parser():
+    from ..cli import parser
+
+    p = parser("python -m ddtree.bench tree-build", __doc__, EXAMPLES)
     p.add_argument("--budgets", default="64,256,1024", help="comma-separated tree budgets")
     p.add_argument("--vocabs", default="49152,151936", help="comma-separated vocabulary sizes")
     p.add_argument("--depth", type=int, default=15, help="draft depth D (block size - 1)")
-    p.add_argument("--repeats", type=int, default=7)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--repeats", type=int, default=7, help="timed repeats per case (the median is reported)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random draft log-probs")
     p.add_argument("--threads", type=int, default=1,
                    help="torch intra-op threads (1: these ops are too small to split; spare threads only wait)")
     p.add_argument("--out", type=Path, default=None, help="write tree_build.json and tree_build.md here")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     torch.set_num_threads(args.threads)
     rows = []
     for vocab in (int(x) for x in args.vocabs.split(",")):

@@ -6,7 +6,7 @@ Every field can be set from the command line as ``--name value`` (see
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import MISSING, dataclass, field, fields
 
 
 @dataclass
@@ -28,16 +28,16 @@ class TrainConfig:
     seq_len: int = 512                 # text: window length
     max_text_tokens: int = 500_000     # text: stop after this many tokens
     topk: int = 16                     # teacher top-k log-probs cached per position (soft targets)
-    cache_layer_ids: list[int] = field(default_factory=list)  # layers to cache (superset); default = target_layer_ids
+    cache_layer_ids: list[int] = field(default_factory=list)  # target layers to cache (a superset of target_layer_ids, its default)
     heldout_frac: float = 0.05         # sequences kept out of training for the acceptance estimate
     data_only: bool = False            # build the feature cache and stop
     data_worker: int = 0               # with data_workers > 1: build shards i % data_workers == data_worker; -1: build none
-    data_workers: int = 1
+    data_workers: int = 1              # parallel data builders sharing the cache (see data_worker)
 
     # --- drafter -------------------------------------------------------------
-    num_layers: int = 1
+    num_layers: int = 1                # drafter decoder layers
     block_size: int = 8                # root + (block_size - 1) predicted slots
-    target_layer_ids: list[int] = field(default_factory=list)  # default: the published formula
+    target_layer_ids: list[int] = field(default_factory=list)  # target layers whose features feed the drafter; default: the published formula
     mask_token_id: int = -1            # -1: pick an unused special token of the tokenizer
     intermediate_size: int = 0         # 0: the target's
     init_from_target: int = -1         # copy this target decoder layer into every drafter layer (-1: random init)
@@ -45,29 +45,29 @@ class TrainConfig:
     init_from_drafter: str = ""        # warm start: weights of a drafter directory of the same shape (new optimiser)
 
     # --- optimisation --------------------------------------------------------
-    steps: int = 2000
+    steps: int = 2000                  # optimiser steps
     seqs_per_step: int = 16            # sequences per step (their features are shared by all their blocks)
     anchors_per_seq: int = 32          # random anchor blocks drawn from each sequence's response
-    lr: float = 1e-3
-    min_lr: float = 1e-4
-    warmup: int = 100
-    weight_decay: float = 0.01
-    grad_clip: float = 1.0
+    lr: float = 1e-3                   # peak learning rate (AdamW, cosine schedule)
+    min_lr: float = 1e-4               # learning rate at the end of the cosine schedule
+    warmup: int = 100                  # linear warm-up steps
+    weight_decay: float = 0.01         # AdamW weight decay
+    grad_clip: float = 1.0             # gradient norm clip
     loss_gamma: float = 3.0            # slot k (1-based) weighs exp(-(k-1)/gamma)
     soft_weight: float = 0.5           # mix of soft (teacher top-k) and hard (actual token) cross-entropy
     vocab_subset: int = 4096           # loss over the N most frequent target tokens (+ the batch's labels); 0 = full vocab
     vocab_negatives: int = 512         # with vocab_subset: random extra tokens per step, to keep the tail suppressed
     autocast: str = "none"             # "bfloat16" or "none"; master weights stay fp32 (bf16 is slow on CPUs without avx512_bf16)
-    seed: int = 0
+    seed: int = 0                      # seeds prompts, data split, init and sampling
     max_minutes: float = 0.0           # stop (and save) after this wall-clock time; 0 = no limit. The cosine
                                        # schedule then follows whichever budget (steps or minutes) runs out first
     reload_data: bool = True           # at each eval, pick up shards added to the cache since the start
 
     # --- logging / checkpoints ----------------------------------------------
-    log_every: int = 10
-    eval_every: int = 200
+    log_every: int = 10                # steps between log lines
+    eval_every: int = 200              # steps between held-out evaluations (the best one is kept)
     eval_blocks: int = 2048            # held-out anchor blocks per evaluation
-    save_every: int = 200
+    save_every: int = 200              # steps between checkpoints (<out_dir>/ckpt.pt)
     resume: bool = True                # continue from <out_dir>/ckpt.pt when present
     threads: int = 0                   # torch.set_num_threads; 0 = leave as is
 
@@ -75,23 +75,65 @@ class TrainConfig:
         return self.data_dir or f"{self.out_dir.rstrip('/')}/data"
 
 
-def parse_args(argv=None) -> TrainConfig:
-    import argparse
+EXAMPLES = [
+    "python -m ddtree.train --target smollm2 --out-dir runs/smollm2 --num-prompts 2000 --steps 3000",
+    "python -m ddtree.train --target smollm2 --out-dir runs/smollm2-data --num-prompts 200 --data-only true",
+]
+
+
+def field_help() -> dict[str, str]:
+    """Each field's help: the comment after it in this file (continued on comment-only lines below it)."""
+    import inspect
+    import io
+    import tokenize
+
+    try:
+        source = inspect.getsource(TrainConfig)
+    except (OSError, TypeError):
+        return {}
+    helps: dict[str, str] = {}
+    current = None
+    line_of_field = {}
+    for tok in tokenize.generate_tokens(io.StringIO(source).readline):
+        if tok.type == tokenize.NAME and tok.start[1] == 4 and tok.string in TrainConfig.__dataclass_fields__:
+            current = tok.string
+            line_of_field[current] = tok.start[0]
+        elif tok.type == tokenize.COMMENT and current is not None:
+            text = tok.string.lstrip("#").strip()
+            if tok.start[0] == line_of_field[current] or (tok.start[1] > 4 and current in helps):
+                helps[current] = f"{helps[current]} {text}".strip() if current in helps else text
+        elif tok.type == tokenize.NAME and tok.start[1] == 4:
+            current = None
+    return helps
+
+
+def build_parser():
+    """The ``python -m ddtree.train`` parser: one option per :class:`TrainConfig` field."""
     import typing
 
+    from ..cli import parser
+
     hints = typing.get_type_hints(TrainConfig)
-    p = argparse.ArgumentParser(prog="python -m ddtree.train",
-                                description="Train a DFlash drafter for a Hugging Face causal LM target.")
+    helps = field_help()
+    p = parser("python -m ddtree.train", "Train a DFlash drafter for a Hugging Face causal LM target: build (or "
+               "reuse) the feature cache, then train and export. Lists are comma-separated; booleans take "
+               "true/false.", EXAMPLES)
     for f in fields(TrainConfig):
         t = hints[f.name]
-        default = f.default if f.default is not field else None
+        default = f.default if f.default is not MISSING else f.default_factory()
+        flag = f"--{f.name.replace('_', '-')}"
+        text = helps.get(f.name, f.name.replace("_", " ")).replace("%", "%%")
         if t is bool:
-            p.add_argument(f"--{f.name.replace('_', '-')}", dest=f.name, type=lambda s: s.lower() in ("1", "true", "yes"),
-                           default=f.default, metavar="BOOL")
+            p.add_argument(flag, dest=f.name, type=lambda s: s.lower() in ("1", "true", "yes"),
+                           default=default, metavar="BOOL", help=text)
         elif str(t).startswith("list"):
             inner = int if "int" in str(t) else str
-            p.add_argument(f"--{f.name.replace('_', '-')}", dest=f.name, default=[],
-                           type=lambda s, inner=inner: [inner(x) for x in s.split(",") if x.strip()], metavar="A,B,..")
+            p.add_argument(flag, dest=f.name, default=default, metavar="A,B,..", help=text,
+                           type=lambda s, inner=inner: [inner(x) for x in s.split(",") if x.strip()])
         else:
-            p.add_argument(f"--{f.name.replace('_', '-')}", dest=f.name, type=t, default=default)
-    return TrainConfig(**vars(p.parse_args(argv)))
+            p.add_argument(flag, dest=f.name, type=t, default=default, help=text)
+    return p
+
+
+def parse_args(argv=None) -> TrainConfig:
+    return TrainConfig(**vars(build_parser().parse_args(argv)))

