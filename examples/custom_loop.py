@@ -26,14 +26,14 @@ def round_loop(gen: ddtree.SpeculativeGenerator, prompt_ids: torch.Tensor, max_n
     return state.new_tokens[0], state.acceptance[0]
 
 
-def block_loop(target, drafter, prompt_ids: torch.Tensor, max_new_tokens: int, budget: int = 16):
+def block_loop(target, drafter, prompt_ids: torch.Tensor, max_new_tokens: int, budget: int = 16, stops=()):
     cache = ddtree.new_target_cache()
     context = drafter.new_context()  # this generation's drafter state
     out = ddtree.target_forward(target, prompt_ids, None, cache)
     context.append(drafter.context_features(out.hidden_states), prompt_ids)
     root = out.logits[:, -1].argmax(-1)  # [1]
     generated, acceptance = [int(root)], []
-    while len(generated) < max_new_tokens:
+    while len(generated) < max_new_tokens and not stops & set(generated):
         start = cache.get_seq_length()
         logprobs = context.propose(root)  # [1, block_size - 1, vocab]
         tree = ddtree.best_first(root, logprobs, budget)
@@ -47,7 +47,8 @@ def block_loop(target, drafter, prompt_ids: torch.Tensor, max_new_tokens: int, b
         root = result.bonus
         generated += tree.tokens[0, path[0, 1:]].tolist() + [int(root)]
         acceptance.append(int(result.num_accepted[0]))
-    return generated[:max_new_tokens], acceptance
+    cut = next((i + 1 for i, t in enumerate(generated) if t in stops), max_new_tokens)
+    return generated[: min(cut, max_new_tokens)], acceptance
 
 
 def tiny_pair():
@@ -77,7 +78,9 @@ def main(argv=None):
         gen = ddtree.SpeculativeGenerator(target, drafter)
         prompt = torch.tensor([[3, 1, 4, 1, 5, 9, 2, 6]])
     with torch.inference_mode():
-        tokens, acceptance = block_loop(gen.target, gen.drafter, prompt, args.max_new_tokens)
+        eos = gen.target.generation_config.eos_token_id  # the round loop stops there by default; so does this one
+        stops = set([eos] if isinstance(eos, int) else eos or [])
+        tokens, acceptance = block_loop(gen.target, gen.drafter, prompt, args.max_new_tokens, stops=stops)
         round_tokens, round_acceptance = round_loop(gen, prompt, args.max_new_tokens)
         plain = gen.target.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=args.max_new_tokens,
                                     do_sample=False, pad_token_id=0)
