@@ -220,18 +220,16 @@ class SpeculativeGenerator:
         state = self.start(input_ids, generation_config, **options)
         feed = self._feed(streamer, state)
         t0 = time.perf_counter()
-        rounds = 0
         try:
             while not state.done:
                 result = speculative_round(state)
-                rounds += result.acceptance.count(None) < state.batch_size
                 if feed is not None and result.tokens[0]:
                     feed.put(result.tokens[0])
         finally:
             if feed is not None:
                 feed.end()
         elapsed = time.perf_counter() - t0
-        return self._output(state, rounds, elapsed, options.get("tree_budget"))
+        return self._output(state, elapsed, options.get("tree_budget"))
 
     def stream(self, input_ids=None, generation_config=None, *, streamer=None, **options) -> Iterator[list]:
         """Yield what each round commits: a list of ids for one prompt, a list of per-row lists for a batch.
@@ -293,7 +291,7 @@ class SpeculativeGenerator:
 
     # ----------------------------------------------------------------- helpers
 
-    def _output(self, state: DecodeState, rounds: int, elapsed: float, tree_budget) -> GenerationOutput:
+    def _output(self, state: DecodeState, elapsed: float, tree_budget) -> GenerationOutput:
         rows = state.batch_size
         prompt_width = max(len(p) for p in state.prompts)
         new_width = max(len(t) for t in state.new_tokens)
@@ -305,7 +303,7 @@ class SpeculativeGenerator:
         pooled = [a for row in state.acceptance for a in row]
         total = sum(len(t) for t in state.new_tokens)
         stats = GenerationStats(
-            rounds=rounds,
+            rounds=state.rounds,
             new_tokens=total,
             mean_acceptance=sum(pooled) / len(pooled) if pooled else 0.0,
             tokens_per_second=total / elapsed if elapsed > 0 else float("inf"),

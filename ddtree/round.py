@@ -114,6 +114,7 @@ def _plain_step(state: DecodeState) -> RoundResult:
         check_cache_length(cache, width + 1, "decode step")
         state.roots = choose_tokens(out.logits[:, -1], state.sampling, state.rng)
     state.lengths = lengths + 1
+    state.rounds += 1
     tokens = [[] for _ in state.prompts]
     acceptance: list[int | None] = [None] * len(state.prompts)
     for i, row in enumerate(state.active):
@@ -187,6 +188,7 @@ def _tree_round(state: DecodeState) -> RoundResult:
         state.emit(row, tokens[row])
     state.lengths = lengths + result.num_accepted.to(lengths.device)
     state.roots = result.bonus
+    state.rounds += 1
     return _finish_round(state, tokens, acceptance)
 
 

@@ -80,6 +80,7 @@ class DecodeState:
     lengths: torch.Tensor | None = None  # [A] committed tokens per active row, in the cache
     roots: torch.Tensor | None = None  # [A] each active row's last emitted token, not yet in the cache
     prefilled: bool = False
+    rounds: int = 0  # verify rounds (or plain decode steps) after the prefill
     accepted_by_source: dict[str, int] = field(default_factory=lambda: {"drafter": 0, "lookup": 0, "both": 0})
 
     def __post_init__(self):
