@@ -153,7 +153,7 @@ class ProfiledLatency:
         device = gen.target.get_input_embeddings().weight.device
         vocab = gen.target.get_input_embeddings().weight.shape[0]
         rng = torch.Generator().manual_seed(self.seed)
-        cache = new_target_cache()
+        cache = new_target_cache(gen.target)
         gen._forward(torch.randint(0, vocab, (1, context), generator=rng).to(device), None, cache)
         sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
         keep_none = torch.zeros(1, 0, dtype=torch.long, device=device)

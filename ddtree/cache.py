@@ -48,15 +48,21 @@ def check_cache_length(cache, expected: int, step: str) -> None:
         )
 
 
-def new_target_cache():
-    """A cache whose layers keep every position.
+def new_target_cache(model=None):
+    """A cache whose attention layers keep every position (and, for a hybrid GDN target, state slots).
 
-    Built without the model config on purpose: sliding-window layer caches
-    discard old states and refuse arbitrary compaction, while ddtree applies
-    windows through its masks instead.
+    Attention layers are built without sliding-window caches on purpose: those discard
+    old states and refuse arbitrary compaction, while ddtree applies windows through its
+    masks instead. Pass ``model`` for targets with linear-attention layers, which need
+    their conv/recurrent slots (see :mod:`ddtree.linear_attention`).
     """
     from transformers import DynamicCache
 
+    if model is not None:
+        from .linear_attention import gdn_modules, new_hybrid_cache
+
+        if gdn_modules(model):
+            return new_hybrid_cache(model)
     return DynamicCache()
 
 
@@ -96,22 +102,53 @@ def commit_accepted(cache, prefix_len: int, accepted: torch.Tensor) -> None:
     """
     if accepted.dim() != 2:
         raise ValueError(f"accepted must be [batch, length], got shape {tuple(accepted.shape)}")
-    if (accepted < 0).any():
+    ragged = bool((accepted < 0).any())
+    from .linear_attention import commit_linear_states, has_pending
+
+    kv_layers = _kv_layers(cache)
+    if ragged and any(keys is not None and keys.numel() for keys, _, _ in kv_layers):
         raise ValueError("ragged acceptance across batch rows is not supported yet (found padded indices)")
+    if has_pending(cache):
+        commit_linear_states(cache, accepted)  # GDN layers: per row, from each row's own last accepted node
+    elif _has_linear_layers(cache):
+        raise ValueError(
+            "the target cache has linear-attention (GDN) layers but the verify forward left no per-node state: "
+            "transformers' own GDN forward would have mixed sibling nodes. Prepare the target with "
+            "ddtree.linear_attention.prepare(model) and pass the backend's tree_forward_kwargs (SpeculativeGenerator does)"
+        )
     contiguous = _is_leading_run(accepted)  # once per round, not once per layer
-    for layer in getattr(cache, "layers", []):
-        if getattr(layer, "is_linear", False) or hasattr(layer, "recurrent_states"):
-            raise ValueError(
-                "targets with linear-attention (recurrent) layers are not supported yet: their state "
-                "must be kept per tree node"
-            )
+    for keys, values, store in kv_layers:
+        if keys is None or keys.numel() == 0:
+            continue
+        store(keep_positions(keys, prefix_len, accepted, contiguous), keep_positions(values, prefix_len, accepted, contiguous))
+
+
+def _has_linear_layers(cache) -> bool:
+    layers = getattr(cache, "layers", None)
+    if layers is None:
+        return any(c is not None for c in getattr(cache, "conv_states", []))
+    return any(hasattr(layer, "recurrent_states") for layer in layers)
+
+
+def _kv_layers(cache) -> list[tuple]:
+    """``(keys, values, store(keys, values))`` for every attention layer; refuses caches ddtree cannot compact."""
+    found = []
+    layers = getattr(cache, "layers", None)
+    if layers is None and hasattr(cache, "key_cache"):  # transformers 5.0's Qwen3NextDynamicCache: plain lists
+        for i in range(len(cache.key_cache)):
+            def store(k, v, i=i):
+                cache.key_cache[i], cache.value_cache[i] = k, v
+            found.append((cache.key_cache[i], cache.value_cache[i], store))
+        return found
+    for layer in layers or []:
         if getattr(layer, "is_sliding", False):
             raise ValueError(
                 "the target cache has sliding-window layers that discard states; build it with "
-                "ddtree.cache.new_target_cache() so every layer keeps all positions"
+                "ddtree.new_target_cache(model) so every layer keeps all positions"
             )
-        keys = getattr(layer, "keys", None)
-        if keys is None or keys.numel() == 0:
-            continue
-        layer.keys = keep_positions(layer.keys, prefix_len, accepted, contiguous)
-        layer.values = keep_positions(layer.values, prefix_len, accepted, contiguous)
+        if hasattr(layer, "recurrent_states") and not hasattr(layer, "keys"):
+            continue  # a GDN layer: committed by commit_linear_states, which needs the verify's pending inputs
+        def store(k, v, layer=layer):
+            layer.keys, layer.values = k, v
+        found.append((getattr(layer, "keys", None), getattr(layer, "values", None), store))
+    return found

@@ -237,7 +237,7 @@ class SpeculativeGenerator:
         device = input_ids.device
         rng = torch.Generator(device=device)
         rng.manual_seed(seed if seed is not None else int(torch.randint(0, 2**62, (1,)).item()))
-        cache = new_target_cache()
+        cache = new_target_cache(self.target)
         self.drafter.reset()
         with torch.inference_mode():
             with timer.stage("prefill"):
