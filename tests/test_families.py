@@ -1,0 +1,103 @@
+"""Every supported family, every builder: lossless greedy output and full tree acceptance.
+
+A tiny random target per family (float64), a prompt longer than every sliding window, and
+a drafter that proposes the target's own continuation. The chain gets the true token
+ranked first; the trees also get a decoy ranked above the true token at depth 2, which
+only a tree that keeps the runner-up recovers. A wrong window or a GDN state shared
+between siblings must change the output or the acceptance, which the last tests show.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+import ddtree.attention
+import ddtree.linear_attention
+from ddtree import SpeculativeGenerator
+from _families import FAMILIES, HYBRIDS, WINDOW, family_target
+from conftest import ScriptedDrafter
+from test_generator import expected_acceptance
+
+PROMPT = [(7 * i + 3) % 90 + 1 for i in range(3 * WINDOW)]
+NEW = 32
+BLOCK = 5
+BUILDERS = [("chain", 8, {}), ("best_first", 8, {2: 3}), ("beam@2x4", 8, {2: 3})]
+
+
+def _reference(target):
+    """HF greedy decoding, one block past ``NEW`` so the drafter (and the expected acceptance) know every round."""
+    return target.generate(torch.tensor([PROMPT]), max_new_tokens=NEW + BLOCK, do_sample=False, pad_token_id=0)
+
+
+def _run(target, ref, builder, budget, decoy, attention="auto"):
+    drafter = ScriptedDrafter(ref, target.config.vocab_size, block_size=BLOCK, decoy_at=decoy)
+    gen = SpeculativeGenerator(target, drafter, tree_budget=budget, builder=builder, attention=attention)
+    return gen.generate(torch.tensor([PROMPT]), max_new_tokens=NEW, record_trees=True)
+
+
+def _check(out, ref):
+    """Output equals HF greedy; every round accepts what its tree allows, which is the full block."""
+    assert torch.equal(out.sequences, ref[:, : len(PROMPT) + NEW])
+    ref_tokens = ref[0].tolist()
+    assert out.acceptance_lengths == [expected_acceptance(r, ref_tokens) for r in out.rounds]
+    assert out.acceptance_lengths == [BLOCK] * len(out.rounds)
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_family_lossless_at_full_acceptance(family):
+    target = family_target(family)
+    ref = _reference(target)
+    assert ref.shape[1] == len(PROMPT) + NEW + BLOCK
+    for builder, budget, decoy in BUILDERS:
+        _check(_run(target, ref, builder, budget, decoy), ref)
+
+
+@pytest.mark.parametrize("family", ["mistral", "gemma3"])
+def test_a_missing_window_is_caught(family, monkeypatch):
+    """With the window dropped from the dense mask, the family test's checks fail."""
+    target = family_target(family)
+    ref = _reference(target)
+    monkeypatch.setattr(ddtree.attention, "attention_windows", lambda model: {0: None})
+    out = _run(target, ref, "best_first", 8, {2: 3}, attention="sdpa")
+    with pytest.raises(AssertionError):
+        _check(out, ref)
+
+
+def _flat_recurrence(fn, p, plan, state):
+    """The naive tree forward: the nodes in index order as one chain (siblings share state)."""
+    return ddtree.linear_attention._run(fn, p.q, p.k, p.v, p.g, p.beta, state, False)[0]
+
+
+def _flat_conv_index(self, kernel, device):
+    """The naive conv: each node's window is the nodes before it in index order."""
+    n = self.num_nodes
+    idx = torch.arange(n)[:, None] + 1 + torch.arange(kernel)[None, :]
+    return idx.reshape(1, n * kernel).expand(self.batch, -1).to(device)
+
+
+@pytest.mark.parametrize("broken", ["recurrence", "conv"])
+def test_a_shared_gdn_state_is_caught(broken, monkeypatch):
+    target = family_target("qwen3_5")
+    ref = _reference(target)
+    if broken == "recurrence":
+        monkeypatch.setattr(ddtree.linear_attention, "_tree_recurrence", _flat_recurrence)
+    else:
+        monkeypatch.setattr(ddtree.linear_attention.LinearTreePlan, "conv_index", _flat_conv_index)
+    out = _run(target, ref, "best_first", 8, {2: 3})
+    with pytest.raises(AssertionError):
+        _check(out, ref)
+
+
+def test_families_table_matches_the_tested_families():
+    """docs/families.md lists exactly the families this file tests, with their model types."""
+    text = (Path(__file__).resolve().parents[1] / "docs" / "families.md").read_text()
+    rows = re.findall(r"^\| `([a-z0-9_]+)` \| ([^|]+) \|", text, flags=re.M)
+    table = {name: {t.strip(" `") for t in types.split(",")} for name, types in rows}
+    assert set(table) == set(FAMILIES)
+    for name, (model_type, _, _) in FAMILIES.items():
+        assert model_type in table[name], name
+    assert set(HYBRIDS) <= set(table)
