@@ -102,12 +102,12 @@ def commit_accepted(cache, prefix_len: int, accepted: torch.Tensor) -> None:
     """
     if accepted.dim() != 2:
         raise ValueError(f"accepted must be [batch, length], got shape {tuple(accepted.shape)}")
-    ragged = bool((accepted < 0).any())
     from .linear_attention import commit_linear_states, has_pending
 
-    kv_layers = _kv_layers(cache)
-    if ragged and any(keys is not None and keys.numel() for keys, _, _ in kv_layers):
+    if (accepted < 0).any():
+        # GDN layers already commit ragged rows (commit_linear_states); attention layers do not yet.
         raise ValueError("ragged acceptance across batch rows is not supported yet (found padded indices)")
+    kv_layers = _kv_layers(cache)
     if has_pending(cache):
         commit_linear_states(cache, accepted)  # GDN layers: per row, from each row's own last accepted node
     elif _has_linear_layers(cache):
