@@ -36,7 +36,7 @@ FAMILIES = {
 HYBRIDS = ("qwen3_5", "qwen3_5_moe", "qwen3_next")
 
 
-def family_target(name: str, seed: int = 0, dtype=torch.float64):
+def family_target(name: str, seed: int = 0, dtype=torch.float64, vocab: int = VOCAB):
     """The tiny target of family ``name``; skips the test when this transformers lacks its model type."""
     from transformers import CONFIG_MAPPING, AutoModelForCausalLM
 
@@ -46,7 +46,7 @@ def family_target(name: str, seed: int = 0, dtype=torch.float64):
 
         pytest.skip(f"transformers {transformers.__version__} has no {model_type!r} model type")
     torch.manual_seed(seed)
-    config = CONFIG_MAPPING[model_type](**_BASE, **overrides)
+    config = CONFIG_MAPPING[model_type](**dict(_BASE, vocab_size=vocab), **overrides)
     model = AutoModelForCausalLM.from_config(config)
     if any("experts" in n for n, _ in model.named_modules()):
         model.set_experts_implementation("eager")  # the grouped-mm experts path takes no float64

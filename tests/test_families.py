@@ -101,3 +101,48 @@ def test_families_table_matches_the_tested_families():
     for name, (model_type, _, _) in FAMILIES.items():
         assert model_type in table[name], name
     assert set(HYBRIDS) <= set(table)
+
+
+_BASE_REFUSED = dict(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                     num_key_value_heads=2)
+REFUSED = {
+    "falcon_h1": dict(mamba_d_ssm=64, mamba_n_heads=4, mamba_d_head=16, mamba_d_state=16, head_dim=16),
+    "bamba": dict(mamba_n_heads=4, mamba_d_head=32, mamba_d_state=16, attn_layer_indices=[1]),
+    "jamba": dict(mamba_d_state=8, mamba_expand=2, num_experts=2, attn_layer_period=2, attn_layer_offset=1,
+                  expert_layer_period=2, expert_layer_offset=1),
+    "nemotron_h": dict(mamba_num_heads=4, mamba_head_dim=16, ssm_state_size=16, n_groups=1,
+                       hybrid_override_pattern="M*", head_dim=16),
+    "lfm2": dict(layer_types=["conv", "full_attention"]),
+}
+
+
+def _refused_target(model_type):
+    from transformers import CONFIG_MAPPING, AutoModelForCausalLM
+
+    if model_type not in CONFIG_MAPPING:
+        pytest.skip(f"this transformers has no {model_type!r}")
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(CONFIG_MAPPING[model_type](**_BASE_REFUSED, **REFUSED[model_type])).eval()
+
+
+@pytest.mark.parametrize("model_type", list(REFUSED))
+def test_unsupported_recurrent_families_are_refused_when_built(model_type):
+    target = _refused_target(model_type)
+    drafter = ScriptedDrafter(torch.tensor(PROMPT), 97)
+    for attention in ("auto", "sdpa", "split"):
+        with pytest.raises(ValueError, match=rf"cannot verify .*\({model_type}\).*Supported: .*qwen3_5.*qwen3_next"):
+            SpeculativeGenerator(target, drafter, tree_budget=4, attention=attention)
+
+
+def test_an_unknown_recurrent_layer_is_refused_by_its_modules():
+    """A model type ddtree has never heard of is still refused when a layer carries a recurrent state."""
+    target = _refused_target("falcon_h1")
+    target.config.model_type = "my_new_hybrid"
+    with pytest.raises(ValueError, match="recurrent .*Mixer.*my_new_hybrid"):
+        SpeculativeGenerator(target, ScriptedDrafter(torch.tensor(PROMPT), 97), tree_budget=4)
+
+
+def test_gpt_oss_split_refusal_names_what_works():
+    target = family_target("gpt_oss")
+    with pytest.raises(ValueError, match=r"sinks.*attention=\"sdpa\".*\"auto\""):
+        SpeculativeGenerator(target, ScriptedDrafter(torch.tensor(PROMPT), 97), attention="fused")

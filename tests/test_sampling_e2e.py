@@ -64,7 +64,17 @@ def expected_first_round_acceptance(target, record, first: int, cfg: SamplingCon
     ],
 )
 def test_speculative_sampling_matches_target_distribution(cfg, builder, budget):
-    target = tiny_target("qwen3", vocab=VOCAB)
+    check_sampling(tiny_target("qwen3", vocab=VOCAB), cfg, builder, budget)
+
+
+def test_speculative_sampling_on_a_hybrid_gdn_target():
+    """The same distribution and acceptance checks through a Qwen3.5-style GDN hybrid."""
+    from _families import family_target
+
+    check_sampling(family_target("qwen3_5", vocab=VOCAB), SamplingConfig(temperature=0.8, top_k=3), "best_first", 6)
+
+
+def check_sampling(target, cfg, builder, budget):
     torch.manual_seed(3)
     dcfg = DFlashConfig.for_target(target.config, num_hidden_layers=1, block_size=4, mask_token_id=VOCAB - 1)
     drafter = DFlashDraftModel(dcfg).double().eval()
