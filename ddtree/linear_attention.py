@@ -167,6 +167,19 @@ def _recurrent_fn(module):
     return fn
 
 
+def _chunk_fn(module):
+    """transformers' chunked gated-delta rule (its multi-token path; the fla kernel when transformers picked it)."""
+    fn = getattr(module, "chunk_gated_delta_rule", None)
+    if fn is None:
+        fn = getattr(sys.modules[type(module).__module__], "torch_chunk_gated_delta_rule")
+    return fn
+
+
+CHUNKED_CHAIN_FROM = 32
+"""Chains of at least this many nodes run transformers' chunked rule (what its own multi-token forward does);
+shorter ones its recurrent step, which measured faster below that on a CPU (docs/benchmarks.md)."""
+
+
 def _project(module, hidden: torch.Tensor):
     """The module's own projections: ``(conv inputs [B, N, C], z [B, N, HV, Dv], b, a)``."""
     bsz, n, _ = hidden.shape
@@ -215,7 +228,10 @@ def gdn_tree_forward(module, hidden: torch.Tensor, plan: LinearTreePlan, cache) 
     pending = _Pending(conv_inputs, q, k, v, g, beta, _recurrent_fn(module))
     getattr(cache, _PENDING)[module.layer_idx] = pending
 
-    core = _tree_recurrence(pending.fn, pending, plan, state)  # [B, N, HV, Dv]
+    if plan.is_chain and n >= CHUNKED_CHAIN_FROM:
+        core = _run(_chunk_fn(module), q, k, v, g, beta, state, False)[0]
+    else:
+        core = _tree_recurrence(pending.fn, pending, plan, state)  # [B, N, HV, Dv]
     core = module.norm(core.reshape(-1, module.head_v_dim), z.reshape(-1, module.head_v_dim))
     return module.out_proj(core.reshape(bsz, n, -1))
 

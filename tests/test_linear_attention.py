@@ -83,11 +83,11 @@ def test_every_node_equals_its_path_run_as_a_chain(family, attention):
             assert err <= TOL, (seed, node, path, err)
 
 
-def _assert_same_state(model, got, want, row: int | None = None):
+def _assert_same_state(model, got, want, row: int | None = None, tol: float = TOL):
     for m in gdn_modules(model):
         for a, b in zip(_states(got, m.layer_idx), _states(want, m.layer_idx)):
             a = a if row is None else a[row : row + 1]
-            assert a.shape == b.shape and (a - b).abs().max().item() <= TOL
+            assert a.shape == b.shape and (a - b).abs().max().item() <= tol
 
 
 @pytest.mark.parametrize("family", ["qwen3_5", "qwen3_next"])
@@ -150,3 +150,25 @@ def test_a_tree_forward_without_ddtree_is_refused_at_commit():
               **cache_kwargs(model, cache))
     with pytest.raises(ValueError, match="linear-attention"):
         commit_accepted(cache, len(PROMPT), torch.tensor([[0, 1]]))
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_next"])
+def test_a_long_chain_runs_the_chunked_rule_and_commits_exactly(family):
+    """From CHUNKED_CHAIN_FROM nodes a chain runs transformers' chunked rule (its own multi-token path):
+    close to the token-by-token decode at float32 rounding (the GDN math runs in float32 either way), and so is
+    the committed state, whose later layers' inputs come from that forward."""
+    from ddtree.linear_attention import CHUNKED_CHAIN_FROM
+
+    model = family_target(family)
+    backend = get_backend("sdpa")
+    backend.prepare(model)
+    n = CHUNKED_CHAIN_FROM + 3
+    tokens = torch.randint(1, 90, (1, n), generator=torch.Generator().manual_seed(0))
+    chain = DraftTree.from_parents(tokens, torch.arange(-1, n - 1)[None])
+    cache = _prefill(model, torch.tensor([PROMPT]))
+    want = _prefill(model, torch.tensor([PROMPT]))
+    out = _tree_forward(model, cache, chain, len(PROMPT), backend)
+    hidden = torch.stack(_chain(model, want, tokens[0].tolist(), len(PROMPT)))
+    assert (out.hidden_states[-1][0] - hidden).abs().max().item() <= 1e-5
+    commit_accepted(cache, len(PROMPT), torch.arange(n)[None])
+    _assert_same_state(model, cache, want, tol=1e-5)
