@@ -16,7 +16,7 @@ import ddtree
 
 
 def speculative_greedy(target, drafter, prompt_ids: torch.Tensor, max_new_tokens: int, budget: int = 16):
-    cache = ddtree.new_target_cache()
+    cache = ddtree.new_target_cache(target)
     drafter.reset()
     out = target(prompt_ids, use_cache=True, output_hidden_states=True, **ddtree.cache_kwargs(target, cache))
     drafter.append_context(drafter.context_features(out.hidden_states))
