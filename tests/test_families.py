@@ -34,7 +34,7 @@ def _reference(target):
 
 
 def _run(target, ref, builder, budget, decoy, attention="auto"):
-    drafter = ScriptedDrafter(ref, target.config.vocab_size, block_size=BLOCK, decoy_at=decoy)
+    drafter = ScriptedDrafter(ref, target.get_input_embeddings().weight.shape[0], block_size=BLOCK, decoy_at=decoy)
     gen = SpeculativeGenerator(target, drafter, tree_budget=budget, builder=builder, attention=attention)
     return gen.generate(torch.tensor([PROMPT]), max_new_tokens=NEW, record_trees=True)
 
@@ -146,3 +146,23 @@ def test_gpt_oss_split_refusal_names_what_works():
     target = family_target("gpt_oss")
     with pytest.raises(ValueError, match=r"sinks.*attention=\"sdpa\".*\"auto\""):
         SpeculativeGenerator(target, ScriptedDrafter(torch.tensor(PROMPT), 97), attention="fused")
+
+
+def test_qwen3_5_multimodal_checkpoint_verifies_its_text_as_trees():
+    """A composite ``qwen3_5`` config (the published Qwen3.5/3.6 checkpoints) loaded as image-text-to-text."""
+    from transformers import CONFIG_MAPPING, AutoModelForImageTextToText
+
+    from _families import _BASE, _GDN
+
+    if "qwen3_5" not in CONFIG_MAPPING:
+        pytest.skip("this transformers has no 'qwen3_5' model type")
+    config = CONFIG_MAPPING["qwen3_5"](
+        text_config=dict(_BASE, **_GDN),
+        vision_config=dict(depth=1, hidden_size=32, num_heads=2, intermediate_size=64, out_hidden_size=64),
+    )
+    torch.manual_seed(0)
+    target = AutoModelForImageTextToText.from_config(config).double().eval()
+    target.generation_config.eos_token_id = None
+    ref = _reference(target)
+    for builder, budget, decoy in BUILDERS:
+        _check(_run(target, ref, builder, budget, decoy), ref)
