@@ -90,16 +90,13 @@ class LinearTreePlan:
         key = (kernel, str(device))
         if key not in self._conv_index:
             bsz, n = self.parents.shape
+            rows = np.arange(bsz)[:, None]
+            node = np.tile(np.arange(n), (bsz, 1))  # walks up one ancestor per step back
             table = np.empty((bsz, n, kernel), dtype=np.int64)
-            for b in range(bsz):
-                for i in range(n):
-                    node, d = i, int(self.depths[b, i])
-                    for back in range(kernel):  # column kernel-1-back holds the input `back` steps before node i
-                        if back <= d:
-                            table[b, i, kernel - 1 - back] = kernel + node
-                            node = int(self.parents[b, node]) if back < d else node
-                        else:
-                            table[b, i, kernel - 1 - back] = kernel - (back - d)
+            for back in range(kernel):  # column kernel-1-back holds the input `back` steps before each node
+                table[:, :, kernel - 1 - back] = np.where(back <= self.depths, kernel + node,
+                                                          kernel - (back - self.depths))
+                node = np.where(back < self.depths, self.parents[rows, node], node)
             self._conv_index[key] = torch.as_tensor(table.reshape(bsz, n * kernel), device=device)
         return self._conv_index[key]
 
@@ -228,6 +225,8 @@ def gdn_tree_forward(module, hidden: torch.Tensor, plan: LinearTreePlan, cache) 
     beta = b.sigmoid()
     g = -module.A_log.float().exp() * F.softplus(a.float() + module.dt_bias)
     pending = _Pending(conv_inputs, q, k, v, g, beta, _recurrent_fn(module))
+    if getattr(cache, _PENDING, None) is None:
+        setattr(cache, _PENDING, {})
     getattr(cache, _PENDING)[module.layer_idx] = pending
 
     if plan.is_chain and n >= CHUNKED_CHAIN_FROM:
