@@ -196,3 +196,17 @@ def test_tree_build_command(tmp_path, capsys):
     rows = json.loads((tmp_path / "tree_build.json").read_text())["rows"]
     assert [(r["budget"], r["vocab"], r["same_tree"]) for r in rows] == [(8, 500, True), (32, 500, True)]
     assert "ratio after top-k" in capsys.readouterr().out
+
+
+def test_linear_bench_runs_on_a_tiny_hybrid(tmp_path):
+    """``python -m ddtree.bench linear``: every case row and the JSON (its numbers are docs, not assertions)."""
+    pytest.importorskip("transformers.models.qwen3_next")
+    from ddtree.bench.__main__ import main
+
+    out = tmp_path / "linear.json"
+    result = main(["linear", "--contexts", "24", "--nodes", "6,9", "--repeats", "1", "--out", str(out)])
+    assert [(r["context"], r["nodes"]) for r in result["rows"]] == [(24, 6), (24, 9)]
+    for row in result["rows"]:
+        assert row["leaves"] >= 1 and 1 <= row["depth"] < row["nodes"]
+        assert all(row[k] > 0 for k in ("tree_ms", "chain_ms", "plain_ms", "paths_ms", "commit_ms"))
+    assert json.loads(out.read_text())["rows"] == result["rows"]
