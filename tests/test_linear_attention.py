@@ -172,3 +172,18 @@ def test_a_long_chain_runs_the_chunked_rule_and_commits_exactly(family):
     assert (out.hidden_states[-1][0] - hidden).abs().max().item() <= 1e-5
     commit_accepted(cache, len(PROMPT), torch.arange(n)[None])
     _assert_same_state(model, cache, want, tol=1e-5)
+
+
+def test_prepare_is_instance_level_and_reversible():
+    from ddtree.linear_attention import is_prepared, prepare, unprepare
+
+    model = family_target("qwen3_5")
+    other = family_target("qwen3_5")
+    assert prepare(model) and prepare(model) and is_prepared(model) and not is_prepared(other)
+    assert all("forward" in vars(m) for m in gdn_modules(model))
+    assert not any("forward" in vars(m) for m in gdn_modules(other))  # the class is untouched
+    ids = torch.tensor([PROMPT])
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, other(ids).logits)  # without a tree: transformers' own forward
+    unprepare(model)
+    assert not is_prepared(model) and not any("forward" in vars(m) for m in [model, *gdn_modules(model)])
