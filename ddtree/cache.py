@@ -114,13 +114,15 @@ def commit_accepted(cache, prefix_len: int, accepted: torch.Tensor) -> None:
         raise ValueError(
             "the target cache has linear-attention (GDN) layers but the verify forward left no per-node state: "
             "transformers' own GDN forward would have mixed sibling nodes. Prepare the target with "
-            "ddtree.linear_attention.prepare(model) and pass the backend's tree_forward_kwargs (SpeculativeGenerator does)"
+            "ddtree.linear_attention.prepare(model) and pass the backend's tree_forward_kwargs "
+            "(SpeculativeGenerator does)"
         )
     contiguous = _is_leading_run(accepted)  # once per round, not once per layer
     for keys, values, store in kv_layers:
         if keys is None or keys.numel() == 0:
             continue
-        store(keep_positions(keys, prefix_len, accepted, contiguous), keep_positions(values, prefix_len, accepted, contiguous))
+        store(keep_positions(keys, prefix_len, accepted, contiguous),
+              keep_positions(values, prefix_len, accepted, contiguous))
 
 
 def _has_linear_layers(cache) -> bool:

@@ -50,7 +50,8 @@ def check_supported(model) -> None:
         cls = type(module).__name__
         if id(module) not in gdn and any(h.lower() in cls.lower() for h in _RECURRENT_HINTS) and _has_state(module):
             _refuse(model, f"a model with a recurrent {cls} layer ({name}) of type {model_type!r}")
-    unknown = set(getattr(text, "layer_types", None) or []) - {"full_attention", "sliding_attention", "linear_attention"}
+    known = {"full_attention", "sliding_attention", "linear_attention"}
+    unknown = set(getattr(text, "layer_types", None) or []) - known
     if unknown:
         _refuse(model, f"a model with {sorted(unknown)} layers (type {model_type!r})")
 

@@ -74,7 +74,8 @@ def test_every_node_equals_its_path_run_as_a_chain(family, attention):
         states_before = [tuple(t.clone() for t in _states(cache, m.layer_idx)) for m in gdn_modules(model)]
         out = _tree_forward(model, cache, tree, len(PROMPT), backend)
         for m, (conv, rec) in zip(gdn_modules(model), states_before):  # the verify never writes the GDN state
-            assert torch.equal(_states(cache, m.layer_idx)[0], conv) and torch.equal(_states(cache, m.layer_idx)[1], rec)
+            now_conv, now_rec = _states(cache, m.layer_idx)
+            assert torch.equal(now_conv, conv) and torch.equal(now_rec, rec)
         assert len(set(tree.depths[0].tolist())) < tree.num_nodes  # really a tree: siblings share depths
         for node in range(tree.num_nodes):
             path = _path(tree, node)

@@ -203,8 +203,9 @@ def check_linear(device, dtype, tol, level: str = "full") -> list[dict]:
 
         def decode(cache, tokens):
             for i, tok in enumerate(tokens):
-                out = model(torch.tensor([[tok]], device=device), position_ids=torch.tensor([[context + i]], device=device),
-                            use_cache=True, output_hidden_states=True, **cache_kwargs(model, cache))
+                out = model(torch.tensor([[tok]], device=device),
+                            position_ids=torch.tensor([[context + i]], device=device), use_cache=True,
+                            output_hidden_states=True, **cache_kwargs(model, cache))
             return out.hidden_states[-1][0, -1].float()
 
         for nodes in node_counts:
