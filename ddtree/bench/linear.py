@@ -10,6 +10,8 @@ layers, random weights), prefills a context and times, per case:
 - ``paths_ms``: the tree's root-to-leaf paths run one by one as plain forwards;
 - ``commit_ms``: ``commit_accepted`` of the tree's deepest path (the GDN replay).
 
+Each figure is the least disturbed of ``--repeats`` runs, the cases taking turns.
+
 The goal is ``tree_ms <= 1.5 x chain_ms``. ``--preset qwen36-27b`` uses the widths of
 one Qwen3.6-27B layer stack (hidden 5120, 48 value heads, Dk = Dv = 128), for a GPU.
 """
@@ -20,7 +22,6 @@ import argparse
 import copy
 import json
 import os
-import statistics
 import time
 from pathlib import Path
 
@@ -64,18 +65,20 @@ def hybrid_target(preset: str = "tiny", layers: int = 4, *, vocab: int = 1024, d
     return model.eval()
 
 
-def _timed(fn, repeats: int, sync) -> float:
-    """Median milliseconds of ``fn(setup())`` where ``fn`` returns a callable to time after untimed setup."""
-    times = []
+def _timed(cases: dict, repeats: int, sync) -> dict[str, float]:
+    """Least-disturbed milliseconds per case. ``cases`` maps a name to ``setup() -> run``; only ``run`` is
+    timed. The cases take turns within each repeat, so a burst of load elsewhere hits them all alike."""
+    times: dict[str, list[float]] = {name: [] for name in cases}
     for i in range(repeats + 1):
-        run = fn()
-        sync()
-        t0 = time.perf_counter()
-        run()
-        sync()
-        if i:  # the first call pays one-off allocations
-            times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
+        for name, setup in cases.items():
+            run = setup()
+            sync()
+            t0 = time.perf_counter()
+            run()
+            sync()
+            if i:  # the first round pays one-off allocations
+                times[name].append((time.perf_counter() - t0) * 1e3)
+    return {name: min(ts) for name, ts in times.items()}
 
 
 def _leaf_paths(tree: DraftTree) -> list[list[int]]:
@@ -138,12 +141,11 @@ def bench_case(model, context: int, nodes: int, *, repeats: int = 5, attention: 
         verify(tree, snapshot)
         return lambda: commit_accepted(snapshot, context, torch.tensor([deepest], device=device))
 
-    row = dict(context=context, nodes=nodes, depth=tree.max_depth, leaves=len(paths),
-               tree_ms=_timed(ddtree_verify(tree), repeats, sync),
-               chain_ms=_timed(ddtree_verify(chain), repeats, sync),
-               plain_ms=_timed(plain([tokens[0].tolist()]), repeats, sync),
-               paths_ms=_timed(plain([tokens[0, p].tolist() for p in paths]), repeats, sync))
-    row["commit_ms"] = _timed(commit_setup, repeats, sync)
+    timed = _timed({"tree_ms": ddtree_verify(tree), "chain_ms": ddtree_verify(chain),
+                    "plain_ms": plain([tokens[0].tolist()]),
+                    "paths_ms": plain([tokens[0, p].tolist() for p in paths]), "commit_ms": commit_setup},
+                   repeats, sync)
+    row = dict(context=context, nodes=nodes, depth=tree.max_depth, leaves=len(paths), **timed)
     row["tree_over_chain"] = row["tree_ms"] / row["chain_ms"]
     return row
 
