@@ -57,7 +57,8 @@ class LinearTreePlan:
 
     Nodes are addressed flat (``row * N + node``). ``levels[d]`` holds the flat ids of
     the depth-``d`` nodes and, for each, the slot of its parent among depth ``d-1``'s
-    results (for the roots, its row: the committed state).
+    results (for the roots, its row: the committed state). A chain needs no levels (it
+    runs as one sequence), so they are left empty for it.
     """
 
     batch: int
@@ -77,7 +78,7 @@ class LinearTreePlan:
         levels = []
         slot_of = np.zeros((bsz, n), dtype=np.int64)  # a node's position within its depth's batch
         device = tree.parents.device
-        for d in range(int(depths.max()) + 1):
+        for d in range(0 if is_chain else int(depths.max()) + 1):
             rows, nodes = np.nonzero(depths == d)
             slot_of[rows, nodes] = np.arange(len(rows))
             parent_slot = rows if d == 0 else slot_of[rows, parents[rows, nodes]]
@@ -208,9 +209,12 @@ def gdn_tree_forward(module, hidden: torch.Tensor, plan: LinearTreePlan, cache) 
     weight = module.conv1d.weight  # [C, 1, K]
     conv_inputs = mixed.transpose(1, 2)  # [B, C, N]
     ext = torch.cat([conv_state.to(weight.dtype), conv_inputs.to(weight.dtype)], dim=-1)  # [B, C, K + N]
-    index = plan.conv_index(kernel, ext.device)
-    windows = ext.gather(2, index[:, None, :].expand(bsz, ext.shape[1], n * kernel))  # [B, C, N*K]
-    windows = windows.view(bsz, -1, n, kernel).transpose(1, 2)  # [B, N, C, K]
+    if plan.is_chain:  # node i's window is ext[i+1 : i+1+K]: a strided view, no gather
+        windows = ext.unfold(2, kernel, 1)[:, :, 1:].transpose(1, 2)  # [B, N, C, K]
+    else:
+        index = plan.conv_index(kernel, ext.device)
+        windows = ext.gather(2, index[:, None, :].expand(bsz, ext.shape[1], n * kernel))  # [B, C, N*K]
+        windows = windows.view(bsz, -1, n, kernel).transpose(1, 2)  # [B, N, C, K]
     conv = (windows * weight[:, 0]).sum(-1)  # the depthwise conv at each node's last tap: [B, N, C]
     if module.conv1d.bias is not None:  # (a multiply-sum: torch's depthwise conv1d is slow on few positions)
         conv = conv + module.conv1d.bias
