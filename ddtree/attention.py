@@ -27,6 +27,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import math
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -65,12 +66,100 @@ def flash_attn_available() -> bool:
     return True
 
 
+def _text_config(config):
+    get = getattr(config, "get_text_config", None)
+    return get() if callable(get) else config
+
+
+_WINDOWS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def attention_windows(model) -> dict[int, int | None]:
+    """``{layer_idx: sliding window or None}`` for every softmax-attention layer of ``model``.
+
+    Read from the model itself, most specific first, because families set windows in
+    different places: an attention module's own ``sliding_window`` attribute (Qwen2/3,
+    Gemma 2/3, Cohere2, gpt-oss), else the config's ``layer_types`` with its
+    ``sliding_window`` (``"sliding_attention"`` layers), else a config-level
+    ``sliding_window`` that applies to every layer (Mistral, Mixtral). Linear-attention
+    layers are left out. Memoised per model (the walk runs once, not every round).
+    """
+    if model in _WINDOWS:
+        return _WINDOWS[model]
+    cfg = _text_config(model.config)
+    types = list(getattr(cfg, "layer_types", None) or [])
+    config_window = getattr(cfg, "sliding_window", None)
+    if getattr(cfg, "use_sliding_window", True) is False:
+        config_window = None
+    own: dict[int, int | None] = {}
+    for module in model.modules():
+        idx = getattr(module, "layer_idx", None)
+        if isinstance(idx, int) and "sliding_window" in vars(module) and not _is_linear_type(types, idx):
+            own[idx] = vars(module)["sliding_window"]
+    windows: dict[int, int | None] = {}
+    for idx in range(getattr(cfg, "num_hidden_layers", len(types))):
+        if _is_linear_type(types, idx):
+            continue
+        if idx in own:
+            window = own[idx]
+        elif types:
+            if types[idx] not in ("full_attention", "sliding_attention"):
+                raise ValueError(f"layer {idx} is a {types[idx]!r} layer, which ddtree cannot verify as a tree")
+            window = config_window if types[idx] == "sliding_attention" else None
+        else:
+            window = config_window
+        windows[idx] = int(window) if window else None
+    _WINDOWS[model] = windows
+    return windows
+
+
+def _is_linear_type(types, idx: int) -> bool:
+    return idx < len(types) and types[idx] == "linear_attention"
+
+
 def _sliding_window(config) -> int | None:
+    """The config's sliding window when some layer uses it (kept for callers that only have a config)."""
     layer_types = getattr(config, "layer_types", None) or []
     window = getattr(config, "sliding_window", None)
-    if window and any(t == "sliding_attention" for t in layer_types):
+    if not window or getattr(config, "use_sliding_window", True) is False:
+        return None
+    if not layer_types or any(t == "sliding_attention" for t in layer_types):
         return int(window)
     return None
+
+
+def has_attention_sinks(model) -> bool:
+    """True when an attention layer has learned sinks (gpt-oss ``s_aux``), which split attention does not run."""
+    return any(isinstance(getattr(m, "sinks", None), torch.nn.Parameter) for m in model.modules())
+
+
+def dense_tree_mask(model, tree: DraftTree, prefix_len: int, dtype: torch.dtype,
+                    prefix_valid: torch.Tensor | None = None):
+    """The dense additive tree mask for ``model``: one tensor when every attention layer has the same window,
+    else a dict keyed by the config's layer types (how HF models take per-layer-kind masks).
+    ``prefix_valid`` hides a batch's padding columns (see :func:`ddtree.masks.tree_attention_mask`)."""
+    windows = attention_windows(model)
+    kinds = set(windows.values())
+
+    def mask(window):
+        return tree_attention_mask(tree.visibility, prefix_len, dtype, sliding_window=window, depths=tree.depths,
+                                   prefix_valid=prefix_valid)
+
+    if len(kinds) <= 1:
+        return mask(next(iter(kinds), None))
+    types = list(getattr(_text_config(model.config), "layer_types", None) or [])
+    by_type: dict[str, int | None] = {}
+    for idx, window in windows.items():
+        kind = types[idx] if idx < len(types) else None
+        if kind is None or by_type.setdefault(kind, window) != window:
+            raise ValueError(
+                f"{type(model).__name__} has attention layers with different windows that its config's layer_types "
+                "do not separate, so one dense mask per layer kind cannot express them; use attention=\"split\""
+            )
+    masks = {kind: mask(window) for kind, window in by_type.items()}
+    for kind in set(types) - set(masks):
+        masks[kind] = None  # linear-attention layers take no attention mask
+    return masks
 
 
 # --------------------------------------------------------------------------- tree description
@@ -324,6 +413,23 @@ def register_attention_implementations() -> None:
 # --------------------------------------------------------------------------- backends
 
 
+def prepare_target(model) -> None:
+    """What every backend does to a target first: refuse families a tree cannot verify, route GDN layers."""
+    from . import families, linear_attention
+
+    families.check_supported(model)
+    linear_attention.prepare(model)
+
+
+def _with_linear_tree(model, tree: DraftTree, kwargs: dict) -> dict:
+    """Add the tree for GDN layers when ``model`` has them (attention layers never see it)."""
+    from . import linear_attention
+
+    if linear_attention.is_prepared(model):
+        kwargs[linear_attention.LINEAR_TREE_KWARG] = tree
+    return kwargs
+
+
 @dataclass
 class DenseMaskBackend:
     """Dense additive mask; works with any HF attention implementation that accepts a 4D mask."""
@@ -331,19 +437,16 @@ class DenseMaskBackend:
     name: str = "sdpa"
 
     def prepare(self, model) -> None:
+        prepare_target(model)
         impl = getattr(model.config, "_attn_implementation", None)
         if impl not in ("sdpa", "eager"):
-            model.set_attn_implementation("sdpa")
+            # sdpa where the model has it; eager for models that only run eager (gpt-oss and its sinks)
+            model.set_attn_implementation("sdpa" if getattr(model, "_supports_sdpa", True) else "eager")
 
     def tree_forward_kwargs(self, model, tree: DraftTree, prefix_len: int, dtype: torch.dtype,
                             prefix_valid: torch.Tensor | None = None) -> dict:
-        full = tree_attention_mask(tree.visibility, prefix_len, dtype, prefix_valid=prefix_valid)
-        window = _sliding_window(model.config)
-        if window is None:
-            return {"attention_mask": full}
-        sliding = tree_attention_mask(tree.visibility, prefix_len, dtype, sliding_window=window, depths=tree.depths,
-                                      prefix_valid=prefix_valid)
-        return {"attention_mask": {"full_attention": full, "sliding_attention": sliding}}
+        mask = dense_tree_mask(model, tree, prefix_len, dtype, prefix_valid)
+        return _with_linear_tree(model, tree, {"attention_mask": mask})
 
 
 @dataclass
@@ -363,6 +466,12 @@ class SplitBackend:
         return IMPLEMENTATIONS[self.name][0]
 
     def prepare(self, model) -> None:
+        if has_attention_sinks(model):
+            raise ValueError(
+                f"attention={self.name!r} cannot run {type(model).__name__}: its attention sinks (s_aux) need the "
+                "model's own eager attention; use attention=\"sdpa\" (the dense tree mask through eager) or \"auto\""
+            )
+        prepare_target(model)
         register_attention_implementations()
         model.set_attn_implementation(self.implementation)
 
@@ -370,7 +479,7 @@ class SplitBackend:
                             prefix_valid: torch.Tensor | None = None) -> dict:
         if prefix_len < self.dense_below or prefix_valid is not None:  # the split kernels take no padding
             return DenseMaskBackend().tree_forward_kwargs(model, tree, prefix_len, dtype, prefix_valid)
-        return {TREE_KWARG: TreeAttentionSpec.from_tree(tree)}
+        return _with_linear_tree(model, tree, {TREE_KWARG: TreeAttentionSpec.from_tree(tree)})
 
 
 @dataclass
@@ -384,7 +493,10 @@ class AutoBackend:
         return self.chosen.name if self.chosen is not None else "auto"
 
     def prepare(self, model) -> None:
-        self.chosen = get_backend("auto", device=next(model.parameters()).device)
+        if has_attention_sinks(model):
+            self.chosen = DenseMaskBackend()  # sinks run only in the model's own attention: the dense mask serves it
+        else:
+            self.chosen = get_backend("auto", device=next(model.parameters()).device)
         self.chosen.prepare(model)
 
     def tree_forward_kwargs(self, model, tree: DraftTree, prefix_len: int, dtype: torch.dtype,

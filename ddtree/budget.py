@@ -228,7 +228,7 @@ class ProfiledLatency:
         vocab = target.get_input_embeddings().weight.shape[0]
         dtype = next(target.parameters()).dtype
         rng = torch.Generator().manual_seed(self.seed)
-        cache = new_target_cache()
+        cache = new_target_cache(target)
         target_forward(target, torch.randint(0, vocab, (batch, context), generator=rng).to(device), None, cache)
         sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
         table = {}

@@ -48,15 +48,21 @@ def check_cache_length(cache, expected: int, step: str) -> None:
         )
 
 
-def new_target_cache():
-    """A cache whose layers keep every position.
+def new_target_cache(model=None):
+    """A cache whose attention layers keep every position (and, for a hybrid GDN target, state slots).
 
-    Built without the model config on purpose: sliding-window layer caches
-    discard old states and refuse arbitrary compaction, while ddtree applies
-    windows through its masks instead.
+    Attention layers are built without sliding-window caches on purpose: those discard
+    old states and refuse arbitrary compaction, while ddtree applies windows through its
+    masks instead. Pass ``model`` for targets with linear-attention layers, which need
+    their conv/recurrent slots (see :mod:`ddtree.linear_attention`).
     """
     from transformers import DynamicCache
 
+    if model is not None:
+        from .linear_attention import gdn_modules, new_hybrid_cache
+
+        if gdn_modules(model):
+            return new_hybrid_cache(model)
     return DynamicCache()
 
 
@@ -135,33 +141,63 @@ def commit_accepted(cache, prefix_len: int, accepted: torch.Tensor, lengths: tor
     counts = (accepted >= 0).sum(dim=1)
     if bool(((accepted >= 0) != (torch.arange(accepted.shape[1], device=accepted.device) < counts[:, None])).any()):
         raise ValueError("accepted paths must be -1 padded at the end only")
+    from .linear_attention import commit_linear_states, has_pending
+
+    kv_layers = _kv_layers(cache)
+    if has_pending(cache):
+        commit_linear_states(cache, accepted)  # GDN layers: per row, from each row's own last accepted node
+    elif _has_linear_layers(cache):
+        raise ValueError(
+            "the target cache has linear-attention (GDN) layers but the verify forward left no per-node state: "
+            "transformers' own GDN forward would have mixed sibling nodes. Prepare the target with "
+            "ddtree.linear_attention.prepare(model) and pass the backend's tree_forward_kwargs "
+            "(SpeculativeGenerator does)"
+        )
     uniform = (lengths is None or bool((lengths == prefix_len).all())) and bool((counts == accepted.shape[1]).all())
-    index = None
     if uniform:
         contiguous = _is_leading_run(accepted)  # once per round, not once per layer
-    else:
-        index = compaction_index(prefix_len, accepted, lengths if lengths is not None else
-                                 torch.full_like(counts, prefix_len))
-    for layer in getattr(cache, "layers", []):
-        if getattr(layer, "is_linear", False) or hasattr(layer, "recurrent_states"):
-            raise ValueError(
-                "targets with linear-attention (recurrent) layers are not supported yet: their state "
-                "must be kept per tree node"
-            )
+        for keys, values, store in kv_layers:
+            store(keep_positions(keys, prefix_len, accepted, contiguous),
+                  keep_positions(values, prefix_len, accepted, contiguous))
+        return
+    index = compaction_index(prefix_len, accepted, lengths if lengths is not None else torch.full_like(counts, prefix_len))
+    for keys, values, store in kv_layers:
+        store(_gather_columns(keys, index), _gather_columns(values, index))
+
+
+def _has_linear_layers(cache) -> bool:
+    layers = getattr(cache, "layers", None)
+    if layers is None:
+        return any(c is not None for c in getattr(cache, "conv_states", []))
+    return any(hasattr(layer, "recurrent_states") for layer in layers)
+
+
+def _kv_layers(cache) -> list[tuple]:
+    """``(keys, values, store(keys, values))`` for every filled attention layer; the one place that knows how
+    each transformers version holds them. Refuses caches ddtree cannot compact."""
+    found = []
+    layers = getattr(cache, "layers", None)
+    if layers is None and hasattr(cache, "key_cache"):  # transformers 5.0's Qwen3NextDynamicCache: plain lists
+        for i in range(len(cache.key_cache)):
+            def store(k, v, i=i):
+                cache.key_cache[i], cache.value_cache[i] = k, v
+            if cache.key_cache[i] is not None and cache.key_cache[i].numel():
+                found.append((cache.key_cache[i], cache.value_cache[i], store))
+        return found
+    for layer in layers or []:
         if getattr(layer, "is_sliding", False):
             raise ValueError(
                 "the target cache has sliding-window layers that discard states; build it with "
-                "ddtree.cache.new_target_cache() so every layer keeps all positions"
+                "ddtree.new_target_cache(model) so every layer keeps all positions"
             )
+        if hasattr(layer, "recurrent_states") and not hasattr(layer, "keys"):
+            continue  # a GDN layer: committed by commit_linear_states, which needs the verify's pending inputs
+        def store(k, v, layer=layer):
+            layer.keys, layer.values = k, v
         keys = getattr(layer, "keys", None)
-        if keys is None or keys.numel() == 0:
-            continue
-        if index is None:
-            layer.keys = keep_positions(layer.keys, prefix_len, accepted, contiguous)
-            layer.values = keep_positions(layer.values, prefix_len, accepted, contiguous)
-        else:
-            layer.keys = _gather_columns(layer.keys, index)
-            layer.values = _gather_columns(layer.values, index)
+        if keys is not None and keys.numel():
+            found.append((keys, layer.values, store))
+    return found
 
 
 def _gather_columns(tensor: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
@@ -172,30 +208,23 @@ def _gather_columns(tensor: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
 
 
 def truncate(cache, length: int) -> None:
-    """Drop every column from ``length`` on, in every layer (``DynamicCache.crop``'s meaning moved across versions)."""
-    for layer in getattr(cache, "layers", []):
-        keys = getattr(layer, "keys", None)
-        if keys is None or keys.numel() == 0:
-            continue
-        layer.keys = layer.keys[..., :length, :]
-        layer.values = layer.values[..., :length, :]
+    """Back to the first ``length`` columns: drop the rest in every attention layer (``DynamicCache.crop``'s
+    meaning moved across versions) and any uncommitted tree state of linear-attention layers."""
+    from .linear_attention import drop_pending
+
+    drop_pending(cache)
+    for keys, values, store in _kv_layers(cache):
+        store(keys[..., :length, :], values[..., :length, :])
 
 
 def truncate_front(cache, count: int) -> None:
-    """Drop the first ``count`` columns of every layer (padding that no remaining row needs)."""
-    for layer in getattr(cache, "layers", []):
-        keys = getattr(layer, "keys", None)
-        if keys is None or keys.numel() == 0:
-            continue
-        layer.keys = layer.keys[..., count:, :]
-        layer.values = layer.values[..., count:, :]
+    """Drop the first ``count`` columns of every attention layer (padding that no remaining row needs)."""
+    for keys, values, store in _kv_layers(cache):
+        store(keys[..., count:, :], values[..., count:, :])
 
 
 def select_rows(cache, rows: torch.Tensor) -> None:
-    """Keep only batch rows ``rows`` of every layer of ``cache`` (finished rows stop costing compute)."""
-    for layer in getattr(cache, "layers", []):
-        keys = getattr(layer, "keys", None)
-        if keys is None or keys.numel() == 0:
-            continue
-        layer.keys = layer.keys.index_select(0, rows.to(keys.device))
-        layer.values = layer.values.index_select(0, rows.to(keys.device))
+    """Keep only batch rows ``rows`` of every attention layer of ``cache`` (finished rows stop costing compute)."""
+    for keys, values, store in _kv_layers(cache):
+        index = rows.to(keys.device)
+        store(keys.index_select(0, index), values.index_select(0, index))

@@ -72,7 +72,7 @@ def _prefill(state: DecodeState) -> RoundResult:
     ids = torch.full((len(state.prompts), width), gen.pad_token_id, dtype=torch.long, device=device)
     for b, p in enumerate(state.prompts):
         ids[b, width - len(p):] = p.to(device)
-    state.cache = new_target_cache()
+    state.cache = new_target_cache(target)
     plain = state.policy is None
     hidden = not plain and _reads_features(gen.drafter)
     with timer.stage("prefill"):

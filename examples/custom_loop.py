@@ -27,7 +27,7 @@ def round_loop(gen: ddtree.SpeculativeGenerator, prompt_ids: torch.Tensor, max_n
 
 
 def block_loop(target, drafter, prompt_ids: torch.Tensor, max_new_tokens: int, budget: int = 16, stops=()):
-    cache = ddtree.new_target_cache()
+    cache = ddtree.new_target_cache(target)
     context = drafter.new_context()  # this generation's drafter state
     out = ddtree.target_forward(target, prompt_ids, None, cache)
     context.append(drafter.context_features(out.hidden_states), prompt_ids)

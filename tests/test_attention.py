@@ -443,7 +443,8 @@ def test_gpu_check_exactness_part_runs_on_cpu(tmp_path):
 
     report = gpu_check.run_checks(torch.device("cpu"), level="tiny")
     assert report["failures"] == [], report["failures"]
-    assert {c["check"] for c in report["checks"]} >= {"split_bf16", "causal_bf16", "block_bf16", "model_bf16"}
+    assert {c["check"] for c in report["checks"]} >= {"split_bf16", "causal_bf16", "block_bf16", "model_bf16", "gdn_fp32",
+                                                      "gdn_bf16"}
 
 
 # --------------------------------------------------------------------------- end to end through the generator

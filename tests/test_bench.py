@@ -237,3 +237,17 @@ def test_lookup_methods_parse_run_and_report_sources():
     assert set(merged["tau_by_category"]) == {"code", "chat"}
     assert merged["accepted_by_source"]["lookup"] + merged["accepted_by_source"]["both"] > 0
     assert rows["lookup"]["tau"] > 1.0
+
+
+def test_linear_bench_runs_on_a_tiny_hybrid(tmp_path):
+    """``python -m ddtree.bench linear``: every case row and the JSON (its numbers are docs, not assertions)."""
+    pytest.importorskip("transformers.models.qwen3_next")
+    from ddtree.bench.__main__ import main
+
+    out = tmp_path / "linear.json"
+    result = main(["linear", "--contexts", "24", "--nodes", "6,9", "--repeats", "1", "--out", str(out)])
+    assert [(r["context"], r["nodes"]) for r in result["rows"]] == [(24, 6), (24, 9)]
+    for row in result["rows"]:
+        assert row["leaves"] >= 1 and 1 <= row["depth"] < row["nodes"]
+        assert all(row[k] > 0 for k in ("tree_ms", "chain_ms", "plain_ms", "paths_ms", "commit_ms"))
+    assert json.loads(out.read_text())["rows"] == result["rows"]

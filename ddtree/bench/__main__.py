@@ -1,4 +1,5 @@
-"""``python -m ddtree.bench SUBCOMMAND ...``: ``attention`` runs the attention micro-benchmark; anything else goes to the main bench."""
+"""``python -m ddtree.bench SUBCOMMAND ...``: ``attention`` runs the attention micro-benchmark, ``linear`` the
+GDN-hybrid verify benchmark; anything else goes to the main bench."""
 
 from __future__ import annotations
 
@@ -11,6 +12,10 @@ def main(argv: list[str] | None = None):
         from .attention import main as attention_main
 
         return attention_main(argv[1:])
+    if argv and argv[0] == "linear":
+        from .linear import main as linear_main
+
+        return linear_main(argv[1:])
     try:
         from .runner import run_main_bench
     except ImportError as exc:

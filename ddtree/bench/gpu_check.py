@@ -1,11 +1,12 @@
-"""One-shot GPU check of the split tree attention: bf16 exactness, then the attention benchmark.
+"""One-shot GPU check of the split tree attention and the GDN tree forward: exactness, then the benchmarks.
 
 Run on a CUDA machine from the repository root (no flash-attn needed; used when it imports)::
 
     python -m ddtree.bench.gpu_check            # or: bash examples/gpu_attention_check.sh
 
 Writes ``gpu_check.json`` (every check with its max abs error and tolerance),
-``attention_bench.json`` and ``attention_bench_window.json`` into ``--out``
+``attention_bench.json``, ``attention_bench_window.json`` and ``linear_bench.json`` (GDN hybrid
+verify at Qwen3.6-27B widths: 1k and 16k context, 16 and 64 nodes) into ``--out``
 (default ``$OUT`` when set, else ``runs/gpu_check``). Exits non-zero when a
 check fails. Each check is isolated, so one failure does not hide the others.
 The checks also run on the CPU (``--device cpu --quick``), which the tests do.
@@ -45,6 +46,7 @@ from .attention import _Layer, random_tree
 
 BF16_TOL = 2e-2  # max abs error of bf16 results against float32 dense attention
 FP32_TOL = 1e-4
+GDN_BF16_TOL = 5e-2  # relative: a bf16 tree row and a bf16 one-token decode round differently through the stack
 
 
 def _backends(device: torch.device) -> list[str]:
@@ -219,6 +221,68 @@ def check_batch(device, dtype, level: str) -> list[dict]:
     return rows
 
 
+def check_linear(device, dtype, tol, level: str = "full") -> list[dict]:
+    """A GDN hybrid layer stack: every tree node's hidden state against its path decoded token by token,
+    and the committed GDN state against that chain's. ``full``: Qwen3.6-27B widths (3 GDN + 1 attention
+    layers), a 1k context, 16- and 64-node trees; otherwise a tiny stack. Errors are relative to the
+    reference's largest magnitude, so one tolerance serves both widths."""
+    import copy
+
+    from ..cache import commit_accepted, new_target_cache
+    from ..linear_attention import _states, gdn_modules
+    from ..masks import tree_position_ids
+    from .linear import hybrid_target
+
+    full = level == "full"
+    model = hybrid_target("qwen36-27b" if full else "tiny", 4, dtype=dtype, device=device)
+    context, node_counts = (1024, (16, 64)) if full else (48, (16,))
+    vocab = model.get_input_embeddings().weight.shape[0]
+    backend = get_backend("auto")
+    backend.prepare(model)
+    gen = torch.Generator().manual_seed(5)
+    prompt = torch.randint(0, vocab, (1, context), generator=gen).to(device)
+    rows = []
+    with torch.inference_mode():
+        base = new_target_cache(model)
+        model(prompt, use_cache=True, **cache_kwargs(model, base))
+
+        def decode(cache, tokens):
+            for i, tok in enumerate(tokens):
+                out = model(torch.tensor([[tok]], device=device),
+                            position_ids=torch.tensor([[context + i]], device=device), use_cache=True,
+                            output_hidden_states=True, **cache_kwargs(model, cache))
+            return out.hidden_states[-1][0, -1].float()
+
+        for nodes in node_counts:
+            shape = random_tree(nodes, 15, gen)
+            tree = DraftTree.from_parents(torch.randint(0, vocab, (1, nodes), generator=gen).to(device),
+                                          shape.parents.to(device))
+            cache = copy.deepcopy(base)
+            kw = backend.tree_forward_kwargs(model, tree, context, dtype)
+            out = model(tree.tokens, position_ids=tree_position_ids(tree.depths, context), use_cache=True,
+                        output_hidden_states=True, **cache_kwargs(model, cache), **kw)
+            parents = tree.parents[0].tolist()
+            worst, deepest = 0.0, []
+            for node in range(nodes):
+                path = [node]
+                while parents[path[-1]] >= 0:
+                    path.append(parents[path[-1]])
+                path = path[::-1]
+                deepest = max(deepest, path, key=len)
+                ref = decode(copy.deepcopy(base), tree.tokens[0, path].tolist())
+                worst = max(worst, float((out.hidden_states[-1][0, node].float() - ref).abs().max() / ref.abs().max()))
+            rows.append(dict(part="nodes", nodes=nodes, dtype=str(dtype), max_abs_err=worst, tol=tol, ok=worst <= tol))
+            commit_accepted(cache, context, torch.tensor([deepest], device=device))
+            chain = copy.deepcopy(base)
+            decode(chain, tree.tokens[0, deepest].tolist())
+            err = 0.0
+            for m in gdn_modules(model):
+                for got, want in zip(_states(cache, m.layer_idx), _states(chain, m.layer_idx)):
+                    err = max(err, float((got.float() - want.float()).abs().max() / want.float().abs().max()))
+            rows.append(dict(part="commit", nodes=nodes, dtype=str(dtype), max_abs_err=err, tol=tol, ok=err <= tol))
+    return rows
+
+
 def split_shapes(level: str) -> list[tuple]:
     """(heads, kv_heads, head_dim, prefix, nodes, window): edge cases, then Qwen3-8B-layer shapes up to 32k x 1025."""
     if level == "tiny":
@@ -248,6 +312,8 @@ def run_checks(device: torch.device, level: str = "full") -> dict:
         ("model_fp32", lambda: check_model(device, torch.float32, FP32_TOL, tiny)),
         ("model_bf16", lambda: check_model(device, torch.bfloat16, 0.1, tiny)),
         ("batch_fp32", lambda: check_batch(device, torch.float32, level)),
+        ("gdn_fp32", lambda: check_linear(device, torch.float32, FP32_TOL, level)),
+        ("gdn_bf16", lambda: check_linear(device, torch.bfloat16, GDN_BF16_TOL, level)),
     ]
     for name, fn in plan:
         t0 = time.perf_counter()
@@ -306,6 +372,11 @@ def main(argv: list[str] | None = None) -> int:
         bench([*common, "--out", str(out / "attention_bench.json")])
         window = ["--contexts", "256,1k"] if args.quick else ["--contexts", "4k,32k", "--budgets", "64,256"]
         bench([*common, *window, "--window", "4096", "--out", str(out / "attention_bench_window.json")])
+        from .linear import main as linear_bench
+
+        sizes = (["--contexts", "256", "--nodes", "16", "--repeats", "3"] if args.quick else
+                 ["--preset", "qwen36-27b", "--dtype", "bf16", "--contexts", "1k,16k", "--nodes", "16,64"])
+        linear_bench(["--device", str(device), *sizes, "--out", str(out / "linear_bench.json")])
     return 1 if report["failures"] else 0
 
 
