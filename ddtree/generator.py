@@ -15,6 +15,7 @@ from typing import Iterator, Sequence
 import torch
 
 from .attention import get_backend
+from .distributed import Lockstep, module_fingerprint
 from .budget import AutoBudget, BudgetPolicy, FixedBudget, ProfiledLatency, check_budget, DEFAULT_CANDIDATES
 from .drafter import DFlashDrafter, DFlashDraftModel, Drafter
 from .round import speculative_round
@@ -94,8 +95,12 @@ class SpeculativeGenerator:
         attention: str | None = "auto",
         cpu_linear: bool | str = False,
     ):
+        self.lockstep = Lockstep.for_model(target)  # ranks of a tensor-parallel target; inactive otherwise
         if isinstance(drafter, DFlashDraftModel):
-            drafter = DFlashDrafter(drafter, target)
+            with self.lockstep.fail_together("binding the drafter to the target"):
+                drafter = DFlashDrafter(drafter, target)
+        if self.lockstep.active:
+            self.lockstep.agree(_drafter_identity(drafter), "the drafter")
         check_budget(tree_budget)
         self.target = target.eval()
         self.cpu_linear = _route_cpu_linear(target, cpu_linear)
@@ -118,6 +123,8 @@ class SpeculativeGenerator:
         device: str | torch.device = "cpu",
         dtype: torch.dtype | str | None = None,
         draft_vocab: str | int | torch.Tensor | None = "auto",
+        tp_plan: str | dict | None = None,
+        device_map: str | dict | None = None,
         **options,
     ) -> "SpeculativeGenerator":
         """Load a target (any HF causal LM directory) and a DFlash drafter directory.
@@ -130,6 +137,12 @@ class SpeculativeGenerator:
         proposals (see :meth:`DFlashDrafter.set_draft_vocab`); ``"auto"`` uses the
         drafter directory's ``draft_vocab.safetensors`` when it has one. The target
         loaded here is ours to change, so ``cpu_linear`` defaults to ``"auto"``.
+
+        ``tp_plan="auto"`` (under ``torchrun``) shards the target over the ranks
+        with transformers' tensor parallelism; ``device_map`` splits its layers
+        over devices with accelerate. Either way ``device`` is ignored and the
+        drafter goes to the device of the target's input embedding, whole on
+        every rank (see the guide's "Scaling out").
         """
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -143,10 +156,14 @@ class SpeculativeGenerator:
             dtype = dtype or torch.float32
         if drafter_path_or_id is None:
             raise ValueError("give a drafter directory along with the target (or neither, for the default pair)")
-        target = AutoModelForCausalLM.from_pretrained(target_path_or_id, dtype=dtype or "auto").to(device)
+        placed = {k: v for k, v in (("tp_plan", tp_plan), ("device_map", device_map)) if v is not None}
+        target = AutoModelForCausalLM.from_pretrained(target_path_or_id, dtype=dtype or "auto", **placed)
+        if not placed:
+            target = target.to(device)
         target_dtype = next(target.parameters()).dtype
-        drafter = DFlashDrafter.from_pretrained(drafter_path_or_id, target, dtype=target_dtype, device=device,
-                                                draft_vocab=draft_vocab)
+        with Lockstep.for_model(target).fail_together(f"loading the drafter {drafter_path_or_id}"):
+            drafter = DFlashDrafter.from_pretrained(drafter_path_or_id, target, dtype=target_dtype,
+                                                    device=None if placed else device, draft_vocab=draft_vocab)
         options.setdefault("cpu_linear", "auto")
         gen = cls(target, drafter, **options)
         try:
@@ -178,18 +195,25 @@ class SpeculativeGenerator:
         any lengths (lists or 1-D tensors). Everything is checked before any
         state exists, so a bad call leaves nothing behind.
         """
-        rows = self._prompt_rows(input_ids, attention_mask)
-        if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
-        sampling = SamplingConfig(temperature, top_k, top_p)
-        budget = self.tree_budget if tree_budget is None else tree_budget
-        check_budget(budget)
-        if len(rows) > 1 and _has_linear_attention(self.target):
-            raise ValueError("batch > 1 is not supported yet for targets with linear-attention (recurrent) layers: "
-                             "generate one prompt at a time")
+        with self.lockstep.fail_together("checking generate's inputs"):
+            rows = self._prompt_rows(input_ids, attention_mask)
+            if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
+                raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
+            sampling = SamplingConfig(temperature, top_k, top_p)
+            budget = self.tree_budget if tree_budget is None else tree_budget
+            check_budget(budget)
+            if len(rows) > 1 and _has_linear_attention(self.target):
+                raise ValueError("batch > 1 is not supported yet for targets with linear-attention (recurrent) "
+                                 "layers: generate one prompt at a time")
+        if self.lockstep.active:
+            self.lockstep.agree(([r.tolist() for r in rows], max_new_tokens, sampling,
+                                 sorted(_stop_set(stop_token_ids)),
+                                 budget if isinstance(budget, (int, str)) else type(budget).__name__, seed),
+                                "generate's inputs")
         device = self.target.get_input_embeddings().weight.device
         rng = torch.Generator(device=device)
-        rng.manual_seed(seed if seed is not None else int(torch.randint(0, 2**62, (1,)).item()))
+        seed = self.lockstep.share(seed if seed is not None else int(torch.randint(0, 2**62, (1,)).item()))
+        rng.manual_seed(seed)
         return DecodeState(
             generator=self, prompts=rows, max_new_tokens=max_new_tokens, sampling=sampling,
             stops=_stop_set(stop_token_ids), policy=self.budget_policy(budget), rng=rng,
@@ -349,13 +373,23 @@ def _route_cpu_linear(target, mode) -> int:
     if not mode:
         return cpu_linear.installed(target)
     param = next(target.parameters())
-    suitable = param.device.type == "cpu" and param.dtype == torch.float32
+    sharded = Lockstep.for_model(target).active  # its linears run through transformers' tensor-parallel hooks
+    suitable = param.device.type == "cpu" and param.dtype == torch.float32 and not sharded
     if mode == "auto" and not (suitable and cpu_linear.available()):
         return cpu_linear.installed(target)
     if not suitable:
         raise ValueError(f"cpu_linear=True needs a float32 target on the CPU, this one is {param.dtype} on "
                          f"{param.device}; pass cpu_linear='auto' or False")
     return cpu_linear.install(target)
+
+
+def _drafter_identity(drafter) -> tuple:
+    """What must be equal on every rank of a tensor-parallel target: the drafter's kind, shape and weights."""
+    model = getattr(drafter, "model", None)
+    vocab = getattr(drafter, "draft_vocab", None)
+    return (type(drafter).__name__, getattr(drafter, "block_size", None), list(drafter.target_layer_ids),
+            module_fingerprint(model if isinstance(model, torch.nn.Module) else None),
+            None if vocab is None else vocab.tolist())
 
 
 def _stop_set(stop_token_ids) -> frozenset[int]:
