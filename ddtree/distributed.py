@@ -238,3 +238,27 @@ def module_fingerprint(module: torch.nn.Module | None) -> tuple:
     with torch.no_grad():
         return tuple((name, tuple(p.shape), str(p.dtype), float(p.detach().double().sum()))
                      for name, p in module.named_parameters())
+
+
+def start_data_parallel(device: str) -> str:
+    """Under ``torchrun`` (``WORLD_SIZE`` > 1), join the process group (NCCL for CUDA, gloo otherwise) and
+    return this rank's device (``cuda`` becomes ``cuda:LOCAL_RANK``); outside it, return ``device`` unchanged."""
+    import os
+
+    import torch.distributed as dist
+
+    if int(os.environ.get("WORLD_SIZE", "1")) < 2:
+        return device
+    cuda = str(device).startswith("cuda")
+    if cuda and str(device) == "cuda":
+        device = f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
+    if cuda:
+        torch.cuda.set_device(torch.device(device))
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if cuda else "gloo")
+    return device
+
+
+def gather_lists(items: list, group=None) -> list[list]:
+    """Every rank's list, in rank order (a data-parallel run's results, on every rank)."""
+    return all_gather_object(list(items), group) if is_distributed() else [list(items)]
