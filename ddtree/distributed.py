@@ -131,7 +131,9 @@ def fail_together(what: str, group=None) -> Iterator[None]:
     """Run a block on every rank; when it raises on any rank, raise on every rank instead of hanging.
 
     The failing rank re-raises its own exception; the others raise
-    :class:`RankFailedError` naming the rank and its error."""
+    :class:`RankFailedError` naming the rank and its error. Blocks may nest: an
+    error already shared passes through. Collectives inside the block must not
+    depend on data that can fail on one rank only (put those checks first)."""
     if not is_distributed():
         yield
         return
@@ -139,9 +141,12 @@ def fail_together(what: str, group=None) -> Iterator[None]:
     try:
         yield
     except Exception as exc:  # noqa: BLE001 - shared, then re-raised
+        if isinstance(exc, RankFailedError) or getattr(exc, "_ddtree_shared", False):
+            raise  # an inner block (or an agreement) already told every rank
         error = exc
     reports = all_gather_object(None if error is None else f"{type(error).__name__}: {error}", group)
     if error is not None:
+        error._ddtree_shared = True
         raise error
     failed = [(r, msg) for r, msg in enumerate(reports) if msg is not None]
     if failed:

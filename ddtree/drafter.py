@@ -25,7 +25,7 @@ from torch import nn
 
 from . import cpu_linear
 from .attention import block_attention
-from .distributed import full_tensor
+from .distributed import Lockstep, full_tensor, module_fingerprint
 from .features import build_target_layer_ids, check_target_layer_ids, extract_context_feature
 
 FULL, SLIDING = "full_attention", "sliding_attention"
@@ -533,7 +533,9 @@ class DFlashDrafter:
     """
 
     def __init__(self, model: DFlashDraftModel, target, draft_vocab: "str | int | torch.Tensor | None" = "auto"):
-        check_compatible(model.config, target)
+        self._lockstep = Lockstep.for_model(target)  # a tensor-parallel target's ranks bind together
+        with self._lockstep.fail_together("binding the drafter to the target"):
+            check_compatible(model.config, target)
         self.model = model
         self.config = model.config
         self.block_size = model.config.block_size
@@ -559,8 +561,16 @@ class DFlashDrafter:
         ``None`` or ``0``: the full vocabulary; an int ``n``: the model's ``n`` top-ranked ids;
         a tensor: these ids.
         """
-        head = self._target_parts[1]
-        vocab = head.weight.shape[0]
+        with self._lockstep.fail_together("choosing the draft vocabulary"):
+            ids = self._draft_vocab_ids(draft_vocab)
+        if self._lockstep.active:  # gathering a sharded lm_head below is a collective: same branch everywhere
+            self._lockstep.agree((module_fingerprint(self.model), None if ids is None else ids.tolist()),
+                                 "the drafter")
+        self._slice_head(ids)
+
+    def _draft_vocab_ids(self, draft_vocab) -> torch.Tensor | None:
+        """The token ids ``draft_vocab`` names (checked), or ``None`` for the full vocabulary."""
+        vocab = self._target_parts[1].weight.shape[0]
         ranked = self.model.draft_vocab
         if isinstance(draft_vocab, str):
             if draft_vocab != "auto":
@@ -579,6 +589,10 @@ class DFlashDrafter:
             ids = check_draft_vocab(draft_vocab, vocab)
         if ids is not None and ids.numel() >= vocab:
             ids = None
+        return ids
+
+    def _slice_head(self, ids: torch.Tensor | None) -> None:
+        head = self._target_parts[1]
         if ids is None:
             self.draft_vocab, self._head_slice = None, None
             return

@@ -97,9 +97,8 @@ class SpeculativeGenerator:
     ):
         self.lockstep = Lockstep.for_model(target)  # ranks of a tensor-parallel target; inactive otherwise
         if isinstance(drafter, DFlashDraftModel):
-            with self.lockstep.fail_together("binding the drafter to the target"):
-                drafter = DFlashDrafter(drafter, target)
-        if self.lockstep.active:
+            drafter = DFlashDrafter(drafter, target)  # ranks agree on it while binding
+        elif self.lockstep.active and not isinstance(drafter, DFlashDrafter):
             self.lockstep.agree(_drafter_identity(drafter), "the drafter")
         check_budget(tree_budget)
         self.target = target.eval()
@@ -384,12 +383,10 @@ def _route_cpu_linear(target, mode) -> int:
 
 
 def _drafter_identity(drafter) -> tuple:
-    """What must be equal on every rank of a tensor-parallel target: the drafter's kind, shape and weights."""
+    """What must be equal on every rank of a tensor-parallel target, for a drafter of any kind."""
     model = getattr(drafter, "model", None)
-    vocab = getattr(drafter, "draft_vocab", None)
     return (type(drafter).__name__, getattr(drafter, "block_size", None), list(drafter.target_layer_ids),
-            module_fingerprint(model if isinstance(model, torch.nn.Module) else None),
-            None if vocab is None else vocab.tolist())
+            module_fingerprint(model if isinstance(model, torch.nn.Module) else None))
 
 
 def _stop_set(stop_token_ids) -> frozenset[int]:
