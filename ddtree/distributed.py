@@ -267,3 +267,16 @@ def start_data_parallel(device: str) -> str:
 def gather_lists(items: list, group=None) -> list[list]:
     """Every rank's list, in rank order (a data-parallel run's results, on every rank)."""
     return all_gather_object(list(items), group) if is_distributed() else [list(items)]
+
+
+def check_tp_divides(config, ranks: int) -> None:
+    """Raise a ValueError, before loading, when ``tp_plan`` cannot split ``config``'s heads over ``ranks``."""
+    cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
+    sizes = {name: getattr(cfg, name, None) for name in ("num_attention_heads", "num_key_value_heads")}
+    bad = {k: v for k, v in sizes.items() if isinstance(v, int) and v % ranks}
+    if bad:
+        fits = [n for n in range(1, max(sizes.values()) + 1)
+                if all(isinstance(v, int) and v % n == 0 for v in sizes.values())]
+        raise ValueError(f"tp_plan shards attention heads over the {ranks} ranks, but the target has "
+                         + ", ".join(f"{k}={v}" for k, v in sizes.items())
+                         + f": launch torchrun with --nproc_per_node in {fits}, or split layers with device_map")

@@ -8,6 +8,7 @@ round's steps are public building blocks (see :mod:`ddtree.round`).
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Iterator, Sequence
@@ -156,6 +157,12 @@ class SpeculativeGenerator:
         if drafter_path_or_id is None:
             raise ValueError("give a drafter directory along with the target (or neither, for the default pair)")
         placed = {k: v for k, v in (("tp_plan", tp_plan), ("device_map", device_map)) if v is not None}
+        if tp_plan is not None:
+            from transformers import AutoConfig
+
+            from .distributed import check_tp_divides
+
+            check_tp_divides(AutoConfig.from_pretrained(target_path_or_id), int(os.environ.get("WORLD_SIZE", "1")))
         target = AutoModelForCausalLM.from_pretrained(target_path_or_id, dtype=dtype or "auto", **placed)
         if not placed:
             target = target.to(device)
