@@ -32,6 +32,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--builder", default="best_first")
     p.add_argument("--budget", default="4", help="an int or 'auto'")
     p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--num-prompts", type=int, default=len(PROMPTS))
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     ranks = int(os.environ.get("WORLD_SIZE", "1"))
@@ -42,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     gen = SpeculativeGenerator.from_pretrained(cpu_linear=False, tree_budget=budget, builder=args.builder, **placement)
     tok = gen.tokenizer
     rows = []
-    for text in PROMPTS:
+    for text in PROMPTS[: args.num_prompts]:
         ids = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
         ids = list(getattr(ids, "input_ids", ids))
         gen.generate(ids, max_new_tokens=8)  # warm

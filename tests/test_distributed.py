@@ -23,8 +23,14 @@ from ddtree.bench.runner import run_main_bench
 from conftest import tiny_drafter_model, tiny_target
 import tp_worker
 
-pytest.importorskip("accelerate", reason="tp_plan and device_map loading need accelerate (transformers 5.0 "
-                                         "requires it for both), which this environment lacks")
+try:
+    import accelerate  # noqa: F401
+
+    HAVE_ACCELERATE = True
+except ImportError:
+    HAVE_ACCELERATE = False
+needs_accelerate = pytest.mark.skipif(not HAVE_ACCELERATE, reason="tp_plan and device_map loading need accelerate "
+                                      "(transformers 5.0 requires it for both), which this environment lacks")
 
 WORKER = Path(__file__).with_name("tp_worker.py")
 RANKS = 2
@@ -69,6 +75,7 @@ def tp_results(pairs) -> list[dict]:
     return [json.loads((pairs / f"checks_rank{r}.json").read_text()) for r in range(RANKS)]
 
 
+@needs_accelerate
 def test_tensor_parallel_equals_single_process(pairs, tp_results):
     for kind in tp_worker.KINDS:
         single = tp_worker.cases(tp_worker.load(pairs, kind))
@@ -83,6 +90,7 @@ def test_tensor_parallel_equals_single_process(pairs, tp_results):
     assert tp_results[0]["sharded_lm_head"] == "DTensor"  # the drafter really read a sharded lm_head
 
 
+@needs_accelerate
 def test_ranks_share_budget_and_seed_decisions(pairs, tp_results):
     reference = tp_worker.cases(tp_worker.load(pairs, "llama"))["plain"]["tokens"][0]
     for kind in tp_worker.KINDS:
@@ -99,6 +107,7 @@ def test_ranks_share_budget_and_seed_decisions(pairs, tp_results):
             assert skew0["tokens"][0] == rank0["auto"]["tokens"][0] == reference
 
 
+@needs_accelerate
 def test_failing_rank_fails_every_rank_in_step(tp_results):
     f0, f1 = tp_results[0]["failures"], tp_results[1]["failures"]
     assert f1["bad_input"].startswith("ValueError: prompt 0 has token ids outside")
@@ -110,6 +119,7 @@ def test_failing_rank_fails_every_rank_in_step(tp_results):
     assert f0["after"] == f1["after"]  # still in step afterwards
 
 
+@needs_accelerate
 def test_uncaught_error_on_one_rank_exits_every_rank(pairs):
     proc = torchrun(str(WORKER), "bad-input", str(pairs), timeout=120)
     assert proc.returncode != 0
@@ -117,6 +127,7 @@ def test_uncaught_error_on_one_rank_exits_every_rank(pairs):
     assert "RANK 0 ERROR RankFailedError: rank 1 failed while checking generate's inputs" in proc.stderr
 
 
+@needs_accelerate
 def test_layer_split_target_with_disk_offload(pairs, tmp_path):
     """accelerate hooks on every layer, two layers offloaded to disk, output and acceptance unchanged.
 
@@ -145,6 +156,7 @@ def test_layer_split_target_with_disk_offload(pairs, tmp_path):
         assert b.row_tokens == a.row_tokens and b.acceptance_lengths == a.acceptance_lengths
 
 
+@needs_accelerate
 def test_offloaded_lm_head_is_refused_with_the_fix(pairs, tmp_path):
     from accelerate import dispatch_model
 
@@ -154,6 +166,7 @@ def test_offloaded_lm_head_is_refused_with_the_fix(pairs, tmp_path):
         ddtree.DFlashDrafter(gen.drafter.model, gen.target)
 
 
+@needs_accelerate
 def test_data_parallel_bench_equals_single_process(pairs, tmp_path):
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"id": f"p{i}", "input_ids": p}) + "\n"
@@ -184,3 +197,37 @@ def test_data_parallel_bench_equals_single_process(pairs, tmp_path):
 
     assert rounds(sorted((tmp_path / "dp").glob("trees.rank*.jsonl"))) == rounds([tmp_path / "one" / "trees.jsonl"])
     assert sorted(p.name for p in (tmp_path / "dp").glob("results*")) == ["results.json", "results.md"]
+
+
+# --------------------------------------------------------------------------- no ranks: the hooks stay out of the way
+
+
+def test_lockstep_is_a_no_op_without_ranks():
+    from ddtree.distributed import Lockstep, is_distributed
+
+    gen = SpeculativeGenerator(tiny_target("llama"), tiny_drafter_model(tiny_target("llama")), tree_budget=4)
+    assert not is_distributed() and not gen.lockstep.active
+    value = {"t": torch.arange(3)}
+    assert gen.lockstep.share(value) is value and gen.lockstep.decide(lambda: 7) == 7
+    with pytest.raises(ValueError, match="boom"), Lockstep().fail_together("testing"):
+        raise ValueError("boom")  # raised as it is: nothing to tell other ranks
+
+
+def test_tp_plan_refuses_heads_that_do_not_divide_before_loading():
+    from transformers import LlamaConfig
+
+    from ddtree.distributed import check_tp_divides
+
+    smollm2 = LlamaConfig(num_attention_heads=9, num_key_value_heads=3, hidden_size=576)
+    with pytest.raises(ValueError, match=r"num_attention_heads=9, num_key_value_heads=3: launch torchrun with "
+                                         r"--nproc_per_node in \[1, 3\]"):
+        check_tp_divides(smollm2, 2)
+    check_tp_divides(smollm2, 3)
+
+
+def test_features_are_gathered_on_the_drafters_device():
+    """Each chosen layer is moved to ``device`` before the concatenation (``meta`` stands in for another device)."""
+    hidden = [torch.full((1, 2, 3), float(i)) for i in range(5)]
+    feats = ddtree.extract_context_feature(hidden, [0, 3])
+    assert feats.shape == (1, 2, 6) and feats[0, 0].tolist() == [1.0] * 3 + [4.0] * 3
+    assert ddtree.extract_context_feature(hidden, [0, 3], device="meta").device.type == "meta"
