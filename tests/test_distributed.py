@@ -166,7 +166,6 @@ def test_offloaded_lm_head_is_refused_with_the_fix(pairs, tmp_path):
         ddtree.DFlashDrafter(gen.drafter.model, gen.target)
 
 
-@needs_accelerate
 def test_data_parallel_bench_equals_single_process(pairs, tmp_path):
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"id": f"p{i}", "input_ids": p}) + "\n"
