@@ -33,10 +33,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--budget", default="4", help="an int or 'auto'")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--num-prompts", type=int, default=len(PROMPTS))
+    p.add_argument("--threads", type=int, default=None, help="torch threads per rank (default: cores / ranks)")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     ranks = int(os.environ.get("WORLD_SIZE", "1"))
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // ranks))
+    torch.set_num_threads(args.threads or max(1, (os.cpu_count() or 1) // ranks))
     budget = args.budget if args.budget == "auto" else int(args.budget)
     placement = {"tp_plan": "auto"} if ranks > 1 else {}
     # Stock linears in both runs: ddtree.cpu_linear does not route sharded layers, and the comparison is exact.
