@@ -235,3 +235,22 @@ def test_features_are_gathered_on_the_drafters_device():
     feats = ddtree.extract_context_feature(hidden, [0, 3])
     assert feats.shape == (1, 2, 6) and feats[0, 0].tolist() == [1.0] * 3 + [4.0] * 3
     assert ddtree.extract_context_feature(hidden, [0, 3], device="meta").device.type == "meta"
+
+
+def test_bench_tokens_per_second_add_up_over_data_parallel_ranks():
+    from ddtree.bench.runner import Run, parse_methods, summarize
+
+    def run(method, prompt, rank, tokens, seconds):
+        tree = method != "ar"
+        return Run(method, prompt, 0, tokens, seconds, [1] * tokens if tree else [], {}, [4] * tokens if tree else [],
+                   [0] * tokens, rank=rank)
+
+    runs = [run("ar", "a", 0, 10, 1.0), run("ar", "b", 0, 10, 1.0), run("ar", "c", 1, 30, 2.0),
+            run("chain", "a", 0, 10, 0.5), run("chain", "b", 0, 10, 0.5), run("chain", "c", 1, 30, 1.0)]
+    rows = {r["method"]: r for r in summarize(runs, parse_methods("ar,chain"), depth=4, greedy=True)}
+    # Side by side: rank 0 at 20 tokens / 2 s, rank 1 at 30 tokens / 2 s (ar); each twice as fast with chain.
+    assert rows["ar"]["tokens_per_second"] == pytest.approx(10 + 15)
+    assert rows["chain"]["tokens_per_second"] == pytest.approx(20 + 30)
+    assert rows["chain"]["speedup"] == pytest.approx(2.0)
+    one_rank = [Run(**{**r.__dict__, "rank": 0}) for r in runs]
+    assert summarize(one_rank, parse_methods("ar,chain"), 4, True)[0]["tokens_per_second"] == pytest.approx(50 / 4)
