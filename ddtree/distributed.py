@@ -91,16 +91,6 @@ def broadcast_object(obj: Any, group=None, src_rank: int = 0) -> Any:
     return box[0]
 
 
-def broadcast_int(value: int, group=None) -> int:
-    """Rank 0's int on every rank."""
-    import torch.distributed as dist
-
-    t = torch.tensor([int(value)], dtype=torch.long, device=_device_for(group))
-    src = dist.get_global_rank(group, 0) if group is not None else 0
-    dist.broadcast(t, src=src, group=group)
-    return int(t.item())
-
-
 def all_gather_object(obj: Any, group=None) -> list:
     """Every rank's ``obj``, in rank order, on every rank."""
     import torch.distributed as dist

@@ -103,6 +103,7 @@ def test_ranks_share_budget_and_seed_decisions(pairs, tp_results):
         for name in ("skewed", "auto", "sampled/default_seed"):
             assert rank0[name]["tokens"] == rank1[name]["tokens"], (kind, name)
             assert rank0[name]["acceptance"] == rank1[name]["acceptance"], (kind, name)
+        assert rank0["decided"] == rank1["decided"] == 7 and rank1["shared_tensor"] == [0.0, 0.0]
         if kind == "llama":  # greedy whatever the budgets: the plain decoding's tokens
             assert skew0["tokens"][0] == rank0["auto"]["tokens"][0] == reference
 

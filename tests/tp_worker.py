@@ -89,6 +89,8 @@ def tp_only(gen: SpeculativeGenerator, rank: int) -> dict:
     out["skewed"] = {**_pack(o), "local": policy.local}
     out["auto"] = _pack(gen.generate(PROMPTS[1], max_new_tokens=40, tree_budget="auto"))
     out["sampled/default_seed"] = _pack(gen.generate(PROMPTS[0], max_new_tokens=NEW, temperature=1.0))
+    out["decided"] = gen.lockstep.decide(lambda: 10 * rank + 7)  # run on rank 0 only
+    out["shared_tensor"] = gen.lockstep.share(torch.full((2,), float(rank))).tolist()
     return out
 
 
