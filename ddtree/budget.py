@@ -222,7 +222,10 @@ class ProfiledLatency:
         from .masks import tree_position_ids
         from .round import target_forward
 
+        from .distributed import Lockstep
+
         gen = self.generator
+        lockstep = getattr(gen, "lockstep", None) or Lockstep()
         target = gen.target
         device = target.get_input_embeddings().weight.device
         vocab = target.get_input_embeddings().weight.shape[0]
@@ -241,7 +244,8 @@ class ProfiledLatency:
             positions = tree_position_ids(tree.depths, context)
             times: list[float] = []
             warm = not table  # the first forward on a fresh cache pays one-off allocations: untimed
-            while len(times) < self.repeats and (not times or sum(times) < self.time_per_count):
+            # Ranks of a tensor-parallel target time the same forwards: rank 0's clock says when to stop.
+            while lockstep.share(len(times) < self.repeats and (not times or sum(times) < self.time_per_count)):
                 sync()
                 t0 = time.perf_counter()
                 target_forward(target, tokens, positions, cache, hidden=False, **kwargs)
@@ -252,7 +256,7 @@ class ProfiledLatency:
                     times.append(time.perf_counter() - t0)
                 truncate(cache, context)  # back to the prefix
             table[nodes] = min(times)  # the least disturbed run; `scale` restores typical speed
-            if len(table) > 1 and table[nodes] > self.hopeless * table[self.node_counts[0]]:
+            if lockstep.share(len(table) > 1 and table[nodes] > self.hopeless * table[self.node_counts[0]]):
                 break  # bigger trees cannot pay for themselves here: leave them to extrapolation
         counts = sorted(table)
         for a, b in zip(counts, counts[1:]):  # more nodes never verify faster

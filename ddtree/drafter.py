@@ -25,6 +25,7 @@ from torch import nn
 
 from . import cpu_linear
 from .attention import block_attention
+from .distributed import Lockstep, full_tensor, module_fingerprint
 from .features import build_target_layer_ids, check_target_layer_ids, extract_context_feature
 
 FULL, SLIDING = "full_attention", "sliding_attention"
@@ -532,7 +533,9 @@ class DFlashDrafter:
     """
 
     def __init__(self, model: DFlashDraftModel, target, draft_vocab: "str | int | torch.Tensor | None" = "auto"):
-        check_compatible(model.config, target)
+        self._lockstep = Lockstep.for_model(target)  # a tensor-parallel target's ranks bind together
+        with self._lockstep.fail_together("binding the drafter to the target"):
+            check_compatible(model.config, target)
         self.model = model
         self.config = model.config
         self.block_size = model.config.block_size
@@ -540,6 +543,10 @@ class DFlashDrafter:
         self.mask_token_id = model.config.mask_token_id
         # Borrowed, not owned: kept in a tuple so they are not registered anywhere.
         self._target_parts = (target.get_input_embeddings(), target.get_output_embeddings())
+        for part, name in zip(self._target_parts, ("input embedding", "lm_head")):
+            if part.weight.device.type == "meta":
+                raise ValueError(f"the target's {name} is offloaded (its weight is on the meta device), and the "
+                                 f"drafter borrows it: keep it on a device in the device_map (offload layers instead)")
         self.set_draft_vocab(draft_vocab)
 
     def set_draft_vocab(self, draft_vocab: "str | int | torch.Tensor | None" = "auto") -> None:
@@ -554,8 +561,16 @@ class DFlashDrafter:
         ``None`` or ``0``: the full vocabulary; an int ``n``: the model's ``n`` top-ranked ids;
         a tensor: these ids.
         """
-        head = self._target_parts[1]
-        vocab = head.weight.shape[0]
+        with self._lockstep.fail_together("choosing the draft vocabulary"):
+            ids = self._draft_vocab_ids(draft_vocab)
+        if self._lockstep.active:  # gathering a sharded lm_head below is a collective: same branch everywhere
+            self._lockstep.agree((module_fingerprint(self.model), None if ids is None else ids.tolist()),
+                                 "the drafter")
+        self._slice_head(ids)
+
+    def _draft_vocab_ids(self, draft_vocab) -> torch.Tensor | None:
+        """The token ids ``draft_vocab`` names (checked), or ``None`` for the full vocabulary."""
+        vocab = self._target_parts[1].weight.shape[0]
         ranked = self.model.draft_vocab
         if isinstance(draft_vocab, str):
             if draft_vocab != "auto":
@@ -574,14 +589,21 @@ class DFlashDrafter:
             ids = check_draft_vocab(draft_vocab, vocab)
         if ids is not None and ids.numel() >= vocab:
             ids = None
+        return ids
+
+    def _slice_head(self, ids: torch.Tensor | None) -> None:
+        head = self._target_parts[1]
         if ids is None:
             self.draft_vocab, self._head_slice = None, None
             return
-        ids = ids.to(head.weight.device).sort().values
-        bias = getattr(head, "bias", None)
+        # The slice is the drafter's own copy, on its device: a tensor-parallel lm_head is gathered whole
+        # first (every rank runs this), a layer-split one may sit on another device than the drafter.
+        device = self.model.fc.weight.device
+        weight, bias = full_tensor(head.weight.detach()), getattr(head, "bias", None)
+        bias = None if bias is None else full_tensor(bias.detach())
+        ids = ids.to(device).sort().values
         self.draft_vocab = ids
-        self._head_slice = (head.weight.detach()[ids].contiguous(),
-                            None if bias is None else bias.detach()[ids].contiguous())
+        self._head_slice = (weight.to(device)[ids].contiguous(), None if bias is None else bias.to(device)[ids].contiguous())
 
     @classmethod
     def from_pretrained(cls, path, target, *, dtype=None, device=None, draft_vocab="auto") -> "DFlashDrafter":
@@ -589,7 +611,8 @@ class DFlashDrafter:
         return cls(DFlashDraftModel.from_pretrained(path, dtype=dtype, device=dev), target, draft_vocab=draft_vocab)
 
     def context_features(self, hidden_states: Sequence[torch.Tensor]) -> torch.Tensor:
-        return extract_context_feature(hidden_states, self.target_layer_ids)
+        """The target layers' features on the drafter's device (a layer-split target's layers sit on several)."""
+        return extract_context_feature(hidden_states, self.target_layer_ids, device=self.model.fc.weight.device)
 
     def new_context(self, batch_size: int = 1) -> "DFlashContext":
         return DFlashContext(self, batch_size)
@@ -598,8 +621,9 @@ class DFlashDrafter:
         """Log-probs over the target's vocabulary (``-inf`` outside a draft vocabulary), float32."""
         lm_head = self._target_parts[1]
         hidden = hidden.to(lm_head.weight.dtype)
-        if self._head_slice is None:
-            return torch.log_softmax(lm_head(hidden).float(), dim=-1)
+        if self._head_slice is None:  # the target's own module: its tensor-parallel or device hooks apply
+            logits = lm_head(hidden.to(lm_head.weight.device))
+            return torch.log_softmax(logits.float(), dim=-1).to(hidden.device)
         linear = cpu_linear.linear if cpu_linear.routed(self.model.fc) else F.linear  # routed with the model
         sub = torch.log_softmax(linear(hidden, *self._head_slice).float(), dim=-1)
         out = sub.new_full((*sub.shape[:-1], lm_head.weight.shape[0]), float("-inf"))

@@ -39,8 +39,14 @@ def check_target_layer_ids(layer_ids: Sequence[int], num_target_layers: int) -> 
     return ids
 
 
-def extract_context_feature(hidden_states: Sequence[torch.Tensor], layer_ids: Sequence[int]) -> torch.Tensor:
-    """Concatenate target layers ``layer_ids`` (``hidden_states[i + 1]``) on the last dim."""
+def extract_context_feature(hidden_states: Sequence[torch.Tensor], layer_ids: Sequence[int],
+                            device: torch.device | str | None = None) -> torch.Tensor:
+    """Concatenate target layers ``layer_ids`` (``hidden_states[i + 1]``) on the last dim, on ``device``.
+
+    A layer-split target (``device_map``) returns each layer's hidden states on
+    that layer's device; ``device`` (default: the first chosen layer's) gathers them.
+    """
     num_layers = len(hidden_states) - 1
     ids = check_target_layer_ids(layer_ids, num_layers)
-    return torch.cat([hidden_states[i + 1] for i in ids], dim=-1)
+    device = hidden_states[ids[0] + 1].device if device is None else device
+    return torch.cat([hidden_states[i + 1].to(device) for i in ids], dim=-1)

@@ -8,6 +8,7 @@ round's steps are public building blocks (see :mod:`ddtree.round`).
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Iterator
@@ -15,11 +16,11 @@ from typing import Iterator
 import torch
 
 from .attention import get_backend
+from .distributed import Lockstep, module_fingerprint
 from .budget import AutoBudget, BudgetPolicy, FixedBudget, ProfiledLatency, check_budget, DEFAULT_CANDIDATES
 from .drafter import DFlashDrafter, DFlashDraftModel, Drafter
 from .inputs import StreamerFeed, prompt_rows, resolve_generation
 from .round import speculative_round
-from .sampling import SamplingConfig
 from .state import DecodeState, RoundRecord
 from .threads import thread_info
 from .timing import StageTimer
@@ -101,8 +102,11 @@ class SpeculativeGenerator:
         attention: str | None = "auto",
         cpu_linear: bool | str = False,
     ):
+        self.lockstep = Lockstep.for_model(target)  # ranks of a tensor-parallel target; inactive otherwise
         if isinstance(drafter, DFlashDraftModel):
-            drafter = DFlashDrafter(drafter, target)
+            drafter = DFlashDrafter(drafter, target)  # ranks agree on it while binding
+        elif self.lockstep.active and not isinstance(drafter, DFlashDrafter):
+            self.lockstep.agree(_drafter_identity(drafter), "the drafter")
         check_budget(tree_budget)
         self.target = target.eval()
         self.cpu_linear = _route_cpu_linear(target, cpu_linear)
@@ -125,6 +129,8 @@ class SpeculativeGenerator:
         device: str | torch.device = "cpu",
         dtype: torch.dtype | str | None = None,
         draft_vocab: str | int | torch.Tensor | None = "auto",
+        tp_plan: str | dict | None = None,
+        device_map: str | dict | None = None,
         **options,
     ) -> "SpeculativeGenerator":
         """Load a target (any HF causal LM directory) and a DFlash drafter directory.
@@ -137,6 +143,12 @@ class SpeculativeGenerator:
         proposals (see :meth:`DFlashDrafter.set_draft_vocab`); ``"auto"`` uses the
         drafter directory's ``draft_vocab.safetensors`` when it has one. The target
         loaded here is ours to change, so ``cpu_linear`` defaults to ``"auto"``.
+
+        ``tp_plan="auto"`` (under ``torchrun``) shards the target over the ranks
+        with transformers' tensor parallelism; ``device_map`` splits its layers
+        over devices with accelerate. Either way ``device`` is ignored and the
+        drafter goes to the device of the target's input embedding, whole on
+        every rank (see the guide's "Scaling out").
         """
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -150,10 +162,20 @@ class SpeculativeGenerator:
             dtype = dtype or torch.float32
         if drafter_path_or_id is None:
             raise ValueError("give a drafter directory along with the target (or neither, for the default pair)")
-        target = AutoModelForCausalLM.from_pretrained(target_path_or_id, dtype=dtype or "auto").to(device)
+        placed = {k: v for k, v in (("tp_plan", tp_plan), ("device_map", device_map)) if v is not None}
+        if tp_plan is not None:
+            from transformers import AutoConfig
+
+            from .distributed import check_tp_divides
+
+            check_tp_divides(AutoConfig.from_pretrained(target_path_or_id), int(os.environ.get("WORLD_SIZE", "1")))
+        target = AutoModelForCausalLM.from_pretrained(target_path_or_id, dtype=dtype or "auto", **placed)
+        if not placed:
+            target = target.to(device)
         target_dtype = next(target.parameters()).dtype
-        drafter = DFlashDrafter.from_pretrained(drafter_path_or_id, target, dtype=target_dtype, device=device,
-                                                draft_vocab=draft_vocab)
+        with Lockstep.for_model(target).fail_together(f"loading the drafter {drafter_path_or_id}"):
+            drafter = DFlashDrafter.from_pretrained(drafter_path_or_id, target, dtype=target_dtype,
+                                                    device=None if placed else device, draft_vocab=draft_vocab)
         options.setdefault("cpu_linear", "auto")
         gen = cls(target, drafter, **options)
         try:
@@ -188,24 +210,31 @@ class SpeculativeGenerator:
         before any state exists, so a bad call leaves nothing behind.
         """
         embed = self.target.get_input_embeddings().weight
-        rows = prompt_rows(input_ids, attention_mask, self.tokenizer, vocab_size=embed.shape[0])
-        limit = getattr(self.target.config, "max_position_embeddings", None)
-        for b, row in enumerate(rows):
-            if limit is not None and row.numel() > limit:
-                raise ValueError(f"prompt {b} has {row.numel()} tokens, more than the target's "
-                                 f"max_position_embeddings ({limit}): shorten it")
-        settings = resolve_generation(generation_config, target_generation_config=getattr(
-            self.target, "generation_config", None), prompt_length=max(len(r) for r in rows), **options)
-        if settings.max_new_tokens is None or settings.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be an int >= 1, got {settings.max_new_tokens!r}")
-        budget = self.tree_budget if tree_budget is None else tree_budget
-        check_budget(budget)
-        if len(rows) > 1 and _has_linear_attention(self.target):
-            raise ValueError("batch > 1 is not supported yet for targets with linear-attention (recurrent) layers: "
-                             "generate one prompt at a time")
-        rng = torch.Generator(device=embed.device)
+        with self.lockstep.fail_together("checking generate's inputs"):
+            rows = prompt_rows(input_ids, attention_mask, self.tokenizer, vocab_size=embed.shape[0])
+            limit = getattr(self.target.config, "max_position_embeddings", None)
+            for b, row in enumerate(rows):
+                if limit is not None and row.numel() > limit:
+                    raise ValueError(f"prompt {b} has {row.numel()} tokens, more than the target's "
+                                     f"max_position_embeddings ({limit}): shorten it")
+            settings = resolve_generation(generation_config, target_generation_config=getattr(
+                self.target, "generation_config", None), prompt_length=max(len(r) for r in rows), **options)
+            if settings.max_new_tokens is None or settings.max_new_tokens < 1:
+                raise ValueError(f"max_new_tokens must be an int >= 1, got {settings.max_new_tokens!r}")
+            budget = self.tree_budget if tree_budget is None else tree_budget
+            check_budget(budget)
+            if len(rows) > 1 and _has_linear_attention(self.target):
+                raise ValueError("batch > 1 is not supported yet for targets with linear-attention (recurrent) "
+                                 "layers: generate one prompt at a time")
         seed = settings.seed
-        rng.manual_seed(seed if seed is not None else int(torch.randint(0, 2**62, (1,)).item()))
+        if self.lockstep.active:
+            self.lockstep.agree(([r.tolist() for r in rows], settings.max_new_tokens, settings.sampling,
+                                 sorted(settings.stop_token_ids),
+                                 budget if isinstance(budget, (int, str)) else type(budget).__name__, seed),
+                                "generate's inputs")
+        rng = torch.Generator(device=embed.device)
+        seed = self.lockstep.share(seed if seed is not None else int(torch.randint(0, 2**62, (1,)).item()))
+        rng.manual_seed(seed)
         return DecodeState(
             generator=self, prompts=[r.to(embed.device) for r in rows], max_new_tokens=settings.max_new_tokens,
             sampling=settings.sampling, stops=frozenset(settings.stop_token_ids), policy=self.budget_policy(budget),
@@ -343,10 +372,18 @@ def _route_cpu_linear(target, mode) -> int:
     if not mode:
         return cpu_linear.installed(target)
     param = next(target.parameters())
-    suitable = param.device.type == "cpu" and param.dtype == torch.float32
+    sharded = Lockstep.for_model(target).active  # its linears run through transformers' tensor-parallel hooks
+    suitable = param.device.type == "cpu" and param.dtype == torch.float32 and not sharded
     if mode == "auto" and not (suitable and cpu_linear.available()):
         return cpu_linear.installed(target)
     if not suitable:
         raise ValueError(f"cpu_linear=True needs a float32 target on the CPU, this one is {param.dtype} on "
                          f"{param.device}; pass cpu_linear='auto' or False")
     return cpu_linear.install(target)
+
+
+def _drafter_identity(drafter) -> tuple:
+    """What must be equal on every rank of a tensor-parallel target, for a drafter of any kind."""
+    model = getattr(drafter, "model", None)
+    return (type(drafter).__name__, getattr(drafter, "block_size", None), list(drafter.target_layer_ids),
+            module_fingerprint(model if isinstance(model, torch.nn.Module) else None))

@@ -83,7 +83,7 @@ def _prefill(state: DecodeState) -> RoundResult:
         else:
             out = target_forward(target, ids, None, state.cache, hidden=hidden)
         check_cache_length(state.cache, width, "prefill")
-        roots = choose_tokens(out.logits[:, -1], state.sampling, state.rng)
+        roots = gen.lockstep.share(choose_tokens(out.logits[:, -1].to(device), state.sampling, state.rng))
         if not plain:
             state.draft = gen.drafter.new_context(len(state.prompts))
             features = gen.drafter.context_features(out.hidden_states) if hidden else None
@@ -112,7 +112,8 @@ def _plain_step(state: DecodeState) -> RoundResult:
             out = target_forward(target, state.roots.view(-1, 1), lengths[:, None], cache, hidden=False,
                                  attention_mask=valid.long())
         check_cache_length(cache, width + 1, "decode step")
-        state.roots = choose_tokens(out.logits[:, -1], state.sampling, state.rng)
+        logits = out.logits[:, -1].to(state.roots.device)
+        state.roots = state.generator.lockstep.share(choose_tokens(logits, state.sampling, state.rng))
     state.lengths = lengths + 1
     state.rounds += 1
     tokens = [[] for _ in state.prompts]
@@ -138,7 +139,7 @@ def _tree_round(state: DecodeState) -> RoundResult:
         proposal = state.draft.propose(roots)
     logprobs, paths = (proposal.logprobs, proposal.paths) if isinstance(proposal, Proposal) else (proposal, None)
     with timer.stage("tree_build"):
-        size = policy.choose(logprobs, context)
+        size = gen.lockstep.share(policy.choose(logprobs, context))  # each rank's clock differs: rank 0's choice
         tree = gen.builder(roots, logprobs, size)
         if paths is not None and any(paths):
             tree = graft_paths(tree, paths, size)
@@ -158,7 +159,7 @@ def _tree_round(state: DecodeState) -> RoundResult:
             check_cache_length(cache, width + tree.num_nodes, "verify forward")
             raise
         check_cache_length(cache, width + tree.num_nodes, "verify forward")
-        result = verify_tree(tree, out.logits, state.sampling, state.rng)
+        result = gen.lockstep.share(verify_tree(tree, out.logits.to(tree.tokens.device), state.sampling, state.rng))
     policy.observe(tree, result, timer.seconds["verify"] - verify_before, context)
     with timer.stage("commit"):
         commit_accepted(cache, width, result.accepted, None if uniform else lengths)

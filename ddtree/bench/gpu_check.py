@@ -10,6 +10,9 @@ verify at Qwen3.6-27B widths: 1k and 16k context, 16 and 64 nodes) into ``--out`
 (default ``$OUT`` when set, else ``runs/gpu_check``). Exits non-zero when a
 check fails. Each check is isolated, so one failure does not hide the others.
 The checks also run on the CPU (``--device cpu --quick``), which the tests do.
+``scale_out`` (:mod:`ddtree.bench.scale_out`) runs a random-weight target at
+Qwen3-8B widths tensor-parallel over every GPU present (TP=1 on one GPU) and,
+with two GPUs or more, layer-split across them, against one device.
 
 Dependencies: it runs on the GPU image's preinstalled transformers (5.17 there), with no
 wheel carried: ddtree picks the cache keyword that version takes (``past_key_values=``)
@@ -334,6 +337,27 @@ def run_checks(device: torch.device, level: str = "full") -> dict:
     return {"checks": checks, "failures": failures}
 
 
+def check_scale_out(device: torch.device, quick: bool) -> dict:
+    """Tensor-parallel (every GPU present; TP=1 on one) and layer-split runs against one device, isolated:
+    an error is reported with the other checks, never raised."""
+    from . import scale_out
+
+    t0 = time.perf_counter()
+    try:
+        report = scale_out.run(device, quick=quick)
+        failures = [{"check": "scale_out", **r} for r in report["rows"] if not r["ok"]]
+    except Exception:  # keep going: the attention bench still runs
+        report, failures = {"rows": []}, [{"check": "scale_out", "error": traceback.format_exc()}]
+    for r in report["rows"]:
+        speed = f", {r['tokens_per_second']} tok/s (one device {r['one_device_tokens_per_second']})" \
+            if "tokens_per_second" in r else ""
+        print(f"[{'ok' if r['ok'] else 'FAIL':5}] scale_out {r['placement']} {r['case']}{speed}", flush=True)
+    for f in failures:
+        if "error" in f:
+            print(f"[ERROR] scale_out\n{f['error']}", flush=True)
+    return {**report, "seconds": round(time.perf_counter() - t0, 2), "failures": failures}
+
+
 def environment(device: torch.device) -> dict:
     import transformers
 
@@ -353,6 +377,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="torch device")
     p.add_argument("--quick", action="store_true", help="small shapes only, and a tiny benchmark")
     p.add_argument("--skip-bench", action="store_true", help="run the checks only, not the benchmark")
+    p.add_argument("--skip-scale-out", action="store_true",
+                   help="skip the tensor-parallel / layer-split check (ddtree.bench.scale_out)")
     args = p.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -360,6 +386,9 @@ def main(argv: list[str] | None = None) -> int:
     env = environment(device)
     print(json.dumps(env), flush=True)
     report = {"environment": env, **run_checks(device, "quick" if args.quick else "full")}
+    if not args.skip_scale_out:
+        report["scale_out"] = check_scale_out(device, args.quick)
+        report["failures"] += report["scale_out"]["failures"]
     if device.type == "cuda":
         report["peak_memory_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
     (out / "gpu_check.json").write_text(json.dumps(report, indent=2) + "\n")

@@ -27,13 +27,13 @@ import re
 import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Iterable, Sequence
 
 import torch
 
-from .. import cpu_linear
+from .. import cpu_linear, distributed
 from ..cache import cache_kwargs, new_target_cache
 from ..sampling import SamplingConfig, choose_tokens
 from ..threads import thread_info
@@ -213,6 +213,7 @@ class Run:
     tokens: list[int] = field(repr=False)
     category: str = ""
     accepted_by_source: dict[str, int] | None = None
+    rank: int = 0  # the data-parallel rank that ran it: tokens/s add up over ranks
 
 
 @torch.inference_mode()
@@ -406,9 +407,10 @@ def summarize(runs: list[Run], methods: list[Method], depth: int, greedy: bool) 
     repeats = sorted({r.repeat for r in runs})
     checks = lossless_check(runs) if greedy else {}
 
-    def tps(name: str, rep: int) -> float:
+    def tps(name: str, rep: int) -> float:  # summed over data-parallel ranks, which run side by side
         rs = [r for r in runs if r.method == name and r.repeat == rep]
-        return sum(r.new_tokens for r in rs) / max(sum(r.seconds for r in rs), 1e-12)
+        return sum(sum(r.new_tokens for r in rs if r.rank == k) / max(sum(r.seconds for r in rs if r.rank == k),
+                                                                      1e-12) for k in {r.rank for r in rs})
 
     rows = []
     for m in methods:
@@ -685,6 +687,7 @@ def run_main_bench(argv: Sequence[str] | None = None) -> int:
 
         return cpu_linear_main(argv[1:])
     args = build_parser().parse_args(argv)
+    args.device = distributed.start_data_parallel(args.device)  # under torchrun: one replica per rank
     from ..threads import configure_threads
 
     threads = configure_threads(args.threads)
@@ -694,6 +697,9 @@ def run_main_bench(argv: Sequence[str] | None = None) -> int:
     tok = gen.tokenizer
     vocab = gen.target.get_input_embeddings().weight.shape[0]
     prompts = load_prompts(args.prompts, tok, vocab, args.num_prompts, args.per_category)
+    all_prompts, prompts = prompts, distributed.shard(prompts)  # data parallel: this rank's share
+    if args.batch_size and distributed.is_distributed():
+        raise SystemExit("--batch-size runs in one process: launch it without torchrun")
     stops = [] if args.ignore_eos or tok is None or tok.eos_token_id is None else [tok.eos_token_id]
     bench = Bench(gen, methods, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                   top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop_token_ids=stops)
@@ -701,13 +707,19 @@ def run_main_bench(argv: Sequence[str] | None = None) -> int:
     t0 = time.time()
     if args.batch_size:
         return _run_batch_bench(args, argv, gen, methods, prompts, stops, bench.depth, t0)
-    runs = bench.run(prompts, repeats=args.repeats, warmup=not args.no_warmup, progress=not args.no_progress,
-                     trees_path=args.out / "trees.jsonl" if args.save_trees else None)
+    rank = distributed.rank()
+    trees = args.out / (f"trees.rank{rank}.jsonl" if distributed.is_distributed() else "trees.jsonl")
+    with distributed.fail_together("running the bench"):
+        runs = bench.run(prompts, repeats=args.repeats, warmup=not args.no_warmup, progress=not args.no_progress,
+                         trees_path=trees if args.save_trees else None)
+    runs = [replace(r, rank=k) for k, rank_runs in enumerate(distributed.gather_lists(runs)) for r in rank_runs]
     rows = summarize(runs, methods, bench.depth, greedy=args.temperature == 0)
     for r in rows:
         if r["method"] in bench.policies:
             r["budget_policy"] = bench.policies[r["method"]]
-    meta = _meta(args, gen, prompts, time.time() - t0, argv)
+    if rank != 0:  # rank 0 writes the one result set
+        return 1 if any(r["lossless"] is False for r in rows) else 0
+    meta = _meta(args, gen, all_prompts, time.time() - t0, argv)
     table = markdown_table(rows)
     (args.out / "results.json").write_text(json.dumps({"meta": meta, "methods": rows, "runs": [
         {k: v for k, v in asdict(r).items() if k != "tokens"} for r in runs]}, indent=1))
@@ -773,6 +785,7 @@ def _meta(args, gen, prompts, seconds, argv) -> dict:
         "seed": args.seed,
         "repeats": args.repeats,
         "wall_seconds": round(seconds, 1),
+        "data_parallel_ranks": distributed.world_size(),
     }
 
 

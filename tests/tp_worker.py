@@ -1,0 +1,151 @@
+"""Run by tests/test_distributed.py under ``torchrun --nproc_per_node 2`` (gloo, CPU); not a test module.
+
+``python -m torch.distributed.run ... tests/tp_worker.py MODE ROOT``: ROOT holds
+the saved tiny pairs (``ROOT/<kind>/target``, ``ROOT/<kind>/drafter``). Each rank
+writes ``ROOT/<MODE>_rank<r>.json``. :func:`cases` is also what the test runs in
+one process, so both sides make exactly the same calls.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from conftest import ScriptedDrafter  # noqa: E402
+
+from ddtree import AutoBudget, SpeculativeGenerator  # noqa: E402
+from ddtree.budget import FunctionLatency  # noqa: E402
+from ddtree.drafter import DFlashDraftModel  # noqa: E402
+
+KINDS = ("llama", "qwen3")
+PROMPTS = [[5, 17, 3, 9, 40], [11, 2, 2, 40, 61, 7, 9, 33]]
+NEW = 24
+DTYPE = torch.float64
+
+
+def load(root: Path, kind: str, **placement) -> SpeculativeGenerator:
+    return SpeculativeGenerator.from_pretrained(str(root / kind / "target"), str(root / kind / "drafter"),
+                                                dtype=DTYPE, **placement)
+
+
+def _pack(out) -> dict:
+    return {"tokens": out.row_tokens, "acceptance": out.acceptance_lengths, "budgets": out.stats.budgets}
+
+
+def cases(gen: SpeculativeGenerator) -> dict:
+    """Greedy chain/best_first (DFlash drafter, one prompt and a left-padded batch; a scripted drafter with a
+    decoy, for acceptance above 1) and seeded sampling: what must equal the single-process run."""
+    target, drafter = gen.target, gen.drafter
+    vocab = target.get_input_embeddings().weight.shape[0]
+    out = {}
+    for builder, budget in (("chain", 4), ("best_first", 8)):
+        g = SpeculativeGenerator(target, drafter, tree_budget=budget, builder=builder)
+        for i, p in enumerate(PROMPTS):
+            out[f"{builder}/dflash/{i}"] = _pack(g.generate(p, max_new_tokens=NEW))
+        out[f"{builder}/dflash/batch"] = _pack(g.generate(PROMPTS, max_new_tokens=12))
+    plain = SpeculativeGenerator(target, drafter, tree_budget=0).generate(PROMPTS[1], max_new_tokens=40)
+    out["plain"] = _pack(plain)
+    scripted = ScriptedDrafter(plain.sequences[0].cpu(), vocab=vocab, block_size=5, decoy_at={2: 0})
+    for builder, budget in (("chain", 4), ("best_first", 8)):
+        g = SpeculativeGenerator(target, scripted, tree_budget=budget, builder=builder)
+        out[f"{builder}/scripted"] = _pack(g.generate(PROMPTS[1], max_new_tokens=40))
+    g = SpeculativeGenerator(target, drafter, tree_budget=8)
+    out["sampled/seed"] = _pack(g.generate(PROMPTS[0], max_new_tokens=NEW, temperature=1.0, top_k=20, seed=123))
+    return out
+
+
+class Recording:
+    """A budget policy wrapper that keeps what this rank's policy chose on its own, before the broadcast."""
+
+    def __init__(self, policy):
+        self.policy, self.local = policy, []
+
+    def prepare(self, context_len, batch):
+        self.policy.prepare(context_len, batch)
+
+    def choose(self, logprobs, context_len):
+        self.local.append(self.policy.choose(logprobs, context_len))
+        return self.local[-1]
+
+    def observe(self, tree, result, verify_seconds, context_len):
+        self.policy.observe(tree, result, verify_seconds, context_len)
+
+
+def tp_only(gen: SpeculativeGenerator, rank: int) -> dict:
+    """What only a tensor-parallel run can show: rank-dependent clocks and default seeds still give one run."""
+    out = {}
+    # A clock that depends on the rank: rank 0 sees free verifies, rank 1 a steep cost per node.
+    slope = 0.0 if rank == 0 else 5e-3
+    latency = FunctionLatency(lambda nodes, context: 1e-3 + slope * nodes, name=f"rank{rank}-clock")
+    policy = Recording(AutoBudget(latency, builder=gen.builder, candidates=(1, 2, 4, 8, 16), overhead_seconds=1e-3))
+    o = gen.generate(PROMPTS[1], max_new_tokens=40, tree_budget=policy)
+    out["skewed"] = {**_pack(o), "local": policy.local}
+    out["auto"] = _pack(gen.generate(PROMPTS[1], max_new_tokens=40, tree_budget="auto"))
+    out["sampled/default_seed"] = _pack(gen.generate(PROMPTS[0], max_new_tokens=NEW, temperature=1.0))
+    out["decided"] = gen.lockstep.decide(lambda: 10 * rank + 7)  # run on rank 0 only
+    out["shared_tensor"] = gen.lockstep.share(torch.full((2,), float(rank))).tolist()
+    return out
+
+
+def failures(root: Path, gen: SpeculativeGenerator, rank: int) -> dict:
+    """One rank's bad input, mismatched drafters: every rank must raise (caught here), none may hang."""
+    out = {}
+
+    def attempt(name, fn):
+        try:
+            fn()
+            out[name] = None
+        except Exception as exc:  # noqa: BLE001 - recorded for the test to read
+            out[name] = f"{type(exc).__name__}: {exc}"
+
+    attempt("bad_input", lambda: gen.generate([5, 17, 500] if rank == 1 else [5, 17, 3], max_new_tokens=4))
+    attempt("different_prompts", lambda: gen.generate([5, 17, 3 + rank], max_new_tokens=4))
+    wrong = root / "wrong_drafter" if rank == 1 else root / "llama" / "drafter"
+    attempt("wrong_drafter", lambda: SpeculativeGenerator.from_pretrained(
+        str(root / "llama" / "target"), str(wrong), dtype=DTYPE, tp_plan="auto"))
+    other = DFlashDraftModel.from_pretrained(root / "llama" / ("other_drafter" if rank == 1 else "drafter"), dtype=DTYPE)
+    attempt("other_weights", lambda: SpeculativeGenerator(gen.target, other, tree_budget=4))
+    # Still in step after all that: a normal call works on every rank.
+    out["after"] = gen.generate(PROMPTS[0], max_new_tokens=6).row_tokens
+    return out
+
+
+def main() -> int:
+    import torch.distributed as dist
+
+    mode, root = sys.argv[1], Path(sys.argv[2])
+    torch.set_num_threads(1)
+    rank = int(os.environ["RANK"])
+    try:
+        if mode == "checks":
+            result = {}
+            for kind in KINDS:
+                gen = load(root, kind, tp_plan="auto")
+                result[kind] = {"cases": cases(gen), **tp_only(gen, rank)}
+                if kind == "llama":
+                    result["failures"] = failures(root, gen, rank)
+                    result["sharded_lm_head"] = type(gen.target.get_output_embeddings().weight).__name__
+        elif mode == "bad-input":
+            gen = load(root, "llama", tp_plan="auto")
+            gen.generate([5, 17, 500] if rank == 1 else [5, 17, 3], max_new_tokens=4)  # raises on every rank
+            result = {"unexpected": "no error"}
+        else:
+            raise SystemExit(f"unknown mode {mode!r}")
+    except Exception as exc:
+        print(f"RANK {rank} ERROR {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+        if dist.is_initialized():  # both ranks got here: let each print before torchrun stops the other
+            dist.monitored_barrier(timeout=datetime.timedelta(seconds=30))
+        return 1
+    (root / f"{mode}_rank{rank}.json").write_text(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
