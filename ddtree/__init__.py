@@ -11,6 +11,7 @@ from .state import DecodeState, RoundRecord, RoundResult
 from .hf import DDTreeDecoding, decoding
 from .inputs import GenerationSettings, StreamerFeed, prompt_rows, resolve_generation, streamed
 from .threads import ThreadInfo, configure_threads, thread_info
+from .lookup import PromptLookup, WithLookup
 from .masks import tree_attention_mask, tree_position_ids
 from .sampling import SamplingConfig, choose_tokens, processed_logprobs
 from .tree import DraftTree, TreeBuilder, beam, best_first, chain, ranked_topk, resolve_builder
@@ -47,6 +48,8 @@ __all__ = [
     "check_target_layer_ids",
     "extract_context_feature",
     "DraftTree",
+    "PromptLookup",
+    "WithLookup",
     "TreeBuilder",
     "best_first",
     "chain",
