@@ -61,10 +61,17 @@ def run_demo(args: argparse.Namespace) -> int:
     print(f"loading the default pair ({args.dtype}) ...", flush=True)
     gen = SpeculativeGenerator.from_pretrained(dtype=dtype, attention=args.attention)
     tok = gen.tokenizer
+    if tok is None:
+        raise SystemExit("the target has no tokenizer (its directory lacks the tokenizer files): the demo needs one")
     torch.set_num_threads(max(1, torch.get_num_threads()))
     if gen.cpu_linear:
         print(f"target linears: ddtree.cpu_linear ({gen.cpu_linear} layers; plain decoding uses it too)")
     ids = _encode(tok, args.prompt)
+    if ids.shape[-1] == 0:
+        raise SystemExit(
+            f"the target's tokenizer encoded the prompt {args.prompt!r} to no tokens: the target directory "
+            "probably lacks its tokenizer files (e.g. tokenizer.json); copy them there"
+        )
     stop = [tok.eos_token_id] if tok.eos_token_id is not None else None
     depth = gen.drafter.block_size - 1
     methods = [("plain", "best_first", 0), ("chain", "chain", depth), (f"ddtree@{args.budget}", "best_first", args.budget)]

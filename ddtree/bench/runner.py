@@ -157,6 +157,13 @@ def load_prompts(path: str | Path | None, tokenizer=None, vocab_size: int | None
             ids = _encode(row, tokenizer, vocab_size)
         else:
             raise ValueError(f"{path}:{i + 1}: a prompt row needs 'messages', 'prompt' or 'input_ids'")
+        if not ids:
+            raise ValueError(
+                f"{path}:{i + 1}: prompt {pid!r} is empty after tokenization"
+                + (" (the target's tokenizer encoded its text to no tokens: the target directory probably lacks "
+                   "its tokenizer files, e.g. tokenizer.json; copy them there)" if tokenizer is not None
+                   else ": give at least one token")
+            )
         prompts.append(Prompt(pid, ids))
         if limit is not None and len(prompts) >= limit:
             break
