@@ -218,14 +218,28 @@ class SpeculativeGenerator:
         tree_budget: int | None = None,
         seed: int | None = None,
     ) -> Iterator[list[int]]:
-        """Yield the token ids each round commits (the first yield is the prefill's token)."""
+        """Yield the token ids each round commits (the first yield is the prefill's token).
+
+        The consumer's code between yields runs in the caller's own grad mode: each round is resumed inside
+        an inference-mode scope that closes before the yield, so a consumer that raises, breaks or abandons
+        the stream leaves no inference mode behind (and the next call starts afresh).
+        """
         input_ids = self._check_prompt(input_ids, max_new_tokens)
-        for rnd in self._rounds(
+        rounds = self._rounds(
             input_ids, max_new_tokens, SamplingConfig(temperature, top_k, top_p),
             _stop_set(stop_token_ids), tree_budget, seed, StageTimer(input_ids.device), False,
-        ):
-            if rnd.tokens:
-                yield rnd.tokens
+        )
+        try:
+            while True:
+                with torch.inference_mode():
+                    rnd = next(rounds, None)
+                if rnd is None:
+                    return
+                if rnd.tokens:
+                    yield rnd.tokens
+        finally:
+            with torch.inference_mode():  # the loop's own inference-mode scope unwinds inside this one
+                rounds.close()
 
     # ----------------------------------------------------------------- the loop
 
