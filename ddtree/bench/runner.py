@@ -543,7 +543,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="ddtree-bench",
         description="Speculative decoding benchmark (tau, per-depth acceptance, tokens/s, speedup, stages, "
-        "lossless check). Subcommands: `tree-build` (tree construction micro-benchmark), `attention`.",
+        "lossless check). Subcommands: `tree-build` (tree construction micro-benchmark), `attention`, "
+        "`cpu-linear`, `long-run` (one long generation: exactness and memory).",
     )
     p.add_argument("--target", help="target model directory (default: the shipped SmolLM2-135M pair)")
     p.add_argument("--drafter", help="DFlash drafter directory (default: the shipped drafter)")
@@ -602,6 +603,10 @@ def run_main_bench(argv: Sequence[str] | None = None) -> int:
         from .tree_build import main as tree_build_main
 
         return tree_build_main(argv[1:])
+    if argv and argv[0] == "long-run":
+        from .long_run import main as long_run_main
+
+        return long_run_main(argv[1:])
     if argv and argv[0] == "cpu-linear":
         from .cpu_linear import main as cpu_linear_main
 
