@@ -570,7 +570,11 @@ def load_draft_vocab(path: str | os.PathLike, vocab_size: int) -> torch.Tensor:
     from safetensors.torch import load_file
 
     f = Path(path) / DRAFT_VOCAB_FILE
-    ids = load_file(str(f)).get("token_ids")
+    try:
+        ids = load_file(str(f)).get("token_ids")
+    except Exception as exc:  # safetensors raises its own error types
+        raise ValueError(f"{f} cannot be read ({type(exc).__name__}: {exc}): the file is truncated or damaged; "
+                         "re-download it, or delete it to draft over the full vocabulary") from None
     if ids is None:
         raise ValueError(f"{f} has no 'token_ids' tensor; write it with ddtree.drafter.save_draft_vocab")
     return check_draft_vocab(ids, vocab_size, where=str(f))

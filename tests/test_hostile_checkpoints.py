@@ -188,3 +188,14 @@ def test_from_pretrained_pair_fails_before_generation(tmp_path, target, good_dir
     f.write_bytes(f.read_bytes()[:100])
     with pytest.raises(ValueError, match=r"cannot be read .*re-download it"):
         SpeculativeGenerator.from_pretrained(str(tmp_path / "target"), str(good_dir))
+
+
+def test_truncated_draft_vocab_sidecar(good_dir, target):
+    from ddtree.drafter import save_draft_vocab
+
+    save_draft_vocab(good_dir, torch.arange(40))
+    assert DFlashDraftModel.from_pretrained(good_dir).draft_vocab.tolist() == list(range(40))
+    f = good_dir / "draft_vocab.safetensors"
+    f.write_bytes(f.read_bytes()[:-7])
+    with pytest.raises(ValueError, match=r"draft_vocab.safetensors cannot be read .*delete it to draft over the full"):
+        DFlashDraftModel.from_pretrained(good_dir)
