@@ -67,10 +67,16 @@ def run_demo(args: argparse.Namespace) -> int:
     gen = SpeculativeGenerator.from_pretrained(args.target, args.drafter, dtype=dtype, attention=args.attention)
     tok = gen.tokenizer
     if tok is None:
-        raise SystemExit(f"the demo needs a tokenizer in the target directory {args.target}")
+        raise SystemExit(f"the target in {args.target} has no tokenizer (its directory lacks the tokenizer files, "
+                         "e.g. tokenizer.json): the demo needs one")
     if gen.cpu_linear:
         print(f"target linears: ddtree.cpu_linear ({gen.cpu_linear} layers; plain decoding uses it too)")
     ids = _encode(tok, args.prompt)
+    if ids.shape[-1] == 0:
+        raise SystemExit(
+            f"the target's tokenizer encoded the prompt {args.prompt!r} to no tokens: the target directory "
+            "probably lacks its tokenizer files (e.g. tokenizer.json); copy them there"
+        )
     stop = [tok.eos_token_id] if tok.eos_token_id is not None else None
     depth = gen.drafter.block_size - 1
     methods = [("plain", "best_first", 0), ("chain", "chain", depth), (f"ddtree@{args.budget}", "best_first", args.budget)]

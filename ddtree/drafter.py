@@ -65,6 +65,48 @@ class Drafter(Protocol):
     def new_context(self, batch_size: int = 1) -> DraftContext: ...
 
 
+REQUIRED_FIELDS = ("hidden_size", "num_attention_heads", "num_key_value_heads", "intermediate_size",
+                   "num_hidden_layers", "vocab_size", "block_size")
+
+# Sanity caps on a config read from disk, checked before anything is allocated. They sit far above every
+# published DFlash drafter (hidden 4096-8192, 1-8 layers, block 16) and far below sizes that would exhaust memory.
+SIZE_LIMITS = {
+    "hidden_size": 1 << 16,
+    "intermediate_size": 1 << 18,
+    "num_attention_heads": 1024,
+    "num_key_value_heads": 1024,
+    "head_dim": 4096,
+    "num_hidden_layers": 256,
+    "num_target_layers": 4096,
+    "vocab_size": 1 << 24,
+    "block_size": 1024,
+    "max_position_embeddings": 1 << 24,
+}
+
+
+def _check_sizes(d: dict) -> None:
+    """Every size in a config dict is a positive int within :data:`SIZE_LIMITS`, else a ValueError that names it."""
+    for key, limit in SIZE_LIMITS.items():
+        value = d.get(key)
+        if value is None:
+            continue
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise ValueError(f"drafter config {key} must be an int, got {value!r}; fix config.json")
+        if not 1 <= value <= limit:
+            raise ValueError(
+                f"drafter config {key} = {value} is outside 1..{limit}: the config is damaged or not a DFlash "
+                "drafter's (published drafters use hidden sizes of a few thousand, 1-8 layers and block_size 16); "
+                "fix or re-download config.json"
+            )
+    heads, kv = d.get("num_attention_heads"), d.get("num_key_value_heads")
+    if heads % kv:
+        raise ValueError(f"drafter config num_attention_heads ({heads}) is not a multiple of num_key_value_heads "
+                         f"({kv}); fix config.json")
+    if d.get("head_dim") is None and d["hidden_size"] % heads:
+        raise ValueError(f"drafter config hidden_size ({d['hidden_size']}) is not a multiple of num_attention_heads "
+                         f"({heads}) and no head_dim is given; fix config.json")
+
+
 @dataclass
 class DFlashConfig:
     """The drafter's ``config.json``, parsed. Unknown keys are kept in ``extra`` for round trips."""
@@ -118,8 +160,19 @@ class DFlashConfig:
 
     @classmethod
     def from_dict(cls, d: dict) -> "DFlashConfig":
+        if not isinstance(d, dict):
+            raise ValueError(f"a drafter config is a JSON object (a dict), got {type(d).__name__}")
+        missing = [k for k in REQUIRED_FIELDS if d.get(k) is None]
+        if missing:
+            raise ValueError(
+                f"the drafter config lacks {', '.join(missing)}: a DFlash config.json needs "
+                f"{', '.join(REQUIRED_FIELDS)} (and num_target_layers); fix or re-download config.json"
+            )
+        _check_sizes(d)
         d = dict(d)
         dflash = d.pop("dflash_config", None) or {}
+        if not isinstance(dflash, dict):
+            raise ValueError(f"dflash_config must be a JSON object, got {type(dflash).__name__}")
         num_layers = d["num_hidden_layers"]
         num_target = d.get("num_target_layers")
         if num_target is None:
@@ -158,7 +211,13 @@ class DFlashConfig:
         file = path / "config.json" if path.is_dir() else path
         if not file.exists():
             raise FileNotFoundError(f"no drafter config at {file}: a DFlash drafter directory holds config.json")
-        return cls.from_dict(json.loads(file.read_text()))
+        try:
+            data = json.loads(file.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise ValueError(
+                f"{file} is not valid JSON ({exc}): the file is damaged or not a config; re-download the drafter"
+            ) from None
+        return cls.from_dict(data)
 
     @classmethod
     def for_target(
@@ -416,29 +475,37 @@ class DFlashDraftModel(nn.Module):
     def from_pretrained(
         cls, path: str | os.PathLike, *, dtype: torch.dtype | None = None, device: str | torch.device | None = None
     ) -> "DFlashDraftModel":
-        """Load a published DFlash directory (``config.json`` + ``model.safetensors``) as it is."""
-        from safetensors.torch import load_file
+        """Load a published DFlash directory (``config.json`` + ``model.safetensors``) as it is.
 
+        Everything is checked before the weights are read: the config's sizes, then the tensor names and
+        shapes in the safetensors headers against those the config implies. Pickled checkpoints
+        (``pytorch_model.bin``) are refused, never unpickled. Non-finite weights are refused after reading.
+        """
         path = Path(path)
         config = DFlashConfig.from_pretrained(path)
-        files = [f for f in sorted(path.glob("*.safetensors")) if f.name != DRAFT_VOCAB_FILE]
-        if not files:
-            raise FileNotFoundError(f"no *.safetensors weights in drafter directory {path}")
-        state: dict[str, torch.Tensor] = {}
-        for f in files:
-            state.update(load_file(str(f)))
-        state = {k.removeprefix("model."): v for k, v in state.items()}
-        model = cls(config)
-        own = model.state_dict()
-        missing = sorted(set(own) - set(state))
-        unexpected = sorted(set(state) - set(own))
+        files = _weight_files(path)
+        shapes = _header_shapes(files)
+        shapes = {k.removeprefix("model."): v for k, v in shapes.items()}
+        with torch.device("meta"):
+            own = {k: tuple(v.shape) for k, v in cls(config).state_dict().items()}
+        missing = sorted(set(own) - set(shapes))
+        unexpected = sorted(set(shapes) - set(own))
         if missing or unexpected:
             raise ValueError(
                 f"drafter weights in {path} do not match its config: missing {missing[:8]}, unexpected {unexpected[:8]}"
             )
+        for k, shape in shapes.items():
+            if shape != own[k]:
+                raise ValueError(f"drafter weight {k} has shape {shape}, config implies {own[k]}: config.json and "
+                                 "the weights belong to different drafters; re-download the directory")
+        state = _read_weights(files)
+        state = {k.removeprefix("model."): v for k, v in state.items()}
         for k, v in state.items():
-            if v.shape != own[k].shape:
-                raise ValueError(f"drafter weight {k} has shape {tuple(v.shape)}, config implies {tuple(own[k].shape)}")
+            if v.is_floating_point() and not bool(torch.isfinite(v).all()):
+                bad = int((~torch.isfinite(v)).sum())
+                raise ValueError(f"drafter weight {k} holds {bad} NaN or inf values: the checkpoint is damaged "
+                                 "(or was saved from a diverged run); re-download or retrain it")
+        model = cls(config)
         model.load_state_dict(state)
         if (path / DRAFT_VOCAB_FILE).exists():
             model.draft_vocab = load_draft_vocab(path, config.vocab_size)
@@ -462,6 +529,53 @@ class DFlashDraftModel(nn.Module):
             save_draft_vocab(path, self.draft_vocab)
 
 
+PICKLED_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
+
+
+def _weight_files(path: Path) -> list[Path]:
+    """The drafter's ``*.safetensors`` files (not the draft-vocabulary sidecar); pickled weights are refused."""
+    files = [f for f in sorted(path.glob("*.safetensors")) if f.name != DRAFT_VOCAB_FILE]
+    if files:
+        return files
+    pickled = sorted(f.name for f in path.iterdir() if f.suffix in PICKLED_SUFFIXES) if path.is_dir() else []
+    if pickled:
+        raise ValueError(
+            f"drafter directory {path} holds only pickled weights ({', '.join(pickled)}); ddtree never unpickles "
+            "files (a pickle can run arbitrary code). Convert them once, in a process you trust, with "
+            "safetensors.torch.save_file(torch.load(f, weights_only=True), 'model.safetensors')"
+        )
+    raise FileNotFoundError(f"no *.safetensors weights in drafter directory {path}")
+
+
+def _header_shapes(files: list[Path]) -> dict[str, tuple[int, ...]]:
+    """Tensor names and shapes from the safetensors headers, reading no tensor data."""
+    from safetensors import safe_open
+
+    shapes: dict[str, tuple[int, ...]] = {}
+    for f in files:
+        try:
+            with safe_open(str(f), framework="pt") as handle:
+                for k in handle.keys():
+                    shapes[k] = tuple(handle.get_slice(k).get_shape())
+        except Exception as exc:  # safetensors raises its own error types (SafetensorError, OSError, ...)
+            raise ValueError(f"drafter weights {f} cannot be read ({type(exc).__name__}: {exc}): the file is "
+                             "truncated or damaged; re-download it") from None
+    return shapes
+
+
+def _read_weights(files: list[Path]) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    state: dict[str, torch.Tensor] = {}
+    for f in files:
+        try:
+            state.update(load_file(str(f)))
+        except Exception as exc:
+            raise ValueError(f"drafter weights {f} cannot be read ({type(exc).__name__}: {exc}): the file is "
+                             "truncated or damaged; re-download it") from None
+    return state
+
+
 def save_draft_vocab(path: str | os.PathLike, token_ids: torch.Tensor) -> None:
     """Write ranked token ids (most useful first) as ``draft_vocab.safetensors`` next to a drafter."""
     from safetensors.torch import save_file
@@ -475,7 +589,11 @@ def load_draft_vocab(path: str | os.PathLike, vocab_size: int) -> torch.Tensor:
     from safetensors.torch import load_file
 
     f = Path(path) / DRAFT_VOCAB_FILE
-    ids = load_file(str(f)).get("token_ids")
+    try:
+        ids = load_file(str(f)).get("token_ids")
+    except Exception as exc:  # safetensors raises its own error types
+        raise ValueError(f"{f} cannot be read ({type(exc).__name__}: {exc}): the file is truncated or damaged; "
+                         "re-download it, or delete it to draft over the full vocabulary") from None
     if ids is None:
         raise ValueError(f"{f} has no 'token_ids' tensor; write it with ddtree.drafter.save_draft_vocab")
     return check_draft_vocab(ids, vocab_size, where=str(f))
@@ -607,6 +725,7 @@ class DFlashDrafter:
 
     @classmethod
     def from_pretrained(cls, path, target, *, dtype=None, device=None, draft_vocab="auto") -> "DFlashDrafter":
+        check_compatible(DFlashConfig.from_pretrained(path), target)  # before any weight is read
         dev = device if device is not None else target.get_input_embeddings().weight.device
         return cls(DFlashDraftModel.from_pretrained(path, dtype=dtype, device=dev), target, draft_vocab=draft_vocab)
 

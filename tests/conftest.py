@@ -132,3 +132,48 @@ def saved_tiny_pair(tmp_path_factory):
     tiny_tokenizer().save_pretrained(root / "target")
     tiny_drafter_model(target).save_pretrained(root / "drafter")
     return root / "target", root / "drafter"
+
+
+# --------------------------------------------------------------------------- property-based tests (hypothesis)
+
+SLOW_FACTOR = 20
+"""``--slow`` multiplies every property test's example count by this."""
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--slow", action="store_true", default=False,
+        help=f"run the property-based tests with {SLOW_FACTOR}x more examples, not derandomized, "
+             "and the long-run tests",
+    )
+
+
+def pytest_configure(config):
+    from hypothesis import HealthCheck, settings
+
+    common = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+                  print_blob=True)
+    settings.register_profile("ddtree-ci", derandomize=True, **common)
+    settings.register_profile("ddtree-slow", derandomize=False, **common)
+    slow = config.getoption("--slow", default=False)
+    settings.load_profile("ddtree-slow" if slow else "ddtree-ci")
+    config.addinivalue_line("markers", "slow: runs only with --slow (long runs)")
+    global _SLOW
+    _SLOW = slow
+
+
+_SLOW = False
+
+
+def examples(n: int) -> int:
+    """The example count for a property test: ``n`` in CI, ``SLOW_FACTOR * n`` with ``--slow``."""
+    return n * SLOW_FACTOR if _SLOW else n
+
+
+def pytest_collection_modifyitems(config, items):
+    if config.getoption("--slow", default=False):
+        return
+    skip = pytest.mark.skip(reason="a long run: pass --slow")
+    for item in items:
+        if "slow" in item.keywords:
+            item.add_marker(skip)

@@ -174,6 +174,13 @@ def load_prompts(path: str | Path | None, tokenizer=None, vocab_size: int | None
             ids = _encode(row, tokenizer, vocab_size)
         else:
             raise ValueError(f"{path}:{i + 1}: a prompt row needs 'messages', 'prompt' or 'input_ids'")
+        if not ids:
+            raise ValueError(
+                f"{path}:{i + 1}: prompt {pid!r} is empty after tokenization"
+                + (" (the target's tokenizer encoded its text to no tokens: the target directory probably lacks "
+                   "its tokenizer files, e.g. tokenizer.json; copy them there)" if tokenizer is not None
+                   else ": give at least one token")
+            )
         prompts.append(Prompt(pid, ids, str(row.get("category", ""))))
         if limit is not None and len(prompts) >= limit:
             break
@@ -616,7 +623,9 @@ def build_parser() -> argparse.ArgumentParser:
         "check, per method.\n\nsubcommands (each has its own --help):\n"
         "  tree-build   tree construction: the vectorised best_first against a heap loop\n"
         "  cpu-linear   the few-row CPU linear kernel against BLAS on a layer stack\n"
-        "  attention    one tree-verify attention layer per backend",
+        "  attention    one tree-verify attention layer per backend\n"
+        "  long-run     one long generation: exactness and memory per committed token\n"
+        "  linear       hybrid GDN verify: tree against chain",
         EXAMPLES,
     )
     p.add_argument("--target", help="target model directory (None: the shipped SmolLM2-135M pair)")
@@ -682,6 +691,10 @@ def run_main_bench(argv: Sequence[str] | None = None) -> int:
         from .tree_build import main as tree_build_main
 
         return tree_build_main(argv[1:])
+    if argv and argv[0] == "long-run":
+        from .long_run import main as long_run_main
+
+        return long_run_main(argv[1:])
     if argv and argv[0] == "cpu-linear":
         from .cpu_linear import main as cpu_linear_main
 
