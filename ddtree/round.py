@@ -111,8 +111,8 @@ def _prefill(state: DecodeState) -> RoundResult:
 def _prefill_each_row(state: DecodeState, hidden: bool, width: int, device):
     """Prefill a hybrid GDN target's prompts one by one and stack the caches: each row's GDN state is then
     exactly its batch-1 prefill's. A left-padded batch forward is not: transformers zeroes the pad inputs,
-    but its chunked gated-delta rule still decays through the pads (float64: a row's last logits 2e-7 off
-    its own prefill's, on transformers 5.0 and 5.24). Returns the last logits ``[B, V]``, the drafter
+    but its chunked gated-delta rule still decays through the pads (float64, 57 pads: a row's last logits
+    2e-7 off its own prefill's, on transformers 5.0 and 5.24). Returns the last logits ``[B, V]``, the drafter
     features (left-aligned, ``None`` when not read) and the left-aligned token ids ``[B, width]``."""
     gen = state.generator
     target = gen.target

@@ -15,6 +15,7 @@ from ddtree import SpeculativeGenerator, speculative_round
 from ddtree.cache import _kv_layers
 from ddtree.linear_attention import _linear_layer_ids, _states
 from _families import HYBRIDS, family_target
+from conftest import tiny_drafter_model
 from test_batch import BUILDERS, RowDecoys, hf_greedy, prompts_of
 from test_generator import expected_acceptance
 
@@ -78,6 +79,21 @@ def test_hybrid_plain_decoding_at_batch_gt_1(family):
     gen = SpeculativeGenerator(target, RowDecoys([torch.tensor([0])], target.config.vocab_size, [0]), tree_budget=0)
     out = gen.generate(prompts, max_new_tokens=NEW, stop_token_ids=stops)
     assert out.row_tokens == [hf_greedy(target, p, new=NEW, stops=stops) for p in prompts]
+
+
+@pytest.mark.parametrize("family", HYBRIDS)
+def test_hybrid_batch_with_the_dflash_drafter_matches_batch_one(family):
+    """A real (random) DFlash drafter reads the per-row prefill's features: each row drafts the trees of its own run."""
+    target = family_target(family)
+    gen = SpeculativeGenerator(target, tiny_drafter_model(target), tree_budget=8)
+    prompts = prompts_of([3, 17, 9, 1], seed=4)
+    out = gen.generate(prompts, max_new_tokens=16, record_trees=True)
+    for b, p in enumerate(prompts):
+        one = gen.generate(p, max_new_tokens=16, record_trees=True)
+        assert out.row_tokens[b] == one.row_tokens[0] == hf_greedy(target, p, new=16)
+        assert out.acceptance_lengths[b] == one.acceptance_lengths
+        for r1, r2 in zip(out.rounds[b], one.rounds):
+            assert torch.equal(r1.tree.tokens, r2.tree.tokens)
 
 
 def _row_states(cache, row):
