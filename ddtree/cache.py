@@ -224,7 +224,30 @@ def truncate_front(cache, count: int) -> None:
 
 
 def select_rows(cache, rows: torch.Tensor) -> None:
-    """Keep only batch rows ``rows`` of every attention layer of ``cache`` (finished rows stop costing compute)."""
+    """Keep only batch rows ``rows`` of every layer of ``cache`` (finished rows stop costing compute): attention
+    columns and, for a hybrid target, each GDN layer's per-row conv window and recurrent state."""
+    from .linear_attention import select_linear_rows
+
     for keys, values, store in _kv_layers(cache):
         index = rows.to(keys.device)
         store(keys.index_select(0, index), values.index_select(0, index))
+    select_linear_rows(cache, rows)
+
+
+def stack_rows(caches: list, lengths: list[int]):
+    """One batch cache from batch-1 caches holding ``lengths[b]`` columns each: attention columns
+    right-aligned (zeros in front, which :func:`padding_mask` masks) and GDN states stacked. Reuses the
+    longest row's cache object, so its per-layer bookkeeping (initialised layers, previous-state flags) stays."""
+    from .linear_attention import stack_linear_states
+
+    if len(caches) != len(lengths) or not caches:
+        raise ValueError(f"{len(caches)} caches for {len(lengths)} lengths")
+    width = max(lengths)
+    base = caches[lengths.index(width)]
+    layers = [_kv_layers(c) for c in caches]
+    for j, (_, _, store) in enumerate(layers[lengths.index(width)]):
+        padded = [[torch.nn.functional.pad(rows[j][part], (0, 0, width - n, 0)) for rows, n in zip(layers, lengths)]
+                  for part in (0, 1)]
+        store(torch.cat(padded[0]), torch.cat(padded[1]))
+    stack_linear_states(caches, base)
+    return base

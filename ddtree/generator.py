@@ -223,9 +223,6 @@ class SpeculativeGenerator:
                 raise ValueError(f"max_new_tokens must be an int >= 1, got {settings.max_new_tokens!r}")
             budget = self.tree_budget if tree_budget is None else tree_budget
             check_budget(budget)
-            if len(rows) > 1 and _has_linear_attention(self.target):
-                raise ValueError("batch > 1 is not supported yet for targets with linear-attention (recurrent) "
-                                 "layers: generate one prompt at a time")
         seed = settings.seed
         if self.lockstep.active:
             self.lockstep.agree(([r.tolist() for r in rows], settings.max_new_tokens, settings.sampling,
@@ -356,11 +353,6 @@ class SpeculativeGenerator:
             text=None if self.tokenizer is None else [self.tokenizer.decode(t, skip_special_tokens=True)
                                                       for t in state.new_tokens],
         )
-
-
-def _has_linear_attention(target) -> bool:
-    cfg = target.config.get_text_config() if hasattr(target.config, "get_text_config") else target.config
-    return "linear_attention" in (getattr(cfg, "layer_types", None) or [])
 
 
 def _route_cpu_linear(target, mode) -> int:

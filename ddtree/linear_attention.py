@@ -362,6 +362,42 @@ def commit_linear_states(cache, accepted: torch.Tensor) -> None:
         _set_states(cache, idx, torch.stack(rows_conv), torch.stack(rows_state))
 
 
+# --------------------------------------------------------------------------- batch rows
+
+
+def _linear_layer_ids(cache) -> list[int]:
+    """Indices of the GDN layers of ``cache`` that hold a committed state."""
+    layers = getattr(cache, "layers", None)
+    if layers is not None:
+        return [i for i, layer in enumerate(layers)
+                if hasattr(layer, "recurrent_states") and layer.recurrent_states[0] is not None]
+    return [i for i, conv in enumerate(getattr(cache, "conv_states", None) or []) if conv is not None]
+
+
+def stack_linear_states(caches: list, into) -> None:
+    """Give ``into`` the GDN states of every cache in ``caches`` (batch-1 each), stacked in that order.
+
+    GDN states are per row, not per column: a row's state is exactly its own prefill's, whatever
+    the other rows' lengths.
+    """
+    for idx in _linear_layer_ids(into):
+        convs, states = zip(*(_states(c, idx) for c in caches))
+        _set_states(into, idx, torch.cat(convs), torch.cat(states))
+
+
+def select_linear_rows(cache, rows: torch.Tensor) -> None:
+    """Keep only batch rows ``rows`` of every GDN layer's conv window and recurrent state (and any
+    uncommitted tree inputs), so a finished row's state never reaches a remaining row."""
+    for idx in _linear_layer_ids(cache):
+        conv, state = _states(cache, idx)
+        _set_states(cache, idx, conv.index_select(0, rows.to(conv.device)),
+                    state.index_select(0, rows.to(state.device)))
+    pending: dict[int, _Pending] = getattr(cache, _PENDING, None) or {}
+    for idx, p in pending.items():
+        pick = lambda x: x.index_select(0, rows.to(x.device))  # noqa: E731
+        pending[idx] = _Pending(pick(p.conv_inputs), pick(p.q), pick(p.k), pick(p.v), pick(p.g), pick(p.beta), p.fn)
+
+
 # --------------------------------------------------------------------------- installing on a model
 
 

@@ -25,9 +25,11 @@ from .cache import (
     commit_accepted,
     new_target_cache,
     padding_mask,
+    stack_rows,
     truncate_front,
 )
 from .cache import select_rows as select_cache_rows
+from .linear_attention import gdn_modules
 from .lookup import Proposal
 from .masks import tree_position_ids
 from .sampling import choose_tokens
@@ -76,22 +78,27 @@ def _prefill(state: DecodeState) -> RoundResult:
     plain = state.policy is None
     hidden = not plain and _reads_features(gen.drafter)
     with timer.stage("prefill"):
-        if padded:
-            valid = padding_mask(lengths, width)
-            positions = (valid.long().cumsum(-1) - 1).clamp(min=0)
-            out = target_forward(target, ids, positions, state.cache, hidden=hidden, attention_mask=valid.long())
+        if padded and gdn_modules(target):
+            last, features, ids = _prefill_each_row(state, hidden, width, device)
         else:
-            out = target_forward(target, ids, None, state.cache, hidden=hidden)
-        check_cache_length(state.cache, width, "prefill")
-        roots = gen.lockstep.share(choose_tokens(out.logits[:, -1].to(device), state.sampling, state.rng))
-        if not plain:
-            state.draft = gen.drafter.new_context(len(state.prompts))
+            if padded:
+                valid = padding_mask(lengths, width)
+                positions = (valid.long().cumsum(-1) - 1).clamp(min=0)
+                out = target_forward(target, ids, positions, state.cache, hidden=hidden,
+                                     attention_mask=valid.long())
+            else:
+                out = target_forward(target, ids, None, state.cache, hidden=hidden)
+            last = out.logits[:, -1]
             features = gen.drafter.context_features(out.hidden_states) if hidden else None
-            if padded:  # left-align each row's real positions for the drafter
+            if padded and not plain:  # left-align each row's real positions for the drafter
                 take = (torch.arange(width, device=device) + (width - lengths)[:, None]).clamp(max=width - 1)
                 ids = ids.gather(1, take)
                 features = None if features is None else features.gather(
                     1, take[..., None].expand(-1, -1, features.shape[-1]))
+        check_cache_length(state.cache, width, "prefill")
+        roots = gen.lockstep.share(choose_tokens(last.to(device), state.sampling, state.rng))
+        if not plain:
+            state.draft = gen.drafter.new_context(len(state.prompts))
             state.draft.append(features, ids, lengths)
     state.lengths, state.roots, state.prefilled = lengths, roots, True
     tokens = [[] for _ in state.prompts]
@@ -99,6 +106,30 @@ def _prefill(state: DecodeState) -> RoundResult:
         tokens[row] = [int(roots[i])]
         state.emit(row, tokens[row])
     return _finish_round(state, tokens, [None] * len(state.prompts))
+
+
+def _prefill_each_row(state: DecodeState, hidden: bool, width: int, device):
+    """Prefill a hybrid GDN target's prompts one by one and stack the caches: each row's GDN state is then
+    exactly its batch-1 prefill's. A left-padded batch forward is not: transformers zeroes the pad inputs,
+    but its chunked gated-delta rule still decays through the pads (float64, 57 pads: a row's last logits
+    2e-7 off its own prefill's, on transformers 5.0 and 5.24). Returns the last logits ``[B, V]``, the drafter
+    features (left-aligned, ``None`` when not read) and the left-aligned token ids ``[B, width]``."""
+    gen = state.generator
+    target = gen.target
+    caches, last, features = [], [], []
+    ids = torch.full((len(state.prompts), width), gen.pad_token_id, dtype=torch.long, device=device)
+    for b, prompt in enumerate(state.prompts):
+        cache = new_target_cache(target)
+        out = target_forward(target, prompt.view(1, -1), None, cache, hidden=hidden)
+        check_cache_length(cache, len(prompt), "prefill")
+        caches.append(cache)
+        last.append(out.logits[:, -1])
+        if hidden:
+            feats = gen.drafter.context_features(out.hidden_states)
+            features.append(torch.nn.functional.pad(feats, (0, 0, 0, width - feats.shape[1])))
+        ids[b, : len(prompt)] = prompt.to(ids.device)
+    state.cache = stack_rows(caches, [len(p) for p in state.prompts])
+    return torch.cat(last), torch.cat(features) if hidden else None, ids
 
 
 def _plain_step(state: DecodeState) -> RoundResult:
