@@ -29,6 +29,10 @@ terms :meth:`AutoBudget.describe` reports (``out.stats.budget_policy``)::
     rounds at ratio 1 and exponential forgetting, so a depth that has not been
     tried for a while drifts back to the prior and gets explored again.
 
+Before drafting, ``prepare`` compares one plain step (the roots alone, ``1 / verify(1)``)
+with the best tree rate of the last choice; when plain wins, the round skips the draft
+(``skip_draft``), and a tree is tried again after ``PLAIN_STREAK`` such rounds.
+
 The trees of all candidate budgets come from one builder call at the largest
 candidate: the budget-``n`` tree is taken as its first ``n`` nodes, which is
 exact for ``best_first``, ``chain`` and ``beam`` (their nodes are in key order).
@@ -304,6 +308,9 @@ class AutoBudget:
         self.choices: dict[int, int] = {}
         self.last: dict = {}
         self.batch = 1
+        self.skip_draft = False
+        self.plain_rounds = 0
+        self._plain_streak = 0
         self._measured: set[int] | None = None
         self._last_choose: float | None = None
         self._last_context = -1
@@ -316,7 +323,7 @@ class AutoBudget:
         candidates = options.pop("candidates", DEFAULT_CANDIDATES)
         repeats = options.pop("repeats", 3)
         if latency is None:
-            latency = ProfiledLatency(generator, [c + 1 for c in candidates], repeats=repeats)
+            latency = ProfiledLatency(generator, [1] + [c + 1 for c in candidates], repeats=repeats)
         return cls(latency, builder=generator.builder, candidates=candidates, **options)
 
     # ------------------------------------------------------------------ the model
@@ -361,11 +368,33 @@ class AutoBudget:
 
     # ------------------------------------------------------------------ BudgetPolicy
 
+    PLAIN_STREAK = 8
+    """Rounds decoded without a draft before a tree is tried again (costs and the drafter's calibration move)."""
+
     def prepare(self, context_len: int, batch: int) -> None:
-        """Profile the context bucket and batch now (before the round, not inside its stages)."""
+        """Profile the context bucket and batch now (before the round, not inside its stages), and decide
+        whether this round drafts at all: ``skip_draft`` when one plain step (the roots alone) is expected
+        to commit more tokens per second than the best tree did at the last choice."""
         self.batch = batch
         measured = getattr(self.latency, "measured", None)
         self._measured = measured(context_len, batch) if measured is not None else None
+        self.skip_draft = self._plain_wins(context_len)
+        if self.skip_draft:
+            self.plain_rounds += 1
+            self._last_verify = None  # the next choice must not count these rounds as its overhead
+
+    def _plain_wins(self, context_len: int) -> bool:
+        rates = self.last.get("tokens_per_second")
+        timed = self._measured is None or 1 in self._measured
+        if not rates or not timed or self._plain_streak >= self.PLAIN_STREAK:
+            self._plain_streak = 0
+            return False
+        plain = 1.0 / max(self.scale * self.latency.seconds(1, context_len, self.batch), 1e-9)
+        if plain > max(rates.values()):
+            self._plain_streak += 1
+            return True
+        self._plain_streak = 0
+        return False
 
     def choose(self, logprobs: torch.Tensor, context_len: int) -> int:
         self._track_overhead(context_len)
@@ -424,6 +453,7 @@ class AutoBudget:
             "cost_model": COST_MODEL,
             "candidates": list(self.candidates),
             "rounds": self.rounds,
+            "plain_rounds": self.plain_rounds,
             "choices": {str(k): v for k, v in sorted(self.choices.items())},
             "overhead_seconds": None if self.overhead is None else round(self.overhead, 6),
             "verify_scale": round(self.scale, 4),

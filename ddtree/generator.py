@@ -295,7 +295,7 @@ class SpeculativeGenerator:
             return None if budget == 0 else FixedBudget(budget)
         if budget == "auto":
             if self._latency is None:
-                self._latency = ProfiledLatency(self, [c + 1 for c in DEFAULT_CANDIDATES])
+                self._latency = ProfiledLatency(self, [1] + [c + 1 for c in DEFAULT_CANDIDATES])
             return AutoBudget.for_generator(self, latency=self._latency)
         return budget
 

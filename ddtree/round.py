@@ -34,7 +34,7 @@ from .lookup import Proposal
 from .masks import tree_position_ids
 from .sampling import choose_tokens
 from .state import DecodeState, RoundRecord, RoundResult
-from .tree import graft_paths
+from .tree import graft_paths, root_only
 from .verify import verify_tree
 
 SOURCE_NAMES = {1: "drafter", 2: "lookup", 3: "both"}
@@ -166,15 +166,19 @@ def _tree_round(state: DecodeState) -> RoundResult:
     with timer.stage("calibration"):
         if hasattr(policy, "prepare"):
             policy.prepare(context, rows)
-    with timer.stage("draft"):
-        proposal = state.draft.propose(roots)
-    logprobs, paths = (proposal.logprobs, proposal.paths) if isinstance(proposal, Proposal) else (proposal, None)
-    with timer.stage("tree_build"):
-        size = gen.lockstep.share(policy.choose(logprobs, context))  # each rank's clock differs: rank 0's choice
-        tree = gen.builder(roots, logprobs, size)
-        if paths is not None and any(paths):
-            tree = graft_paths(tree, paths, size)
-        state.budgets.append(size)
+    if gen.lockstep.share(bool(getattr(policy, "skip_draft", False))):  # no tree pays now: a plain step
+        tree = root_only(roots)
+        state.budgets.append(0)
+    else:
+        with timer.stage("draft"):
+            proposal = state.draft.propose(roots)
+        logprobs, paths = (proposal.logprobs, proposal.paths) if isinstance(proposal, Proposal) else (proposal, None)
+        with timer.stage("tree_build"):
+            size = gen.lockstep.share(policy.choose(logprobs, context))  # each rank's clock differs: rank 0's
+            tree = gen.builder(roots, logprobs, size)
+            if paths is not None and any(paths):
+                tree = graft_paths(tree, paths, size)
+            state.budgets.append(size)
     with timer.stage("mask"):
         uniform = bool((lengths == width).all())
         valid = None if uniform else padding_mask(lengths, width)

@@ -163,7 +163,8 @@ def ranked_topk(logprobs: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Ten
     return vals.gather(-1, by_val), toks.gather(-1, by_val)
 
 
-def _root_only(root_tokens: torch.Tensor, dtype: torch.dtype) -> DraftTree:
+def root_only(root_tokens: torch.Tensor, dtype: torch.dtype = torch.float32) -> DraftTree:
+    """The tree of the roots alone: verifying it is one plain decode step per row."""
     bsz = root_tokens.shape[0]
     return DraftTree.from_parents(
         root_tokens.view(bsz, 1).long(),
@@ -304,7 +305,7 @@ def best_first(root_tokens: torch.Tensor, logprobs: torch.Tensor, budget: int) -
     """
     _check_inputs(root_tokens, logprobs, budget)
     if budget == 0 or logprobs.shape[1] == 0:
-        return _root_only(root_tokens, torch.float32)
+        return root_only(root_tokens, torch.float32)
     vals, toks = ranked_topk(logprobs.float(), min(budget, logprobs.shape[-1]))
     return best_first_from_topk(root_tokens, vals, toks, budget)
 
@@ -348,7 +349,7 @@ def chain(root_tokens: torch.Tensor, logprobs: torch.Tensor, budget: int) -> Dra
     _check_inputs(root_tokens, logprobs, budget)
     depth = min(budget, logprobs.shape[1])
     if depth == 0:
-        return _root_only(root_tokens, torch.float32)
+        return root_only(root_tokens, torch.float32)
     bsz = logprobs.shape[0]
     vals, toks = ranked_topk(logprobs[:, :depth].float(), 1)
     scores = vals[..., 0].cumsum(dim=1)
@@ -370,7 +371,7 @@ def beam(width: int, depth: int | None = None) -> Callable[[torch.Tensor, torch.
         _check_inputs(root_tokens, logprobs, budget)
         max_depth = logprobs.shape[1] if depth is None else min(depth, logprobs.shape[1])
         if budget == 0 or max_depth == 0:
-            return _root_only(root_tokens, torch.float32)
+            return root_only(root_tokens, torch.float32)
         vals, toks = ranked_topk(logprobs[:, :max_depth].float(), min(width, logprobs.shape[-1]))
         levels = _expand_levels(*_host(vals, toks), width, max_depth)
         return _assemble(root_tokens, *levels, budget)

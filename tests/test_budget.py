@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import tiny_drafter_model, tiny_target
+from conftest import ScriptedDrafter, tiny_drafter_model, tiny_target
 
 from ddtree import SpeculativeGenerator, VerifyResult, best_first, chain
 from ddtree.budget import AutoBudget, FunctionLatency, ProfiledLatency, context_bucket
@@ -108,10 +108,10 @@ def test_auto_on_tiny_pair_is_lossless_and_described():
     out = gen.generate(ids, max_new_tokens=20, tree_budget=policy)
     ref = gen.generate(ids, max_new_tokens=20, tree_budget=0)
     assert torch.equal(out.sequences, ref.sequences)
-    assert set(out.stats.budgets) <= {1, 4, 16} and out.stats.budgets
+    assert set(out.stats.budgets) <= {0, 1, 4, 16} and out.stats.budgets  # 0: a round that did not draft
     desc = out.stats.budget_policy
     profile = desc["latency"]["verify_seconds"]["64x1"]
-    assert list(profile) == ["2", "5", "17"][: len(profile)] and len(profile) >= 2
+    assert list(profile) == ["1", "2", "5", "17"][: len(profile)] and len(profile) >= 2
     times = list(profile.values())
     assert times == sorted(times)  # made monotone in the node count
     assert desc["last_round"]["chosen"] in (1, 4, 16)
@@ -141,3 +141,29 @@ def test_auto_on_a_fresh_generator_picks_only_measured_budgets_and_reports_calib
     # a second call on the same generator reuses the profile: no calibration time to speak of
     again = gen.generate(torch.randint(0, 90, (1, 20)), max_new_tokens=24, tree_budget="auto")
     assert again.stats.budget_policy["latency"]["profile_seconds"] == desc["latency"]["profile_seconds"]
+
+
+def test_auto_decodes_plainly_while_no_tree_pays_and_stays_exact():
+    """Verify cost proportional to the node count (a compute-bound batch) and a drafter that is never right:
+    plain steps win, so most rounds skip the draft altogether, with a tree tried again every few rounds."""
+    target = tiny_target("qwen3")
+    prompt = [5, 17, 3, 9]
+    ids = torch.tensor([prompt])
+    ref = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=40, do_sample=False,
+                          pad_token_id=0)[0, 4:].tolist()
+    wrong = torch.tensor(prompt + [(t + 1) % 97 for t in ref] + [0] * 8)
+    drafter = ScriptedDrafter(wrong, 97)
+    gen = SpeculativeGenerator(target, drafter)
+    policy = AutoBudget(FunctionLatency(lambda n, c, b=1: 0.01 * n), candidates=(1, 2, 4), overhead_seconds=0.005)
+    out = gen.generate(prompt, max_new_tokens=40, tree_budget=policy)
+    assert out.row_tokens[0] == ref
+    budgets = out.stats.budgets
+    assert budgets.count(0) >= 0.7 * len(budgets) and any(b > 0 for b in budgets)
+    assert len(drafter.proposals) == sum(b > 0 for b in budgets)  # skipped rounds did not draft
+    assert out.stats.budget_policy["plain_rounds"] == budgets.count(0)
+    # cheap trees and a drafter that is always right: every round drafts
+    right = ScriptedDrafter(torch.tensor(prompt + ref + [0] * 8), 97)
+    cheap = AutoBudget(FunctionLatency(lambda n, c, b=1: 0.01 + 0.0001 * n), candidates=(1, 2, 4),
+                       overhead_seconds=0.001)
+    out = SpeculativeGenerator(target, right).generate(prompt, max_new_tokens=40, tree_budget=cheap)
+    assert out.row_tokens[0] == ref and 0 not in out.stats.budgets
