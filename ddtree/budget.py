@@ -29,7 +29,8 @@ terms :meth:`AutoBudget.describe` reports (``out.stats.budget_policy``)::
     rounds at ratio 1 and exponential forgetting, so a depth that has not been
     tried for a while drifts back to the prior and gets explored again.
 
-Before drafting, ``prepare`` compares one plain step (the roots alone, ``1 / verify(1)``)
+Before drafting, ``prepare`` compares one plain round (the roots alone: one token per
+``plain_seconds``, observed once such rounds have run, else ``overhead + scale * verify(1)``)
 with the best tree rate of the last choice; when plain wins, the round skips the draft
 (``skip_draft``), and a tree is tried again after ``PLAIN_STREAK`` such rounds.
 
@@ -143,6 +144,12 @@ def synthetic_logprobs(depth: int, vocab: int, seed: int) -> torch.Tensor:
     return probs.log()[None]
 
 
+def batch_bucket(batch: int) -> int:
+    """The power of two (at least ``batch``) a batch is profiled at: rows finishing one by one re-profile
+    a few times, not once per row count."""
+    return 1 << max(0, int(batch) - 1).bit_length()
+
+
 def context_bucket(context: int, minimum: int = 64) -> int:
     """The power of two (at least ``minimum``) that a context length is profiled at."""
     return max(minimum, 1 << max(0, int(context)).bit_length())
@@ -164,7 +171,8 @@ class ProfiledLatency:
 
     It measures the model and the machine, not a sequence, so a generator keeps
     one and every generation on it shares the table. Profiles are keyed by
-    ``(bucket, batch)``: a batch verifies ``batch`` trees in one forward.
+    ``(context bucket, batch bucket)``: a batch verifies one tree per row in one
+    forward, timed at the next power of two of its rows.
     """
 
     def __init__(self, generator, node_counts: Sequence[int], repeats: int = 3, seed: int = 0,
@@ -181,10 +189,10 @@ class ProfiledLatency:
 
     def measured(self, context: int, batch: int = 1) -> set[int]:
         """Node counts actually timed for this context bucket and batch (profiling it if needed)."""
-        return set(self.profile(context_bucket(context), batch))
+        return set(self.profile(context_bucket(context), batch_bucket(batch)))
 
     def seconds(self, nodes: int, context: int, batch: int = 1) -> float:
-        table = self.profile(context_bucket(context), batch)
+        table = self.profile(context_bucket(context), batch_bucket(batch))
         xs = sorted(table)
         i = bisect.bisect_left(xs, nodes)
         if i < len(xs) and xs[i] == nodes:
@@ -310,6 +318,8 @@ class AutoBudget:
         self.batch = 1
         self.skip_draft = False
         self.plain_rounds = 0
+        self.plain_seconds: float | None = None  # observed wall time of a round that did not draft
+        self._last_prepare: float | None = None
         self._plain_streak = 0
         self._measured: set[int] | None = None
         self._last_choose: float | None = None
@@ -378,6 +388,14 @@ class AutoBudget:
         self.batch = batch
         measured = getattr(self.latency, "measured", None)
         self._measured = measured(context_len, batch) if measured is not None else None
+        now = time.perf_counter()
+        if self.skip_draft and self._last_prepare is not None:  # the round just ended decoded plainly: its cost
+            observed = now - self._last_prepare
+            if self.plain_seconds is None:
+                self.plain_seconds = observed
+            elif observed < 5 * self.plain_seconds:
+                self.plain_seconds += self.ema * (observed - self.plain_seconds)
+        self._last_prepare = now
         self.skip_draft = self._plain_wins(context_len)
         if self.skip_draft:
             self.plain_rounds += 1
@@ -389,7 +407,11 @@ class AutoBudget:
         if not rates or not timed or self._plain_streak >= self.PLAIN_STREAK:
             self._plain_streak = 0
             return False
-        plain = 1.0 / max(self.scale * self.latency.seconds(1, context_len, self.batch), 1e-9)
+        seconds = self.plain_seconds
+        if seconds is None:  # not seen yet: its verify plus a drafting round's whole overhead (an upper bound)
+            verify = self.scale * self.latency.seconds(1, context_len, self.batch)
+            seconds = verify + (self.overhead if self.overhead is not None else verify)
+        plain = 1.0 / max(seconds, 1e-9)
         if plain > max(rates.values()):
             self._plain_streak += 1
             return True
@@ -454,6 +476,7 @@ class AutoBudget:
             "candidates": list(self.candidates),
             "rounds": self.rounds,
             "plain_rounds": self.plain_rounds,
+            "plain_round_seconds": None if self.plain_seconds is None else round(self.plain_seconds, 6),
             "choices": {str(k): v for k, v in sorted(self.choices.items())},
             "overhead_seconds": None if self.overhead is None else round(self.overhead, 6),
             "verify_scale": round(self.scale, 4),

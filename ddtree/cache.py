@@ -130,9 +130,9 @@ def commit_accepted(cache, prefix_len: int, accepted: torch.Tensor, lengths: tor
     root first, ``-1`` after a row's last node. ``lengths`` ``[B]`` counts each
     row's committed columns before the tree (the last ``lengths[b]`` of the
     ``prefix_len``); omitted, every row has all ``prefix_len``. Rows end
-    right-aligned (see :func:`compaction_index`). A batch of rows that share a
-    length and accept equally many nodes keeps the cheap path: a slice for a
-    chain, one gather of the tree block otherwise.
+    right-aligned (see :func:`compaction_index`). Rows that accept equally many
+    nodes keep the cheap path: a slice for a chain, one gather of the tree block
+    otherwise; only ragged acceptance re-packs the whole cache.
     """
     if accepted.dim() != 2:
         raise ValueError(f"accepted must be [batch, length], got shape {tuple(accepted.shape)}")
@@ -153,8 +153,9 @@ def commit_accepted(cache, prefix_len: int, accepted: torch.Tensor, lengths: tor
             "ddtree.linear_attention.prepare(model) and pass the backend's tree_forward_kwargs "
             "(SpeculativeGenerator does)"
         )
-    uniform = (lengths is None or bool((lengths == prefix_len).all())) and bool((counts == accepted.shape[1]).all())
-    if uniform:
+    # Rows that accept equally many nodes stay right-aligned when the nodes are appended after the whole
+    # prefix (padding included): the cheap path, whatever each row's own length.
+    if bool((counts == accepted.shape[1]).all()):
         contiguous = _is_leading_run(accepted)  # once per round, not once per layer
         for keys, values, store in kv_layers:
             store(keep_positions(keys, prefix_len, accepted, contiguous),
