@@ -12,7 +12,8 @@ import sys
 
 import torch
 
-from .generator import GenerationOutput, RoundRecord, SpeculativeGenerator
+from .generator import GenerationOutput, SpeculativeGenerator
+from .state import RoundRecord
 from .threads import configure_threads
 
 DEFAULT_PROMPT = "Explain in a few sentences why the sky is blue."

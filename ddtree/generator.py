@@ -21,7 +21,7 @@ from .budget import AutoBudget, BudgetPolicy, FixedBudget, ProfiledLatency, chec
 from .drafter import DFlashDrafter, DFlashDraftModel, Drafter
 from .inputs import StreamerFeed, prompt_rows, resolve_generation
 from .round import speculative_round
-from .state import DecodeState, RoundRecord
+from .state import DecodeState
 from .threads import thread_info
 from .timing import StageTimer
 from .tree import TreeBuilder, resolve_builder

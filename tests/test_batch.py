@@ -95,10 +95,15 @@ def test_batch_with_the_dflash_drafter_matches_batch_one(kind):
     target = tiny_target(kind)
     gen = SpeculativeGenerator(target, tiny_drafter_model(target), tree_budget=8)
     prompts = prompts_of([3, 17, 9], seed=4)
-    out = gen.generate(prompts, max_new_tokens=24, record_trees=True)
+    assert_rows_are_their_own_runs(gen, target, prompts, new=24)
+
+
+def assert_rows_are_their_own_runs(gen, target, prompts, new):
+    """Each row of a batch: HF greedy's tokens, and the acceptance and trees of its own batch-1 run."""
+    out = gen.generate(prompts, max_new_tokens=new, record_trees=True)
     for b, p in enumerate(prompts):
-        one = gen.generate(p, max_new_tokens=24, record_trees=True)
-        assert out.row_tokens[b] == one.row_tokens[0] == hf_greedy(target, p, new=24)
+        one = gen.generate(p, max_new_tokens=new, record_trees=True)
+        assert out.row_tokens[b] == one.row_tokens[0] == hf_greedy(target, p, new=new)
         assert out.acceptance_lengths[b] == one.acceptance_lengths
         for r1, r2 in zip(out.rounds[b], one.rounds):
             assert torch.equal(r1.tree.tokens, r2.tree.tokens)

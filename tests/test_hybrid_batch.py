@@ -16,7 +16,7 @@ from ddtree.cache import _kv_layers
 from ddtree.linear_attention import _linear_layer_ids, _states
 from _families import HYBRIDS, family_target
 from conftest import tiny_drafter_model
-from test_batch import BUILDERS, RowDecoys, hf_greedy, prompts_of
+from test_batch import BUILDERS, RowDecoys, assert_rows_are_their_own_runs, hf_greedy, prompts_of
 from test_generator import expected_acceptance
 
 NEW = 24
@@ -87,13 +87,7 @@ def test_hybrid_batch_with_the_dflash_drafter_matches_batch_one(family):
     target = family_target(family)
     gen = SpeculativeGenerator(target, tiny_drafter_model(target), tree_budget=8)
     prompts = prompts_of([3, 17, 9, 1], seed=4)
-    out = gen.generate(prompts, max_new_tokens=16, record_trees=True)
-    for b, p in enumerate(prompts):
-        one = gen.generate(p, max_new_tokens=16, record_trees=True)
-        assert out.row_tokens[b] == one.row_tokens[0] == hf_greedy(target, p, new=16)
-        assert out.acceptance_lengths[b] == one.acceptance_lengths
-        for r1, r2 in zip(out.rounds[b], one.rounds):
-            assert torch.equal(r1.tree.tokens, r2.tree.tokens)
+    assert_rows_are_their_own_runs(gen, target, prompts, new=16)
 
 
 def _row_states(cache, row):

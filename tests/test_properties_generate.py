@@ -17,7 +17,8 @@ import functools
 import random
 
 import torch
-from conftest import MASK_ID, VOCAB, examples, tiny_drafter_model, tiny_target
+from conftest import VOCAB, examples, tiny_drafter_model, tiny_target
+from test_generator import expected_acceptance  # acceptance recomputed from scratch by a walk of the tree
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
@@ -123,19 +124,6 @@ def hf_greedy(target, prompt: list[int], new: int) -> list[int]:
     return hf_generate(target, prompt, new)
 
 
-def walk(record, reference: list[int]) -> int:
-    """Acceptance of one round recomputed from scratch: 1 + the deepest node whose path spells the reference."""
-    tree = record.tree
-    toks, parents, depths = (t[0].tolist() for t in (tree.tokens, tree.parents, tree.depths))
-    ok, best = [True] + [False] * (len(toks) - 1), 0
-    for i in range(1, len(toks)):
-        pos = record.start + depths[i]
-        ok[i] = ok[parents[i]] and pos < len(reference) and toks[i] == reference[pos]
-        if ok[i]:
-            best = max(best, depths[i])
-    return best + 1
-
-
 builders = st.one_of(
     st.sampled_from(["best_first", "chain"]),
     st.integers(0, 2**31).map(random_tree_builder),
@@ -205,7 +193,7 @@ def test_greedy_equals_hf_and_acceptance_equals_a_walk_of_each_tree(case):
     if case["budget"] == 0:  # plain decoding: one token per step, no trees
         assert out.rounds == [] and out.acceptance_lengths == [1] * (len(expected) - 1)
     else:
-        assert out.acceptance_lengths == [walk(r, reference) for r in out.rounds]
+        assert out.acceptance_lengths == [expected_acceptance(r, reference) for r in out.rounds]
         assert all(r.tree.budget <= case["budget"] for r in out.rounds)
     # Every round but the last commits exactly its acceptance; the last may be cut by the stop or the limit.
     assert 1 + sum(out.acceptance_lengths[:-1]) < len(expected) + (1 if out.rounds else 0) or len(expected) == 1

@@ -9,7 +9,6 @@ a tree verify of that many nodes costs against a decode step in these layers.
 
 from __future__ import annotations
 
-import argparse
 import json
 import platform
 import statistics

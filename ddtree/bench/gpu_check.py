@@ -21,7 +21,6 @@ and raises rather than decode without a cache. CI runs the suite on 5.0.0 and th
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
@@ -32,7 +31,6 @@ import traceback
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from ..attention import (
     IMPLEMENTATIONS,

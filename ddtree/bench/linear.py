@@ -29,7 +29,6 @@ import torch
 
 from ..attention import get_backend
 from ..cache import cache_kwargs, commit_accepted, new_target_cache, truncate
-from ..linear_attention import has_pending
 from ..masks import tree_position_ids
 from ..tree import DraftTree
 from .attention import DTYPES, parse_sizes, random_tree

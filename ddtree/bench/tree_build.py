@@ -14,7 +14,6 @@ the ratio that matters is the part after top-k (tree growth plus the
 
 from __future__ import annotations
 
-import argparse
 import heapq
 import json
 import platform
