@@ -219,12 +219,17 @@ def main(argv: list[str] | None = None) -> dict:
         "flash_attn": _flash_attn_version(),
         "rows": rows,
     }
-    out = args.out or (os.path.join(os.environ["OUT"], "attention_bench.json") if os.environ.get("OUT") else None)
+    write_result(result, args.out, "attention_bench.json")
+    return result
+
+
+def write_result(result: dict, out: str | None, default_name: str) -> None:
+    """Write a micro-benchmark's JSON to ``out``, else to ``$OUT/default_name`` when ``$OUT`` is set."""
+    out = out or (os.path.join(os.environ["OUT"], default_name) if os.environ.get("OUT") else None)
     if out:
         Path(out).parent.mkdir(parents=True, exist_ok=True)
         Path(out).write_text(json.dumps(result, indent=2) + "\n")
         print(f"wrote {out}")
-    return result
 
 
 def _flash_attn_version() -> str | None:

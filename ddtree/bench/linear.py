@@ -20,10 +20,7 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
-import os
 import time
-from pathlib import Path
 
 import torch
 
@@ -31,7 +28,7 @@ from ..attention import get_backend
 from ..cache import cache_kwargs, commit_accepted, new_target_cache, truncate
 from ..masks import tree_position_ids
 from ..tree import DraftTree
-from .attention import DTYPES, parse_sizes, random_tree
+from .attention import DTYPES, parse_sizes, random_tree, write_result
 
 PRESETS = {
     "tiny": dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
@@ -186,11 +183,7 @@ def main(argv: list[str] | None = None) -> dict:
     print(format_table(rows))
     result = {"config": {k: v for k, v in vars(args).items() if k != "out"}, "torch": torch.__version__,
               "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", "rows": rows}
-    out = args.out or (os.path.join(os.environ["OUT"], "linear_bench.json") if os.environ.get("OUT") else None)
-    if out:
-        Path(out).parent.mkdir(parents=True, exist_ok=True)
-        Path(out).write_text(json.dumps(result, indent=2) + "\n")
-        print(f"wrote {out}")
+    write_result(result, args.out, "linear_bench.json")
     return result
 
 
