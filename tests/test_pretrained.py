@@ -29,14 +29,15 @@ def test_missing_package_says_how_to_install(monkeypatch):
 
 
 def test_prompt_sets_are_disjoint():
-    from ddtree.train.prompts import _is_held_out, load_eval_prompts, training_prompts
+    from ddtree.demo import DEFAULT_PROMPT
+    from ddtree.train.prompts import _is_held_out, load_eval_prompts, natural_prompts, training_prompts
 
     evals = load_eval_prompts()
     assert 8 <= len(evals) <= 16
     assert {p["category"] for p in evals} == {"chat", "code", "math", "story"}
-    train = training_prompts(100_000)
-    assert len(train) > 1000
-    eval_texts = {p["messages"][-1]["content"] for p in evals}
+    train = training_prompts(100_000) + natural_prompts(100_000)
+    assert len(train) > 5000 and len(set(train)) == len(train)
+    eval_texts = {p["messages"][-1]["content"] for p in evals} | {DEFAULT_PROMPT}
     assert not eval_texts & set(train)
     assert all(_is_held_out(t) for t in eval_texts)  # every eval prompt is covered by the exclusion list
     assert not any(_is_held_out(t) for t in train)

@@ -147,3 +147,28 @@ def test_sliding_window_drafter_trains(tmp_path, layer_types):
     assert best["blocks"] > 0
     cfg_saved = json.loads(open(tmp_path / "run" / "best" / "config.json").read())
     assert cfg_saved["layer_types"] == layer_types
+
+
+def test_text_caches_only_train(tmp_path):
+    """Held-out sequences come from the self-distilled cache only; text windows all go to training."""
+    from ddtree.train.__main__ import split_for_run
+    from ddtree.train.data import Sequence_, build_dataset, self_distill_jobs, target_features
+
+    target = tiny_target()
+    own, text = tmp_path / "own", tmp_path / "text"
+    build_dataset(own, self_distill_jobs(target, None, tiny_prompts(40), max_new_tokens=12, batch_size=8,
+                                         eos_token_id=None, pad_token_id=0), [1, 3], 4, log=lambda m: None)
+    windows = [Sequence_(p * 4, 2) for p in tiny_prompts(40, seed=3)]
+    build_dataset(text, [lambda ids, k, b=windows[i:i + 8]: target_features(target, b, ids, k)
+                         for i in range(0, 40, 8)], [1, 3], 4, log=lambda m: None)
+    (text / "meta.json").write_text(json.dumps({"source": "text"}))
+    both = f"{own},{text}"
+    data = load_dataset(both)
+    cfg = tiny_cfg(tmp_path, heldout_frac=0.3)
+    tr, ho = split_for_run(data, both, cfg)
+    assert sorted(tr + ho) == list(range(80))
+    from_text = [i for i in range(80) if int(data["keys"][i]) // 100_000_000 == 1]
+    assert len(from_text) == 40 and not set(from_text) & set(ho)
+    assert len(ho) >= 5  # the self-distilled cache still gives a held-out set
+    # without a text cache the split is the plain hash split
+    assert split_for_run(load_dataset(str(own)), str(own), cfg) == split_train_heldout(load_dataset(str(own)), 0.3)

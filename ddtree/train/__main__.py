@@ -74,6 +74,8 @@ def prepare_data(cfg: TrainConfig, target, tokenizer, prompts=None, cache_ids=No
     meta = {"source": cfg.source, "target": cfg.target, "layer_ids": cache_ids, "topk": cfg.topk,
             "num_prompts": cfg.num_prompts, "prompt_offset": cfg.prompt_offset, "max_new_tokens": cfg.max_new_tokens, "temperature": cfg.temperature,
             "seed": cfg.seed}
+    if cfg.prompt_set != "templates":
+        meta["prompt_set"] = cfg.prompt_set
     if meta_path.exists():
         old = json.loads(meta_path.read_text())
         diff = {k: (old.get(k), v) for k, v in meta.items() if old.get(k) != v}
@@ -85,9 +87,12 @@ def prepare_data(cfg: TrainConfig, target, tokenizer, prompts=None, cache_ids=No
             return data_dir
     if cfg.source == "self-distill":
         if prompts is None:
-            from .prompts import training_prompts
+            from .prompts import natural_prompts, training_prompts
 
-            prompts = training_prompts(cfg.prompt_offset + cfg.num_prompts, seed=cfg.seed)[cfg.prompt_offset:]
+            sets = {"templates": training_prompts, "natural": natural_prompts}
+            if cfg.prompt_set not in sets:
+                raise ValueError(f"unknown --prompt-set {cfg.prompt_set!r}: use templates or natural")
+            prompts = sets[cfg.prompt_set](cfg.prompt_offset + cfg.num_prompts, seed=cfg.seed)[cfg.prompt_offset:]
         jobs = self_distill_jobs(target, tokenizer, prompts, max_new_tokens=cfg.max_new_tokens,
                                  batch_size=cfg.gen_batch, temperature=cfg.temperature, seed=cfg.seed)
     elif cfg.source == "text":
@@ -120,7 +125,7 @@ def run(cfg: TrainConfig, target=None, tokenizer=None, prompts=None, log_fn=log)
         log(f"[data] feature cache ready in {data_dir}")
         return {}
     data = load_dataset(data_dir)
-    tr, ho = split_train_heldout(data, cfg.heldout_frac, seed=cfg.seed)
+    tr, ho = split_for_run(data, data_dir, cfg)
     train_ds = FeatureDataset(data, tr, feature_layers=ids)
     heldout_ds = FeatureDataset(data, ho, feature_layers=ids)
     vocab = target.get_output_embeddings().weight.shape[0]
@@ -135,10 +140,32 @@ def run(cfg: TrainConfig, target=None, tokenizer=None, prompts=None, log_fn=log)
             return None
         state["n"] = n
         d = load_dataset(data_dir)
-        tr_, ho_ = split_train_heldout(d, cfg.heldout_frac, seed=cfg.seed)
+        tr_, ho_ = split_for_run(d, data_dir, cfg)
         return FeatureDataset(d, tr_, feature_layers=ids), FeatureDataset(d, ho_, feature_layers=ids)
 
     return train(cfg, target, train_ds, heldout_ds, mask_id, log=log_fn, reload=reload)
+
+
+def split_for_run(data: dict, data_dir, cfg: TrainConfig) -> tuple[list[int], list[int]]:
+    """Train / held-out split; held-out sequences come only from self-distilled caches when there are any.
+
+    The held-out acceptance estimates how well the drafter follows the target's own answers, so text
+    caches (teacher-forced labels on text the target did not write) only ever train.
+    """
+    tr, ho = split_train_heldout(data, cfg.heldout_frac, seed=cfg.seed)
+    dirs = str(data_dir).split(",")
+    text = [i for i, d in enumerate(dirs) if _cache_source(d) == "text"]
+    if not text or len(text) == len(dirs):
+        return tr, ho
+    keys = data["keys"]
+    moved = [i for i in ho if int(keys[i]) // 100_000_000 in text]
+    gone = set(moved)
+    return sorted(tr + moved), [i for i in ho if i not in gone]
+
+
+def _cache_source(d: str) -> str:
+    meta = Path(d) / "meta.json"
+    return json.loads(meta.read_text()).get("source", "self-distill") if meta.exists() else "self-distill"
 
 
 def _shard_files(data_dir):

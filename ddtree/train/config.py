@@ -21,6 +21,7 @@ class TrainConfig:
     source: str = "self-distill"       # "self-distill" (target's own responses) or "text"
     num_prompts: int = 2000            # self-distill: number of generated training prompts
     prompt_offset: int = 0             # self-distill: skip the first N generated prompts (to extend a cache)
+    prompt_set: str = "templates"      # self-distill: "templates" (training_prompts) or "natural" (natural_prompts)
     max_new_tokens: int = 256          # self-distill: response length cap
     gen_batch: int = 32                # self-distill: prompts per generation batch
     temperature: float = 0.0           # self-distill: 0 = greedy responses (matches greedy decoding)

@@ -177,6 +177,7 @@ HELD_OUT_PHRASES = [
     "focused while working from home", "working from home", "weather and climate", "trip to japan",
     "cats purr", "palindrome", "fibonacci", "csv", "pencils", "area of a circle", "60 miles per hour",
     "robot who learns to paint", "brave little mouse", "ocean at night",
+    "sky is blue",  # the demo's prompt
 ]
 
 
@@ -245,3 +246,141 @@ def load_eval_prompts() -> list[dict]:
     """The default evaluation prompt set shipped as ``ddtree/data/prompts.jsonl``."""
     path = Path(__file__).resolve().parent.parent / "data" / "prompts.jsonl"
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+# A second, differently phrased prompt set ("natural"): first-person requests with some context,
+# how-to questions, explanations of everyday things, code questions as people ask them, word
+# problems with other shapes, and stories, poems and letters with other subjects. It varies the
+# training data beyond the templates above; the evaluation subjects stay excluded.
+GOALS = [
+    "sleep better", "wake up earlier", "learn to cook", "save for a house", "get better at math", "make new friends",
+    "start running", "learn to draw", "drink more water", "stop procrastinating", "remember names",
+    "prepare for a job interview", "write a good resume", "keep my apartment tidy", "grow tomatoes on a balcony",
+    "learn to swim", "improve my handwriting", "read faster", "speak more confidently", "reduce screen time",
+    "train a puppy", "take care of a cat", "plan a birthday party", "organize my closet", "study for exams",
+    "learn to code", "build a personal website", "learn Spanish", "lose weight safely", "eat more vegetables",
+    "get along with my roommate", "deal with a difficult coworker", "negotiate a raise", "ask for feedback",
+    "start a podcast", "take better photos with my phone", "write a short story", "keep a journal",
+    "learn chess openings", "choose a laptop", "set up a home network", "protect my passwords",
+    "clean a cast iron pan", "make sourdough bread", "brew good tea", "plan a road trip", "pack for a flight",
+    "stay motivated at the gym", "recover after a long run", "stretch properly", "fall asleep faster",
+]
+THINGS = [
+    "a refrigerator", "a microwave oven", "a rainbow", "a compass", "a vaccine", "a credit card", "a bicycle gear",
+    "a thermostat", "a touchscreen", "wifi", "a search engine", "an airplane wing", "a submarine", "a volcano",
+    "the heart", "the lungs", "a battery", "a light bulb", "a solar panel", "an electric motor", "a camera",
+    "a clock", "a piano", "a bee hive", "a tree's roots", "a tide clock", "a hurricane", "lightning", "a glacier",
+    "a 3D printer", "a hard drive", "an elevator", "a traffic light", "a dishwasher", "a compost pile",
+    "the postal system", "a bank loan", "a library catalog", "a spreadsheet", "an email server", "a password manager",
+]
+PAIRS = [
+    ("a virus", "a bacterium"), ("a lake", "a pond"), ("speed", "velocity"), ("a crocodile", "an alligator"),
+    ("baking soda", "baking powder"), ("RAM", "storage"), ("a meteor", "a meteorite"), ("an ape", "a monkey"),
+    ("a loan", "a grant"), ("socialism", "capitalism"), ("a simile", "a metaphor"), ("a frog", "a toad"),
+    ("affect", "effect"), ("a hurricane", "a tornado"), ("mass", "weight"), ("HTTP", "HTTPS"),
+    ("a compiler", "an interpreter"), ("stocks", "bonds"), ("a democracy", "a republic"), ("jam", "jelly"),
+    ("a mile", "a kilometer"), ("a bug", "an insect"), ("a star", "a planet"), ("an atom", "a molecule"),
+    ("Python", "JavaScript"), ("a laptop", "a tablet"), ("yoga", "pilates"), ("a cold", "the flu"),
+]
+SITUATIONS = [
+    "starting university next month", "moving to a new city", "adopting a dog for the first time",
+    "about to run my first 10k race", "starting my first job as a nurse", "learning to play the piano at 40",
+    "planning a camping trip with kids", "hosting a dinner for eight people", "buying my first car",
+    "writing my first novel", "switching careers into data science", "visiting Paris for three days",
+    "building a garden bed", "teaching my kid to ride a bike", "preparing a presentation for my team",
+    "going on a week-long hiking trip", "renting my first apartment", "learning to bake cakes",
+]
+ANIMAL_FACTS = [
+    ("dogs", "wag their tails"), ("birds", "sing in the morning"), ("bees", "make honey"), ("owls", "hunt at night"),
+    ("zebras", "have stripes"), ("leaves", "change color in autumn"), ("fish", "swim in schools"),
+    ("camels", "have humps"), ("bats", "hang upside down"), ("salmon", "swim upstream"), ("geese", "fly in a V"),
+    ("giraffes", "have long necks"), ("snakes", "shed their skin"), ("whales", "sing"), ("ants", "form lines"),
+    ("onions", "make us cry"), ("we", "yawn"), ("we", "dream"), ("cats", "knead blankets"),
+]
+CODE_ASKS = [
+    "sort a dictionary by its values", "reverse a string", "remove whitespace from a string", "merge two dictionaries",
+    "read a text file line by line", "check if a key exists in a dictionary", "count items in a list",
+    "find the index of an element in a list", "split a string into words", "convert a string to an integer",
+    "get the current date and time", "make an HTTP request", "create a virtual environment", "write unit tests",
+    "format a number with two decimals", "loop over a dictionary", "sum a list of numbers", "shuffle a list",
+    "pick a random element from a list", "copy a list", "join a list of strings", "check the type of a variable",
+    "handle a missing file", "parse JSON", "use a set to remove duplicates", "use enumerate in a loop",
+    "sort a list of tuples by the second item", "define a class with a constructor", "use f-strings",
+    "write a while loop that stops on user input", "use zip to combine two lists", "find the max of a dictionary",
+]
+CODE_FUNCS = [
+    "returns the number of words in a sentence", "checks whether a list is sorted", "returns the sum of squares up to n",
+    "converts a list of strings to uppercase", "finds the smallest number in a list", "counts the uppercase letters in a string",
+    "returns True if a number is even", "computes the power of a number without using **", "swaps two variables",
+    "returns the last n elements of a list", "checks whether a string contains only digits", "computes a running total",
+    "removes all vowels from a string", "groups words by their first letter", "finds the first repeated character",
+    "returns the distance between two points", "converts hours to seconds", "computes the area of a rectangle",
+    "prints a multiplication table", "counts how many times a word appears in a text", "returns the nth triangular number",
+    "checks whether all elements of a list are unique", "returns a list of prime numbers below n", "reverses the words in a sentence",
+    "computes the dot product of two vectors", "converts a Roman numeral to an integer", "finds the missing number in a range",
+]
+POEM_SUBJECTS = [
+    "autumn leaves", "a rainy morning", "the mountains", "a city at dawn", "an old house", "friendship", "the desert wind",
+    "a summer garden", "the first snow", "a cup of coffee", "the stars", "a busy train station", "a quiet forest",
+    "a river", "growing up", "a lighthouse", "the moon", "a field of sunflowers", "a thunderstorm", "a small boat",
+]
+STORY_SUBJECTS = [
+    "a girl who finds a key in the sand", "a cat who wants to fly", "a boy and his grandfather fixing a clock",
+    "a village where it never stops raining", "a dragon who loves books", "a squirrel preparing for winter",
+    "a lost balloon", "a kind giant and a small town", "a turtle who wants to win a race", "an owl who cannot sleep",
+    "a magic paintbrush", "a spaceship crew far from home", "a teddy bear left at a train station",
+    "a princess who becomes an inventor", "a little cloud", "a shy elephant at school", "a dog who finds his way home",
+    "two friends building a treehouse", "a baker who bakes a cake for the moon", "a frog who wants to sing",
+]
+NATURAL_CHAT = [
+    "What are some good ways to {g}?", "How can I {g}?", "I want to {g}. Where do I start?",
+    "Do you have any tips to help me {g}?", "What's the best way to {g}?", "Give me a simple plan to {g}.",
+]
+NATURAL_OTHER = [
+    "How does {th} work?", "Can you explain how {th} works?", "What is inside {th}?",
+]
+MATH_NATURAL = [
+    "A bakery sells muffins at {b} for ${c}. How much do {a} muffins cost? Explain step by step.",
+    "What is the perimeter of a square with sides of {b} cm? Show your work.",
+    "If a cyclist rides at {b} km per hour for {c} hours, how far does she go?",
+    "A tank holds {a} liters and drains {b} liters per minute. How long until it is empty?",
+    "What is the volume of a cube with edges of {b} cm? Show your work.",
+    "Lisa earns ${a} a week and spends {p}% of it on rent. How much is left?",
+    "A movie starts at 7:15 pm and lasts {a} minutes. When does it end?",
+    "If {b} workers build a wall in {c} days, how long do {d} workers need?",
+    "What is the circumference of a circle with a diameter of {b} meters? Show your work.",
+    "A store has {a} books and sells {b} each day. How many are left after {c} days?",
+    "What is {b} squared plus {c} squared?", "Round {x} to the nearest tenth and explain.",
+    "What fraction of {a} is {b}? Simplify it.", "A bus leaves every {b} minutes. How many buses leave in {c} hours?",
+]
+
+
+def natural_prompts(n: int = 4000, seed: int = 1) -> list[str]:
+    """``n`` distinct prompts of the second ("natural") set; disjoint from the evaluation subjects."""
+    rng = random.Random(seed)
+    pool: list[str] = []
+    pool += [t.format(g=g) for g in GOALS for t in NATURAL_CHAT]
+    pool += [t.format(th=th) for th in THINGS for t in NATURAL_OTHER]
+    pool += [f"Can you explain the difference between {a} and {b}?" for a, b in PAIRS]
+    pool += [f"What is the difference between {a} and {b}? Keep it short." for a, b in PAIRS]
+    pool += [f"I am {s}. What should I know before I start?" for s in SITUATIONS]
+    pool += [f"I'm {s} and I feel nervous. Any advice?" for s in SITUATIONS]
+    pool += [f"Why do {a} {b}?" for a, b in ANIMAL_FACTS]
+    pool += [f"How do I {c} in Python?" for c in CODE_ASKS]
+    pool += [f"In Python, what is the easiest way to {c}? Show an example." for c in CODE_ASKS]
+    pool += [f"Write a Python function that {c}." for c in CODE_FUNCS]
+    pool += [f"Write a Python function that {c}, and explain how it works." for c in CODE_FUNCS]
+    pool += [f"Write a function in JavaScript that {c}." for c in CODE_FUNCS]
+    for _ in range(700):
+        a, b, c, d = rng.randint(20, 600), rng.randint(2, 30), rng.randint(2, 12), rng.randint(2, 20)
+        pool.append(rng.choice(MATH_NATURAL).format(a=a, b=b, c=c, d=d, p=rng.choice([10, 20, 25, 30, 40]),
+                                                    x=round(rng.uniform(1, 100), 2)))
+    for s in POEM_SUBJECTS:
+        pool += [f"Write a short poem about {s}.", f"Write a haiku about {s}.", f"Write a limerick about {s}."]
+    for s in STORY_SUBJECTS:
+        pool += [f"Write a short story about {s}.", f"Tell me a bedtime story about {s}.",
+                 f"Write a story for children about {s}, with a happy ending."]
+    seen: set[str] = set()
+    uniq = [p for p in pool if not (p in seen or seen.add(p)) and not _is_held_out(p)]
+    rng.shuffle(uniq)
+    return uniq[:n]
