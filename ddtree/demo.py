@@ -1,6 +1,7 @@
-"""``python -m ddtree demo``: one prompt through plain decoding, the DFlash chain and DDTree.
+"""``python -m ddtree demo``: one prompt through plain decoding, the DFlash chain, DDTree, and DDTree
+with a prompt-lookup branch in each tree.
 
-Prints the text once (checked identical across the three under greedy decoding),
+Prints the text once (checked identical across the four under greedy decoding),
 then acceptance length, tokens/s and speedup per method, and one round's tree
 with its accepted branch.
 """
@@ -13,6 +14,7 @@ import sys
 import torch
 
 from .generator import GenerationOutput, SpeculativeGenerator
+from .lookup import PromptLookup, WithLookup
 from .state import RoundRecord
 from .threads import configure_threads
 
@@ -80,16 +82,22 @@ def run_demo(args: argparse.Namespace) -> int:
         )
     stop = [tok.eos_token_id] if tok.eos_token_id is not None else None
     depth = gen.drafter.block_size - 1
-    methods = [("plain", "best_first", 0), ("chain", "chain", depth), (f"ddtree@{args.budget}", "best_first", args.budget)]
+    # The last row adds a prompt-lookup branch to each tree (same budget): answers that repeat the
+    # prompt or themselves are accepted further (see ddtree.lookup).
+    merged = SpeculativeGenerator(gen.target, WithLookup(gen.drafter, PromptLookup.for_target(
+        gen.target, block_size=gen.drafter.block_size)), tree_budget=args.budget, attention=gen.backend)
+    methods = [("plain", gen, "best_first", 0), ("chain", gen, "chain", depth),
+               (f"ddtree@{args.budget}", gen, "best_first", args.budget),
+               (f"ddtree@{args.budget}+lookup", merged, "best_first", args.budget)]
     kwargs = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, stop_token_ids=stop, seed=args.seed)
     # Warm up every path once so first-call costs do not land on one method.
-    for _, builder, budget in methods:
-        gen.builder = _builder(builder)
-        gen.generate(ids, max_new_tokens=8, tree_budget=budget)
+    for _, g, builder, budget in methods:
+        g.builder = _builder(builder)
+        g.generate(ids, max_new_tokens=8, tree_budget=budget)
     outs: dict[str, GenerationOutput] = {}
-    for name, builder, budget in methods:
-        gen.builder = _builder(builder)
-        outs[name] = gen.generate(ids, tree_budget=budget, record_trees=name.startswith("ddtree"), **kwargs)
+    for name, g, builder, budget in methods:
+        g.builder = _builder(builder)
+        outs[name] = g.generate(ids, tree_budget=budget, record_trees=name == methods[2][0], **kwargs)
     texts = {n: tok.decode(o.new_tokens[0], skip_special_tokens=True) for n, o in outs.items()}
     plain = outs["plain"]
     print("\n" + "=" * 72)
@@ -98,15 +106,15 @@ def run_demo(args: argparse.Namespace) -> int:
     print("=" * 72)
     if args.temperature == 0:
         same = all(torch.equal(o.sequences, plain.sequences) for o in outs.values())
-        print("output identical for all three methods: " + ("yes" if same else "NO"))
+        print(f"output identical for all {len(outs)} methods: " + ("yes" if same else "NO"))
     else:
         same = True
         print("temperature > 0: each method draws its own sample from the same distribution")
-    print(f"\n{'method':<14}{'accept len':>11}{'tokens/s':>11}{'speedup':>9}")
+    print(f"\n{'method':<21}{'accept len':>11}{'tokens/s':>11}{'speedup':>9}")
     for name, o in outs.items():
         tau = "-" if name == "plain" else f"{o.stats.mean_acceptance:.2f}"
         speed = o.stats.tokens_per_second / plain.stats.tokens_per_second
-        print(f"{name:<14}{tau:>11}{o.stats.tokens_per_second:>11.1f}{speed:>8.2f}x")
+        print(f"{name:<21}{tau:>11}{o.stats.tokens_per_second:>11.1f}{speed:>8.2f}x")
     tree_run = outs[methods[2][0]]
     if tree_run.rounds:
         best = max(tree_run.rounds, key=lambda r: len(r.accepted))
