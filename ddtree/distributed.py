@@ -251,7 +251,27 @@ def start_data_parallel(device: str) -> str:
         torch.cuda.set_device(torch.device(device))
     if not dist.is_initialized():
         dist.init_process_group("nccl" if cuda else "gloo")
+        _STARTED.append(True)
     return device
+
+
+_STARTED: list[bool] = []  # whether start_data_parallel created the process group (so stop may destroy it)
+
+
+def stop_data_parallel(wait: bool = True) -> None:
+    """Leave the process group that :func:`start_data_parallel` created, once every rank is done with it.
+
+    A rank that exits with its gloo group alive can abort in the group's destructor
+    ("terminate called without an active exception"), failing a run that succeeded. ``wait=False``
+    (a rank that is failing) leaves without the barrier, which the other ranks may never reach.
+    """
+    import torch.distributed as dist
+
+    if _STARTED and dist.is_initialized():
+        if wait:
+            dist.barrier()
+        dist.destroy_process_group()
+        _STARTED.clear()
 
 
 def gather_lists(items: list, group=None) -> list[list]:

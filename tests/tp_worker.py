@@ -144,6 +144,9 @@ def main() -> int:
             dist.monitored_barrier(timeout=datetime.timedelta(seconds=30))
         return 1
     (root / f"{mode}_rank{rank}.json").write_text(json.dumps(result))
+    if dist.is_initialized():  # leave together: a gloo group torn down at exit can abort the process
+        dist.barrier()
+        dist.destroy_process_group()
     return 0
 
 

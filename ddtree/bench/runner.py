@@ -701,6 +701,16 @@ def run_main_bench(argv: Sequence[str] | None = None) -> int:
         return cpu_linear_main(argv[1:])
     args = build_parser().parse_args(argv)
     args.device = distributed.start_data_parallel(args.device)  # under torchrun: one replica per rank
+    try:
+        code = _run_bench(args, argv)
+    except BaseException:
+        distributed.stop_data_parallel(wait=False)
+        raise
+    distributed.stop_data_parallel()
+    return code
+
+
+def _run_bench(args, argv) -> int:
     from ..threads import configure_threads
 
     threads = configure_threads(args.threads)

@@ -147,6 +147,11 @@ def main(argv: list[str] | None = None) -> int:
     gen = _load(pair, tp_plan="auto")
     new = 64 if torch.cuda.is_available() else 24
     Path(f"{out}.rank{os.environ.get('RANK', '0')}").write_text(json.dumps(generate_all(gen, new)))
+    import torch.distributed as dist
+
+    if dist.is_initialized():  # leave together: a group torn down at exit can abort the process
+        dist.barrier()
+        dist.destroy_process_group()
     return 0
 
 
