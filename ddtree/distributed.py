@@ -259,7 +259,14 @@ _STARTED: list[bool] = []  # whether start_data_parallel created the process gro
 
 
 def stop_data_parallel(wait: bool = True) -> None:
-    """Leave the process group that :func:`start_data_parallel` created, once every rank is done with it.
+    """Leave the process group that :func:`start_data_parallel` created (a group it found is left alone)."""
+    if _STARTED:
+        leave_process_group(wait)
+        _STARTED.clear()
+
+
+def leave_process_group(wait: bool = True) -> None:
+    """Destroy this process's group, after a barrier when ``wait``, so that ranks leave together.
 
     A rank that exits with its gloo group alive can abort in the group's destructor
     ("terminate called without an active exception"), failing a run that succeeded. ``wait=False``
@@ -267,11 +274,10 @@ def stop_data_parallel(wait: bool = True) -> None:
     """
     import torch.distributed as dist
 
-    if _STARTED and dist.is_initialized():
+    if dist.is_initialized():
         if wait:
             dist.barrier()
         dist.destroy_process_group()
-        _STARTED.clear()
 
 
 def gather_lists(items: list, group=None) -> list[list]:

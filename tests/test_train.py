@@ -8,7 +8,7 @@ import torch
 from ddtree.drafter import DFlashDraftModel, DFlashDrafter
 from ddtree.features import extract_context_feature
 from ddtree.train import TrainConfig, run
-from ddtree.train.data import FeatureDataset, load_dataset, split_train_heldout
+from ddtree.train.data import DIR_KEY_STRIDE, FeatureDataset, load_dataset, split_train_heldout
 from ddtree.train.loop import build_drafter, draft_hidden, make_batch
 
 
@@ -167,7 +167,7 @@ def test_text_caches_only_train(tmp_path):
     cfg = tiny_cfg(tmp_path, heldout_frac=0.3)
     tr, ho = split_for_run(data, both, cfg)
     assert sorted(tr + ho) == list(range(80))
-    from_text = [i for i in range(80) if int(data["keys"][i]) // 100_000_000 == 1]
+    from_text = [i for i in range(80) if int(data["keys"][i]) // DIR_KEY_STRIDE == 1]
     assert len(from_text) == 40 and not set(from_text) & set(ho)
     assert len(ho) >= 5  # the self-distilled cache still gives a held-out set
     # without a text cache the split is the plain hash split

@@ -22,6 +22,7 @@ from conftest import ScriptedDrafter  # noqa: E402
 
 from ddtree import AutoBudget, SpeculativeGenerator  # noqa: E402
 from ddtree.budget import FunctionLatency  # noqa: E402
+from ddtree.distributed import leave_process_group  # noqa: E402
 from ddtree.drafter import DFlashDraftModel  # noqa: E402
 
 KINDS = ("llama", "qwen3")
@@ -144,9 +145,7 @@ def main() -> int:
             dist.monitored_barrier(timeout=datetime.timedelta(seconds=30))
         return 1
     (root / f"{mode}_rank{rank}.json").write_text(json.dumps(result))
-    if dist.is_initialized():  # leave together: a gloo group torn down at exit can abort the process
-        dist.barrier()
-        dist.destroy_process_group()
+    leave_process_group()  # tp_plan made the group; ranks leave it together
     return 0
 
 

@@ -27,6 +27,8 @@ from pathlib import Path
 
 import torch
 
+from ..distributed import leave_process_group
+
 QWEN3_8B = dict(hidden_size=4096, intermediate_size=12288, num_attention_heads=32, num_key_value_heads=8,
                 head_dim=128, vocab_size=151936)
 TINY = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
@@ -147,11 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     gen = _load(pair, tp_plan="auto")
     new = 64 if torch.cuda.is_available() else 24
     Path(f"{out}.rank{os.environ.get('RANK', '0')}").write_text(json.dumps(generate_all(gen, new)))
-    import torch.distributed as dist
-
-    if dist.is_initialized():  # leave together: a group torn down at exit can abort the process
-        dist.barrier()
-        dist.destroy_process_group()
+    leave_process_group()  # tp_plan made the group; ranks leave it together
     return 0
 
 

@@ -17,7 +17,7 @@ import torch
 from ddtree.features import build_target_layer_ids
 
 from .config import TrainConfig, parse_args
-from .data import (FeatureDataset, build_dataset, load_dataset, plain_text_jobs, read_texts, self_distill_jobs,
+from .data import (DIR_KEY_STRIDE, FeatureDataset, build_dataset, load_dataset, plain_text_jobs, read_texts, self_distill_jobs,
                    split_train_heldout)
 from .loop import train
 
@@ -158,7 +158,7 @@ def split_for_run(data: dict, data_dir, cfg: TrainConfig) -> tuple[list[int], li
     if not text or len(text) == len(dirs):
         return tr, ho
     keys = data["keys"]
-    moved = [i for i in ho if int(keys[i]) // 100_000_000 in text]
+    moved = [i for i in ho if int(keys[i]) // DIR_KEY_STRIDE in text]
     gone = set(moved)
     return sorted(tr + moved), [i for i in ho if i not in gone]
 

@@ -287,6 +287,9 @@ def merge_shards(shards: Sequence[dict]) -> dict:
     }
 
 
+DIR_KEY_STRIDE = 100_000_000  # a sequence's key // DIR_KEY_STRIDE is the index of its cache folder
+
+
 def load_dataset(data_dir: str | Path) -> dict:
     """All shards of one or more cache folders (comma-separated), merged, with a stable key per sequence."""
     shards = []
@@ -296,7 +299,7 @@ def load_dataset(data_dir: str | Path) -> dict:
             sh = torch.load(f, weights_only=True)
             n = len(sh["prompt_lens"])
             shard_no = int(f.stem.split("_")[1])
-            sh["keys"] = torch.arange(n, dtype=torch.long) + shard_no * 10_000 + d_i * 100_000_000
+            sh["keys"] = torch.arange(n, dtype=torch.long) + shard_no * 10_000 + d_i * DIR_KEY_STRIDE
             shards.append(sh)
     if not shards:
         raise FileNotFoundError(f"no feature shards in {data_dir}: build the dataset first")
