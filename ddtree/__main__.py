@@ -26,19 +26,20 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     command, rest = argv[0], argv[1:]
     if command == "demo":
-        from .demo import main as demo_main
+        from ddtree.apps.demo import main as demo_main
 
         return demo_main(rest)
     if command == "chat":
-        from .chat import main as chat_main
+        from ddtree.apps.chat import main as chat_main
 
         return chat_main(rest)
     if command == "bench":
-        from .bench.__main__ import exit_code, main as bench_main
+        from ddtree.bench.__main__ import exit_code
+        from ddtree.bench.__main__ import main as bench_main
 
         return exit_code(bench_main(rest))
     if command == "train":
-        from .train.__main__ import main as train_main
+        from ddtree.train.__main__ import main as train_main
 
         return train_main(rest) or 0
     print(f"unknown command {command!r}\n\n{USAGE}", file=sys.stderr)

@@ -35,7 +35,7 @@ def block_loop(target, drafter, prompt_ids: torch.Tensor, max_new_tokens: int, b
     generated, acceptance = [int(root)], []
     while len(generated) < max_new_tokens and not stops & set(generated):
         start = cache.get_seq_length()
-        logprobs = context.propose(root)  # [1, block_size - 1, vocab]
+        logprobs = context.propose(root).logprobs  # [1, block_size - 1, vocab]
         tree = ddtree.best_first(root, logprobs, budget)
         mask = ddtree.tree_attention_mask(tree.visibility, start, target.dtype)
         positions = ddtree.tree_position_ids(tree.depths, start)

@@ -8,26 +8,30 @@ import random
 
 import pytest
 import torch
-import torch.nn.functional as F
 
-from ddtree.attention import (
+from ddtree.target.attention import (
     CPU_DENSE_BELOW,
     TREE_KWARG,
     AutoBackend,
     DenseMaskBackend,
     SplitBackend,
     auto_backend_name,
-    block_attention,
     causal_attention,
     flash_attn_available,
     fused_block_kernel,
     fused_prefix_kernel,
     get_backend,
 )
-from ddtree.cache import cache_kwargs
-from ddtree.masks import tree_attention_mask
-from ddtree.split_attention import attention_with_lse, merge_attention, split_tree_attention, torch_prefix_kernel
-from ddtree.tree import DraftTree
+from ddtree.drafters.dflash.attention import block_attention
+from ddtree.target.cache import cache_kwargs
+from ddtree.core.masks import tree_attention_mask
+from ddtree.target.split_attention import (
+    attention_with_lse,
+    merge_attention,
+    split_tree_attention,
+    torch_prefix_kernel,
+)
+from ddtree.core.tree import DraftTree
 
 TOL = {torch.float64: 1e-10, torch.float32: 1e-5}
 
@@ -397,7 +401,7 @@ def test_registered_by_name_without_patching():
     dense = run_target(model, get_backend("sdpa"), tree, prompt)
     torch.testing.assert_close(split[3], dense[3], rtol=0, atol=1e-10)
     # A tree kwarg with the wrong node count is refused, not silently misapplied.
-    from ddtree.attention import TreeAttentionSpec
+    from ddtree.target.attention import TreeAttentionSpec
 
     other = TreeAttentionSpec.from_tree(DraftTree.from_parents(torch.tensor([[1, 2]]), torch.tensor([[-1, 0]])))
     backend.prepare(model)
@@ -454,7 +458,7 @@ def test_gpu_check_exactness_part_runs_on_cpu(tmp_path):
                                                                            max_window_layers=2))])
 def test_generation_is_lossless_and_accepts_the_same_with_every_cpu_backend(kind, overrides):
     """Greedy output equals the target's own decoding, and every backend accepts exactly what "sdpa" accepts."""
-    from conftest import VOCAB, ScriptedDrafter, tiny_drafter_model, tiny_target
+    from tiny import VOCAB, ScriptedDrafter, tiny_drafter, tiny_target
 
     from ddtree import SpeculativeGenerator
 
@@ -466,7 +470,7 @@ def test_generation_is_lossless_and_accepts_the_same_with_every_cpu_backend(kind
         accepted = {}
         for attention in ("sdpa", "split", "fused", "auto"):
             if drafter_name == "dflash":
-                drafter = tiny_drafter_model(target)
+                drafter = tiny_drafter(target)
             else:
                 drafter = ScriptedDrafter(ref, VOCAB, block_size=5, decoy_at={2: 0})
             gen = SpeculativeGenerator(target, drafter, tree_budget=12, attention=attention)

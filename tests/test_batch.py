@@ -7,9 +7,9 @@ import threading
 import pytest
 import torch
 
-from ddtree import SamplingConfig, SpeculativeGenerator, speculative_round
-from ddtree.cache import cache_length
-from conftest import ScriptedDrafter, tiny_drafter_model, tiny_target
+from ddtree import Proposal, SamplingConfig, SpeculativeGenerator, speculative_round
+from ddtree.target.cache import cache_length
+from tiny import ScriptedDrafter, tiny_drafter, tiny_target
 from test_generator import expected_acceptance
 from test_sampling_e2e import chi2_critical, chi2_statistic, exact_distribution
 
@@ -43,13 +43,13 @@ class RowDecoys(ScriptedDrafter):
         propose = ctx.propose
 
         def varied(roots):
-            lp = propose(roots).clone()
+            lp = propose(roots).logprobs.clone()
             for i, row in enumerate(ctx.rows):
                 clock = self.salts[row] + ctx.lengths[i]  # the row's own clock, not the batch's
                 depth = 1 + clock % (self.block_size - 1)
                 if depth < self.block_size - 1 and clock % 3 == 0:
                     lp[i, depth - 1] = torch.roll(lp[i, depth - 1], 1)  # the true token loses its rank here
-            return lp
+            return Proposal(lp)
 
         ctx.propose = varied
         return ctx
@@ -93,7 +93,7 @@ def test_each_row_equals_its_own_greedy_run_and_acceptance(kind, builder, budget
 def test_batch_with_the_dflash_drafter_matches_batch_one(kind):
     """A real (random) DFlash drafter: padded drafter contexts give each row the proposals of its own run."""
     target = tiny_target(kind)
-    gen = SpeculativeGenerator(target, tiny_drafter_model(target), tree_budget=8)
+    gen = SpeculativeGenerator(target, tiny_drafter(target), tree_budget=8)
     prompts = prompts_of([3, 17, 9], seed=4)
     assert_rows_are_their_own_runs(gen, target, prompts, new=24)
 
@@ -111,7 +111,7 @@ def assert_rows_are_their_own_runs(gen, target, prompts, new):
 
 def test_padded_tensor_with_attention_mask_equals_list_of_prompts():
     target = tiny_target("qwen3")
-    gen = SpeculativeGenerator(target, tiny_drafter_model(target), tree_budget=6)
+    gen = SpeculativeGenerator(target, tiny_drafter(target), tree_budget=6)
     prompts = prompts_of([5, 2, 8], seed=2)
     ids = torch.zeros(3, 8, dtype=torch.long)
     mask = torch.zeros(3, 8, dtype=torch.long)
@@ -126,7 +126,7 @@ def test_padded_tensor_with_attention_mask_equals_list_of_prompts():
 
 def test_plain_decoding_batch_equals_rows():
     target = tiny_target("llama")
-    gen = SpeculativeGenerator(target, tiny_drafter_model(target), tree_budget=0)
+    gen = SpeculativeGenerator(target, tiny_drafter(target), tree_budget=0)
     prompts = prompts_of([6, 1, 11], seed=5)
     out = gen.generate(prompts, max_new_tokens=15)
     assert out.row_tokens == [hf_greedy(target, p, new=15) for p in prompts]
@@ -138,7 +138,7 @@ def test_interleaved_states_and_threads_are_independent():
     refs = [hf_greedy(target, p, new=30) for p in prompts]
     drafter = ScriptedDrafter([torch.tensor(p + r + [0] * 8) for p, r in zip(prompts, refs)][0],
                               target.config.vocab_size, decoy_at={2: 0})
-    gen = SpeculativeGenerator(target, tiny_drafter_model(target), tree_budget=8)
+    gen = SpeculativeGenerator(target, tiny_drafter(target), tree_budget=8)
     alone = [gen.generate(p, max_new_tokens=30) for p in prompts]
     # two streams on one generator, advanced in turn
     streams = [gen.stream(p, max_new_tokens=30) for p in prompts]
@@ -179,7 +179,7 @@ def test_cache_holds_only_committed_tokens_over_a_long_batch():
     (the rest of a shorter row is its left padding) and the drafter context holds exactly each row's."""
     target = tiny_target("qwen3", max_position_embeddings=1024)
     prompts = prompts_of([3, 30, 11, 19], seed=8)
-    gen = SpeculativeGenerator(target, tiny_drafter_model(target), tree_budget=4)
+    gen = SpeculativeGenerator(target, tiny_drafter(target), tree_budget=4)
     state = gen.start(prompts, max_new_tokens=500)
     widths = []
     while not state.done:

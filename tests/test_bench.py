@@ -6,22 +6,14 @@ import json
 
 import pytest
 import torch
-from conftest import tiny_drafter_model, tiny_target
+from tiny import tiny_drafter, tiny_target
 
 from ddtree import SpeculativeGenerator, best_first
-from ddtree.bench.runner import (
-    Bench,
-    Method,
-    Prompt,
-    Run,
-    load_prompts,
-    load_rounds,
-    lossless_check,
-    markdown_table,
-    parse_methods,
-    run_main_bench,
-    summarize,
-)
+from ddtree.bench.runner import Bench, Run, load_rounds, lossless_check
+from ddtree.bench.methods import Method, parse_methods
+from ddtree.bench.prompts import Prompt, load_prompts
+from ddtree.bench.report import markdown_table, summarize
+from ddtree.bench.main import run_main_bench
 from ddtree.bench.tree_build import heap_best_first, same_tree
 from ddtree.bench.tree_build import main as tree_build_main
 
@@ -110,7 +102,7 @@ def test_lossless_check_finds_the_first_mismatch():
 def test_bench_end_to_end_on_tiny_pair(tmp_path):
     torch.manual_seed(0)
     target = tiny_target("qwen3")
-    gen = SpeculativeGenerator(target, tiny_drafter_model(target))
+    gen = SpeculativeGenerator(target, tiny_drafter(target))
     methods = parse_methods("chain,best_first@8,beam@2x2,examples.custom_builder:spine@6")
     bench = Bench(gen, methods, max_new_tokens=8, seed=1)
     prompts = [Prompt("p0", list(range(3, 14))), Prompt("p1", [40, 41, 42, 7])]
@@ -141,7 +133,7 @@ def test_bench_end_to_end_on_tiny_pair(tmp_path):
 def test_cli_on_saved_tiny_pair(tmp_path):
     torch.manual_seed(0)
     target = tiny_target("llama", dtype=torch.float32)
-    drafter = tiny_drafter_model(target)
+    drafter = tiny_drafter(target)
     target.save_pretrained(tmp_path / "target")
     drafter.save_pretrained(tmp_path / "drafter")
     prompts = tmp_path / "prompts.jsonl"
@@ -175,7 +167,7 @@ def test_heap_reference_builds_the_same_trees():
 def test_heap_reference_matches_on_wide_and_deep_trees():
     """Budgets where the deep levels outgrow best_first's first cap (and it must lift it), and peaked
     drafter-like rows where the pruning bounds bite."""
-    from ddtree.budget import synthetic_logprobs
+    from ddtree.budget.latency import synthetic_logprobs
 
     g = torch.Generator().manual_seed(1)
     root = torch.tensor([0])
@@ -202,7 +194,7 @@ def test_batch_bench_keeps_batch_one_acceptance_and_outputs():
     from ddtree.bench.batch import markdown_batch_table, run_batches, summarize_batches
 
     target = tiny_target("qwen3")
-    gen = SpeculativeGenerator(target, tiny_drafter_model(target))
+    gen = SpeculativeGenerator(target, tiny_drafter(target))
     methods = parse_methods("chain,best_first@6")
     prompts = [Prompt("p0", list(range(3, 14))), Prompt("p1", [40, 41, 42, 7]), Prompt("p2", [9, 8, 7, 6, 5, 4])]
     runs = run_batches(gen, methods, prompts, [1, 3], max_new_tokens=10, repeats=1, stops=[], depth=4)
@@ -226,7 +218,7 @@ def test_lookup_methods_parse_run_and_report_sources():
     with pytest.raises(ValueError, match=r"\+lookup extends a tree method"):
         parse_methods("ar+lookup")
     target = tiny_target("llama")
-    gen = SpeculativeGenerator(target, tiny_drafter_model(target))
+    gen = SpeculativeGenerator(target, tiny_drafter(target))
     bench = Bench(gen, methods, max_new_tokens=40, seed=1)
     prompts = [Prompt("p0", [5, 17, 3, 9, 22], "code"), Prompt("p1", [40, 41, 42, 7], "chat")]
     runs = bench.run(prompts, repeats=1, warmup=False, progress=False)

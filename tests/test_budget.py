@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import ScriptedDrafter, tiny_drafter_model, tiny_target
+from tiny import ScriptedDrafter, tiny_drafter, tiny_target
 
 from ddtree import SpeculativeGenerator, VerifyResult, best_first, chain
-from ddtree.budget import AutoBudget, FunctionLatency, ProfiledLatency, context_bucket
-from ddtree.tree import beam
+from ddtree.budget.policy import AutoBudget
+from ddtree.budget.latency import FunctionLatency, ProfiledLatency, context_bucket
+from ddtree.core.builders import beam
 
 
 def certain_logprobs(depth: int, vocab: int = 11) -> torch.Tensor:
@@ -101,7 +102,7 @@ def test_context_bucket():
 def test_auto_on_tiny_pair_is_lossless_and_described():
     torch.manual_seed(0)
     target = tiny_target("qwen3")
-    drafter = tiny_drafter_model(target)
+    drafter = tiny_drafter(target)
     gen = SpeculativeGenerator(target, drafter)
     policy = AutoBudget.for_generator(gen, candidates=(1, 4, 16), repeats=1)
     ids = torch.randint(0, 90, (1, 12))
@@ -120,7 +121,7 @@ def test_auto_on_tiny_pair_is_lossless_and_described():
 def test_profiled_latency_interpolates():
     torch.manual_seed(0)
     target = tiny_target("llama")
-    gen = SpeculativeGenerator(target, tiny_drafter_model(target))
+    gen = SpeculativeGenerator(target, tiny_drafter(target))
     lat = ProfiledLatency(gen, [2, 10], repeats=1)
     lat.profiles[(64, 1)] = {2: 1.0, 10: 3.0}  # a known table: no measuring needed
     assert lat.seconds(6, 20) == pytest.approx(2.0)
@@ -131,7 +132,7 @@ def test_profiled_latency_interpolates():
 def test_auto_on_a_fresh_generator_picks_only_measured_budgets_and_reports_calibration_apart():
     torch.manual_seed(0)
     target = tiny_target("llama")
-    gen = SpeculativeGenerator(target, tiny_drafter_model(target))
+    gen = SpeculativeGenerator(target, tiny_drafter(target))
     out = gen.generate(torch.randint(0, 90, (1, 20)), max_new_tokens=24, tree_budget="auto")
     desc = out.stats.budget_policy
     measured = {int(n) for table in desc["latency"]["verify_seconds"].values() for n in table}

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from ddtree import DraftTree, cache_kwargs, commit_accepted, keep_positions, new_target_cache, tree_attention_mask
-from conftest import tiny_target
+from tiny import tiny_target
 
 
 def random_tree(n: int, vocab: int, seed: int) -> DraftTree:
@@ -53,7 +53,7 @@ def test_keep_positions_slices_a_leading_run_and_gathers_otherwise():
 def test_ragged_commit_equals_each_rows_own_prefill(kind):
     """Rows with different committed lengths (left padding) accept different paths: each row's cache after
     the commit equals a prefill of that row alone, right-aligned, and the padding is exactly the shortfall."""
-    from ddtree.cache import padding_mask
+    from ddtree.target.cache import padding_mask
 
     target = tiny_target(kind)
     g = torch.Generator().manual_seed(3)

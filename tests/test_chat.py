@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from ddtree import SpeculativeGenerator
-from ddtree.chat import encode, main, stop_ids
+from ddtree.apps.chat import encode, main, stop_ids
 
 ROOT = Path(__file__).resolve().parent.parent
 

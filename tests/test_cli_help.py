@@ -15,12 +15,13 @@ import sys
 import pytest
 
 import ddtree.__main__ as top
-from ddtree import chat, demo
-from ddtree.bench import attention, cpu_linear, runner, tree_build
+from ddtree.apps import chat, demo
+from ddtree.bench import attention, cpu_linear, tree_build
+from ddtree.bench import main as bench_main
 from ddtree.train import config as train_config
 
 COMMANDS = {  # name: (module holding EXAMPLES, parser factory)
-    "demo": (demo, demo.build_parser), "chat": (chat, chat.build_parser), "bench": (runner, runner.build_parser),
+    "demo": (demo, demo.build_parser), "chat": (chat, chat.build_parser), "bench": (bench_main, bench_main.build_parser),
     "bench attention": (attention, attention.build_parser),
     "bench tree-build": (tree_build, tree_build.build_parser),
     "bench cpu-linear": (cpu_linear, cpu_linear.build_parser),
@@ -50,12 +51,12 @@ def test_top_level_usage_shows_its_examples(capsys):
 
 
 def test_bench_help_names_real_things():
-    text = runner.build_parser().format_help()
+    text = bench_main.build_parser().format_help()
     assert "cpu-linear" in text and "tree-build" in text and "attention" in text
     assert "custom_builder:build" not in text
     import examples.custom_builder as custom
 
-    for example in runner.EXAMPLES:
+    for example in bench_main.EXAMPLES:
         for spec in example.split():
             if "examples.custom_builder:" in spec:
                 name = spec.split("examples.custom_builder:")[1].split("@")[0]

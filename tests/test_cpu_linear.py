@@ -10,8 +10,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ddtree import SpeculativeGenerator, cpu_linear
-from conftest import ScriptedDrafter, tiny_drafter_model, tiny_target
+from ddtree import SpeculativeGenerator
+from ddtree.target import cpu_linear
+from tiny import ScriptedDrafter, tiny_drafter, tiny_target
 from test_generator import PROMPTS, expected_acceptance, reference
 
 needs_kernel = pytest.mark.skipif(not cpu_linear.available(), reason=f"kernel: {cpu_linear.unavailable_reason()}")
@@ -81,7 +82,7 @@ def test_unavailable_kernel_is_explained(monkeypatch):
         with pytest.raises(RuntimeError, match="unavailable: this CPU lacks avx2"):
             cpu_linear.install(torch.nn.Linear(4, 4))
         target = tiny_target("qwen3", dtype=torch.float32)
-        gen = SpeculativeGenerator(target, tiny_drafter_model(target), cpu_linear="auto")
+        gen = SpeculativeGenerator(target, tiny_drafter(target), cpu_linear="auto")
         assert gen.cpu_linear == 0  # auto quietly keeps the stock linears
         x = torch.randn(2, 4)
         lin = torch.nn.Linear(4, 4)
@@ -134,7 +135,7 @@ def test_install_uninstall_and_suspend():
 @pytest.mark.parametrize("kind", ["qwen3", "llama"])
 def test_generator_lossless_with_acceptance_of_a_recompute(kind):
     target = tiny_target(kind, dtype=torch.float32)
-    draft = tiny_drafter_model(target)
+    draft = tiny_drafter(target)
     gen = SpeculativeGenerator(target, draft, tree_budget=12, cpu_linear=True)
     assert gen.cpu_linear == cpu_linear.installed(target) > 0
     assert cpu_linear.installed(draft) > 0 and cpu_linear.routed(draft.fc)  # the draft step goes through it too
@@ -159,7 +160,7 @@ def test_agreeing_drafter_keeps_full_acceptance_with_the_kernel():
 
 def test_generator_option_is_checked():
     target = tiny_target("qwen3")  # float64
-    draft = tiny_drafter_model(target)
+    draft = tiny_drafter(target)
     with pytest.raises(ValueError, match="cpu_linear=True needs a float32 target on the CPU"):
         SpeculativeGenerator(target, draft, cpu_linear=True)
     with pytest.raises(ValueError, match="cpu_linear must be True, False or 'auto'"):
@@ -169,12 +170,15 @@ def test_generator_option_is_checked():
 
 @needs_kernel
 def test_bench_times_the_stock_target_side_by_side():
-    from ddtree.bench.runner import Bench, Prompt, parse_methods, summarize
+    from ddtree.bench.runner import Bench
+    from ddtree.bench.prompts import Prompt
+    from ddtree.bench.methods import parse_methods
+    from ddtree.bench.report import summarize
 
     methods = parse_methods("ar_stock,best_first@6")
     assert [m.name for m in methods] == ["ar", "ar_stock", "best_first@6"]
     target = tiny_target("llama", dtype=torch.float32)
-    gen = SpeculativeGenerator(target, tiny_drafter_model(target), cpu_linear=True)
+    gen = SpeculativeGenerator(target, tiny_drafter(target), cpu_linear=True)
     seen = []
     real = cpu_linear.suspended
 
@@ -199,7 +203,7 @@ def test_bench_times_the_stock_target_side_by_side():
 
 @needs_kernel
 def test_cpu_linear_bench_command(tmp_path, capsys):
-    from ddtree.bench.runner import run_main_bench
+    from ddtree.bench.__main__ import main as run_main_bench
 
     assert run_main_bench(["cpu-linear", "--rows", "1,3,7", "--repeats", "1", "--dims", "32,16,48,2,100",
                            "--out", str(tmp_path)]) == 0

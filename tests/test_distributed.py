@@ -18,9 +18,9 @@ import torch
 
 import ddtree
 from ddtree import SpeculativeGenerator
-from ddtree.bench.runner import run_main_bench
+from ddtree.bench.main import run_main_bench
 
-from conftest import tiny_drafter_model, tiny_target
+from tiny import tiny_drafter, tiny_target
 import tp_worker
 
 try:
@@ -59,12 +59,12 @@ def pairs(tmp_path_factory) -> Path:
         assert cfg.num_attention_heads % RANKS == 0 and cfg.num_key_value_heads % RANKS == 0
         assert cfg.intermediate_size % RANKS == 0
         target.save_pretrained(root / kind / "target")
-        drafter = tiny_drafter_model(target)
+        drafter = tiny_drafter(target)
         if kind == "llama":
             drafter.draft_vocab = torch.randperm(cfg.vocab_size, generator=torch.Generator().manual_seed(3))[:60]
-            tiny_drafter_model(target, seed=7).save_pretrained(root / kind / "other_drafter")
+            tiny_drafter(target, seed=7).save_pretrained(root / kind / "other_drafter")
         drafter.save_pretrained(root / kind / "drafter")
-    tiny_drafter_model(tiny_target("llama", hidden_size=32, head_dim=8)).save_pretrained(root / "wrong_drafter")
+    tiny_drafter(tiny_target("llama", hidden_size=32, head_dim=8)).save_pretrained(root / "wrong_drafter")
     return root
 
 
@@ -208,9 +208,9 @@ def test_data_parallel_bench_equals_single_process(pairs, tmp_path):
 
 
 def test_lockstep_is_a_no_op_without_ranks():
-    from ddtree.distributed import Lockstep, is_distributed
+    from ddtree.runtime.distributed import Lockstep, is_distributed
 
-    gen = SpeculativeGenerator(tiny_target("llama"), tiny_drafter_model(tiny_target("llama")), tree_budget=4)
+    gen = SpeculativeGenerator(tiny_target("llama"), tiny_drafter(tiny_target("llama")), tree_budget=4)
     assert not is_distributed() and not gen.lockstep.active
     value = {"t": torch.arange(3)}
     assert gen.lockstep.share(value) is value and gen.lockstep.decide(lambda: 7) == 7
@@ -221,7 +221,7 @@ def test_lockstep_is_a_no_op_without_ranks():
 def test_tp_plan_refuses_heads_that_do_not_divide_before_loading():
     from transformers import LlamaConfig
 
-    from ddtree.distributed import check_tp_divides
+    from ddtree.runtime.distributed import check_tp_divides
 
     smollm2 = LlamaConfig(num_attention_heads=9, num_key_value_heads=3, hidden_size=576)
     with pytest.raises(ValueError, match=r"num_attention_heads=9, num_key_value_heads=3: launch torchrun with "
@@ -239,7 +239,9 @@ def test_features_are_gathered_on_the_drafters_device():
 
 
 def test_bench_tokens_per_second_add_up_over_data_parallel_ranks():
-    from ddtree.bench.runner import Run, parse_methods, summarize
+    from ddtree.bench.runner import Run
+    from ddtree.bench.methods import parse_methods
+    from ddtree.bench.report import summarize
 
     def run(method, prompt, rank, tokens, seconds):
         tree = method != "ar"

@@ -17,7 +17,7 @@ from ddtree import (
     build_target_layer_ids,
     extract_context_feature,
 )
-from conftest import MASK_ID, tiny_drafter_model, tiny_target
+from tiny import MASK_ID, tiny_drafter, tiny_target
 
 
 class RecordingDrafter(DFlashDrafter):
@@ -32,9 +32,9 @@ class RecordingDrafter(DFlashDrafter):
         propose = ctx.propose
 
         def recording(root_tokens):
-            lp = propose(root_tokens)
-            self.calls.append((int(ctx.lengths[0]), int(root_tokens.view(-1)[0]), lp.clone()))
-            return lp
+            proposal = propose(root_tokens)
+            self.calls.append((int(ctx.lengths[0]), int(root_tokens.view(-1)[0]), proposal.logprobs.clone()))
+            return proposal
 
         ctx.propose = recording
         return ctx
@@ -48,14 +48,14 @@ def from_scratch_logprobs(model, target, sequence, context_len, root, layer_offs
     ids = model.config.target_layer_ids
     features = torch.cat([hidden[i + layer_offset] for i in ids], dim=-1)
     ctx.append(features, sequence[:, :context_len])
-    return ctx.propose(torch.tensor([root]))
+    return ctx.propose(torch.tensor([root])).logprobs
 
 
 @pytest.mark.parametrize("kind", ["qwen3", "llama"])
 @pytest.mark.parametrize("builder,budget", [("best_first", 16), ("chain", 8)])
 def test_incremental_cache_equals_recompute_and_detects_layer_offset(kind, builder, budget):
     target = tiny_target(kind)
-    model = tiny_drafter_model(target, num_layers=2)
+    model = tiny_drafter(target, num_layers=2)
     model.config.target_layer_ids = [0, 2]
     model.fc = torch.nn.Linear(2 * 64, 64, bias=False).double()
     drafter = RecordingDrafter(model, target)
@@ -125,7 +125,7 @@ def _rope(t, pos, d):
 @pytest.mark.parametrize("window", [2, 3, 6])
 def test_sliding_layer_equals_explicit_window_attention(window):
     target = tiny_target("qwen3")
-    model = tiny_drafter_model(
+    model = tiny_drafter(
         target, num_layers=2, layer_types=["sliding_attention", "full_attention"], sliding_window=window
     )
     ctx_len, block = 9, model.config.block_size
@@ -159,7 +159,7 @@ PUBLISHED_KEYS = {
 
 def test_loads_a_published_directory_as_it_is(tmp_path):
     target = tiny_target("qwen3")
-    source = tiny_drafter_model(target, num_layers=2)
+    source = tiny_drafter(target, num_layers=2)
     assert set(source.state_dict()) == PUBLISHED_KEYS
     # A directory written the way published drafters are, not by save_pretrained.
     config = {
@@ -189,7 +189,7 @@ def test_loads_a_published_directory_as_it_is(tmp_path):
 
 def test_missing_weights_are_reported_by_name(tmp_path):
     target = tiny_target("qwen3")
-    source = tiny_drafter_model(target, num_layers=1)
+    source = tiny_drafter(target, num_layers=1)
     source.save_pretrained(tmp_path)
     state = {k: v for k, v in source.state_dict().items() if k != "fc.weight"}
     save_file(state, str(tmp_path / "model.safetensors"))
@@ -199,7 +199,7 @@ def test_missing_weights_are_reported_by_name(tmp_path):
 
 def test_drafter_for_another_target_depth_is_refused():
     target = tiny_target("qwen3")
-    model = tiny_drafter_model(target)
+    model = tiny_drafter(target)
     model.config.num_target_layers = 36
     with pytest.raises(ValueError, match="36 decoder layers.*has 4"):
         DFlashDrafter(model, target)
@@ -216,12 +216,12 @@ def _drafter_with_context(model, target, prompt):
 
 def test_draft_vocab_renormalises_over_the_subset(tmp_path):
     target = tiny_target("qwen3")
-    model = tiny_drafter_model(target)
+    model = tiny_drafter(target)
     drafter, ctx = _drafter_with_context(model, target, [5, 17, 3, 40, 22])
-    full = ctx.propose(torch.tensor([9]))
+    full = ctx.propose(torch.tensor([9])).logprobs
     ids = torch.tensor([3, 90, 7, 41, 12, 66])
     drafter.set_draft_vocab(ids)
-    sub = ctx.propose(torch.tensor([9]))
+    sub = ctx.propose(torch.tensor([9])).logprobs
     keep = torch.zeros(full.shape[-1], dtype=torch.bool)
     keep[ids] = True
     assert torch.isinf(sub[..., ~keep]).all() and (sub[..., ~keep] < 0).all()
@@ -231,7 +231,7 @@ def test_draft_vocab_renormalises_over_the_subset(tmp_path):
 
 def test_draft_vocab_file_round_trip_and_choices(tmp_path):
     target = tiny_target("qwen3")
-    model = tiny_drafter_model(target)
+    model = tiny_drafter(target)
     ranked = torch.tensor([40, 2, 17, 5, 80, 33, 9, 61])
     model.draft_vocab = ranked
     model.save_pretrained(tmp_path)
@@ -253,7 +253,7 @@ def test_draft_vocab_file_round_trip_and_choices(tmp_path):
 def test_bad_draft_vocab_is_refused(bad, match):
     target = tiny_target("qwen3")
     with pytest.raises(ValueError, match=match):
-        DFlashDrafter(tiny_drafter_model(target), target, draft_vocab=bad)
+        DFlashDrafter(tiny_drafter(target), target, draft_vocab=bad)
 
 
 def test_generation_with_a_draft_vocab_is_lossless_and_accepts_within_it():
@@ -261,7 +261,7 @@ def test_generation_with_a_draft_vocab_is_lossless_and_accepts_within_it():
     from test_generator import expected_acceptance, reference
 
     target = tiny_target("qwen3")
-    model = tiny_drafter_model(target)
+    model = tiny_drafter(target)
     prompt = [11, 2, 2, 40, 61, 7, 9, 33, 12, 1, 80]
     ref = reference(target, prompt, new=48)
     ref_tokens = ref[0].tolist()

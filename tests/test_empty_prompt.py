@@ -7,10 +7,11 @@ import json
 
 import pytest
 import torch
-from conftest import tiny_drafter_model, tiny_target
+from tiny import tiny_drafter, tiny_target
 
-import ddtree.bench.runner as runner
-import ddtree.demo as demo
+import ddtree.bench.main as bench_main
+import ddtree.bench.prompts as bench_prompts
+import ddtree.apps.demo as demo
 from ddtree import SpeculativeGenerator
 
 
@@ -31,7 +32,7 @@ class EmptyTokenizer:
 @pytest.fixture(scope="module")
 def gen():
     target = tiny_target("qwen3")
-    g = SpeculativeGenerator(target, tiny_drafter_model(target), tree_budget=4)
+    g = SpeculativeGenerator(target, tiny_drafter(target), tree_budget=4)
     g.tokenizer = EmptyTokenizer()
     return g
 
@@ -56,12 +57,12 @@ def test_bench(gen, monkeypatch, tmp_path):
     prompts.write_text(json.dumps({"id": "q1", "prompt": "hello tree"}) + "\n")
     with pytest.raises(ValueError, match=r"prompt 'q1' is empty after tokenization \(the target's tokenizer "
                                          r"encoded its text to no tokens: .*tokenizer files"):
-        runner.load_prompts(prompts, EmptyTokenizer())
-    monkeypatch.setattr(runner, "load_generator", lambda args: gen)
+        bench_prompts.load_prompts(prompts, EmptyTokenizer())
+    monkeypatch.setattr(bench_main, "load_generator", lambda args: gen)
     with pytest.raises(ValueError, match=r"prompt 'q1' is empty after tokenization"):
-        runner.run_main_bench(["--prompts", str(prompts), "--methods", "chain", "--max-new-tokens", "4",
+        bench_main.run_main_bench(["--prompts", str(prompts), "--methods", "chain", "--max-new-tokens", "4",
                                "--repeats", "1", "--out", str(tmp_path / "out"), "--no-plots", "--no-progress"])
     # A row of explicit ids that is empty is refused the same way.
     prompts.write_text(json.dumps({"id": "q2", "input_ids": []}) + "\n")
     with pytest.raises(ValueError, match=r"prompt 'q2' is empty after tokenization: give at least one token"):
-        runner.load_prompts(prompts, None, vocab_size=97)
+        bench_prompts.load_prompts(prompts, None, vocab_size=97)

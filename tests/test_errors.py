@@ -7,11 +7,12 @@ import copy
 import pytest
 import torch
 
-from _tiny import MASK_ID, VOCAB, tiny_drafter, tiny_qwen3_config, tiny_target  # noqa: F401
+from tiny import MASK_ID, VOCAB, tiny_drafter, tiny_config, tiny_target  # noqa: F401
 from ddtree import SamplingConfig, SpeculativeGenerator
-from ddtree.drafter import DFlashConfig, DFlashDrafter, check_compatible
-from ddtree.features import build_target_layer_ids
-from ddtree.tree import beam, best_first, chain
+from ddtree.drafters.dflash.config import DFlashConfig
+from ddtree.drafters.dflash.drafter import DFlashDrafter, check_compatible
+from ddtree.drafters.features import build_target_layer_ids
+from ddtree.core.builders import beam, best_first, chain
 
 # A published-format drafter config (the shape of z-lab's Qwen3-8B DFlash b16 config.json).
 PUBLISHED = {
@@ -72,7 +73,7 @@ PROMPT = torch.tensor([[5, 17, 3]])
 
 
 def test_hidden_size_mismatch(target):
-    other = tiny_drafter(tiny_qwen3_config(hidden_size=32, head_dim=8))
+    other = tiny_drafter(tiny_config("qwen3", hidden_size=32, head_dim=8))
     with pytest.raises(ValueError, match=r"drafter hidden size 32 does not match the target's 64"):
         SpeculativeGenerator(target, other)
     with pytest.raises(ValueError, match=r"hidden size 32 .* 64"):
@@ -80,14 +81,14 @@ def test_hidden_size_mismatch(target):
 
 
 def test_vocab_mismatch(target):
-    other = tiny_drafter(tiny_qwen3_config(vocab_size=101))
+    other = tiny_drafter(tiny_config("qwen3", vocab_size=101))
     with pytest.raises(ValueError, match=r"drafter vocab size 101 does not match the target's lm_head \(97\)"):
         SpeculativeGenerator(target, other)
 
 
 def test_target_layer_ids_out_of_range(target):
     # A drafter made for an 8-layer target reads layer 6: the 4-layer target has no layer 6.
-    other = tiny_drafter(tiny_qwen3_config(num_hidden_layers=8), target_layer_ids=[1, 6])
+    other = tiny_drafter(tiny_config("qwen3", num_hidden_layers=8), target_layer_ids=[1, 6])
     with pytest.raises(ValueError, match=r"\[6\] out of range: the target has 4 decoder layers"):
         SpeculativeGenerator(target, other)
     with pytest.raises(ValueError, match=r"target has 4 decoder layers"):
@@ -113,7 +114,7 @@ def test_no_mask_token_id():
     with pytest.raises(ValueError, match=r"no mask token id"):
         DFlashConfig.from_dict(published(dflash_config=None))
     with pytest.raises(ValueError, match=r"no mask token id"):
-        DFlashConfig.for_target(tiny_qwen3_config(), mask_token_id=None)
+        DFlashConfig.for_target(tiny_config("qwen3"), mask_token_id=None)
 
 
 def test_no_num_target_layers():
@@ -130,7 +131,7 @@ def test_bad_layer_types_and_sliding_window():
         DFlashConfig.from_dict(published(layer_types=["sliding_attention"] * 4 + ["full_attention"]))
     with pytest.raises(ValueError, match=r"no sliding_window"):
         DFlashConfig.for_target(
-            tiny_qwen3_config(), num_hidden_layers=2, mask_token_id=MASK_ID, layer_types=["sliding_attention"] * 2
+            tiny_config("qwen3"), num_hidden_layers=2, mask_token_id=MASK_ID, layer_types=["sliding_attention"] * 2
         )
     # A window that is not a positive int would mask every key (or none): refused.
     for bad in (0, -3, 2.5, True):

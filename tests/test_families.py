@@ -15,11 +15,11 @@ from pathlib import Path
 import pytest
 import torch
 
-import ddtree.attention
-import ddtree.linear_attention
+import ddtree.target.attention
+import ddtree.target.linear_attention
 from ddtree import SpeculativeGenerator
-from _families import FAMILIES, HYBRIDS, WINDOW, family_target
-from conftest import ScriptedDrafter
+from tiny import FAMILIES, HYBRIDS, WINDOW, family_target
+from tiny import ScriptedDrafter
 from test_generator import expected_acceptance
 
 PROMPT = [(7 * i + 3) % 90 + 1 for i in range(3 * WINDOW)]
@@ -61,7 +61,7 @@ def test_a_missing_window_is_caught(family, monkeypatch):
     """With the window dropped from the dense mask, the family test's checks fail."""
     target = family_target(family)
     ref = _reference(target)
-    monkeypatch.setattr(ddtree.attention, "attention_windows", lambda model: {0: None})
+    monkeypatch.setattr(ddtree.target.attention, "attention_windows", lambda model: {0: None})
     out = _run(target, ref, "best_first", 8, {2: 3}, attention="sdpa")
     with pytest.raises(AssertionError):
         _check(out, ref)
@@ -69,7 +69,7 @@ def test_a_missing_window_is_caught(family, monkeypatch):
 
 def _flat_recurrence(fn, p, plan, state):
     """The naive tree forward: the nodes in index order as one chain (siblings share state)."""
-    return ddtree.linear_attention._run(fn, p.q, p.k, p.v, p.g, p.beta, state, False)[0]
+    return ddtree.target.linear_attention._run(fn, p.q, p.k, p.v, p.g, p.beta, state, False)[0]
 
 
 def _flat_conv_index(self, kernel, device):
@@ -84,9 +84,9 @@ def test_a_shared_gdn_state_is_caught(broken, monkeypatch):
     target = family_target("qwen3_5")
     ref = _reference(target)
     if broken == "recurrence":
-        monkeypatch.setattr(ddtree.linear_attention, "_tree_recurrence", _flat_recurrence)
+        monkeypatch.setattr(ddtree.target.linear_attention, "_tree_recurrence", _flat_recurrence)
     else:
-        monkeypatch.setattr(ddtree.linear_attention.LinearTreePlan, "conv_index", _flat_conv_index)
+        monkeypatch.setattr(ddtree.target.linear_attention.LinearTreePlan, "conv_index", _flat_conv_index)
     out = _run(target, ref, "best_first", 8, {2: 3})
     with pytest.raises(AssertionError):
         _check(out, ref)
@@ -154,7 +154,7 @@ def test_qwen3_5_multimodal_checkpoint_verifies_its_text_as_trees():
     """A composite ``qwen3_5`` config (the published Qwen3.5/3.6 checkpoints) loaded as image-text-to-text."""
     from transformers import CONFIG_MAPPING, AutoModelForImageTextToText
 
-    from _families import _BASE, _GDN
+    from tiny import _BASE, _GDN
 
     if "qwen3_5" not in CONFIG_MAPPING:
         pytest.skip("this transformers has no 'qwen3_5' model type")

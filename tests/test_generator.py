@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from ddtree import SpeculativeGenerator, beam
-from conftest import ScriptedDrafter, tiny_drafter_model, tiny_target
+from tiny import ScriptedDrafter, tiny_drafter, tiny_target
 
 PROMPTS = [[5, 17, 3], [11, 2, 2, 40, 61, 7, 9, 33, 12, 1, 80], list(range(10, 50))]
 NEW = 64
@@ -100,7 +100,7 @@ def test_tokens_equal_to_mask_id_are_kept():
     ref = reference(target, prompt)
     generated = ref[0, len(prompt):].tolist()
     mask_id = max(set(generated), key=generated.count)  # a token the target really emits
-    draft = tiny_drafter_model(target)
+    draft = tiny_drafter(target)
     draft.config.mask_token_id = mask_id
     gen = SpeculativeGenerator(target, draft, tree_budget=16)
     assert gen.drafter.mask_token_id == mask_id

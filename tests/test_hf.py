@@ -9,8 +9,8 @@ import torch
 from transformers import StoppingCriteria, StoppingCriteriaList, TextIteratorStreamer
 
 import ddtree
-from conftest import tiny_drafter_model, tiny_target
-from _tiny import tiny_tokenizer
+from tiny import tiny_drafter, tiny_target
+from tiny import tiny_tokenizer
 
 PROMPT = torch.tensor([[5, 17, 3, 9, 40, 61]])
 NEW = 30
@@ -19,7 +19,7 @@ NEW = 30
 @pytest.fixture(scope="module")
 def pair():
     target = tiny_target("qwen3")
-    return target, tiny_drafter_model(target)
+    return target, tiny_drafter(target)
 
 
 def test_greedy_equals_speculative_generator_and_plain_generate(pair):

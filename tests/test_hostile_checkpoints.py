@@ -8,10 +8,10 @@ import pickle
 
 import pytest
 import torch
-from conftest import tiny_drafter_model, tiny_target
+from tiny import tiny_drafter, tiny_target
 from safetensors.torch import load_file, save_file
 
-import ddtree.drafter as drafter_mod
+import ddtree.drafters.dflash.model as drafter_mod
 from ddtree import DFlashConfig, DFlashDraftModel, DFlashDrafter, SpeculativeGenerator
 
 
@@ -23,7 +23,7 @@ def target():
 @pytest.fixture
 def good_dir(tmp_path, target):
     path = tmp_path / "drafter"
-    tiny_drafter_model(target).save_pretrained(path)
+    tiny_drafter(target).save_pretrained(path)
     return path
 
 
@@ -49,7 +49,7 @@ def no_real_build(monkeypatch):
         raise AssertionError("weights were read before the check")
 
     monkeypatch.setattr(DFlashDraftModel, "__init__", guarded)
-    monkeypatch.setattr(drafter_mod, "_read_weights", no_read)
+    monkeypatch.setattr(drafter_mod, "read_weights", no_read)
 
 
 def test_the_untouched_directory_loads(good_dir, target):
@@ -191,7 +191,7 @@ def test_from_pretrained_pair_fails_before_generation(tmp_path, target, good_dir
 
 
 def test_truncated_draft_vocab_sidecar(good_dir, target):
-    from ddtree.drafter import save_draft_vocab
+    from ddtree.drafters.dflash.checkpoint import save_draft_vocab
 
     save_draft_vocab(good_dir, torch.arange(40))
     assert DFlashDraftModel.from_pretrained(good_dir).draft_vocab.tolist() == list(range(40))

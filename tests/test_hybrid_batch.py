@@ -10,12 +10,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-import ddtree.linear_attention
+import ddtree.target.linear_attention
 from ddtree import SpeculativeGenerator, speculative_round
-from ddtree.cache import _kv_layers
-from ddtree.linear_attention import _linear_layer_ids, _states
-from _families import HYBRIDS, family_target
-from conftest import tiny_drafter_model
+from ddtree.target.cache import _kv_layers
+from ddtree.target.linear_attention import _linear_layer_ids, _states
+from tiny import HYBRIDS, family_target
+from tiny import tiny_drafter
 from test_batch import BUILDERS, RowDecoys, assert_rows_are_their_own_runs, hf_greedy, prompts_of
 from test_generator import expected_acceptance
 
@@ -85,7 +85,7 @@ def test_hybrid_plain_decoding_at_batch_gt_1(family):
 def test_hybrid_batch_with_the_dflash_drafter_matches_batch_one(family):
     """A real (random) DFlash drafter reads the per-row prefill's features: each row drafts the trees of its own run."""
     target = family_target(family)
-    gen = SpeculativeGenerator(target, tiny_drafter_model(target), tree_budget=8)
+    gen = SpeculativeGenerator(target, tiny_drafter(target), tree_budget=8)
     prompts = prompts_of([3, 17, 9, 1], seed=4)
     assert_rows_are_their_own_runs(gen, target, prompts, new=16)
 
@@ -119,7 +119,7 @@ def _select_first_rows(cache, rows):
     """A broken select: keeps the first ``len(rows)`` rows' GDN states, not the remaining rows'."""
     for idx in _linear_layer_ids(cache):
         conv, state = _states(cache, idx)
-        ddtree.linear_attention._set_states(cache, idx, conv[: len(rows)], state[: len(rows)])
+        ddtree.target.linear_attention._set_states(cache, idx, conv[: len(rows)], state[: len(rows)])
 
 
 def _keep_all_rows(cache, rows):
@@ -131,6 +131,6 @@ def _keep_all_rows(cache, rows):
 def test_a_wrong_gdn_row_select_is_caught(broken, caught, monkeypatch):
     """With a finished row's GDN state kept, or the wrong rows' states kept, the batch checks fail."""
     target, prompts, free, stops = _case("qwen3_next")
-    monkeypatch.setattr(ddtree.linear_attention, "select_linear_rows", broken)
+    monkeypatch.setattr(ddtree.target.linear_attention, "select_linear_rows", broken)
     with pytest.raises(caught):
         _check_rows(target, prompts, free, stops, "best_first", 8)

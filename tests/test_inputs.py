@@ -8,8 +8,15 @@ import pytest
 import torch
 from transformers import GenerationConfig, TextIteratorStreamer
 
-from ddtree.inputs import ACCEPTED_PROMPTS, GenerationSettings, StreamerFeed, prompt_rows, resolve_generation, streamed
-from _tiny import tiny_tokenizer
+from ddtree.generation.inputs import (
+    ACCEPTED_PROMPTS,
+    GenerationSettings,
+    StreamerFeed,
+    prompt_rows,
+    resolve_generation,
+    streamed,
+)
+from tiny import tiny_tokenizer
 
 ROW = [5, 17, 3, 9]
 

@@ -7,7 +7,7 @@ import gc
 
 import pytest
 import torch
-from conftest import tiny_drafter_model, tiny_target
+from tiny import tiny_drafter, tiny_target
 
 from ddtree import SpeculativeGenerator, best_first
 
@@ -19,7 +19,7 @@ NEW = 40
 @pytest.fixture(scope="module")
 def pair():
     target = tiny_target("qwen3")
-    return target, tiny_drafter_model(target)
+    return target, tiny_drafter(target)
 
 
 @pytest.fixture(scope="module")

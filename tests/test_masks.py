@@ -8,8 +8,8 @@ import pytest
 import torch
 
 
-from ddtree.masks import tree_attention_mask, tree_position_ids
-from ddtree.tree import DraftTree
+from ddtree.core.masks import tree_attention_mask, tree_position_ids
+from ddtree.core.tree import DraftTree
 
 
 def random_tree(pyrng: random.Random, bsz: int, n: int) -> tuple[DraftTree, list[list[int]]]:

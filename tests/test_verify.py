@@ -16,9 +16,10 @@ import torch
 
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
-from ddtree.sampling import SamplingConfig, choose_tokens, processed_logprobs
-from ddtree.tree import DraftTree, best_first
-from ddtree.verify import accept_longest_branch, verify_tree
+from ddtree.core.sampling import SamplingConfig, choose_tokens, processed_logprobs
+from ddtree.core.tree import DraftTree
+from ddtree.core.builders import best_first
+from ddtree.core.verify import accept_longest_branch, verify_tree
 
 # --------------------------------------------------------------------------- the walk
 

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from ddtree import SpeculativeGenerator, cache_kwargs, new_target_cache
-from ddtree.cache import SUPPORTED_TRANSFORMERS, CacheNotUpdatedError
-from conftest import tiny_drafter_model, tiny_target
+from ddtree.target.cache import SUPPORTED_TRANSFORMERS, CacheNotUpdatedError
+from tiny import tiny_drafter, tiny_target
 
 
 def _drop_cache(target, after_calls: int = 0):
@@ -30,7 +30,7 @@ def _drop_cache(target, after_calls: int = 0):
 @pytest.mark.parametrize("after_calls,step", [(0, "prefill"), (1, "verify forward")])
 def test_a_forward_that_ignores_the_cache_is_refused(after_calls, step):
     target = tiny_target("qwen3")
-    gen = SpeculativeGenerator(target, tiny_drafter_model(target), tree_budget=4)
+    gen = SpeculativeGenerator(target, tiny_drafter(target), tree_budget=4)
     _drop_cache(target, after_calls)
     with pytest.raises(CacheNotUpdatedError, match=rf"after the {step} .*Installed transformers \d") as err:
         gen.generate(torch.tensor([[5, 17, 3, 9]]), max_new_tokens=8)
@@ -39,7 +39,7 @@ def test_a_forward_that_ignores_the_cache_is_refused(after_calls, step):
 
 def test_plain_decoding_is_guarded_too():
     target = tiny_target("llama")
-    gen = SpeculativeGenerator(target, tiny_drafter_model(target), tree_budget=0)
+    gen = SpeculativeGenerator(target, tiny_drafter(target), tree_budget=0)
     _drop_cache(target, after_calls=1)
     with pytest.raises(CacheNotUpdatedError, match="decode step"):
         gen.generate(torch.tensor([[5, 17, 3, 9]]), max_new_tokens=4)

@@ -18,12 +18,12 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from conftest import ScriptedDrafter  # noqa: E402
+from tiny import ScriptedDrafter  # noqa: E402
 
-from ddtree import AutoBudget, SpeculativeGenerator  # noqa: E402
-from ddtree.budget import FunctionLatency  # noqa: E402
-from ddtree.distributed import leave_process_group  # noqa: E402
-from ddtree.drafter import DFlashDraftModel  # noqa: E402
+from ddtree import AutoBudget, BudgetPolicy, SpeculativeGenerator  # noqa: E402
+from ddtree.budget.latency import FunctionLatency  # noqa: E402
+from ddtree.runtime.distributed import leave_process_group  # noqa: E402
+from ddtree.drafters.dflash.model import DFlashDraftModel  # noqa: E402
 
 KINDS = ("llama", "qwen3")
 PROMPTS = [[5, 17, 3, 9, 40], [11, 2, 2, 40, 61, 7, 9, 33]]
@@ -62,11 +62,15 @@ def cases(gen: SpeculativeGenerator) -> dict:
     return out
 
 
-class Recording:
+class Recording(BudgetPolicy):
     """A budget policy wrapper that keeps what this rank's policy chose on its own, before the broadcast."""
 
     def __init__(self, policy):
         self.policy, self.local = policy, []
+
+    @property
+    def skip_draft(self) -> bool:
+        return self.policy.skip_draft
 
     def prepare(self, context_len, batch):
         self.policy.prepare(context_len, batch)

@@ -1,28 +1,20 @@
-"""``python -m ddtree.bench SUBCOMMAND ...``: ``attention`` runs the attention micro-benchmark, ``linear`` the
-GDN-hybrid verify benchmark; anything else goes to the main bench."""
+"""``python -m ddtree.bench [SUBCOMMAND] ...``: one table of subcommands; no subcommand runs the main bench
+(``ddtree.bench.main``: methods over a prompt set)."""
 
 from __future__ import annotations
 
+import importlib
 import sys
+
+from ddtree.bench.commands import SUBCOMMANDS
 
 
 def main(argv: list[str] | None = None):
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] == "attention":
-        from .attention import main as attention_main
+    if argv and argv[0] in SUBCOMMANDS:
+        return importlib.import_module(SUBCOMMANDS[argv[0]][0]).main(argv[1:])
+    from ddtree.bench.main import run_main_bench
 
-        return attention_main(argv[1:])
-    if argv and argv[0] == "linear":
-        from .linear import main as linear_main
-
-        return linear_main(argv[1:])
-    try:
-        from .runner import run_main_bench
-    except ImportError as exc:
-        raise SystemExit(
-            f"the main benchmark (ddtree.bench.runner) is not available yet ({exc}); "
-            "try `python -m ddtree.bench attention --help`"
-        ) from exc
     return run_main_bench(argv)
 
 

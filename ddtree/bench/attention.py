@@ -22,9 +22,14 @@ from pathlib import Path
 
 import torch
 
-from ..attention import IMPLEMENTATIONS, TREE_KWARG, TreeAttentionSpec, flash_attn_available
-from ..masks import tree_attention_mask
-from ..tree import DraftTree
+from ddtree.core.masks import tree_attention_mask
+from ddtree.core.tree import DraftTree
+from ddtree.target.attention import (
+    IMPLEMENTATIONS,
+    TREE_KWARG,
+    TreeAttentionSpec,
+    flash_attn_available,
+)
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "fp64": torch.float64}
 
@@ -167,7 +172,7 @@ EXAMPLES = [
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from ..cli import parser
+    from ddtree.apps.cli import parser
 
     p = parser("python -m ddtree.bench attention", __doc__, EXAMPLES)
     p.add_argument("--contexts", default="1k,4k,16k,32k", help="committed prefix lengths (k = 1024)")

@@ -19,7 +19,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .runner import Method, Prompt
+from ddtree.bench.methods import Method
+from ddtree.bench.prompts import Prompt
 
 
 @dataclass
@@ -64,7 +65,7 @@ def _hf_generate(target, batch: list[Prompt], max_new_tokens: int, pad: int, sto
 def run_batches(gen, methods: list[Method], prompts: list[Prompt], batch_sizes: list[int], *,
                 max_new_tokens: int, repeats: int, stops: list[int], depth: int) -> list[BatchRun]:
     """Every method on every batch of every size, ``repeats`` times, methods interleaved (order rotating)."""
-    from ..generator import SpeculativeGenerator
+    from ddtree.generation.generator import SpeculativeGenerator
 
     names = ["hf"] + [m.name for m in methods if m.name not in ("hf", "ar_stock")]
     by_name = {m.name: m for m in methods}

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from .. import cpu_linear
+from ddtree.target import cpu_linear
 
 SMOLLM2 = dict(hidden=576, kv=192, intermediate=1536, layers=30, vocab=49152)
 
@@ -72,7 +72,7 @@ EXAMPLES = ["python -m ddtree.bench cpu-linear --rows 1,4,8,16 --threads 1 --out
 
 
 def build_parser():
-    from ..cli import parser
+    from ddtree.apps.cli import parser
 
     p = parser("python -m ddtree.bench cpu-linear", __doc__, EXAMPLES)
     p.add_argument("--rows", default="1,2,4,5,8,9,12,17,24,32", help="comma-separated row counts (first = baseline)")

@@ -32,18 +32,18 @@ from pathlib import Path
 
 import torch
 
-from ..attention import (
+from ddtree.bench.attention import _Layer, random_tree
+from ddtree.core.masks import tree_attention_mask
+from ddtree.core.tree import DraftTree
+from ddtree.drafters.dflash.attention import block_attention
+from ddtree.target.attention import (
     IMPLEMENTATIONS,
     TREE_KWARG,
     TreeAttentionSpec,
-    block_attention,
     flash_attn_available,
     get_backend,
 )
-from ..cache import cache_kwargs
-from ..masks import tree_attention_mask
-from ..tree import DraftTree
-from .attention import _Layer, random_tree
+from ddtree.target.cache import cache_kwargs
 
 BF16_TOL = 2e-2  # max abs error of bf16 results against float32 dense attention
 FP32_TOL = 1e-4
@@ -182,9 +182,10 @@ def check_batch(device, dtype, level: str) -> list[dict]:
     float32, and the throughput table (tokens/s, verify ms per round) for batch 1, 4, 8, 16."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    from ..drafter import DFlashConfig, DFlashDraftModel
-    from ..generator import SpeculativeGenerator
-    from ..tree import resolve_builder
+    from ddtree.core.builders import resolve_builder
+    from ddtree.drafters.dflash.config import DFlashConfig
+    from ddtree.drafters.dflash.model import DFlashDraftModel
+    from ddtree.generation.generator import SpeculativeGenerator
 
     torch.manual_seed(0)
     if level == "tiny":
@@ -229,10 +230,10 @@ def check_linear(device, dtype, tol, level: str = "full") -> list[dict]:
     reference's largest magnitude, so one tolerance serves both widths."""
     import copy
 
-    from ..cache import commit_accepted, new_target_cache
-    from ..linear_attention import _states, gdn_modules
-    from ..masks import tree_position_ids
-    from .linear import hybrid_target
+    from ddtree.bench.linear import hybrid_target
+    from ddtree.core.masks import tree_position_ids
+    from ddtree.target.cache import commit_accepted, new_target_cache
+    from ddtree.target.linear_attention import _states, gdn_modules
 
     full = level == "full"
     model = hybrid_target("qwen36-27b" if full else "tiny", 4, dtype=dtype, device=device)
@@ -338,7 +339,7 @@ def run_checks(device: torch.device, level: str = "full") -> dict:
 def check_scale_out(device: torch.device, quick: bool) -> dict:
     """Tensor-parallel (every GPU present; TP=1 on one) and layer-split runs against one device, isolated:
     an error is reported with the other checks, never raised."""
-    from . import scale_out
+    from ddtree.bench import scale_out
 
     t0 = time.perf_counter()
     try:
@@ -368,7 +369,7 @@ def environment(device: torch.device) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from ..cli import parser
+    from ddtree.apps.cli import parser
 
     p = parser("python -m ddtree.bench.gpu_check", __doc__.split("\n\n")[0])
     p.add_argument("--out", default=os.environ.get("OUT") or "runs/gpu_check", help="output directory")
@@ -392,14 +393,14 @@ def main(argv: list[str] | None = None) -> int:
     (out / "gpu_check.json").write_text(json.dumps(report, indent=2) + "\n")
     print(f"wrote {out / 'gpu_check.json'}: {len(report['failures'])} failures", flush=True)
     if not args.skip_bench:
-        from .attention import main as bench
+        from ddtree.bench.attention import main as bench
 
         tiny = ["--contexts", "256,1k", "--budgets", "16,64", "--repeats", "3"] if args.quick else []
         common = ["--device", str(device), *tiny]
         bench([*common, "--out", str(out / "attention_bench.json")])
         window = ["--contexts", "256,1k"] if args.quick else ["--contexts", "4k,32k", "--budgets", "64,256"]
         bench([*common, *window, "--window", "4096", "--out", str(out / "attention_bench_window.json")])
-        from .linear import main as linear_bench
+        from ddtree.bench.linear import main as linear_bench
 
         sizes = (["--contexts", "256", "--nodes", "16", "--repeats", "3"] if args.quick else
                  ["--preset", "qwen36-27b", "--dtype", "bf16", "--contexts", "1k,16k", "--nodes", "16,64"])

@@ -24,11 +24,16 @@ import time
 
 import torch
 
-from ..attention import get_backend
-from ..cache import cache_kwargs, commit_accepted, new_target_cache, truncate
-from ..masks import tree_position_ids
-from ..tree import DraftTree
-from .attention import DTYPES, parse_sizes, random_tree, write_result
+from ddtree.bench.attention import DTYPES, parse_sizes, random_tree, write_result
+from ddtree.core.masks import tree_position_ids
+from ddtree.core.tree import DraftTree
+from ddtree.target.attention import get_backend
+from ddtree.target.cache import (
+    cache_kwargs,
+    commit_accepted,
+    new_target_cache,
+    truncate,
+)
 
 PRESETS = {
     "tiny": dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2, head_dim=64,

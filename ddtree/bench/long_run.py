@@ -31,9 +31,9 @@ from pathlib import Path
 
 import torch
 
-from ..cache import cache_kwargs, commit_accepted, new_target_cache
-from ..masks import tree_attention_mask, tree_position_ids
-from ..verify import verify_tree
+from ddtree.core.masks import tree_attention_mask, tree_position_ids
+from ddtree.core.verify import verify_tree
+from ddtree.target.cache import cache_kwargs, commit_accepted, new_target_cache
 
 DEFAULT_PROMPT = "Write a long story about a lighthouse keeper and the sea, chapter by chapter."
 
@@ -103,7 +103,7 @@ def hf_greedy(target, input_ids: torch.Tensor, new: int) -> list[int]:
 
 def stream_pass(gen, input_ids: torch.Tensor, new: int, checkpoints: list[int]) -> dict:
     """The generation itself, round by round through ``speculative_round``; samples memory at each checkpoint."""
-    from ..round import speculative_round
+    from ddtree.generation.round import speculative_round
 
     tokens: list[int] = []
     round_seconds: list[float] = []
@@ -154,7 +154,7 @@ def block_loop_pass(gen, input_ids: torch.Tensor, new: int, checkpoints: list[in
     samples, todo = [], list(checkpoints)
     while len(tokens) < new:
         start = cache.get_seq_length()
-        tree = builder(root.view(-1), context.propose(root), budget)
+        tree = builder(root.view(-1), context.propose(root).logprobs, budget)
         out = target(input_ids=tree.tokens, position_ids=tree_position_ids(tree.depths, start),
                      attention_mask=tree_attention_mask(tree.visibility, start, next(target.parameters()).dtype),
                      use_cache=True, output_hidden_states=True, **cache_kwargs(target, cache))
@@ -222,8 +222,9 @@ def tiny_generator(max_positions: int, budget: int, builder: str = "best_first",
     """A random float64 4-layer Qwen3 target (vocabulary 97) and a random 2-layer DFlash drafter."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    from ..drafter import DFlashConfig, DFlashDraftModel
-    from ..generator import SpeculativeGenerator
+    from ddtree.drafters.dflash.config import DFlashConfig
+    from ddtree.drafters.dflash.model import DFlashDraftModel
+    from ddtree.generation.generator import SpeculativeGenerator
 
     torch.manual_seed(seed)
     cfg = Qwen3Config(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
@@ -280,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
         gen = tiny_generator(prompt_ids.shape[1] + args.max_new_tokens + 64, args.budget, args.builder)
         which = "tiny random float64 Qwen3 (4 layers, hidden 64, vocab 97) + random 2-layer DFlash drafter"
     else:
-        from ..generator import SpeculativeGenerator
+        from ddtree.generation.generator import SpeculativeGenerator
 
         if (args.target is None) != (args.drafter is None):
             raise SystemExit("give --drafter along with --target (or neither, for the shipped pair)")

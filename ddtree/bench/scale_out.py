@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from ..distributed import leave_process_group
+from ddtree.runtime.distributed import leave_process_group
 
 QWEN3_8B = dict(hidden_size=4096, intermediate_size=12288, num_attention_heads=32, num_key_value_heads=8,
                 head_dim=128, vocab_size=151936)
@@ -41,7 +41,8 @@ def build_pair(path: Path, widths: dict, layers: int) -> None:
     """Random target (Qwen3) and a one-layer DFlash drafter for it, saved under ``path``."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    from ..drafter import DFlashConfig, DFlashDraftModel
+    from ddtree.drafters.dflash.config import DFlashConfig
+    from ddtree.drafters.dflash.model import DFlashDraftModel
 
     torch.manual_seed(0)
     cfg = Qwen3Config(num_hidden_layers=layers, max_position_embeddings=4096, tie_word_embeddings=False, **widths)
@@ -56,7 +57,7 @@ def build_pair(path: Path, widths: dict, layers: int) -> None:
 
 def generate_all(gen, new_tokens: int) -> dict:
     """The calls every placement makes: greedy per builder, tokens, acceptance and tokens/s."""
-    from ..generator import SpeculativeGenerator
+    from ddtree.generation.generator import SpeculativeGenerator
 
     out = {}
     for builder, budget in CASES:
@@ -74,7 +75,7 @@ def generate_all(gen, new_tokens: int) -> dict:
 
 
 def _load(pair: Path, **placement):
-    from ..generator import SpeculativeGenerator
+    from ddtree.generation.generator import SpeculativeGenerator
 
     return SpeculativeGenerator.from_pretrained(str(pair / "target"), str(pair / "drafter"), dtype=torch.float32,
                                                 cpu_linear=False, **placement)

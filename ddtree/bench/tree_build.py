@@ -4,12 +4,12 @@
 DDTree reference, kept here as the yardstick: pop the best frontier node, push
 its next sibling and its first child. Its heap key is
 ``(-score, depth, parent_pop_index, rank)`` over the top-k lists of
-:func:`ddtree.tree.ranked_topk`, the tie rule documented in :mod:`ddtree.tree`,
+:func:`ddtree.core.builders.ranked_topk`, the tie rule documented in :mod:`ddtree.core.builders`,
 so both builders must return the very same tree.
 
 Both builders share the top-k step, so it is timed once and reported apart;
 the ratio that matters is the part after top-k (tree growth plus the
-:class:`~ddtree.tree.DraftTree` with its visibility matrix).
+:class:`~ddtree.core.tree.DraftTree` with its visibility matrix).
 """
 
 from __future__ import annotations
@@ -23,9 +23,9 @@ from pathlib import Path
 
 import torch
 
-from ..budget import synthetic_logprobs
-from ..tree import DraftTree, best_first, best_first_from_topk, ranked_topk
-
+from ddtree.budget.latency import synthetic_logprobs
+from ddtree.core.builders import best_first, best_first_from_topk, ranked_topk
+from ddtree.core.tree import DraftTree
 
 _F32 = struct.Struct("f")
 
@@ -143,7 +143,7 @@ EXAMPLES = ["python -m ddtree.bench tree-build --budgets 64,256 --vocabs 49152 -
 
 
 def build_parser():
-    from ..cli import parser
+    from ddtree.apps.cli import parser
 
     p = parser("python -m ddtree.bench tree-build", __doc__, EXAMPLES)
     p.add_argument("--budgets", default="64,256,1024", help="comma-separated tree budgets")

@@ -5,15 +5,15 @@ self-distillation / plain-text data and the feature cache, and
 :mod:`ddtree.train.loop` for the training loop.
 """
 
-from .config import TrainConfig, parse_args
-from .loop import evaluate, make_batch, train
+from ddtree.train.config import TrainConfig, parse_args
+from ddtree.train.loop import evaluate, make_batch, train
 
 __all__ = ["TrainConfig", "parse_args", "train", "evaluate", "make_batch", "run", "pick_mask_token"]
 
 
 def __getattr__(name):
     if name in ("run", "pick_mask_token", "prepare_data"):
-        from . import __main__ as m
+        from ddtree.train import __main__ as m
 
         return getattr(m, name)
     raise AttributeError(name)

@@ -14,12 +14,19 @@ from pathlib import Path
 
 import torch
 
-from ddtree.features import build_target_layer_ids
-
-from .config import TrainConfig, parse_args
-from .data import (DIR_KEY_STRIDE, FeatureDataset, build_dataset, load_dataset, plain_text_jobs, read_texts, self_distill_jobs,
-                   split_train_heldout)
-from .loop import train
+from ddtree.drafters.features import build_target_layer_ids
+from ddtree.train.config import TrainConfig, parse_args
+from ddtree.train.data import (
+    DIR_KEY_STRIDE,
+    FeatureDataset,
+    build_dataset,
+    load_dataset,
+    plain_text_jobs,
+    read_texts,
+    self_distill_jobs,
+    split_train_heldout,
+)
+from ddtree.train.loop import train
 
 
 def log(msg: str) -> None:
@@ -29,7 +36,7 @@ def log(msg: str) -> None:
 def load_target(cfg: TrainConfig):
     dtype = getattr(torch, cfg.target_dtype)
     if cfg.target == "smollm2":
-        from ddtree.pretrained import load_default_target
+        from ddtree.loading.pretrained import load_default_target
 
         return load_default_target(dtype=dtype)
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -87,7 +94,7 @@ def prepare_data(cfg: TrainConfig, target, tokenizer, prompts=None, cache_ids=No
             return data_dir
     if cfg.source == "self-distill":
         if prompts is None:
-            from .prompts import natural_prompts, training_prompts
+            from ddtree.train.prompts import natural_prompts, training_prompts
 
             sets = {"templates": training_prompts, "natural": natural_prompts}
             if cfg.prompt_set not in sets:

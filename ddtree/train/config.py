@@ -112,7 +112,7 @@ def build_parser():
     """The ``python -m ddtree.train`` parser: one option per :class:`TrainConfig` field."""
     import typing
 
-    from ..cli import parser
+    from ddtree.apps.cli import parser
 
     hints = typing.get_type_hints(TrainConfig)
     helps = field_help()

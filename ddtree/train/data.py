@@ -15,7 +15,6 @@ killed run resumes where it stopped.
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,8 +22,8 @@ from typing import Iterable, Sequence
 
 import torch
 
-from ddtree.cache import cache_kwargs
-from ddtree.features import extract_context_feature
+from ddtree.drafters.features import extract_context_feature
+from ddtree.target.cache import cache_kwargs
 
 
 @dataclass

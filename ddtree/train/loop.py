@@ -31,12 +31,11 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
-from ddtree.drafter import SLIDING, DFlashConfig, DFlashDraftModel, window_mask
-
-from .config import TrainConfig
-from .data import FeatureDataset
+from ddtree.drafters.dflash.config import SLIDING, DFlashConfig
+from ddtree.drafters.dflash.model import DFlashDraftModel, window_mask
+from ddtree.train.config import TrainConfig
+from ddtree.train.data import FeatureDataset
 
 NEG_INF = torch.finfo(torch.float32).min
 

@@ -11,7 +11,7 @@ import json
 import shutil
 from pathlib import Path
 
-from ..drafter import DRAFT_VOCAB_FILE
+from ddtree.drafters.dflash.checkpoint import DRAFT_VOCAB_FILE
 
 
 def read_log(out_dir: str | Path) -> tuple[list[dict], list[dict]]:

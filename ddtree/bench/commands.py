@@ -1,0 +1,10 @@
+"""The bench's subcommands: the module whose ``main(argv)`` runs each, and what it measures."""
+
+SUBCOMMANDS = {
+    # name: (module with main(argv), what it measures)
+    "tree-build": ("ddtree.bench.tree_build", "tree construction: the vectorised best_first against a heap loop"),
+    "cpu-linear": ("ddtree.bench.cpu_linear", "the few-row CPU linear kernel against BLAS on a layer stack"),
+    "attention": ("ddtree.bench.attention", "one tree-verify attention layer per backend"),
+    "long-run": ("ddtree.bench.long_run", "one long generation: exactness and memory per committed token"),
+    "linear": ("ddtree.bench.linear", "hybrid GDN verify: tree against chain"),
+}

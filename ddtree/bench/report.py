@@ -1,0 +1,225 @@
+"""The bench's results: per-method summaries, the markdown table, the plots and the run's metadata."""
+
+from __future__ import annotations
+
+import datetime
+import platform
+import statistics
+from pathlib import Path
+from typing import Iterable
+
+import torch
+
+from ddtree.bench.methods import STAGES, Method
+from ddtree.bench.prompts import DEFAULT_PROMPTS
+from ddtree.bench.runner import Run, lossless_check
+from ddtree.runtime import distributed
+from ddtree.runtime.threads import thread_info
+from ddtree.target import cpu_linear
+
+
+def summarize(runs: list[Run], methods: list[Method], depth: int, greedy: bool) -> list[dict]:
+    """One dict per method: tau, per-depth acceptance, tokens/s, speedup, stage seconds, lossless."""
+    repeats = sorted({r.repeat for r in runs})
+    checks = lossless_check(runs) if greedy else {}
+
+    def tps(name: str, rep: int) -> float:  # summed over data-parallel ranks, which run side by side
+        rs = [r for r in runs if r.method == name and r.repeat == rep]
+        return sum(sum(r.new_tokens for r in rs if r.rank == k) / max(sum(r.seconds for r in rs if r.rank == k),
+                                                                      1e-12) for k in {r.rank for r in rs})
+
+    rows = []
+    for m in methods:
+        rs = [r for r in runs if r.method == m.name]
+        if not rs:
+            continue
+        acc = [a for r in rs for a in r.acceptance]
+        per_rep = [tps(m.name, k) for k in repeats]
+        speedups = [tps(m.name, k) / tps("ar", k) for k in repeats]
+        stage_totals: dict[str, float] = {}
+        for r in rs:
+            for k, v in r.stage_seconds.items():
+                stage_totals[k] = stage_totals.get(k, 0.0) + v
+        rounds = len(acc)
+        row = {
+            "method": m.name,
+            "builder": m.builder or None,
+            "budget": m.budget if m.budget is not None else depth,
+            "tau": statistics.fmean(acc) if acc else 1.0,
+            "tau_std": statistics.pstdev(acc) if len(acc) > 1 else 0.0,
+            "tau_p10_p90": _quantiles(acc) if acc else [1, 1],
+            "depth_acceptance": [sum(a - 1 >= d for a in acc) / rounds for d in range(1, depth + 1)] if acc else [],
+            "tokens_per_second": statistics.median(per_rep),
+            "tokens_per_second_per_repeat": per_rep,
+            "speedup": statistics.median(speedups),
+            "speedup_per_repeat": speedups,
+            "rounds": rounds,
+            "new_tokens": sum(r.new_tokens for r in rs),
+            "stage_seconds_per_run": {k: v / len(rs) for k, v in stage_totals.items()},
+            "stage_ms_per_round": {k: 1e3 * v / rounds for k, v in stage_totals.items()} if rounds else {},
+            "mean_budget": statistics.fmean(b for r in rs for b in r.budgets) if rounds else 0,
+            "lossless": checks.get(m.name, {}).get("lossless") if m.name != "ar" else (True if greedy else None),
+            "lossless_detail": checks.get(m.name),
+            "tau_by_category": _tau_by_category(rs) if acc else {},
+            "accepted_by_source": _sum_sources(rs),
+        }
+        if m.kind == "tree":
+            row["budget_histogram"] = _histogram(b for r in rs for b in r.budgets) if m.budget == "auto" else None
+        rows.append(row)
+    return rows
+
+
+def _tau_by_category(rs: list[Run]) -> dict[str, float]:
+    cats: dict[str, list[int]] = {}
+    for r in rs:
+        cats.setdefault(r.category or "-", []).extend(r.acceptance)
+    return {c: round(statistics.fmean(a), 3) for c, a in sorted(cats.items()) if a}
+
+
+def _sum_sources(rs: list[Run]) -> dict[str, int] | None:
+    total: dict[str, int] = {}
+    for r in rs:
+        for k, v in (r.accepted_by_source or {}).items():
+            total[k] = total.get(k, 0) + v
+    return total or None
+
+
+def _quantiles(xs: list[int]) -> list[float]:
+    s = sorted(xs)
+    return [s[int(0.1 * (len(s) - 1))], s[int(0.9 * (len(s) - 1))]]
+
+
+def _histogram(xs: Iterable[int]) -> dict[str, int]:
+    h: dict[int, int] = {}
+    for x in xs:
+        h[x] = h.get(x, 0) + 1
+    return {str(k): v for k, v in sorted(h.items())}
+
+
+def markdown_table(rows: list[dict]) -> str:
+    head = (
+        "| method | budget | tau (± std) | tok/s | speedup vs ar (min–max) | draft | build | mask | verify | commit "
+        "| lossless |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|:---:|\n"
+    )
+    lines = []
+    for r in rows:
+        ms = r["stage_ms_per_round"]
+        stages = " | ".join(f"{ms.get(s, 0.0):.1f}" if ms else "–" for s in STAGES)
+        budget = r["budget"] if r["budget"] != "auto" else f"auto (mean {r['mean_budget']:.0f})"
+        lossless = {True: "yes", False: "**NO**", None: "n/a"}[r["lossless"]]
+        sp = r["speedup_per_repeat"]
+        lines.append(
+            f"| {r['method']} | {budget} | {r['tau']:.2f} ± {r['tau_std']:.2f} | {r['tokens_per_second']:.1f} | "
+            f"{r['speedup']:.2f}x ({min(sp):.2f}–{max(sp):.2f}) | {stages} | {lossless} |"
+        )
+    note = ("\nStage columns are milliseconds per verify round; "
+            "tau counts the tokens a round commits (accepted + bonus).\n")
+    return head + "\n".join(lines) + "\n" + note
+
+
+def write_plots(rows: list[dict], out_dir: Path, depth: int) -> list[Path]:
+    """tau and speedup vs budget, per-depth acceptance, stage breakdown; none without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return []
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = []
+    tree_rows = [r for r in rows if r["method"] not in ("ar", "ar_stock")]
+    sweep = sorted((r for r in tree_rows if r["builder"] == "best_first" and isinstance(r["budget"], int)),
+                   key=lambda r: r["budget"])
+    others = [r for r in tree_rows if r not in sweep]
+    for key, label, fname in (("tau", "tau (tokens per round)", "tau_vs_budget.png"),
+                              ("speedup", "speedup over ar", "speedup_vs_budget.png")):
+        fig, ax = plt.subplots(figsize=(6.4, 4.2))
+        if sweep:
+            ax.plot([r["budget"] for r in sweep], [r[key] for r in sweep], "o-", label="best_first")
+        for r in others:
+            if r["budget"] == "auto":
+                ax.axhline(r[key], ls="--", color="C3", label=f"auto (mean budget {r['mean_budget']:.0f})")
+            else:
+                ax.plot([r["budget"]], [r[key]], "s", label=r["method"])
+        if key == "speedup":
+            ax.axhline(1.0, color="gray", lw=0.8, label="ar")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("tree budget (draft nodes)")
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        paths.append(out_dir / fname)
+        fig.savefig(paths[-1], dpi=110)
+        plt.close(fig)
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    for r in tree_rows:
+        if r["depth_acceptance"]:
+            ax.plot(range(1, len(r["depth_acceptance"]) + 1), r["depth_acceptance"], marker=".", label=r["method"])
+    ax.set_xlabel("depth d")
+    ax.set_ylabel("P(round reaches depth d)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=6, ncol=2)
+    fig.tight_layout()
+    paths.append(out_dir / "depth_acceptance.png")
+    fig.savefig(paths[-1], dpi=110)
+    plt.close(fig)
+    fig, ax = plt.subplots(figsize=(6.4, 0.8 + 0.28 * len(tree_rows)))
+    left = [0.0] * len(tree_rows)
+    for i, stage in enumerate(STAGES):
+        vals = [r["stage_ms_per_round"].get(stage, 0.0) for r in tree_rows]
+        ax.barh([r["method"] for r in tree_rows], vals, left=left, label=stage, color=f"C{i}")
+        left = [a + b for a, b in zip(left, vals)]
+    ax.set_xlabel("ms per verify round")
+    ax.invert_yaxis()
+    ax.legend(fontsize=7, ncol=5, loc="lower right")
+    fig.tight_layout()
+    paths.append(out_dir / "stage_breakdown.png")
+    fig.savefig(paths[-1], dpi=110)
+    plt.close(fig)
+    return paths
+
+
+def _meta(args, gen, prompts, seconds, argv) -> dict:
+    import transformers
+
+    cfg = gen.target.config
+    return {
+        "command": "python -m ddtree.bench " + " ".join(argv),
+        "date_utc": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M"),
+        "machine": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "torch_threads": torch.get_num_threads(),
+        "threads": thread_info().as_dict(),
+        "device": str(args.device),
+        "dtype": str(next(gen.target.parameters()).dtype).replace("torch.", ""),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "target": args.target or f"default ({getattr(cfg, '_name_or_path', '')})",
+        "drafter": args.drafter or "default (shipped)",
+        "draft_depth": gen.drafter.block_size - 1,
+        "cpu_linear_layers": cpu_linear.installed(gen.target),
+        "draft_vocab": (None if getattr(gen.drafter, "draft_vocab", None) is None
+                        else int(gen.drafter.draft_vocab.numel())),
+        "prompts": str(args.prompts or DEFAULT_PROMPTS.name),
+        "num_prompts": len(prompts),
+        "max_new_tokens": args.max_new_tokens,
+        "temperature": args.temperature,
+        "seed": args.seed,
+        "repeats": args.repeats,
+        "wall_seconds": round(seconds, 1),
+        "data_parallel_ranks": distributed.world_size(),
+    }
+
+
+def _md_header(meta: dict) -> str:
+    routed = meta.get("cpu_linear_layers")
+    linears = f"ddtree.target.cpu_linear on {routed} target linears" if routed else "stock linears"
+    return (
+        f"`{meta['command']}`\n\n{meta['machine']}, {meta['processor']}, {meta['device']} {meta['dtype']}, "
+        f"torch {meta['torch']} ({meta['torch_threads']} threads), transformers {meta['transformers']}, "
+        f"{linears}; "
+        f"{meta['num_prompts']} prompts x {meta['max_new_tokens']} new tokens, temperature {meta['temperature']}, "
+        f"{meta['repeats']} interleaved repeats, {meta['wall_seconds']} s.\n\n"
+    )

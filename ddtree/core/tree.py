@@ -1,0 +1,210 @@
+"""``DraftTree``: the batched tree one round verifies (tokens, parents, depths, ancestor visibility), and the
+proposer source flags that say which proposer put each node there."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class DraftTree:
+    """A batch of token trees, all tensors ``[B, N]`` (``visibility`` is ``[B, N, N]``).
+
+    ``scores`` is the path log-probability under the drafter (0 for the root).
+    ``visibility[b, i, j]`` is True when ``j`` is ``i`` or one of its ancestors.
+    ``sources`` (optional) flags which proposer put each node there
+    (:data:`ddtree.core.tree.DRAFTER` / ``LOOKUP`` bits), for acceptance by source.
+    """
+
+    tokens: torch.Tensor
+    parents: torch.Tensor
+    depths: torch.Tensor
+    scores: torch.Tensor
+    visibility: torch.Tensor = field(repr=False)
+    sources: torch.Tensor | None = field(default=None, repr=False)
+
+    def row(self, b: int) -> "DraftTree":
+        """Row ``b`` as a batch-1 tree."""
+        pick = slice(b, b + 1)
+        return DraftTree(self.tokens[pick], self.parents[pick], self.depths[pick], self.scores[pick],
+                         self.visibility[pick], None if self.sources is None else self.sources[pick])
+
+    @classmethod
+    def from_parents(
+        cls, tokens: torch.Tensor, parents: torch.Tensor, scores: torch.Tensor | None = None
+    ) -> "DraftTree":
+        """Build depths and visibility from parent pointers (``parents[:, 0] == -1``)."""
+        if tokens.dim() == 1:
+            tokens, parents = tokens[None], parents[None]
+            scores = None if scores is None else scores[None]
+        if tokens.shape != parents.shape:
+            raise ValueError(f"tokens {tuple(tokens.shape)} and parents {tuple(parents.shape)} differ in shape")
+        bsz, n = tokens.shape
+        if n == 0:
+            raise ValueError("a draft tree needs at least the root node, got 0 nodes")
+        idx = torch.arange(n, device=tokens.device)
+        if (parents[:, 0] != -1).any() or (n > 1 and ((parents[:, 1:] < 0) | (parents[:, 1:] >= idx[1:])).any()):
+            raise ValueError("parents must be -1 for the root and point to an earlier node for every other node")
+        depths, visibility = _depths_and_visibility(parents)
+        if scores is None:
+            scores = torch.zeros(bsz, n, dtype=torch.float32, device=tokens.device)
+        return cls(tokens, parents, depths, scores, visibility)
+
+    @property
+    def batch_size(self) -> int:
+        return self.tokens.shape[0]
+
+    @property
+    def num_nodes(self) -> int:
+        """Nodes including the root."""
+        return self.tokens.shape[1]
+
+    @property
+    def budget(self) -> int:
+        return self.num_nodes - 1
+
+    @property
+    def max_depth(self) -> int:
+        return int(self.depths.max())
+
+    def children(self, node: int, row: int = 0) -> list[int]:
+        """Indices of ``node``'s children in row ``row``, in index order."""
+        return torch.nonzero(self.parents[row] == node).flatten().tolist()
+
+    def child_table(self, row: int = 0) -> dict[int, dict[int, int]]:
+        """``{node: {token: child}}`` for row ``row``; a convenience for custom walks."""
+        table: dict[int, dict[int, int]] = {}
+        for child, (parent, tok) in enumerate(zip(self.parents[row].tolist(), self.tokens[row].tolist())):
+            if parent >= 0:
+                table.setdefault(parent, {})[tok] = child
+        return table
+
+    def to_networkx(self, row: int = 0):
+        """A ``networkx.DiGraph`` with edges parent -> child and node attributes token, depth, score."""
+        import networkx as nx
+
+        g = nx.DiGraph()
+        toks, deps, scs, pars = (t[row].tolist() for t in (self.tokens, self.depths, self.scores, self.parents))
+        for i, (tok, dep, sc) in enumerate(zip(toks, deps, scs)):
+            g.add_node(i, token=tok, depth=dep, score=sc)
+        g.add_edges_from((p, i) for i, p in enumerate(pars) if p >= 0)
+        return g
+
+    def to_dict(self, row: int = 0) -> dict:
+        """Plain lists, for JSON."""
+        return {
+            "tokens": self.tokens[row].tolist(),
+            "parents": self.parents[row].tolist(),
+            "scores": [float(s) for s in self.scores[row].tolist()],
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "DraftTree":
+        return cls.from_parents(
+            torch.tensor(data["tokens"]), torch.tensor(data["parents"]), torch.tensor(data.get("scores"))
+            if data.get("scores") is not None else None,
+        )
+
+
+def _depths_and_visibility(parents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pointer jumping over ancestors: one vectorised step per depth level."""
+    bsz, n = parents.shape
+    device = parents.device
+    visibility = torch.eye(n, dtype=torch.bool, device=device).expand(bsz, n, n).clone()
+    depths = torch.zeros(bsz, n, dtype=torch.long, device=device)
+    rows = torch.arange(bsz, device=device)[:, None]
+    cols = torch.arange(n, device=device).expand(bsz, n)
+    ancestor = parents.clone()
+    while True:
+        live = ancestor >= 0
+        if not live.any():
+            break
+        depths += live.long()
+        safe = ancestor.clamp(min=0)
+        visibility[rows.expand(bsz, n)[live], cols[live], safe[live]] = True
+        ancestor = torch.where(live, parents.gather(1, safe), ancestor)
+    return depths, visibility
+
+
+def root_only(root_tokens: torch.Tensor, dtype: torch.dtype = torch.float32) -> DraftTree:
+    """The tree of the roots alone: verifying it is one plain decode step per row."""
+    bsz = root_tokens.shape[0]
+    return DraftTree.from_parents(
+        root_tokens.view(bsz, 1).long(),
+        torch.full((bsz, 1), -1, dtype=torch.long, device=root_tokens.device),
+        torch.zeros(bsz, 1, dtype=dtype, device=root_tokens.device),
+    )
+
+
+def graft_paths(tree: DraftTree, paths: list[list[tuple[list[int], list[float]]]], budget: int) -> DraftTree:
+    """Add extra branches to ``tree`` and keep its ``budget`` best non-root nodes by score.
+
+    ``paths[b]`` lists row ``b``'s branches as ``(tokens, scores)`` from the root,
+    scores non-increasing along a branch (cumulative log-probs or log-confidences).
+    A branch follows the tree's nodes while they match and adds the rest; a node
+    on both keeps the higher score. Scores never rise from parent to child, so
+    the best ``budget`` nodes (ties broken by depth) include their ancestors.
+    Rows are padded to one node count with the best leftover candidates where a
+    row has fewer. ``sources`` records each node's origin (drafter 1, branch 2).
+    """
+    from ddtree.core.tree import DRAFTER, LOOKUP
+
+    bsz = tree.batch_size
+    if len(paths) != bsz:
+        raise ValueError(f"paths are given for {len(paths)} rows, the tree has {bsz}")
+    rows = []
+    for b in range(bsz):
+        toks = tree.tokens[b].tolist()
+        pars = tree.parents[b].tolist()
+        scs = [float(x) for x in tree.scores[b].tolist()]
+        src = [DRAFTER] * len(toks) if tree.sources is None else tree.sources[b].tolist()
+        src[0] = 0
+        children = {}
+        for i in range(1, len(toks)):
+            children.setdefault((pars[i], toks[i]), i)
+        for branch, branch_scores in paths[b]:
+            node = 0
+            for tok, score in zip(branch, branch_scores):
+                child = children.get((node, tok))
+                if child is None:
+                    toks.append(int(tok))
+                    pars.append(node)
+                    scs.append(float(score))
+                    src.append(LOOKUP)
+                    child = len(toks) - 1
+                    children[(node, tok)] = child
+                else:
+                    scs[child] = max(scs[child], float(score))
+                    src[child] |= LOOKUP
+                node = child
+        rows.append((toks, pars, scs, src))
+    depth_of = []
+    for toks, pars, _, _ in rows:
+        d = [0] * len(toks)
+        for i in range(1, len(toks)):
+            d[i] = d[pars[i]] + 1
+        depth_of.append(d)
+    keep = min(budget, min(len(r[0]) for r in rows) - 1)
+    out_t, out_p, out_s, out_src = [], [], [], []
+    for (toks, pars, scs, src), d in zip(rows, depth_of):
+        order = sorted(range(1, len(toks)), key=lambda i: (-scs[i], d[i], i))[:keep]
+        new_index = {0: 0}
+        for j, i in enumerate(order, start=1):
+            new_index[i] = j
+        out_t.append([toks[0]] + [toks[i] for i in order])
+        out_p.append([-1] + [new_index[pars[i]] for i in order])
+        out_s.append([0.0] + [scs[i] for i in order])
+        out_src.append([0] + [src[i] for i in order])
+    device = tree.tokens.device
+    grafted = DraftTree.from_parents(torch.tensor(out_t, device=device), torch.tensor(out_p, device=device),
+                                     torch.tensor(out_s, dtype=tree.scores.dtype, device=device))
+    grafted.sources = torch.tensor(out_src, device=device)
+    return grafted
+
+
+DRAFTER, LOOKUP = 1, 2
+
+
+SOURCE_NAMES = {1: "drafter", 2: "lookup", 3: "both"}

@@ -1,0 +1,83 @@
+"""What a proposer is: the ``Drafter`` and ``DraftContext`` protocols, and the ``Proposal`` every context returns.
+
+A drafter holds weights and settings only; each generation asks it for a fresh
+context (``new_context``), so one drafter serves any number of interleaved
+generations. Subclass the protocols to inherit the defaults of their optional
+parts; the generator checks a drafter for every part before it decodes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol, Sequence
+
+import torch
+
+
+@dataclass
+class Proposal:
+    """One round's proposal for each row.
+
+    ``logprobs`` ``[B, D, V]``: a distribution per depth after the root, for the
+    tree builder. ``paths`` (optional): per row, ``(tokens, cumulative scores)``
+    branches from the root that :func:`ddtree.core.tree.graft_paths` adds to the
+    built tree under the same budget (prompt lookup uses them).
+    """
+
+    logprobs: torch.Tensor
+    paths: list[list[tuple[list[int], list[float]]]] | None = None
+
+    @property
+    def has_paths(self) -> bool:
+        return self.paths is not None and any(self.paths)
+
+
+class DraftContext(Protocol):
+    """One generation's drafter state: what each row has committed so far.
+
+    Rows are the active rows of a batch. ``append`` takes left-aligned
+    ``features`` ``[B, T, F]`` (``None`` for a drafter that reads none) and
+    ``tokens`` ``[B, T]`` of the tokens each row just committed, of which row
+    ``b`` has ``counts[b]`` (default all ``T``).
+    """
+
+    def append(self, features: torch.Tensor | None, tokens: torch.Tensor, counts: torch.Tensor | None = None) -> None:
+        ...
+
+    def propose(self, root_tokens: torch.Tensor) -> Proposal:
+        """The proposal for the positions after each row's root (``root_tokens`` ``[B]`` or ``[B, 1]``)."""
+        ...
+
+    def select_rows(self, rows: torch.Tensor) -> None:
+        """Keep only these rows (the others finished)."""
+        ...
+
+
+class Drafter(Protocol):
+    """What a round needs from a drafter: which target features to read, and a fresh context per generation.
+
+    ``needs_hidden_states`` (default ``True``): ``False`` lets the target skip
+    ``output_hidden_states`` in every forward (a model-free proposer).
+    """
+
+    block_size: int
+    target_layer_ids: list[int]
+    needs_hidden_states: bool = True
+
+    def context_features(self, hidden_states: Sequence[torch.Tensor]) -> torch.Tensor | None:
+        """The target features this drafter reads, ``[B, T, F]``, from a forward's ``hidden_states``."""
+        ...
+
+    def new_context(self, batch_size: int = 1) -> DraftContext:
+        ...
+
+
+DRAFTER_PARTS = ("block_size", "target_layer_ids", "needs_hidden_states", "context_features", "new_context")
+
+
+def check_drafter(drafter) -> None:
+    """Refuse, by name, a drafter that lacks a part of the protocol (before any state is built)."""
+    missing = [name for name in DRAFTER_PARTS if not hasattr(drafter, name)]
+    if missing:
+        raise TypeError(f"{type(drafter).__name__} is not a ddtree Drafter: it lacks {', '.join(missing)}; "
+                        "subclass ddtree.Drafter (which gives needs_hidden_states=True) or define them")

@@ -1,0 +1,153 @@
+"""``DFlashDrafter``: a DFlash checkpoint bound to its target (embedding, lm_head, proposal vocabulary)."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from ddtree.drafters.base import Drafter
+from ddtree.drafters.dflash.checkpoint import DRAFT_VOCAB_FILE, check_draft_vocab
+from ddtree.drafters.dflash.config import DFlashConfig
+from ddtree.drafters.dflash.context import DFlashContext
+from ddtree.drafters.dflash.model import DFlashDraftModel
+from ddtree.drafters.features import check_target_layer_ids, extract_context_feature
+from ddtree.runtime.distributed import Lockstep, full_tensor, module_fingerprint
+from ddtree.target import cpu_linear
+
+
+def target_vocab_size(target) -> int:
+    head = target.get_output_embeddings()
+    return head.weight.shape[0]
+
+
+def check_compatible(config: DFlashConfig, target) -> None:
+    """Raise a ValueError naming the mismatch when a drafter cannot serve ``target``."""
+    tc = target.config.get_text_config() if hasattr(target.config, "get_text_config") else target.config
+    if tc.hidden_size != config.hidden_size:
+        raise ValueError(
+            f"drafter hidden size {config.hidden_size} does not match the target's {tc.hidden_size}: "
+            "use a drafter trained for this target"
+        )
+    vocab = target_vocab_size(target)
+    if vocab != config.vocab_size:
+        raise ValueError(
+            f"drafter vocab size {config.vocab_size} does not match the target's lm_head ({vocab}): "
+            "use a drafter trained for this target's tokenizer"
+        )
+    check_target_layer_ids(config.target_layer_ids, tc.num_hidden_layers)
+    if config.num_target_layers != tc.num_hidden_layers:
+        raise ValueError(
+            f"the drafter was trained for a target with {config.num_target_layers} decoder layers, this target "
+            f"has {tc.num_hidden_layers}: use a drafter trained for this target"
+        )
+    if not 0 <= config.mask_token_id < vocab:
+        raise ValueError(f"mask_token_id {config.mask_token_id} is outside the target's vocabulary (size {vocab})")
+
+
+class DFlashDrafter(Drafter):
+    """A DFlash model bound to its target: weights and settings only, shared by every generation.
+
+    Per generation, :meth:`new_context` gives a :class:`DFlashContext`: each round
+    ``ctx.propose(roots)`` for the block after each row's committed context, then
+    ``ctx.append(features, tokens, counts)`` for the tokens the target accepted.
+    """
+
+    def __init__(self, model: DFlashDraftModel, target, draft_vocab: "str | int | torch.Tensor | None" = "auto"):
+        self._lockstep = Lockstep.for_model(target)  # a tensor-parallel target's ranks bind together
+        with self._lockstep.fail_together("binding the drafter to the target"):
+            check_compatible(model.config, target)
+        self.model = model
+        self.config = model.config
+        self.block_size = model.config.block_size
+        self.target_layer_ids = list(model.config.target_layer_ids)
+        self.mask_token_id = model.config.mask_token_id
+        # Borrowed, not owned: kept in a tuple so they are not registered anywhere.
+        self._target_parts = (target.get_input_embeddings(), target.get_output_embeddings())
+        for part, name in zip(self._target_parts, ("input embedding", "lm_head")):
+            if part.weight.device.type == "meta":
+                raise ValueError(f"the target's {name} is offloaded (its weight is on the meta device), and the "
+                                 f"drafter borrows it: keep it on a device in the device_map (offload layers instead)")
+        self.set_draft_vocab(draft_vocab)
+
+    def set_draft_vocab(self, draft_vocab: "str | int | torch.Tensor | None" = "auto") -> None:
+        """Restrict proposals to a token subset, so the drafter's lm_head reads a slice of the target's.
+
+        On a CPU the full-vocabulary head over the block costs more than the
+        drafter's layers; a ranked subset of the most frequent tokens keeps the
+        proposals that can realistically be accepted. Outside the subset the
+        log-probs are ``-inf``. Verification is unchanged, so output stays exact.
+
+        ``"auto"``: the model's ``draft_vocab`` if it has one, else the full vocabulary;
+        ``None`` or ``0``: the full vocabulary; an int ``n``: the model's ``n`` top-ranked ids;
+        a tensor: these ids.
+        """
+        with self._lockstep.fail_together("choosing the draft vocabulary"):
+            ids = self._draft_vocab_ids(draft_vocab)
+        if self._lockstep.active:  # gathering a sharded lm_head below is a collective: same branch everywhere
+            self._lockstep.agree((module_fingerprint(self.model), None if ids is None else ids.tolist()),
+                                 "the drafter")
+        self._slice_head(ids)
+
+    def _draft_vocab_ids(self, draft_vocab) -> torch.Tensor | None:
+        """The token ids ``draft_vocab`` names (checked), or ``None`` for the full vocabulary."""
+        vocab = self._target_parts[1].weight.shape[0]
+        ranked = self.model.draft_vocab
+        if isinstance(draft_vocab, str):
+            if draft_vocab != "auto":
+                raise ValueError(f"draft_vocab must be 'auto', None, an int or a tensor of token ids, got {draft_vocab!r}")
+            ids = ranked
+        elif draft_vocab is None or (isinstance(draft_vocab, int) and draft_vocab == 0):
+            ids = None
+        elif isinstance(draft_vocab, int):
+            if ranked is None:
+                raise ValueError(f"draft_vocab={draft_vocab} needs a ranked vocabulary, and this drafter has no "
+                                 f"{DRAFT_VOCAB_FILE}; pass the token ids as a tensor instead")
+            if draft_vocab < 0:
+                raise ValueError(f"draft_vocab must be >= 0 (0 = full vocabulary), got {draft_vocab}")
+            ids = ranked[:draft_vocab]
+        else:
+            ids = check_draft_vocab(draft_vocab, vocab)
+        if ids is not None and ids.numel() >= vocab:
+            ids = None
+        return ids
+
+    def _slice_head(self, ids: torch.Tensor | None) -> None:
+        head = self._target_parts[1]
+        if ids is None:
+            self.draft_vocab, self._head_slice = None, None
+            return
+        # The slice is the drafter's own copy, on its device: a tensor-parallel lm_head is gathered whole
+        # first (every rank runs this), a layer-split one may sit on another device than the drafter.
+        device = self.model.fc.weight.device
+        weight, bias = full_tensor(head.weight.detach()), getattr(head, "bias", None)
+        bias = None if bias is None else full_tensor(bias.detach())
+        ids = ids.to(device).sort().values
+        self.draft_vocab = ids
+        self._head_slice = (weight.to(device)[ids].contiguous(), None if bias is None else bias.to(device)[ids].contiguous())
+
+    @classmethod
+    def from_pretrained(cls, path, target, *, dtype=None, device=None, draft_vocab="auto") -> "DFlashDrafter":
+        check_compatible(DFlashConfig.from_pretrained(path), target)  # before any weight is read
+        dev = device if device is not None else target.get_input_embeddings().weight.device
+        return cls(DFlashDraftModel.from_pretrained(path, dtype=dtype, device=dev), target, draft_vocab=draft_vocab)
+
+    def context_features(self, hidden_states: Sequence[torch.Tensor]) -> torch.Tensor:
+        """The target layers' features on the drafter's device (a layer-split target's layers sit on several)."""
+        return extract_context_feature(hidden_states, self.target_layer_ids, device=self.model.fc.weight.device)
+
+    def new_context(self, batch_size: int = 1) -> "DFlashContext":
+        return DFlashContext(self, batch_size)
+
+    def block_logprobs(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Log-probs over the target's vocabulary (``-inf`` outside a draft vocabulary), float32."""
+        lm_head = self._target_parts[1]
+        hidden = hidden.to(lm_head.weight.dtype)
+        if self._head_slice is None:  # the target's own module: its tensor-parallel or device hooks apply
+            logits = lm_head(hidden.to(lm_head.weight.device))
+            return torch.log_softmax(logits.float(), dim=-1).to(hidden.device)
+        linear = cpu_linear.linear if cpu_linear.routed(self.model.fc) else F.linear  # routed with the model
+        sub = torch.log_softmax(linear(hidden, *self._head_slice).float(), dim=-1)
+        out = sub.new_full((*sub.shape[:-1], lm_head.weight.shape[0]), float("-inf"))
+        return out.index_copy_(-1, self.draft_vocab, sub)

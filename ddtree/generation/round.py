@@ -1,0 +1,269 @@
+"""``speculative_round(state)``: one step of a generation, the loop body every caller shares.
+
+The first call prefills the prompts and emits each row's first token. Every
+later call runs one round for the active rows:
+
+1. ``draft.propose(roots)``: per-depth log-probs after each row's root;
+2. ``policy.choose`` and ``builder(roots, logprobs, budget)``: one tree per row;
+3. the backend's tree-attention kwargs (rows padded in the cache get a dense mask);
+4. one target forward over every row's tree, at positions ``length + depth``;
+5. ``verify_tree``: each row's accepted path and bonus token;
+6. ``commit_accepted``: compact the cache per row; the drafter context gets
+   the accepted nodes' features.
+
+With budget 0 (no policy) a round is one plain decode step per row.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ddtree.core.masks import tree_position_ids
+from ddtree.core.sampling import choose_tokens
+from ddtree.core.tree import SOURCE_NAMES, graft_paths, root_only
+from ddtree.core.verify import verify_tree
+from ddtree.generation.state import DecodeState, RoundRecord, RoundResult
+from ddtree.target.cache import (
+    cache_length,
+    check_cache_length,
+    commit_accepted,
+    new_target_cache,
+    padding_mask,
+    stack_rows,
+    truncate_front,
+)
+from ddtree.target.cache import select_rows as select_cache_rows
+from ddtree.target.forward import target_forward
+from ddtree.target.linear_attention import gdn_modules
+
+
+def speculative_round(state: DecodeState) -> RoundResult:
+    """Advance ``state`` by one round (the prefill on the first call); returns what each row committed."""
+    if state.done:
+        raise RuntimeError("this generation is finished: every row has stopped")
+    with torch.inference_mode():
+        if not state.prefilled:
+            return _prefill(state)
+        if state.policy is None:
+            return _plain_step(state)
+        return _tree_round(state)
+
+
+def _prefill(state: DecodeState) -> RoundResult:
+    gen, timer = state.generator, state.timer
+    target = gen.target
+    device = target.get_input_embeddings().weight.device
+    lengths = torch.tensor([len(p) for p in state.prompts], dtype=torch.long, device=device)
+    width = int(lengths.max())
+    padded = not bool((lengths == width).all())
+    ids = torch.full((len(state.prompts), width), gen.pad_token_id, dtype=torch.long, device=device)
+    for b, p in enumerate(state.prompts):
+        ids[b, width - len(p):] = p.to(device)
+    state.cache = new_target_cache(target)
+    plain = state.policy is None
+    hidden = not plain and gen.drafter.needs_hidden_states
+    with timer.stage("prefill"):
+        if padded and gdn_modules(target):
+            last, features, ids = _prefill_each_row(state, hidden, width, device)
+        else:
+            if padded:
+                valid = padding_mask(lengths, width)
+                positions = (valid.long().cumsum(-1) - 1).clamp(min=0)
+                out = target_forward(target, ids, positions, state.cache, hidden=hidden,
+                                     attention_mask=valid.long())
+            else:
+                out = target_forward(target, ids, None, state.cache, hidden=hidden)
+            last = out.logits[:, -1]
+            features = gen.drafter.context_features(out.hidden_states) if hidden else None
+            if padded and not plain:  # left-align each row's real positions for the drafter
+                take = (torch.arange(width, device=device) + (width - lengths)[:, None]).clamp(max=width - 1)
+                ids = ids.gather(1, take)
+                features = None if features is None else features.gather(
+                    1, take[..., None].expand(-1, -1, features.shape[-1]))
+        check_cache_length(state.cache, width, "prefill")
+        roots = gen.lockstep.share(choose_tokens(last.to(device), state.sampling, state.rng))
+        if not plain:
+            state.draft = gen.drafter.new_context(len(state.prompts))
+            state.draft.append(features, ids, lengths)
+    state.lengths, state.roots, state.prefilled = lengths, roots, True
+    tokens = [[] for _ in state.prompts]
+    for i, row in enumerate(state.active):
+        tokens[row] = [int(roots[i])]
+        state.emit(row, tokens[row])
+    return _finish_round(state, tokens, [None] * len(state.prompts))
+
+
+def _prefill_each_row(state: DecodeState, hidden: bool, width: int, device):
+    """Prefill a hybrid GDN target's prompts one by one and stack the caches: each row's GDN state is then
+    exactly its batch-1 prefill's. A left-padded batch forward is not: transformers zeroes the pad inputs,
+    but its chunked gated-delta rule still decays through the pads (float64, 57 pads: a row's last logits
+    2e-7 off its own prefill's, on transformers 5.0 and 5.24). Returns the last logits ``[B, V]``, the drafter
+    features (left-aligned, ``None`` when not read) and the left-aligned token ids ``[B, width]``."""
+    gen = state.generator
+    target = gen.target
+    caches, last, features = [], [], []
+    ids = torch.full((len(state.prompts), width), gen.pad_token_id, dtype=torch.long, device=device)
+    for b, prompt in enumerate(state.prompts):
+        cache = new_target_cache(target)
+        out = target_forward(target, prompt.view(1, -1), None, cache, hidden=hidden)
+        check_cache_length(cache, len(prompt), "prefill")
+        caches.append(cache)
+        last.append(out.logits[:, -1])
+        if hidden:
+            feats = gen.drafter.context_features(out.hidden_states)
+            features.append(torch.nn.functional.pad(feats, (0, 0, 0, width - feats.shape[1])))
+        ids[b, : len(prompt)] = prompt.to(ids.device)
+    state.cache = stack_rows(caches, [len(p) for p in state.prompts])
+    return torch.cat(last), torch.cat(features) if hidden else None, ids
+
+
+def _plain_step(state: DecodeState) -> RoundResult:
+    target, cache, lengths = state.generator.target, state.cache, state.lengths
+    width = cache_length(cache)
+    with state.timer.stage("verify"):
+        if bool((lengths == width).all()):
+            out = target_forward(target, state.roots.view(-1, 1), None, cache, hidden=False)
+        else:
+            valid = torch.cat([padding_mask(lengths, width), torch.ones_like(lengths[:, None], dtype=torch.bool)], 1)
+            out = target_forward(target, state.roots.view(-1, 1), lengths[:, None], cache, hidden=False,
+                                 attention_mask=valid.long())
+        check_cache_length(cache, width + 1, "decode step")
+        logits = out.logits[:, -1].to(state.roots.device)
+        state.roots = state.generator.lockstep.share(choose_tokens(logits, state.sampling, state.rng))
+    state.lengths = lengths + 1
+    state.rounds += 1
+    tokens = [[] for _ in state.prompts]
+    acceptance: list[int | None] = [None] * len(state.prompts)
+    for i, row in enumerate(state.active):
+        tokens[row] = [int(state.roots[i])]
+        acceptance[row] = 1
+        state.acceptance[row].append(1)
+        state.emit(row, tokens[row])
+    return _finish_round(state, tokens, acceptance)
+
+
+def _tree_round(state: DecodeState) -> RoundResult:
+    """Draft, build, verify and commit one tree per active row."""
+    context = int(state.lengths.max())
+    with state.timer.stage("calibration"):
+        state.policy.prepare(context, len(state.active))
+    tree = _draft_tree(state, context)
+    out, result, verify_seconds = _verify(state, tree)
+    state.policy.observe(tree, result, verify_seconds, context)
+    with state.timer.stage("commit"):
+        path = _commit(state, tree, out, result)
+    _count_sources(state, tree, path, result.num_accepted)
+    return _emit_accepted(state, tree, path, result)
+
+
+def _draft_tree(state: DecodeState, context: int):
+    """This round's trees: the drafter's proposal built under the policy's budget (lookup branches grafted in),
+    or the roots alone while the policy says no tree pays (rank 0 decides both under tensor parallelism)."""
+    gen, roots = state.generator, state.roots
+    if gen.lockstep.share(bool(state.policy.skip_draft)):
+        state.budgets.append(0)
+        return root_only(roots)
+    with state.timer.stage("draft"):
+        proposal = state.draft.propose(roots)
+    with state.timer.stage("tree_build"):
+        size = gen.lockstep.share(state.policy.choose(proposal.logprobs, context))  # each rank's clock differs
+        tree = gen.builder(roots, proposal.logprobs, size)
+        if proposal.has_paths:
+            tree = graft_paths(tree, proposal.paths, size)
+    state.budgets.append(size)
+    return tree
+
+
+def _verify(state: DecodeState, tree):
+    """One target forward over every row's tree at positions ``length + depth``, then the acceptance walk.
+    Returns the forward's output, the :class:`VerifyResult` and the verify forward's seconds."""
+    gen, cache, lengths = state.generator, state.cache, state.lengths
+    width = cache_length(cache)
+    with state.timer.stage("mask"):
+        uniform = bool((lengths == width).all())  # rows padded in the cache need a dense mask
+        extra = {} if uniform else {"prefix_valid": padding_mask(lengths, width)}
+        kwargs = gen.backend.tree_forward_kwargs(gen.target, tree, width, gen.dtype, **extra)
+        positions = tree_position_ids(tree.depths, width if uniform else lengths)
+    before = state.timer.seconds["verify"]
+    with state.timer.stage("verify"):
+        try:
+            out = target_forward(gen.target, tree.tokens, positions, cache,
+                                 hidden=gen.drafter.needs_hidden_states, **kwargs)
+        except RuntimeError:  # a mask sized for a prefix the forward never saw fails inside attention: say why
+            check_cache_length(cache, width + tree.num_nodes, "verify forward")
+            raise
+        check_cache_length(cache, width + tree.num_nodes, "verify forward")
+        logits = out.logits.to(tree.tokens.device)
+        result = gen.lockstep.share(verify_tree(tree, logits, state.sampling, state.rng))
+    return out, result, state.timer.seconds["verify"] - before
+
+
+def _commit(state: DecodeState, tree, out, result) -> torch.Tensor:
+    """Keep each row's accepted nodes in the target cache and give their features to the drafter context.
+    Returns the accepted node indices ``[A, L]`` (rows past their count repeat node 0, never read)."""
+    gen, lengths = state.generator, state.lengths
+    width = cache_length(state.cache) - tree.num_nodes
+    uniform = bool((lengths == width).all())
+    commit_accepted(state.cache, width, result.accepted, None if uniform else lengths)
+    path = result.accepted.clamp(min=0)
+    features = gen.drafter.context_features(out.hidden_states) if gen.drafter.needs_hidden_states else None
+    if features is not None:
+        features = features.gather(1, path[..., None].expand(-1, -1, features.shape[-1]))
+    state.draft.append(features, tree.tokens.gather(1, path), result.num_accepted)
+    return path
+
+
+def _count_sources(state: DecodeState, tree, path: torch.Tensor, num_accepted: torch.Tensor) -> None:
+    """Accepted draft tokens by the proposer that put them in the tree (when the tree says)."""
+    if tree.sources is None:
+        return
+    accepted = tree.sources.gather(1, path).tolist()
+    for flags, count in zip(accepted, num_accepted.tolist()):
+        for flag in flags[1:count]:
+            state.accepted_by_source[SOURCE_NAMES[flag]] += 1
+
+
+def _emit_accepted(state: DecodeState, tree, path: torch.Tensor, result) -> RoundResult:
+    """Emit each row's accepted tokens and bonus token, record the round, and advance the row tensors."""
+    counts, bonus = result.num_accepted.tolist(), result.bonus.tolist()
+    path_tokens = tree.tokens.gather(1, path).tolist()
+    tokens: list[list[int]] = [[] for _ in state.prompts]
+    acceptance: list[int | None] = [None] * len(state.prompts)
+    for i, row in enumerate(state.active):
+        tokens[row] = path_tokens[i][1 : counts[i]] + [bonus[i]]
+        acceptance[row] = counts[i]
+        state.acceptance[row].append(counts[i])
+        if state.record:
+            state.records[row].append(RoundRecord(int(state.lengths[i]), tree.row(i), path[i, : counts[i]].tolist(),
+                                                  bonus[i]))
+        state.emit(row, tokens[row])
+    state.lengths = state.lengths + result.num_accepted.to(state.lengths.device)
+    state.roots = result.bonus
+    state.rounds += 1
+    return _finish_round(state, tokens, acceptance)
+
+
+def _finish_round(state: DecodeState, tokens, acceptance) -> RoundResult:
+    """Drop rows that finished this round from the cache, the drafter context and the row tensors."""
+    finished = [row for row in state.active if state.finished[row]]
+    if finished:
+        keep = [i for i, row in enumerate(state.active) if not state.finished[row]]
+        state.active = [state.active[i] for i in keep]
+        if keep:
+            index = torch.tensor(keep, dtype=torch.long, device=state.lengths.device)
+            select_cache_rows(state.cache, index)
+            if state.draft is not None:
+                state.draft.select_rows(index)
+            state.lengths = state.lengths.index_select(0, index)
+            state.roots = state.roots.index_select(0, index.to(state.roots.device))
+            _trim_leading_padding(state)
+        else:
+            state.cache = state.draft = None  # nothing left to decode: free the memory now
+    return RoundResult(tokens, acceptance, finished)
+
+
+def _trim_leading_padding(state: DecodeState) -> None:
+    """Drop cache columns that are padding in every remaining row."""
+    extra = cache_length(state.cache) - int(state.lengths.max())
+    if extra > 0:
+        truncate_front(state.cache, extra)

@@ -1,0 +1,130 @@
+"""``DecodeState``: everything one generation owns, so that generators, drafters and policies stay shareable.
+
+A generator holds models and settings; each ``generate`` / ``stream`` call (or a
+custom loop) makes one :class:`DecodeState` with :meth:`SpeculativeGenerator.start`
+and advances it with :func:`ddtree.generation.round.speculative_round`. Two states on one
+generator never see each other: interleave them, or run them from two threads
+one after the other.
+
+Rows are the prompts of a batch. Rows still generating are *active*; they are
+the rows of the target cache and of the drafter context, in ``active`` order.
+Each active row's committed tokens sit right-aligned in the cache (left
+padding, as HF pads), ``lengths[i]`` of them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+from ddtree.budget.policy import BudgetPolicy
+from ddtree.core.builders import TreeBuilder
+from ddtree.core.sampling import SamplingConfig
+from ddtree.core.tree import DraftTree
+from ddtree.drafters.base import DraftContext, Drafter
+from ddtree.runtime.distributed import Lockstep
+from ddtree.runtime.timing import StageTimer
+from ddtree.target.attention import TreeAttentionBackend
+from ddtree.target.forward import TargetModel
+
+
+class RoundEngine(Protocol):
+    """What a round reads from the object that made its state (a :class:`SpeculativeGenerator`): models
+    and settings shared by every generation, never per-generation state."""
+
+    target: TargetModel
+    drafter: Drafter
+    builder: TreeBuilder
+    backend: TreeAttentionBackend
+    lockstep: Lockstep
+
+    @property
+    def dtype(self) -> torch.dtype: ...
+
+    @property
+    def pad_token_id(self) -> int: ...
+
+
+@dataclass
+class RoundRecord:
+    """One verify round of one row, kept when ``record_trees=True``: its tree and accepted node indices.
+
+    ``start`` is the root's position (the row's committed tokens before the round).
+    """
+
+    start: int
+    tree: DraftTree
+    accepted: list[int]
+    bonus: int
+
+
+@dataclass
+class RoundResult:
+    """What one round committed, per row of the batch (inactive rows: ``[]`` and ``None``).
+
+    ``acceptance[b]`` counts the tree nodes on row ``b``'s accepted path including
+    the root, which is the tokens the round emitted for it before any stop cut;
+    ``None`` for the prefill, which emits one token per row and verifies nothing.
+    """
+
+    tokens: list[list[int]]
+    acceptance: list[int | None]
+    finished: list[int]
+
+
+@dataclass
+class DecodeState:
+    """One generation: target cache, drafter context, per-row progress, RNG and budget trace."""
+
+    generator: RoundEngine
+    prompts: list[torch.Tensor]
+    max_new_tokens: int
+    sampling: SamplingConfig
+    stops: frozenset[int]
+    policy: BudgetPolicy | None  # None: plain target-only decoding (budget 0)
+    rng: torch.Generator
+    timer: StageTimer
+    record: bool = False
+    new_tokens: list[list[int]] = field(default_factory=list)
+    acceptance: list[list[int]] = field(default_factory=list)
+    records: list[list[RoundRecord]] = field(default_factory=list)
+    finished: list[bool] = field(default_factory=list)
+    budgets: list[int] = field(default_factory=list)
+    active: list[int] = field(default_factory=list)
+    cache: Any = None
+    draft: DraftContext | None = None
+    lengths: torch.Tensor | None = None  # [A] committed tokens per active row, in the cache
+    roots: torch.Tensor | None = None  # [A] each active row's last emitted token, not yet in the cache
+    prefilled: bool = False
+    rounds: int = 0  # verify rounds (or plain decode steps) after the prefill
+    accepted_by_source: dict[str, int] = field(default_factory=lambda: {"drafter": 0, "lookup": 0, "both": 0})
+
+    def __post_init__(self):
+        rows = len(self.prompts)
+        self.new_tokens = [[] for _ in range(rows)]
+        self.acceptance = [[] for _ in range(rows)]
+        self.records = [[] for _ in range(rows)]
+        self.finished = [False] * rows
+        self.active = list(range(rows))
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.prompts)
+
+    @property
+    def done(self) -> bool:
+        return self.prefilled and not self.active
+
+    def emit(self, row: int, tokens: list[int]) -> bool:
+        """Append a row's tokens, cut at its first stop token (kept) and at ``max_new_tokens``; True when it finished."""
+        room = self.max_new_tokens - len(self.new_tokens[row])
+        for i, tok in enumerate(tokens[:room]):
+            if tok in self.stops:
+                self.new_tokens[row].extend(tokens[: i + 1])
+                self.finished[row] = True
+                return True
+        self.new_tokens[row].extend(tokens[:room])
+        self.finished[row] = len(self.new_tokens[row]) >= self.max_new_tokens
+        return self.finished[row]

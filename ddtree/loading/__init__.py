@@ -1,0 +1,1 @@
+"""Finding and loading checkpoints: the shipped default pair (SmolLM2-135M and its DFlash drafter)."""

@@ -1,0 +1,254 @@
+"""KV-cache compaction after a verify round.
+
+After the tree forward the target cache holds ``[prefix | all tree nodes]``.
+:func:`commit_accepted` keeps the prefix and exactly the accepted nodes, in path
+order. It is the one place every cache kind goes through, so version quirks of
+transformers' cache classes stay here.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+
+import torch
+
+SUPPORTED_TRANSFORMERS = ">=5.0,<6"
+"""The transformers versions ddtree is exact on (kept equal to pyproject.toml's range by a test)."""
+
+
+class CacheNotUpdatedError(RuntimeError):
+    """The target forward did not fill the cache it was given: continuing would decode without the prefix."""
+
+
+@functools.lru_cache(maxsize=None)
+def _cache_keyword(forward_owner: type) -> str:
+    params = inspect.signature(forward_owner.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def cache_kwargs(model, cache) -> dict:
+    """The keyword that passes ``cache`` to ``model``'s forward: ``cache=`` on transformers that renamed it,
+    ``past_key_values=`` before (5.0 to 5.17 at least). An unknown keyword is swallowed by ``**kwargs``, so
+    guessing wrong would silently drop the cache; :func:`check_cache_length` catches what this misses."""
+    return {_cache_keyword(type(model)): cache}
+
+
+def check_cache_length(cache, expected: int, step: str) -> None:
+    """Raise :class:`CacheNotUpdatedError` unless ``cache`` holds ``expected`` positions after ``step``."""
+    got = cache_length(cache)
+    if got != expected:
+        import transformers
+
+        raise CacheNotUpdatedError(
+            f"after the {step} the target cache holds {got} positions, expected {expected}: the target's forward "
+            f"did not use the cache ddtree passed. Installed transformers {transformers.__version__}; ddtree "
+            f"supports transformers{SUPPORTED_TRANSFORMERS} with models whose forward takes `cache=` or "
+            "`past_key_values=`. Install a supported version, or pass the cache keyword your model expects."
+        )
+
+
+def new_target_cache(model=None):
+    """A cache whose attention layers keep every position (and, for a hybrid GDN target, state slots).
+
+    Attention layers are built without sliding-window caches on purpose: those discard
+    old states and refuse arbitrary compaction, while ddtree applies windows through its
+    masks instead. Pass ``model`` for targets with linear-attention layers, which need
+    their conv/recurrent slots (see :mod:`ddtree.target.linear_attention`).
+    """
+    from transformers import DynamicCache
+
+    if model is not None:
+        from ddtree.target.linear_attention import gdn_modules, new_hybrid_cache
+
+        if gdn_modules(model):
+            return new_hybrid_cache(model)
+    return DynamicCache()
+
+
+def cache_length(cache) -> int:
+    return int(cache.get_seq_length()) if cache is not None else 0
+
+
+def keep_positions(
+    tensor: torch.Tensor, prefix_len: int, accepted: torch.Tensor, contiguous: bool | None = None
+) -> torch.Tensor:
+    """``tensor[..., :prefix_len, :]`` followed by the tree rows ``accepted`` (``[B, L]`` node indices).
+
+    Works on ``[B, heads, T, d]`` states. When the accepted nodes are the first
+    ``L`` tree rows in order (always true for a chain) this is a slice, not a copy.
+    """
+    bsz, length = accepted.shape
+    if bsz != tensor.shape[0]:
+        raise ValueError(f"accepted indices are for {bsz} rows, the cache has {tensor.shape[0]}")
+    if contiguous is None:
+        contiguous = _is_leading_run(accepted)
+    if contiguous:
+        return tensor[..., : prefix_len + length, :]
+    index = (prefix_len + accepted).to(tensor.device)  # [B, L]
+    index = index[:, None, :, None].expand(bsz, tensor.shape[1], length, tensor.shape[-1])
+    return torch.cat([tensor[..., :prefix_len, :], tensor.gather(2, index)], dim=2)
+
+
+def _is_leading_run(accepted: torch.Tensor) -> bool:
+    return bool((accepted == torch.arange(accepted.shape[1], device=accepted.device)).all())
+
+
+def compaction_index(prefix_len: int, accepted: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """Source columns ``[B, W]`` of the compacted cache, rows right-aligned (left padding, as HF pads).
+
+    Row ``b`` keeps its ``lengths[b]`` committed columns (the last ones of the
+    prefix) and its accepted tree nodes (``accepted[b]``, ``-1`` padded), in
+    that order, at the right end; ``W`` is the longest row. Pad columns point at
+    column 0 and are masked by :func:`padding_mask`.
+    """
+    bsz, length = accepted.shape
+    device = accepted.device
+    counts = (accepted >= 0).sum(dim=1)  # [B]
+    kept = lengths.to(device) + counts
+    width = int(kept.max())
+    col = torch.arange(width, device=device)[None]  # [1, W]
+    offset = (width - kept)[:, None]  # pads in front of each row
+    rel = col - offset  # index into [committed ; accepted] per row, < 0 for pads
+    n = lengths.to(device)[:, None]
+    from_prefix = prefix_len - n + rel
+    from_tree = prefix_len + accepted.gather(1, (rel - n).clamp(0, length - 1))
+    index = torch.where(rel < n, from_prefix, from_tree)
+    return torch.where(rel < 0, torch.zeros_like(index), index)
+
+
+def padding_mask(lengths: torch.Tensor, width: int) -> torch.Tensor:
+    """Bool ``[B, width]``: True on each row's committed columns (the last ``lengths[b]``)."""
+    col = torch.arange(width, device=lengths.device)[None]
+    return col >= (width - lengths)[:, None]
+
+
+def commit_accepted(cache, prefix_len: int, accepted: torch.Tensor, lengths: torch.Tensor | None = None) -> None:
+    """Keep each row's committed columns plus its accepted tree nodes in every layer of ``cache``, in place.
+
+    ``accepted`` is ``[B, L]``: node indices along each row's accepted path,
+    root first, ``-1`` after a row's last node. ``lengths`` ``[B]`` counts each
+    row's committed columns before the tree (the last ``lengths[b]`` of the
+    ``prefix_len``); omitted, every row has all ``prefix_len``. Rows end
+    right-aligned (see :func:`compaction_index`). Rows that accept equally many
+    nodes keep the cheap path: a slice for a chain, one gather of the tree block
+    otherwise; only ragged acceptance re-packs the whole cache.
+    """
+    if accepted.dim() != 2:
+        raise ValueError(f"accepted must be [batch, length], got shape {tuple(accepted.shape)}")
+    if accepted.shape[1] == 0 or bool((accepted[:, 0] != 0).any()):
+        raise ValueError("every row's accepted path starts at the root (node 0)")
+    counts = (accepted >= 0).sum(dim=1)
+    if bool(((accepted >= 0) != (torch.arange(accepted.shape[1], device=accepted.device) < counts[:, None])).any()):
+        raise ValueError("accepted paths must be -1 padded at the end only")
+    from ddtree.target.linear_attention import commit_linear_states, has_pending
+
+    kv_layers = _kv_layers(cache)
+    if has_pending(cache):
+        commit_linear_states(cache, accepted)  # GDN layers: per row, from each row's own last accepted node
+    elif _has_linear_layers(cache):
+        raise ValueError(
+            "the target cache has linear-attention (GDN) layers but the verify forward left no per-node state: "
+            "transformers' own GDN forward would have mixed sibling nodes. Prepare the target with "
+            "ddtree.target.linear_attention.prepare(model) and pass the backend's tree_forward_kwargs "
+            "(SpeculativeGenerator does)"
+        )
+    # Rows that accept equally many nodes stay right-aligned when the nodes are appended after the whole
+    # prefix (padding included): the cheap path, whatever each row's own length.
+    if bool((counts == accepted.shape[1]).all()):
+        contiguous = _is_leading_run(accepted)  # once per round, not once per layer
+        for keys, values, store in kv_layers:
+            store(keep_positions(keys, prefix_len, accepted, contiguous),
+                  keep_positions(values, prefix_len, accepted, contiguous))
+        return
+    index = compaction_index(prefix_len, accepted, lengths if lengths is not None else torch.full_like(counts, prefix_len))
+    for keys, values, store in kv_layers:
+        store(_gather_columns(keys, index), _gather_columns(values, index))
+
+
+def _has_linear_layers(cache) -> bool:
+    layers = getattr(cache, "layers", None)
+    if layers is None:
+        return any(c is not None for c in getattr(cache, "conv_states", []))
+    return any(hasattr(layer, "recurrent_states") for layer in layers)
+
+
+def _kv_layers(cache) -> list[tuple]:
+    """``(keys, values, store(keys, values))`` for every filled attention layer; the one place that knows how
+    each transformers version holds them. Refuses caches ddtree cannot compact."""
+    found = []
+    layers = getattr(cache, "layers", None)
+    if layers is None and hasattr(cache, "key_cache"):  # transformers 5.0's Qwen3NextDynamicCache: plain lists
+        for i in range(len(cache.key_cache)):
+            def store(k, v, i=i):
+                cache.key_cache[i], cache.value_cache[i] = k, v
+            if cache.key_cache[i] is not None and cache.key_cache[i].numel():
+                found.append((cache.key_cache[i], cache.value_cache[i], store))
+        return found
+    for layer in layers or []:
+        if getattr(layer, "is_sliding", False):
+            raise ValueError(
+                "the target cache has sliding-window layers that discard states; build it with "
+                "ddtree.new_target_cache(model) so every layer keeps all positions"
+            )
+        if hasattr(layer, "recurrent_states") and not hasattr(layer, "keys"):
+            continue  # a GDN layer: committed by commit_linear_states, which needs the verify's pending inputs
+        def store(k, v, layer=layer):
+            layer.keys, layer.values = k, v
+        keys = getattr(layer, "keys", None)
+        if keys is not None and keys.numel():
+            found.append((keys, layer.values, store))
+    return found
+
+
+def _gather_columns(tensor: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``tensor[b, :, index[b], :]`` for ``[B, heads, T, d]`` states."""
+    bsz, heads, _, dim = tensor.shape
+    idx = index.to(tensor.device)[:, None, :, None].expand(bsz, heads, index.shape[1], dim)
+    return tensor.gather(2, idx)
+
+
+def truncate(cache, length: int) -> None:
+    """Back to the first ``length`` columns: drop the rest in every attention layer (``DynamicCache.crop``'s
+    meaning moved across versions) and any uncommitted tree state of linear-attention layers."""
+    from ddtree.target.linear_attention import drop_pending
+
+    drop_pending(cache)
+    for keys, values, store in _kv_layers(cache):
+        store(keys[..., :length, :], values[..., :length, :])
+
+
+def truncate_front(cache, count: int) -> None:
+    """Drop the first ``count`` columns of every attention layer (padding that no remaining row needs)."""
+    for keys, values, store in _kv_layers(cache):
+        store(keys[..., count:, :], values[..., count:, :])
+
+
+def select_rows(cache, rows: torch.Tensor) -> None:
+    """Keep only batch rows ``rows`` of every layer of ``cache`` (finished rows stop costing compute): attention
+    columns and, for a hybrid target, each GDN layer's per-row conv window and recurrent state."""
+    from ddtree.target.linear_attention import select_linear_rows
+
+    for keys, values, store in _kv_layers(cache):
+        index = rows.to(keys.device)
+        store(keys.index_select(0, index), values.index_select(0, index))
+    select_linear_rows(cache, rows)
+
+
+def stack_rows(caches: list, lengths: list[int]):
+    """One batch cache from batch-1 caches holding ``lengths[b]`` columns each: attention columns
+    right-aligned (zeros in front, which :func:`padding_mask` masks) and GDN states stacked. Reuses the
+    longest row's cache object, so its per-layer bookkeeping (initialised layers, previous-state flags) stays."""
+    from ddtree.target.linear_attention import stack_linear_states
+
+    if len(caches) != len(lengths) or not caches:
+        raise ValueError(f"{len(caches)} caches for {len(lengths)} lengths")
+    width = max(lengths)
+    base = caches[lengths.index(width)]
+    layers = [_kv_layers(c) for c in caches]
+    for j, (_, _, store) in enumerate(layers[lengths.index(width)]):
+        padded = [[torch.nn.functional.pad(rows[j][part], (0, 0, width - n, 0)) for rows, n in zip(layers, lengths)]
+                  for part in (0, 1)]
+        store(torch.cat(padded[0]), torch.cat(padded[1]))
+    stack_linear_states(caches, base)
+    return base

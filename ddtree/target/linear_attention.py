@@ -1,0 +1,462 @@
+"""Tree verification through Gated DeltaNet (GDN) linear-attention layers (Qwen3.5/3.6, Qwen3-Next).
+
+A GDN layer carries a depthwise causal conv window and a recurrent state from token
+to token. transformers' own GDN forward treats its input as ONE chain that continues
+the cached state, so on a flattened tree siblings would mix. Here each node gets:
+
+- the conv over its own window: its K-1 nearest ancestors (topped up from the cached
+  conv window for shallow nodes) and itself, gathered by a table built once per forward;
+- the recurrence from its parent's state, run depth by depth with the nodes of one
+  depth as the batch (transformers' recurrent gated-delta step, or its fused kernel
+  when installed); a chain runs as one call over the whole block.
+
+The verify forward never writes the cache. It stashes each node's small recurrence
+inputs (q, k, v, g, beta) and conv inputs in a pending slot of the cache object, and
+:func:`commit_linear_states` (called by :func:`ddtree.target.cache.commit_accepted`) replays
+each row's accepted path from the committed state: the last accepted node's state and
+the conv window along the path become the cache. Keeping inputs instead of per-node
+states is what makes a 64-node tree affordable on a 27B target (design.md).
+
+``prepare(model)`` patches the GDN modules' ``forward`` on the instances (reversible with
+:func:`unprepare`); without a tree they run transformers' forward untouched.
+"""
+
+from __future__ import annotations
+
+import sys
+import types
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from ddtree.core.tree import DraftTree
+
+LINEAR_TREE_KWARG = "ddtree_linear_tree"
+"""Forward kwarg carrying the :class:`DraftTree` to the GDN layers (popped at the model's top)."""
+
+GDN_MODEL_TYPES = ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next")
+"""Model types whose linear-attention layers ddtree verifies as trees."""
+
+_PENDING = "_ddtree_linear_pending"  # attribute of the cache object: {layer_idx: _Pending}
+
+
+def gdn_modules(model) -> list[torch.nn.Module]:
+    """The Gated DeltaNet modules of ``model`` in layer order (empty for attention-only models)."""
+    found = [m for m in model.modules() if type(m).__name__.endswith("GatedDeltaNet")]
+    return sorted(found, key=lambda m: m.layer_idx)
+
+
+# --------------------------------------------------------------------------- per-forward plan
+
+
+@dataclass(eq=False)
+class LinearTreePlan:
+    """Index tables for one tree forward, shared by every GDN layer.
+
+    Nodes are addressed flat (``row * N + node``). ``levels[d]`` holds the flat ids of
+    the depth-``d`` nodes and, for each, the slot of its parent among depth ``d-1``'s
+    results (for the roots, its row: the committed state). A chain needs no levels (it
+    runs as one sequence), so they are left empty for it.
+    """
+
+    batch: int
+    num_nodes: int
+    parents: np.ndarray  # [B, N]
+    depths: np.ndarray  # [B, N]
+    levels: list[tuple[torch.Tensor, torch.Tensor]]
+    is_chain: bool
+    _conv_index: dict = field(default_factory=dict, repr=False)
+
+    @classmethod
+    def from_tree(cls, tree: DraftTree) -> "LinearTreePlan":
+        parents = tree.parents.detach().cpu().numpy()
+        depths = tree.depths.detach().cpu().numpy()
+        bsz, n = parents.shape
+        is_chain = bool((parents[:, 1:] == np.arange(n - 1)).all()) if n > 1 else True
+        levels = []
+        slot_of = np.zeros((bsz, n), dtype=np.int64)  # a node's position within its depth's batch
+        device = tree.parents.device
+        for d in range(0 if is_chain else int(depths.max()) + 1):
+            rows, nodes = np.nonzero(depths == d)
+            slot_of[rows, nodes] = np.arange(len(rows))
+            parent_slot = rows if d == 0 else slot_of[rows, parents[rows, nodes]]
+            levels.append((torch.as_tensor(rows * n + nodes, device=device),
+                           torch.as_tensor(parent_slot, device=device)))
+        return cls(bsz, n, parents, depths, levels, is_chain)
+
+    def conv_index(self, kernel: int, device) -> torch.Tensor:
+        """``[B, N*K]`` indices into ``[cached window (K) | tree inputs (N)]``: each node's window, oldest first."""
+        key = (kernel, str(device))
+        if key not in self._conv_index:
+            bsz, n = self.parents.shape
+            rows = np.arange(bsz)[:, None]
+            node = np.tile(np.arange(n), (bsz, 1))  # walks up one ancestor per step back
+            table = np.empty((bsz, n, kernel), dtype=np.int64)
+            for back in range(kernel):  # column kernel-1-back holds the input `back` steps before each node
+                table[:, :, kernel - 1 - back] = np.where(back <= self.depths, kernel + node,
+                                                          kernel - (back - self.depths))
+                node = np.where(back < self.depths, self.parents[rows, node], node)
+            self._conv_index[key] = torch.as_tensor(table.reshape(bsz, n * kernel), device=device)
+        return self._conv_index[key]
+
+
+# --------------------------------------------------------------------------- cache access (version quirks)
+
+
+def _states(cache, idx: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The committed ``(conv window [B, C, K], recurrent state [B, HV, Dk, Dv])`` of GDN layer ``idx``."""
+    layers = getattr(cache, "layers", None)
+    if layers is not None:
+        layer = layers[idx]
+        return layer.conv_states[0], layer.recurrent_states[0]
+    return cache.conv_states[idx], cache.recurrent_states[idx]  # transformers 5.0's Qwen3NextDynamicCache
+
+
+def _set_states(cache, idx: int, conv: torch.Tensor, recurrent: torch.Tensor) -> None:
+    layers = getattr(cache, "layers", None)
+    if layers is not None:
+        layer = layers[idx]
+        layer.conv_states[0] = conv
+        layer.recurrent_states[0] = recurrent
+    else:
+        cache.conv_states[idx] = conv
+        cache.recurrent_states[idx] = recurrent
+
+
+def new_hybrid_cache(model):
+    """A cache with conv/recurrent slots for the GDN layers and full-length KV for attention layers."""
+    config = model.config
+    module = sys.modules[type(model).__module__]
+    legacy = [getattr(module, n) for n in dir(module) if n.endswith("DynamicCache") and n != "DynamicCache"]
+    if legacy:  # transformers 5.0: the model family ships its own hybrid cache class
+        return legacy[0](config)
+    from transformers import DynamicCache, DynamicLayer
+
+    cache = DynamicCache(config=config)
+    for i, layer in enumerate(cache.layers):
+        if getattr(layer, "is_sliding", False):
+            cache.layers[i] = DynamicLayer()  # ddtree applies windows through masks; compaction needs every position
+    return cache
+
+
+# --------------------------------------------------------------------------- the tree forward of one GDN layer
+
+
+@dataclass
+class _Pending:
+    """One layer's verify-forward inputs, kept until commit (never the committed state itself)."""
+
+    conv_inputs: torch.Tensor  # [B, C, N] raw conv inputs of the tree nodes
+    q: torch.Tensor  # [B, N, H, Dk] after the conv (heads already matched to the value heads)
+    k: torch.Tensor
+    v: torch.Tensor  # [B, N, HV, Dv]
+    g: torch.Tensor  # [B, N, HV]
+    beta: torch.Tensor  # [B, N, HV]
+    fn: object  # the layer's recurrent gated-delta function, for the replay at commit
+
+
+def _recurrent_fn(module):
+    """transformers' recurrent gated-delta step for this module (the fla kernel when transformers picked it)."""
+    fn = getattr(module, "recurrent_gated_delta_rule", None)
+    if fn is None:
+        fn = getattr(sys.modules[type(module).__module__], "torch_recurrent_gated_delta_rule")
+    return fn
+
+
+def _chunk_fn(module):
+    """transformers' chunked gated-delta rule (its multi-token path; the fla kernel when transformers picked it)."""
+    fn = getattr(module, "chunk_gated_delta_rule", None)
+    if fn is None:
+        fn = getattr(sys.modules[type(module).__module__], "torch_chunk_gated_delta_rule")
+    return fn
+
+
+CHUNKED_CHAIN_FROM = 32
+"""Chains of at least this many nodes run transformers' chunked rule (what its own multi-token forward does);
+shorter ones its recurrent step, which measured faster below that on a CPU (docs/benchmarks.md)."""
+
+
+def _project(module, hidden: torch.Tensor):
+    """The module's own projections: ``(conv inputs [B, N, C], z [B, N, HV, Dv], b, a)``."""
+    bsz, n, _ = hidden.shape
+    if hasattr(module, "in_proj_qkvz"):  # Qwen3-Next packs q, k, v, z (and b, a) per key head
+        q, k, v, z, b, a = module.fix_query_key_value_ordering(module.in_proj_qkvz(hidden), module.in_proj_ba(hidden))
+        mixed = torch.cat([x.reshape(bsz, n, -1) for x in (q, k, v)], dim=-1)
+        return mixed, z, b, a
+    z = module.in_proj_z(hidden).reshape(bsz, n, -1, module.head_v_dim)
+    return module.in_proj_qkv(hidden), z, module.in_proj_b(hidden), module.in_proj_a(hidden)
+
+
+def _activation(module, x: torch.Tensor) -> torch.Tensor:
+    from transformers.activations import ACT2FN
+
+    return ACT2FN[getattr(module, "activation", "silu")](x)
+
+
+def gdn_tree_forward(module, hidden: torch.Tensor, plan: LinearTreePlan, cache) -> torch.Tensor:
+    """The GDN layer's output for every tree node from its own root-to-node path; stashes the commit inputs."""
+    bsz, n, _ = hidden.shape
+    if (bsz, n) != (plan.batch, plan.num_nodes):
+        raise ValueError(f"the tree has [{plan.batch}, {plan.num_nodes}] nodes but the GDN layer got {bsz}x{n} tokens")
+    conv_state, state = _states(cache, module.layer_idx) if cache is not None else (None, None)
+    if conv_state is None or state is None:
+        raise ValueError("a tree forward through GDN layers needs a prefilled cache (run the prompt first, with "
+                         "ddtree.new_target_cache(model))")
+    mixed, z, b, a = _project(module, hidden)
+    kernel = module.conv_kernel_size
+    weight = module.conv1d.weight  # [C, 1, K]
+    conv_inputs = mixed.transpose(1, 2)  # [B, C, N]
+    ext = torch.cat([conv_state.to(weight.dtype), conv_inputs.to(weight.dtype)], dim=-1)  # [B, C, K + N]
+    if plan.is_chain:  # node i's window is ext[i+1 : i+1+K]: a strided view, no gather
+        windows = ext.unfold(2, kernel, 1)[:, :, 1:].transpose(1, 2)  # [B, N, C, K]
+    else:
+        index = plan.conv_index(kernel, ext.device)
+        windows = ext.gather(2, index[:, None, :].expand(bsz, ext.shape[1], n * kernel))  # [B, C, N*K]
+        windows = windows.view(bsz, -1, n, kernel).transpose(1, 2)  # [B, N, C, K]
+    conv = (windows * weight[:, 0]).sum(-1)  # the depthwise conv at each node's last tap: [B, N, C]
+    if module.conv1d.bias is not None:  # (a multiply-sum: torch's depthwise conv1d is slow on few positions)
+        conv = conv + module.conv1d.bias
+    conv = _activation(module, conv).to(hidden.dtype)
+    q, k, v = torch.split(conv, [module.key_dim, module.key_dim, module.value_dim], dim=-1)
+    q = q.reshape(bsz, n, -1, module.head_k_dim)
+    k = k.reshape(bsz, n, -1, module.head_k_dim)
+    v = v.reshape(bsz, n, -1, module.head_v_dim)
+    group = module.num_v_heads // module.num_k_heads
+    if group > 1:
+        q, k = q.repeat_interleave(group, dim=2), k.repeat_interleave(group, dim=2)
+    beta = b.sigmoid()
+    g = -module.A_log.float().exp() * F.softplus(a.float() + module.dt_bias)
+    pending = _Pending(conv_inputs, q, k, v, g, beta, _recurrent_fn(module))
+    if getattr(cache, _PENDING, None) is None:
+        setattr(cache, _PENDING, {})
+    getattr(cache, _PENDING)[module.layer_idx] = pending
+
+    if plan.is_chain and n >= CHUNKED_CHAIN_FROM:
+        core = _run(_chunk_fn(module), q, k, v, g, beta, state, False)[0]
+    else:
+        core = _tree_recurrence(pending.fn, pending, plan, state)  # [B, N, HV, Dv]
+    core = module.norm(core.reshape(-1, module.head_v_dim), z.reshape(-1, module.head_v_dim))
+    return module.out_proj(core.reshape(bsz, n, -1))
+
+
+def _run(fn, q, k, v, g, beta, initial, final: bool):
+    return fn(q, k, v, g=g, beta=beta, initial_state=initial, output_final_state=final, use_qk_l2norm_in_kernel=True)
+
+
+def _tree_recurrence(fn, p: _Pending, plan: LinearTreePlan, state: torch.Tensor) -> torch.Tensor:
+    """Per-node recurrence outputs: a chain in one call, a tree depth by depth from the parents' states.
+
+    Where the layer's function is transformers' torch reference, each depth runs the same step in a
+    few torch ops on inputs normalised once for all nodes (the per-call preparation of the reference
+    loop would dominate a small tree); this is used only after a probe showed it reproduces the
+    function bit for bit. Otherwise (the fla kernel, or another transformers' variant), each depth
+    is one call of the layer's own function.
+    """
+    if plan.is_chain:
+        return _run(fn, p.q, p.k, p.v, p.g, p.beta, state, False)[0]
+    if _torch_step_matches(fn, p.q.dtype, p.q.device):
+        return _levels_in_torch(p, plan, state)
+    return _levels_with(fn, p, plan, state)
+
+
+def _levels_with(fn, p: _Pending, plan: LinearTreePlan, state: torch.Tensor) -> torch.Tensor:
+    bsz, n = plan.batch, plan.num_nodes
+    flat = [x.reshape(bsz * n, 1, *x.shape[2:]) for x in (p.q, p.k, p.v, p.g, p.beta)]
+    out = None
+    for ids, parent_slot in plan.levels:
+        xs = [x.index_select(0, ids) for x in flat]
+        o, state = _run(fn, *xs, state.index_select(0, parent_slot), True)
+        if out is None:
+            out = o.new_empty(bsz * n, *o.shape[2:])
+        out.index_copy_(0, ids, o[:, 0])
+    return out.view(bsz, n, *out.shape[1:])
+
+
+def _l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
+
+
+def _levels_in_torch(p: _Pending, plan: LinearTreePlan, state: torch.Tensor) -> torch.Tensor:
+    """transformers' reference gated delta rule (float32, q/k l2-normalised, q scaled), one depth per step."""
+    bsz, n = plan.batch, plan.num_nodes
+    out_dtype = p.v.dtype
+    q, k, v, g, beta = (x.reshape(bsz * n, *x.shape[2:]).to(torch.float32) for x in (p.q, p.k, p.v, p.g, p.beta))
+    q = _l2norm(q)
+    k = _l2norm(k)
+    q = q / (q.shape[-1] ** 0.5)
+    decay = g.exp()[..., None, None]  # [BN, HV, 1, 1]
+    beta = beta[..., None]
+    state = state.to(torch.float32)
+    out = v.new_empty(v.shape)  # [BN, HV, Dv]
+    for ids, parent_slot in plan.levels:
+        s = state.index_select(0, parent_slot) * decay[ids]
+        k_t = k[ids]
+        kv_mem = (s * k_t.unsqueeze(-1)).sum(dim=-2)
+        delta = (v[ids] - kv_mem) * beta[ids]
+        s = s + k_t.unsqueeze(-1) * delta.unsqueeze(-2)
+        out[ids] = (s * q[ids].unsqueeze(-1)).sum(dim=-2)
+        state = s
+    return out.view(bsz, n, *out.shape[1:]).to(out_dtype)
+
+
+_PROBED: dict = {}
+
+
+def _torch_step_matches(fn, dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether :func:`_levels_in_torch` equals ``fn`` exactly (outputs and states) on a small random case."""
+    key = (fn, dtype, str(device))
+    if key not in _PROBED:
+        gen = torch.Generator().manual_seed(0)
+        rand = lambda *shape: torch.randn(*shape, generator=gen).to(device=device, dtype=dtype)  # noqa: E731
+        bsz, heads, dim = 3, 2, 8
+        p = _Pending(None, rand(bsz, 1, heads, dim), rand(bsz, 1, heads, dim), rand(bsz, 1, heads, dim),
+                     -rand(bsz, 1, heads).abs().float(), rand(bsz, 1, heads).sigmoid(), fn)
+        state = torch.randn(bsz, heads, dim, dim, generator=gen).to(device)
+        plan = LinearTreePlan(bsz, 1, np.full((bsz, 1), -1), np.zeros((bsz, 1), dtype=np.int64),
+                              [(torch.arange(bsz, device=device), torch.arange(bsz, device=device))], False)
+        try:
+            want = _run(fn, p.q, p.k, p.v, p.g, p.beta, state, True)[0]
+            _PROBED[key] = torch.equal(_levels_in_torch(p, plan, state), want)
+        except Exception:  # a kernel that cannot run this probe: use it as it is
+            _PROBED[key] = False
+    return _PROBED[key]
+
+
+# --------------------------------------------------------------------------- commit
+
+
+def has_pending(cache) -> bool:
+    return bool(getattr(cache, _PENDING, None))
+
+
+def drop_pending(cache) -> None:
+    """Forget a verify forward's per-node inputs: its tree is discarded, the committed state stays."""
+    if getattr(cache, _PENDING, None):
+        setattr(cache, _PENDING, {})
+
+
+def commit_linear_states(cache, accepted: torch.Tensor) -> None:
+    """Install, per row, the recurrent state of its last accepted node and the conv window along its path.
+
+    ``accepted`` is ``[B, L]`` node indices root first, ``-1`` padding where a row accepted
+    fewer nodes (ragged batches). Replays each row's path from its committed state with the
+    inputs the verify forward stashed, then clears the pending slot.
+    """
+    pending: dict[int, _Pending] = getattr(cache, _PENDING, None) or {}
+    setattr(cache, _PENDING, {})
+    for idx, p in pending.items():
+        conv_state, state = _states(cache, idx)
+        rows_conv, rows_state = [], []
+        for row in range(accepted.shape[0]):
+            path = accepted[row][accepted[row] >= 0].to(p.q.device)
+            kernel = conv_state.shape[-1]
+            window = torch.cat([conv_state[row], p.conv_inputs[row].index_select(-1, path).to(conv_state.dtype)], -1)
+            rows_conv.append(window[:, -kernel:])
+            if path.numel() == 0:
+                rows_state.append(state[row])
+                continue
+            xs = [x[row : row + 1].index_select(1, path) for x in (p.q, p.k, p.v, p.g, p.beta)]
+            rows_state.append(_run(p.fn, *xs, state[row : row + 1], True)[1][0].to(state.dtype))
+        _set_states(cache, idx, torch.stack(rows_conv), torch.stack(rows_state))
+
+
+# --------------------------------------------------------------------------- batch rows
+
+
+def _linear_layer_ids(cache) -> list[int]:
+    """Indices of the GDN layers of ``cache`` that hold a committed state."""
+    layers = getattr(cache, "layers", None)
+    if layers is not None:
+        return [i for i, layer in enumerate(layers)
+                if hasattr(layer, "recurrent_states") and layer.recurrent_states[0] is not None]
+    return [i for i, conv in enumerate(getattr(cache, "conv_states", None) or []) if conv is not None]
+
+
+def stack_linear_states(caches: list, into) -> None:
+    """Give ``into`` the GDN states of every cache in ``caches`` (batch-1 each), stacked in that order.
+
+    GDN states are per row, not per column: a row's state is exactly its own prefill's, whatever
+    the other rows' lengths.
+    """
+    for idx in _linear_layer_ids(into):
+        convs, states = zip(*(_states(c, idx) for c in caches))
+        _set_states(into, idx, torch.cat(convs), torch.cat(states))
+
+
+def select_linear_rows(cache, rows: torch.Tensor) -> None:
+    """Keep only batch rows ``rows`` of every GDN layer's conv window and recurrent state (and any
+    uncommitted tree inputs), so a finished row's state never reaches a remaining row."""
+    for idx in _linear_layer_ids(cache):
+        conv, state = _states(cache, idx)
+        _set_states(cache, idx, conv.index_select(0, rows.to(conv.device)),
+                    state.index_select(0, rows.to(state.device)))
+    pending: dict[int, _Pending] = getattr(cache, _PENDING, None) or {}
+    for idx, p in pending.items():
+        pick = lambda x: x.index_select(0, rows.to(x.device))  # noqa: E731
+        pending[idx] = _Pending(pick(p.conv_inputs), pick(p.q), pick(p.k), pick(p.v), pick(p.g), pick(p.beta), p.fn)
+
+
+# --------------------------------------------------------------------------- installing on a model
+
+
+@dataclass
+class _Context:
+    """What the top-level forward hands its GDN layers for one call (None outside tree forwards)."""
+
+    plan: LinearTreePlan | None = None
+    cache: object = None
+
+
+def _gdn_forward(self, hidden_states, *args, **kwargs):
+    ctx: _Context = self._ddtree_context
+    if ctx.plan is None:
+        return self._ddtree_original_forward(hidden_states, *args, **kwargs)
+    return gdn_tree_forward(self, hidden_states, ctx.plan, ctx.cache)
+
+
+def _model_forward(self, *args, **kwargs):
+    tree = kwargs.pop(LINEAR_TREE_KWARG, None)
+    ctx: _Context = self._ddtree_context
+    if tree is None:
+        return self._ddtree_original_forward(*args, **kwargs)
+    cache = next((kwargs[k] for k in ("cache", "past_key_values", "cache_params") if kwargs.get(k) is not None), None)
+    if cache is None:
+        raise ValueError("a tree forward through GDN layers needs the target cache (pass it with ddtree.cache_kwargs)")
+    setattr(cache, _PENDING, {})
+    ctx.plan = tree if isinstance(tree, LinearTreePlan) else LinearTreePlan.from_tree(tree)
+    ctx.cache = cache
+    try:
+        return self._ddtree_original_forward(*args, **kwargs)
+    finally:
+        ctx.plan, ctx.cache = None, None
+
+
+def is_prepared(model) -> bool:
+    return "_ddtree_context" in vars(model)
+
+
+def prepare(model) -> bool:
+    """Route ``model``'s GDN layers through the tree-aware forward (idempotent); False when it has none."""
+    modules = gdn_modules(model)
+    if not modules:
+        return False
+    if is_prepared(model):
+        return True
+    ctx = _Context()
+    for m in modules:
+        m._ddtree_original_forward = m.forward
+        m._ddtree_context = ctx
+        m.forward = types.MethodType(_gdn_forward, m)
+    model._ddtree_original_forward = model.forward
+    model._ddtree_context = ctx
+    model.forward = types.MethodType(_model_forward, model)
+    return True
+
+
+def unprepare(model) -> None:
+    """Undo :func:`prepare`: the instances get their class forwards back."""
+    for m in [model, *gdn_modules(model)]:
+        for name in ("forward", "_ddtree_original_forward", "_ddtree_context"):
+            m.__dict__.pop(name, None)
