@@ -7,6 +7,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+# Which proposer put a node in the tree (``DraftTree.sources`` bits): the drafter, prompt lookup, or both.
+DRAFTER, LOOKUP = 1, 2
+SOURCE_NAMES = {DRAFTER: "drafter", LOOKUP: "lookup", DRAFTER | LOOKUP: "both"}
+
 
 @dataclass
 class DraftTree:
@@ -149,8 +153,6 @@ def graft_paths(tree: DraftTree, paths: list[list[tuple[list[int], list[float]]]
     Rows are padded to one node count with the best leftover candidates where a
     row has fewer. ``sources`` records each node's origin (drafter 1, branch 2).
     """
-    from ddtree.core.tree import DRAFTER, LOOKUP
-
     bsz = tree.batch_size
     if len(paths) != bsz:
         raise ValueError(f"paths are given for {len(paths)} rows, the tree has {bsz}")
@@ -202,9 +204,3 @@ def graft_paths(tree: DraftTree, paths: list[list[tuple[list[int], list[float]]]
                                      torch.tensor(out_s, dtype=tree.scores.dtype, device=device))
     grafted.sources = torch.tensor(out_src, device=device)
     return grafted
-
-
-DRAFTER, LOOKUP = 1, 2
-
-
-SOURCE_NAMES = {1: "drafter", 2: "lookup", 3: "both"}
