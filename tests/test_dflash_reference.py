@@ -151,7 +151,9 @@ def chain_rounds(kind, target, tmp_path):
 def drive_both(theirs, ours, target, seq, num_rounds):
     """A greedy chain generation in which, every round, both drafters propose from the same committed prefix;
     the target verifies ddtree's chain (a full forward, no cache) and both chains' acceptance is recorded."""
-    ids, size, mask_id = ours.target_layer_ids, ours.block_size, ours.mask_token_id
+    ids, mask_id = ours.target_layer_ids, ours.mask_token_id
+    size = int(dm._draft_value(theirs.config, "block_size", 16))  # theirs: a block-size mix-up must show
+    assert ours.block_size == size
     prompt_len = seq.shape[1]
     with torch.no_grad():
         out = target(seq, output_hidden_states=True)
@@ -279,6 +281,33 @@ def test_unknown_keys_are_listed_in_one_warning(tmp_path):
         DFlashConfig.from_pretrained(tmp_path)
     msgs = [str(w.message) for w in caught if "does not read" in str(w.message)]
     assert len(msgs) == 1 and "zebra" in msgs[0] and "dflash_config.striped" in msgs[0]
+
+
+def flash_visible(q_len, kv_len, causal, window_size):
+    """flash-attn's documented rule: query i sits at key index i + kv_len - q_len (bottom-right alignment) and
+    sees keys in [pos - left, pos + right] (-1: unbounded), and only keys <= pos when causal."""
+    left, right = window_size
+    pos = torch.arange(q_len)[:, None] + kv_len - q_len
+    j = torch.arange(kv_len)[None]
+    ok = torch.ones(q_len, kv_len, dtype=torch.bool)
+    if left >= 0:
+        ok &= j >= pos - left
+    if right >= 0:
+        ok &= j <= pos + right
+    return ok & (j <= pos) if causal else ok
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("window", [None, 1, 3, 8, 100])
+def test_flash_attn_arguments_give_the_same_rule(causal, window):
+    """The flash-attn path (CUDA only, not run here) is handed arguments whose rule equals the SDPA mask's."""
+    from ddtree.drafters.dflash.attention import flash_window, visible_keys
+
+    q_len, kv_len = 6, 20
+    want = visible_keys(torch.arange(kv_len - q_len, kv_len), torch.arange(kv_len), causal, window)
+    if want is None:
+        want = torch.ones(q_len, kv_len, dtype=torch.bool)
+    assert torch.equal(flash_visible(q_len, kv_len, causal, flash_window(causal, window)), want)
 
 
 # --------------------------------------------------------------------------- kinds the authors' package lacks
