@@ -235,6 +235,23 @@ def test_the_kinds_differ_from_each_other(target, tmp_path):
     assert (got - want).abs().max() > 1e-2
 
 
+def test_block_embeddings_are_the_raw_rows_even_for_a_scaled_embedding_module():
+    """The authors look up embed_tokens.weight directly: a target whose embedding module scales its output
+    (Gemma3) still gives the drafter the raw rows (times input_embedding_scale)."""
+    from tiny import family_target
+
+    from ddtree.drafters.dflash.config import DFlashConfig
+
+    target = family_target("gemma3")
+    embed = target.get_input_embeddings()
+    assert float(embed.embed_scale) != 1.0
+    cfg = DFlashConfig.from_dict(dict(BASE, num_hidden_layers=1, vocab_size=embed.weight.shape[0],
+                                      dflash_config=dict(DFLASH, input_embedding_scale=1.7)))
+    block = torch.tensor([[5, MASK_ID, MASK_ID]])
+    got = DFlashDraftModel(cfg).embed_block(block, embed)
+    torch.testing.assert_close(got, dm._raw_input_embeddings(target, block, 1.7), rtol=1e-12, atol=1e-12)
+
+
 def test_attention_table_resolves_as_the_authors(tmp_path):
     from ddtree.drafters.dflash.config import DFlashConfig
 
@@ -387,3 +404,44 @@ def test_attention_sinks_match_an_explicit_softmax(target, tmp_path):
     with torch.no_grad():
         outs = [m(x, pos[:, 6:], context=m.project_context(feats), context_positions=pos[:, :6]) for m in (plain, sunk)]
     torch.testing.assert_close(outs[1], outs[0], rtol=0, atol=1e-12)
+
+
+def report(shipped: bool = False) -> None:
+    """Print, per kind, the rounds compared and the rounds with equal drafts (docs/benchmarks.md)."""
+    import tempfile
+
+    import ddtree
+
+    print(f"ddtree from {ddtree.__file__}")
+    print("| kind | rounds | equal drafts | mean accepted drafts (ddtree / authors) | max abs log-prob diff |")
+    print("| --- | --- | --- | --- | --- |")
+    rows = []
+    target = tiny_target("qwen3")
+    for kind in KINDS:
+        with tempfile.TemporaryDirectory() as d:
+            try:
+                rows.append((kind, chain_rounds(kind, target, Path(d))))
+            except Exception as exc:  # an older ddtree may not load a kind at all
+                print(f"| {kind} | - | fails: {type(exc).__name__}: {str(exc)[:60]} | | |")
+    if shipped:
+        gen = ddtree.SpeculativeGenerator.from_pretrained(dtype=torch.float32)
+        gen.drafter.set_draft_vocab(None)
+        theirs = dm.DFlashDraftModel.from_pretrained(
+            Path(ddtree.__file__).resolve().parent.parent / "models" / "smollm2-135m-dflash", dtype=torch.float32)
+        for prompt in ("Write a short poem about the sea.", "Explain what a hash table is."):
+            enc = gen.tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
+                                                    add_generation_prompt=True, return_tensors="pt", return_dict=True)
+            rows.append((f"shipped pair, {prompt!r}", drive_both(theirs.eval(), gen.drafter, gen.target,
+                                                                 enc["input_ids"], ROUNDS)))
+    for name, r in rows:
+        equal = sum(x["ours"] == x["theirs"] for x in r)
+        acc = [sum(x["acc"][i] for x in r) / len(r) for i in (0, 1)]
+        print(f"| {name} | {len(r)} | {equal} | {acc[0]:.2f} / {acc[1]:.2f} | {max(x['lp_err'] for x in r):.1e} |")
+
+
+if __name__ == "__main__":  # python tests/test_dflash_reference.py [--shipped]
+    import sys
+
+    torch.set_num_threads(1)
+    warnings.simplefilter("ignore")
+    report("--shipped" in sys.argv)

@@ -215,11 +215,17 @@ class DFlashDraftModel(nn.Module):
         return self.config.attention_table()
 
     def embed_block(self, block: torch.Tensor, embed: nn.Module) -> torch.Tensor:
-        """The block tokens' input: the target's embedding times ``input_embedding_scale`` (every slot, the root
-        too), with the checkpoint's ``mask_embedding`` wherever a token is ``mask_token_id``."""
+        """The block tokens' input: the target's raw embedding rows times ``input_embedding_scale`` (every slot,
+        the root too), with the checkpoint's ``mask_embedding`` wherever a token is ``mask_token_id``."""
         x = embed(block)
-        if self.config.input_embedding_scale != 1.0:
-            x = x * self.config.input_embedding_scale
+        scale = self.config.input_embedding_scale
+        target_scale = getattr(embed, "embed_scale", None)  # e.g. Gemma3's scaled embedding module
+        if isinstance(target_scale, torch.Tensor) and target_scale.numel() == 1:
+            # The authors look the rows up raw (F.embedding on the weight), bypassing the module's own scale;
+            # undone here rather than bypassed, so the module's device / tensor-parallel hooks still run.
+            scale = scale / float(target_scale)
+        if scale != 1.0:
+            x = x * scale
         mask_emb = getattr(self, "mask_embedding", None)
         if mask_emb is not None:
             x = torch.where((block == self.config.mask_token_id)[..., None], mask_emb.to(x), x)
