@@ -28,14 +28,13 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from tiny import MASK_ID, VOCAB, tiny_target
 
 dm = pytest.importorskip("dflash.model")
 
-from ddtree.drafters.dflash.attention import block_attention  # noqa: E402
-from ddtree.drafters.dflash.drafter import DFlashDrafter  # noqa: E402
-from ddtree.drafters.dflash.model import DFlashDraftModel  # noqa: E402
+from ddtree.drafters.dflash.attention import block_attention
+from ddtree.drafters.dflash.drafter import DFlashDrafter
+from ddtree.drafters.dflash.model import DFlashDraftModel
 
 BLOCK, ROUNDS, PROMPT = 5, 32, 12
 SLIDE, FULL = "sliding_attention", "full_attention"
@@ -421,8 +420,8 @@ def report(shipped: bool = False) -> None:
         with tempfile.TemporaryDirectory() as d:
             try:
                 rows.append((kind, chain_rounds(kind, target, Path(d))))
-            except Exception as exc:  # an older ddtree may not load a kind at all
-                print(f"| {kind} | - | fails: {type(exc).__name__}: {str(exc)[:60]} | | |")
+            except (AssertionError, ValueError, RuntimeError, TypeError) as exc:  # an older ddtree may fail a kind
+                print(f"| {kind} | - | fails: {type(exc).__name__} {str(exc)[:60]} | | |")
     if shipped:
         gen = ddtree.SpeculativeGenerator.from_pretrained(dtype=torch.float32)
         gen.drafter.set_draft_vocab(None)

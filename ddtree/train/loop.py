@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from ddtree.drafters.dflash.config import SLIDING, DFlashConfig
+from ddtree.drafters.dflash.config import DFlashConfig
 from ddtree.drafters.dflash.model import DFlashDraftModel
 from ddtree.train.config import TrainConfig
 from ddtree.train.data import FeatureDataset

@@ -193,7 +193,7 @@ class DFlashConfig:
         """The resolved per-layer attention as a printable table (layer, type, causal, window, sinks)."""
         rows = ["layer  type               causal  window  sinks"]
         for a in self.resolve_attention():
-            rows.append(f"{a.index:<6} {a.type:<18} {str(a.causal):<7} {str(a.window):<7} {a.sinks}")
+            rows.append(f"{a.index:<6} {a.type:<18} {a.causal!s:<7} {a.window!s:<7} {a.sinks}")
         return "\n".join(rows)
 
     @property

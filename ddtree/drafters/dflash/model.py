@@ -15,13 +15,12 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-
-import warnings
 
 from ddtree.drafters.dflash.attention import block_attention, visible_keys
 from ddtree.drafters.dflash.checkpoint import (
