@@ -217,6 +217,24 @@ def test_shipped_drafter_drafts_as_the_authors_code_on_the_real_target():
     assert max(r["lp_err"] for r in rounds) <= 1e-3  # float32 through a 576-wide layer and a 49152-way softmax
 
 
+@pytest.mark.parametrize("kind", ["mixed4s1f", "allsliding_causal_false"])
+def test_ragged_batch_rows_draft_as_each_row_alone(kind, target, tmp_path):
+    """Rows with different context lengths: the padding mask goes on top of each layer's own rule."""
+    build_theirs(kind, tmp_path)
+    ours = load_ours(tmp_path, target)
+    g = torch.Generator().manual_seed(6)
+    lengths = (7, 13)
+    feats = torch.randn(2, max(lengths), 3 * 64, generator=g, dtype=torch.float64)
+    roots = torch.tensor([4, 9])
+    batch = ours.new_context(2)
+    batch.append(feats, counts=torch.tensor(lengths))
+    got = batch.propose(roots).logprobs
+    for row, n in enumerate(lengths):
+        alone = ours.new_context(1)
+        alone.append(feats[row:row + 1, :n])
+        torch.testing.assert_close(got[row], alone.propose(roots[row:row + 1]).logprobs[0], rtol=0, atol=1e-10)
+
+
 def test_the_kinds_differ_from_each_other(target, tmp_path):
     """The per-kind fields matter: reading mixed4s1f as all-full (ddtree's old treatment) drafts otherwise."""
     theirs = build_theirs("mixed4s1f", tmp_path)
