@@ -88,8 +88,9 @@ def test_published_layer_id_formula():
     assert build_target_layer_ids(28, 3) == [1, 13, 25]
 
 
-def naive_dflash_layer(layer, x, ctx, q_pos, k_pos, window):
-    """Attention written out per query slot with an explicit window (|p - k| < window), then the MLP."""
+def naive_dflash_layer(layer, x, ctx, q_pos, k_pos, window, causal=False):
+    """Attention written out per query slot with an explicit rule, then the MLP: causal sees k <= p and
+    p - k < window; non-causal |p - k| < window."""
     attn = layer.self_attn
     h, kvh, d = attn.num_heads, attn.num_kv_heads, attn.head_dim
     rope = lambda t, pos: _rope(t, pos, d)  # noqa: E731
@@ -105,7 +106,8 @@ def naive_dflash_layer(layer, x, ctx, q_pos, k_pos, window):
             g = head // (h // kvh)
             scores = []
             for j, kp in enumerate(k_pos.tolist()):
-                visible = window is None or abs(p - kp) < window
+                near = window is None or (p - kp < window if causal else abs(p - kp) < window)
+                visible = near and (not causal or kp <= p)
                 scores.append((q[i, head] @ k[j, g]).item() / math.sqrt(d) if visible else -math.inf)
             w = torch.tensor(scores, dtype=x.dtype).softmax(0)
             out[i, head] = w @ v[:, g]
@@ -137,14 +139,20 @@ def test_sliding_layer_equals_explicit_window_attention(window):
     with torch.no_grad():
         got = model(x, blk_pos, context=ctx, context_positions=ctx_pos)
         k_pos = torch.cat([ctx_pos, blk_pos], 1)[0]
-        y = naive_dflash_layer(model.layers[0], x[0], ctx[0], blk_pos[0], k_pos, window)
+        y = naive_dflash_layer(model.layers[0], x[0], ctx[0], blk_pos[0], k_pos, window, causal=True)
         y = naive_dflash_layer(model.layers[1], y, ctx[0], blk_pos[0], k_pos, None)
         want = model.norm(y)
         torch.testing.assert_close(got[0], want, rtol=0, atol=1e-10)
-        # The window matters: the same weights with full attention give something else.
-        model.layers[0].layer_type = "full_attention"
-        unwindowed = model(x, blk_pos, context=ctx, context_positions=ctx_pos)
-    assert (unwindowed - got).abs().max() > 1e-4
+        # Shifted positions (not 0..C+Q-1) take the explicit-mask path: the same rule by position.
+        shifted = model(x, blk_pos + 7, context=ctx, context_positions=ctx_pos + 7)
+        y = naive_dflash_layer(model.layers[0], x[0], ctx[0], blk_pos[0] + 7, k_pos + 7, window, causal=True)
+        y = naive_dflash_layer(model.layers[1], y, ctx[0], blk_pos[0] + 7, k_pos + 7, None)
+        torch.testing.assert_close(shifted[0], model.norm(y), rtol=0, atol=1e-10)
+        # The rule matters: the same weights, non-causal with the window, or full attention, give something else.
+        spec = model.layers[0].self_attn.spec
+        for other in (spec._replace(causal=False), spec._replace(causal=False, window=None)):
+            model.layers[0].self_attn.spec = other
+            assert (model(x, blk_pos, context=ctx, context_positions=ctx_pos) - got).abs().max() > 1e-4
 
 
 PUBLISHED_KEYS = {
@@ -247,7 +255,7 @@ def test_draft_vocab_file_round_trip_and_choices(tmp_path):
     (torch.tensor([1, 2, 500]), r"\[0, 97\)"),
     (torch.tensor([1, 2, 2]), "repeat"),
     (torch.tensor([[1, 2]]), "1-D"),
-    (7, "no draft_vocab.safetensors"),
+    (7, "no ddtree_draft_vocab.json"),
     ("top", "'auto', None, an int"),
 ])
 def test_bad_draft_vocab_is_refused(bad, match):

@@ -40,10 +40,10 @@ def no_real_build(monkeypatch):
     """Fail the test if the drafter model is built on a real device or its weights are read."""
     real_init = DFlashDraftModel.__init__
 
-    def guarded(self, config):
+    def guarded(self, config, **kwargs):
         if torch.empty(0).device.type != "meta":
             raise AssertionError(f"the drafter was built at full size (hidden {config.hidden_size}) before the check")
-        real_init(self, config)
+        real_init(self, config, **kwargs)
 
     def no_read(*a, **k):
         raise AssertionError("weights were read before the check")
@@ -195,7 +195,24 @@ def test_truncated_draft_vocab_sidecar(good_dir, target):
 
     save_draft_vocab(good_dir, torch.arange(40))
     assert DFlashDraftModel.from_pretrained(good_dir).draft_vocab.tolist() == list(range(40))
-    f = good_dir / "draft_vocab.safetensors"
+    f = good_dir / "ddtree_draft_vocab.json"
     f.write_bytes(f.read_bytes()[:-7])
+    with pytest.raises(ValueError, match=r"ddtree_draft_vocab.json cannot be read .*delete it to draft over the full"):
+        DFlashDraftModel.from_pretrained(good_dir)
+    # The legacy sidecar (draft_vocab.safetensors, what ddtree wrote before) is still read, and checked alike.
+    from safetensors.torch import save_file
+
+    f.unlink()
+    legacy = good_dir / "draft_vocab.safetensors"
+    save_file({"token_ids": torch.arange(30)}, str(legacy))
+    assert DFlashDraftModel.from_pretrained(good_dir).draft_vocab.tolist() == list(range(30))
+    legacy.write_bytes(legacy.read_bytes()[:-7])
     with pytest.raises(ValueError, match=r"draft_vocab.safetensors cannot be read .*delete it to draft over the full"):
+        DFlashDraftModel.from_pretrained(good_dir)
+
+
+def test_pickled_mask_embedding_is_refused_by_name(good_dir):
+    (good_dir / "mask_embedding.pt").write_bytes(b"not unpickled")
+    with pytest.raises(ValueError, match=r"mask_embedding.pt, a pickled mask embedding; ddtree never unpickles.*"
+                                         r"model.safetensors under the name 'mask_embedding'"):
         DFlashDraftModel.from_pretrained(good_dir)

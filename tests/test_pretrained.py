@@ -160,3 +160,13 @@ def test_readme_snippet_stops_at_the_end_of_the_turn(capsys):
     assert tokens[-1] == end and end not in tokens[:-1] and len(tokens) < 256
     assert "<|im_start|>" not in gen.tokenizer.decode(tokens)
     assert out.text[0].strip() and out.text[0] in capsys.readouterr().out
+
+
+def test_shipped_drafter_directory_has_one_safetensors_file():
+    """vLLM loads every *.safetensors in a drafter directory as weights: the proposal vocabulary is JSON."""
+    d = pretrained.default_drafter_dir()
+    assert {f.name for f in d.iterdir()} == {"README.md", "config.json", "model.safetensors",
+                                             "ddtree_draft_vocab.json"}
+    from ddtree.drafters.dflash.checkpoint import load_draft_vocab
+
+    assert load_draft_vocab(d, 49152).numel() == 8192

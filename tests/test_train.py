@@ -54,6 +54,23 @@ def test_training_beats_untrained_and_exports(tmp_path):
     ctx.append(extract_context_feature(hs, model.config.target_layer_ids), ids)
     lp = ctx.propose(ids[:, -1:]).logprobs
     assert lp.shape == (1, 3, 128)
+    # An export holds only what a published directory has, plus the proposal vocabulary (not a *.safetensors
+    # file: vLLM loads every one as weights); best/ has no other *.safetensors either.
+    from ddtree.train.report import export
+
+    out = export(tmp_path / "run", tmp_path / "exported")
+    assert {f.name for f in out.iterdir()} == {"config.json", "model.safetensors", "ddtree_draft_vocab.json"}
+    assert [f.name for f in (tmp_path / "run" / "best").glob("*.safetensors")] == ["model.safetensors"]
+    assert DFlashDraftModel.from_pretrained(out).draft_vocab is not None
+
+
+def test_default_layer_ids_never_read_the_targets_last_layer():
+    """HF's last hidden state is after the final norm, vLLM's before it: the default ids avoid that layer."""
+    from ddtree.drafters.features import build_target_layer_ids
+
+    for layers in range(4, 80):
+        for n in range(1, 9):
+            assert layers - 1 not in build_target_layer_ids(layers, n), (layers, n)
 
 
 def test_resume_continues_from_checkpoint(tmp_path):

@@ -128,17 +128,20 @@ def check_block(device, dtype, tol, tiny: bool = False) -> list[dict]:
     rows = []
     gen = torch.Generator().manual_seed(1)
     cases = [(300, 16, None), (300, 16, 64), (2000, 16, 256), (10, 16, 4)]
-    for ctx, block, window in cases if not tiny else [(c[0] // 10, 8, c[2] and max(2, c[2] // 16)) for c in cases]:
+    cases = cases if not tiny else [(c[0] // 10, 8, c[2] and max(2, c[2] // 16)) for c in cases]
+    for (ctx, block, window), causal in [(c, causal) for c in cases for causal in (False, True)]:
         q = torch.randn(1, 32, block, 128, generator=gen).to(device, dtype)
         k = torch.randn(1, 8, ctx + block, 128, generator=gen).to(device, dtype)
         v = torch.randn(1, 8, ctx + block, 128, generator=gen).to(device, dtype)
         dist = (ctx + torch.arange(block, device=device))[:, None] - torch.arange(ctx + block, device=device)
-        ref = _dense_fp32(q, k, v, dist.abs() < (window or 1 << 30))
+        near = (dist < (window or 1 << 30)) if causal else dist.abs() < (window or 1 << 30)
+        ref = _dense_fp32(q, k, v, near & (dist >= 0) if causal else near)
         for backend in ("auto", "sdpa"):
-            out = block_attention(q, k, v, window=window, backend=backend)
+            out = block_attention(q, k, v, window=window, causal=causal, backend=backend)
             err = float((out.float() - ref).abs().max())
             rows.append(dict(backend=backend, flash_attn=flash_attn_available() and device.type == "cuda",
-                             ctx=ctx, block=block, window=window, max_abs_err=err, tol=tol, ok=err <= tol))
+                             ctx=ctx, block=block, window=window, causal=causal, max_abs_err=err, tol=tol,
+                             ok=err <= tol))
     return rows
 
 

@@ -151,7 +151,7 @@ class SpeculativeGenerator:
         with AVX512-BF16, but its argmax near-ties can differ between a tree
         forward and a one-token forward). ``draft_vocab`` restricts the drafter's
         proposals (see :meth:`DFlashDrafter.set_draft_vocab`); ``"auto"`` uses the
-        drafter directory's ``draft_vocab.safetensors`` when it has one. The target
+        drafter directory's ``ddtree_draft_vocab.json`` when it has one. The target
         loaded here is ours to change, so ``cpu_linear`` defaults to ``"auto"``.
 
         ``tp_plan="auto"`` (under ``torchrun``) shards the target over the ranks

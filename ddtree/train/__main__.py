@@ -64,6 +64,12 @@ def pick_mask_token(tokenizer, vocab_size: int, used: torch.Tensor | None = None
 def layer_ids_for(cfg: TrainConfig, target) -> tuple[list[int], list[int]]:
     tc = target.config.get_text_config() if hasattr(target.config, "get_text_config") else target.config
     ids = cfg.target_layer_ids or build_target_layer_ids(tc.num_hidden_layers, cfg.num_layers)
+    if tc.num_hidden_layers - 1 in ids:
+        import warnings
+
+        warnings.warn(f"target_layer_ids {ids} include the target's last layer ({tc.num_hidden_layers - 1}): its "
+                      "Hugging Face hidden state is after the final norm, vLLM's before it, so the drafter will draft "
+                      "poorly in vLLM; the default ids (the published formula) avoid it", stacklevel=2)
     cache = cfg.cache_layer_ids or ids
     missing = [i for i in ids if i not in cache]
     if missing:

@@ -32,8 +32,8 @@ from pathlib import Path
 
 import torch
 
-from ddtree.drafters.dflash.config import SLIDING, DFlashConfig
-from ddtree.drafters.dflash.model import DFlashDraftModel, window_mask
+from ddtree.drafters.dflash.config import DFlashConfig
+from ddtree.drafters.dflash.model import DFlashDraftModel
 from ddtree.train.config import TrainConfig
 from ddtree.train.data import FeatureDataset
 
@@ -103,23 +103,18 @@ def make_batch(ds: FeatureDataset, seq_ks: list[int], anchors_per_seq: int, bloc
     }
 
 
-def attention_masks(model: DFlashDraftModel, batch: dict, dtype=torch.float32) -> dict:
-    allowed = batch["allowed"]
-    full = torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, torch.finfo(dtype).min)[:, None]
-    masks = {"full_attention": full}
-    if SLIDING in model.config.layer_types:
-        keys = torch.cat([batch["ctx_pos"], batch["block_pos"]], dim=1)
-        masks[SLIDING] = full + window_mask(batch["block_pos"], keys, model.config.sliding_window, dtype)
-        masks[SLIDING].clamp_(min=torch.finfo(dtype).min)
-    return masks
+def key_mask(batch: dict) -> torch.Tensor:
+    """Which keys each packed block slot may see at all (its own block, the context before it): ``[S, 1, Q, K]``.
+    The model adds each layer's own rule (causal sliding layers, windows) by position on top."""
+    return batch["allowed"][:, None]
 
 
 def draft_hidden(model: DFlashDraftModel, embed: torch.nn.Module, batch: dict) -> torch.Tensor:
     """Drafter output ``[S, A, B-1, H]`` for the predicted slots of every block."""
     S = batch["features"].shape[0]
     ctx = model.project_context(batch["features"])
-    h = model(embed(batch["block_tokens"]), batch["block_pos"], context=ctx, context_positions=batch["ctx_pos"],
-              attention_masks=attention_masks(model, batch))
+    h = model(model.embed_block(batch["block_tokens"], embed), batch["block_pos"], context=ctx,
+              context_positions=batch["ctx_pos"], key_mask=key_mask(batch))
     B = model.config.block_size
     return h.view(S, -1, B, h.shape[-1])[:, :, 1:]
 

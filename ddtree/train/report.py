@@ -1,7 +1,7 @@
 """Summarise a training run as markdown (loss curve table, held-out acceptance) and export its best drafter.
 
     python -m ddtree.train.report runs/smollm2                 # print the summary
-    python -m ddtree.train.report runs/smollm2 --export DIR    # copy best/ (config.json, model.safetensors, draft_vocab.safetensors) to DIR
+    python -m ddtree.train.report runs/smollm2 --export DIR    # copy best/ (config.json, model.safetensors, ddtree_draft_vocab.json) to DIR
 """
 
 from __future__ import annotations
@@ -11,7 +11,13 @@ import json
 import shutil
 from pathlib import Path
 
-from ddtree.drafters.dflash.checkpoint import DRAFT_VOCAB_FILE
+from ddtree.drafters.dflash.checkpoint import (
+    DRAFT_VOCAB_FILE,
+    LEGACY_DRAFT_VOCAB_FILE,
+    draft_vocab_file,
+    load_draft_vocab,
+    save_draft_vocab,
+)
 
 
 def read_log(out_dir: str | Path) -> tuple[list[dict], list[dict]]:
@@ -65,11 +71,15 @@ def summary(out_dir: str | Path) -> str:
 def export(out_dir: str | Path, dest: str | Path) -> Path:
     src, dest = Path(out_dir) / "best", Path(dest)
     dest.mkdir(parents=True, exist_ok=True)
-    for name in ("config.json", "model.safetensors", DRAFT_VOCAB_FILE):
+    for name in ("config.json", "model.safetensors"):
         if (src / name).exists():
             shutil.copyfile(src / name, dest / name)
-        elif name == DRAFT_VOCAB_FILE:
-            (dest / name).unlink(missing_ok=True)
+    (dest / LEGACY_DRAFT_VOCAB_FILE).unlink(missing_ok=True)  # never a *.safetensors sidecar (vLLM reads them all)
+    if draft_vocab_file(src) is not None:  # an older run's may have the legacy name: written under the new one
+        vocab_size = json.loads((src / "config.json").read_text())["vocab_size"]
+        save_draft_vocab(dest, load_draft_vocab(src, vocab_size))
+    else:
+        (dest / DRAFT_VOCAB_FILE).unlink(missing_ok=True)
     return dest
 
 

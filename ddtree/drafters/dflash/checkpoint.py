@@ -3,12 +3,16 @@ vocabulary file."""
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
 import torch
 
-DRAFT_VOCAB_FILE = "draft_vocab.safetensors"
+# The proposal vocabulary, as JSON: not a ``*.safetensors`` file, because other loaders (vLLM) read every
+# ``*.safetensors`` in a drafter directory as weights.
+DRAFT_VOCAB_FILE = "ddtree_draft_vocab.json"
+LEGACY_DRAFT_VOCAB_FILE = "draft_vocab.safetensors"  # what ddtree wrote before; still read
 
 
 PICKLED_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
@@ -16,7 +20,7 @@ PICKLED_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
 
 def weight_files(path: Path) -> list[Path]:
     """The drafter's ``*.safetensors`` files (not the draft-vocabulary sidecar); pickled weights are refused."""
-    files = [f for f in sorted(path.glob("*.safetensors")) if f.name != DRAFT_VOCAB_FILE]
+    files = [f for f in sorted(path.glob("*.safetensors")) if f.name != LEGACY_DRAFT_VOCAB_FILE]
     if files:
         return files
     pickled = sorted(f.name for f in path.iterdir() if f.suffix in PICKLED_SUFFIXES) if path.is_dir() else []
@@ -58,26 +62,58 @@ def read_weights(files: list[Path]) -> dict[str, torch.Tensor]:
     return state
 
 
-def save_draft_vocab(path: str | os.PathLike, token_ids: torch.Tensor) -> None:
-    """Write ranked token ids (most useful first) as ``draft_vocab.safetensors`` next to a drafter."""
-    from safetensors.torch import save_file
+def refuse_pickled_sidecars(path: Path) -> None:
+    """A pickled ``mask_embedding.pt`` (vLLM's sidecar) is refused by name: ddtree never unpickles."""
+    found = sorted(f.name for f in path.glob("mask_embedding.*") if f.suffix in PICKLED_SUFFIXES) if path.is_dir() \
+        else []
+    if found:
+        raise ValueError(
+            f"drafter directory {path} has {found[0]}, a pickled mask embedding; ddtree never unpickles files (a "
+            "pickle can run arbitrary code), and ignoring it would change the drafts. Convert it once, in a process "
+            "you trust: add torch.load(f, weights_only=True) (the tensor, or its 'embedding' entry, flattened) to "
+            "model.safetensors under the name 'mask_embedding', then delete the .pt file")
 
-    ids = torch.as_tensor(token_ids).to(torch.int64).flatten().cpu().contiguous()
-    save_file({"token_ids": ids}, str(Path(path) / DRAFT_VOCAB_FILE), metadata={"format": "pt"})
+
+def draft_vocab_file(path: str | os.PathLike) -> Path | None:
+    """The proposal vocabulary file of a drafter directory (the current name, else the legacy one), or None."""
+    for name in (DRAFT_VOCAB_FILE, LEGACY_DRAFT_VOCAB_FILE):
+        f = Path(path) / name
+        if f.exists():
+            return f
+    return None
+
+
+def save_draft_vocab(path: str | os.PathLike, token_ids: torch.Tensor) -> None:
+    """Write ranked token ids (most useful first) as ``ddtree_draft_vocab.json`` next to a drafter."""
+    ids = torch.as_tensor(token_ids).to(torch.int64).flatten().cpu().tolist()
+    (Path(path) / DRAFT_VOCAB_FILE).write_text(json.dumps({"token_ids": ids}) + "\n")
+    legacy = Path(path) / LEGACY_DRAFT_VOCAB_FILE
+    if legacy.exists():  # one vocabulary per directory, and none where vLLM reads weights
+        legacy.unlink()
 
 
 def load_draft_vocab(path: str | os.PathLike, vocab_size: int) -> torch.Tensor:
-    """Ranked token ids from ``path/draft_vocab.safetensors``, checked against the vocabulary."""
-    from safetensors.torch import load_file
-
-    f = Path(path) / DRAFT_VOCAB_FILE
+    """Ranked token ids from the directory's vocabulary file (JSON, or the legacy safetensors), checked."""
+    f = draft_vocab_file(path)
+    if f is None:
+        raise FileNotFoundError(f"no {DRAFT_VOCAB_FILE} in {path}")
     try:
-        ids = load_file(str(f)).get("token_ids")
-    except Exception as exc:  # safetensors raises its own error types
+        if f.name == DRAFT_VOCAB_FILE:
+            data = json.loads(f.read_text())
+            ids = data.get("token_ids") if isinstance(data, dict) else None
+            if ids is not None and not (isinstance(ids, list) and all(isinstance(i, int) and not isinstance(i, bool)
+                                                                        for i in ids)):
+                raise ValueError("token_ids is not a list of ints")
+            ids = None if ids is None else torch.tensor(ids, dtype=torch.int64)
+        else:
+            from safetensors.torch import load_file
+
+            ids = load_file(str(f)).get("token_ids")
+    except Exception as exc:  # safetensors and json raise their own error types
         raise ValueError(f"{f} cannot be read ({type(exc).__name__}: {exc}): the file is truncated or damaged; "
                          "re-download it, or delete it to draft over the full vocabulary") from None
     if ids is None:
-        raise ValueError(f"{f} has no 'token_ids' tensor; write it with ddtree.drafters.dflash.checkpoint.save_draft_vocab")
+        raise ValueError(f"{f} has no 'token_ids'; write it with ddtree.drafters.dflash.checkpoint.save_draft_vocab")
     return check_draft_vocab(ids, vocab_size, where=str(f))
 
 

@@ -4,13 +4,42 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 from ddtree.drafters.features import build_target_layer_ids, check_target_layer_ids
 
 FULL, SLIDING = "full_attention", "sliding_attention"
+
+
+# Keys of dflash_config that DFlashConfig reads into fields (the rest stay in extra["dflash_config"]).
+DFLASH_FIELDS = ("target_layer_ids", "mask_token_id", "block_size", "input_embedding_scale", "output_multiplier",
+                 "final_logit_softcapping", "causal", "use_swa", "swa_window_size", "attention_sink_bias",
+                 "target_hidden_size")
+
+# Top-level keys a drafter config may carry without a warning: Hugging Face's standard ones, Qwen3's, and DFlash's.
+KNOWN_KEYS = frozenset({
+    "_name_or_path", "architectures", "chunk_size_feed_forward", "dtype", "torch_dtype", "id2label", "label2id",
+    "is_encoder_decoder", "model_type", "output_attentions", "output_hidden_states", "problem_type", "return_dict",
+    "transformers_version", "attention_dropout", "bos_token_id", "eos_token_id", "pad_token_id", "initializer_range",
+    "tie_word_embeddings", "use_cache", "max_window_layers", "use_sliding_window", "hidden_act", "rope_theta",
+    "rope_scaling", "rope_parameters", "dflash_config", "target_layer_ids", "mask_token_id", "is_causal",
+    "input_embedding_scale", "output_multiplier", "final_logit_softcapping", "target_hidden_size",
+    "add_swa_attention_sink_bias", "num_target_layers", "block_size", "logit_scale", "draft_vocab_size",
+})
+KNOWN_DFLASH_KEYS = frozenset(DFLASH_FIELDS) | {"logit_scale", "draft_vocab_size"}
+
+
+class LayerAttention(NamedTuple):
+    """How one drafter layer attends over ``[context ; block]``: resolved from the config as the authors do."""
+
+    index: int
+    type: str
+    causal: bool  # a slot at position p sees keys at k <= p only
+    window: int | None  # p - k < window (and k - p < window when not causal); None: no window
+    sinks: bool  # a learned per-head sink logit in the softmax denominator
 
 
 REQUIRED_FIELDS = ("hidden_size", "num_attention_heads", "num_key_value_heads", "intermediate_size",
@@ -75,13 +104,54 @@ class DFlashConfig:
     layer_types: list[str] | None = None
     sliding_window: int | None = None
     max_position_embeddings: int = 40960
+    is_causal: bool | None = None  # top level (the authors' package): overrides every layer's causality
+    causal: bool | None = None  # dflash_config.causal (vLLM): the same override
+    use_swa: bool = False  # dflash_config.use_swa (vLLM): every layer sliding when no layer type is
+    swa_window_size: int | None = None  # dflash_config.swa_window_size (vLLM): the window, before sliding_window
+    use_sliding_window: bool | None = None  # Qwen3Config's gate on sliding_window (see resolve_attention)
+    max_window_layers: int | None = None  # Qwen3Config: with no layer_types, layers >= this slide
+    input_embedding_scale: float = 1.0  # multiplies every block token's embedding (root and masks)
+    output_multiplier: float = 1.0  # multiplies the drafter's logits
+    final_logit_softcapping: float | None = None  # then c * tanh(logits / c)
+    target_hidden_size: int | None = None  # the target's width (fc reads len(ids) * it); None: hidden_size
+    attention_sink_bias: bool = False  # per-head sinks on every layer (vLLM's dflash_config.attention_sink_bias)
+    hidden_act: str = "silu"
     extra: dict = field(default_factory=dict, repr=False)
 
     def __post_init__(self):
         if self.head_dim is None:
             self.head_dim = self.hidden_size // self.num_attention_heads
         if self.layer_types is None:
-            self.layer_types = [FULL] * self.num_hidden_layers
+            # As Qwen3Config infers them (layers from max_window_layers slide when the window is enabled),
+            # or every layer sliding under vLLM's dflash_config.use_swa.
+            first = self.max_window_layers if self.max_window_layers is not None else 28
+            gated = self.use_sliding_window and self.sliding_window is not None
+            self.layer_types = [SLIDING if self.use_swa or (gated and i >= first) else FULL
+                                for i in range(self.num_hidden_layers)]
+        elif self.use_swa and SLIDING not in self.layer_types:
+            self.layer_types = [SLIDING] * len(self.layer_types)  # vLLM: use_swa when no type slides
+        if self.hidden_act != "silu":
+            raise ValueError(f"drafter config hidden_act {self.hidden_act!r} is not supported (ddtree's drafter MLP "
+                             "is SiLU-gated, as every published DFlash drafter); use a drafter with hidden_act 'silu'")
+        if self.swa_window_size is not None:
+            self.sliding_window = self.swa_window_size
+        if self.is_causal is not None and self.causal is not None and bool(self.is_causal) != bool(self.causal):
+            raise ValueError(f"the drafter config sets is_causal={self.is_causal} (top level) and "
+                             f"dflash_config.causal={self.causal}, which disagree; keep one of them")
+        for name in ("input_embedding_scale", "output_multiplier"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise ValueError(f"drafter config {name} must be a positive number, got {value!r}; fix config.json")
+            setattr(self, name, float(value))
+        cap = self.final_logit_softcapping
+        if cap is not None and (isinstance(cap, bool) or not isinstance(cap, (int, float))):
+            raise ValueError(f"drafter config final_logit_softcapping must be a number or null, got {cap!r}")
+        if self.target_hidden_size is not None and self.target_hidden_size != self.hidden_size:
+            raise ValueError(
+                f"drafter config target_hidden_size ({self.target_hidden_size}) differs from its hidden_size "
+                f"({self.hidden_size}): such a drafter needs token embeddings and an lm_head of its own width, which "
+                "the DFlash format does not define (it borrows the target's); ddtree refuses it. Use a drafter "
+                "as wide as its target")
         if len(self.layer_types) != self.num_hidden_layers:
             raise ValueError(
                 f"layer_types has {len(self.layer_types)} entries for {self.num_hidden_layers} drafter layers"
@@ -105,17 +175,43 @@ class DFlashConfig:
             )
         check_target_layer_ids(self.target_layer_ids, self.num_target_layers)
 
+    def resolve_attention(self) -> list[LayerAttention]:
+        """Each layer's causality, window and sinks, as the authors' package and vLLM resolve them.
+
+        Full layers are non-causal, sliding layers causal, unless ``is_causal`` (top level) or
+        ``dflash_config.causal`` overrides every layer. The window is ``dflash_config.swa_window_size`` else
+        ``sliding_window``. ddtree applies it whatever ``use_sliding_window`` says, as vLLM and the authors'
+        MLX code do (their torch code drops it when ``use_sliding_window`` is not true; :meth:`from_pretrained`
+        warns then).
+        """
+        override = self.causal if self.causal is not None else self.is_causal
+        return [LayerAttention(i, t, bool(override) if override is not None else t == SLIDING,
+                               self.sliding_window if t == SLIDING else None, self.attention_sink_bias)
+                for i, t in enumerate(self.layer_types)]
+
+    def attention_table(self) -> str:
+        """The resolved per-layer attention as a printable table (layer, type, causal, window, sinks)."""
+        rows = ["layer  type               causal  window  sinks"]
+        for a in self.resolve_attention():
+            rows.append(f"{a.index:<6} {a.type:<18} {a.causal!s:<7} {a.window!s:<7} {a.sinks}")
+        return "\n".join(rows)
+
+    @property
+    def fc_in_features(self) -> int:
+        return len(self.target_layer_ids) * (self.target_hidden_size or self.hidden_size)
+
     @classmethod
     def from_dict(cls, d: dict) -> "DFlashConfig":
         if not isinstance(d, dict):
             raise ValueError(f"a drafter config is a JSON object (a dict), got {type(d).__name__}")
-        missing = [k for k in REQUIRED_FIELDS if d.get(k) is None]
+        dflash_block = (d.get("dflash_config") or {}).get("block_size") if isinstance(d.get("dflash_config"), dict) else None
+        missing = [k for k in REQUIRED_FIELDS if d.get(k) is None and not (k == "block_size" and dflash_block)]
         if missing:
             raise ValueError(
                 f"the drafter config lacks {', '.join(missing)}: a DFlash config.json needs "
                 f"{', '.join(REQUIRED_FIELDS)} (and num_target_layers); fix or re-download config.json"
             )
-        check_sizes(d)
+        check_sizes({**d, **({"block_size": dflash_block} if dflash_block is not None else {})})
         d = dict(d)
         dflash = d.pop("dflash_config", None) or {}
         if not isinstance(dflash, dict):
@@ -124,26 +220,60 @@ class DFlashConfig:
         num_target = d.get("num_target_layers")
         if num_target is None:
             raise ValueError("the drafter config has no num_target_layers (the target's decoder layer count)")
-        ids = dflash.get("target_layer_ids", d.pop("target_layer_ids", None))
+        def draft_value(name, top=None):  # dflash_config wins over the top level, as the authors read it
+            top = top or name
+            if name in dflash:
+                d.pop(top, None)
+                return dflash[name]
+            return d.pop(top, None)
+
+        for name, fine in (("logit_scale", (None, 1, 1.0)), ("draft_vocab_size", (None, d.get("vocab_size")))):
+            value = dflash.get(name, d.get(name))
+            if value not in fine:
+                raise ValueError(f"drafter config sets {name}={value!r}, which changes what the drafter proposes "
+                                 "and ddtree does not implement (a vLLM extension); ddtree refuses the checkpoint "
+                                 "rather than draft differently. Use a drafter without it")
+        ids = draft_value("target_layer_ids")
         if ids is None:
             ids = build_target_layer_ids(num_target, num_layers)
-        mask_id = dflash.get("mask_token_id", d.pop("mask_token_id", None))
+        kwargs = {"target_layer_ids": list(ids), "mask_token_id": draft_value("mask_token_id")}
+        for name in ("block_size", "input_embedding_scale", "output_multiplier", "final_logit_softcapping",
+                     "target_hidden_size"):
+            value = draft_value(name)
+            if value is not None:
+                kwargs[name] = value
+        kwargs["attention_sink_bias"] = bool(draft_value("attention_sink_bias", "add_swa_attention_sink_bias"))
+        for name in ("causal", "swa_window_size"):
+            kwargs[name] = dflash.get(name)
+        kwargs["use_swa"] = bool(dflash.get("use_swa", False))
         rope = d.pop("rope_parameters", None) or d.pop("rope_scaling", None) or {}
         rope = dict(rope)
         rope.setdefault("rope_type", rope.pop("type", "default"))
-        rope.setdefault("rope_theta", d.pop("rope_theta", 1_000_000.0))
+        rope.setdefault("rope_theta", d.pop("rope_theta", 10_000.0))  # Qwen3Config's default, as the authors load
         d.pop("rope_theta", None)
-        known = {f for f in cls.__dataclass_fields__ if f not in ("extra", "target_layer_ids", "mask_token_id")}
-        kwargs = {k: d.pop(k) for k in list(d) if k in known}
+        known = {f for f in cls.__dataclass_fields__ if f not in ("extra", *kwargs)}
+        kwargs.update({k: d.pop(k) for k in list(d) if k in known})
         extra = {k: v for k, v in d.items() if k not in ("rope_parameters",)}
-        extra["dflash_config"] = {k: v for k, v in dflash.items() if k not in ("target_layer_ids", "mask_token_id")}
-        return cls(target_layer_ids=list(ids), mask_token_id=mask_id, rope_parameters=rope, extra=extra, **kwargs)
+        extra["dflash_config"] = {k: v for k, v in dflash.items() if k not in DFLASH_FIELDS}
+        return cls(rope_parameters=rope, extra=extra, **kwargs)
 
     def to_dict(self) -> dict:
         d = asdict(self)
         extra = d.pop("extra")
         dflash = dict(extra.pop("dflash_config", {}) or {})
         dflash.update(target_layer_ids=d.pop("target_layer_ids"), mask_token_id=d.pop("mask_token_id"))
+        defaults = {"input_embedding_scale": 1.0, "output_multiplier": 1.0, "final_logit_softcapping": None,
+                    "causal": None, "use_swa": False, "swa_window_size": None, "attention_sink_bias": False,
+                    "target_hidden_size": None}
+        for name, default in defaults.items():  # written where the authors (or vLLM) read them, when set
+            value = d.pop(name)
+            if value != default:
+                dflash[name] = value
+        if SLIDING in d["layer_types"] and d["use_sliding_window"] is None:
+            d["use_sliding_window"] = True  # else the authors' torch code (Qwen3Config) drops the window
+        for name in ("is_causal", "use_sliding_window", "max_window_layers"):
+            if d[name] is None:
+                d.pop(name)
         rope = d.pop("rope_parameters")
         out = {"architectures": ["DFlashDraftModel"], "model_type": "qwen3", **extra, **d}
         out["rope_theta"] = rope.get("rope_theta")
@@ -164,7 +294,26 @@ class DFlashConfig:
             raise ValueError(
                 f"{file} is not valid JSON ({exc}): the file is damaged or not a config; re-download the drafter"
             ) from None
-        return cls.from_dict(data)
+        config = cls.from_dict(data)
+        config.warn_unusual(data, where=str(file))
+        return config
+
+    def warn_unusual(self, data: dict, where: str = "config.json") -> None:
+        """One warning listing the keys ddtree does not read, one for an ambiguous sliding window."""
+        dflash = data.get("dflash_config") or {}
+        fields = set(self.__dataclass_fields__) - {"causal", "use_swa", "swa_window_size", "attention_sink_bias", "extra"}
+        unknown = sorted(k for k in data if k not in KNOWN_KEYS and k not in fields)
+        unknown += sorted(f"dflash_config.{k}" for k in dflash if k not in KNOWN_DFLASH_KEYS)
+        if unknown:
+            warnings.warn(f"{where}: ddtree does not read {', '.join(unknown)}; if one of them changes what the "
+                          "drafter proposes, its drafts will differ from the trainer's (see docs/drafters.md)",
+                          stacklevel=3)
+        if SLIDING in self.layer_types and not self.use_sliding_window and self.swa_window_size is None:
+            warnings.warn(
+                f"{where}: sliding layers with sliding_window={self.sliding_window} but use_sliding_window is not "
+                "true. ddtree applies the window, as vLLM and the authors' MLX code do; the authors' torch code "
+                "(via Qwen3Config) drops it, making those layers causal with no window. Set use_sliding_window: "
+                "true to make every engine agree", stacklevel=3)
 
     @classmethod
     def for_target(

@@ -5,8 +5,6 @@ from __future__ import annotations
 import torch
 
 from ddtree.drafters.base import DraftContext, Proposal
-from ddtree.drafters.dflash.config import FULL, SLIDING
-from ddtree.drafters.dflash.model import window_mask
 
 
 class DFlashContext(DraftContext):
@@ -101,21 +99,10 @@ class DFlashContext(DraftContext):
         block_pos = lengths[:, None] + torch.arange(size, device=device)
         width = int(lengths.max())
         kv = [(k[:, :, :width], v[:, :, :width]) for k, v in self.kv]
-        masks = None
-        if not bool((lengths == width).all()):  # ragged rows: mask each row's unused columns
-            masks = self._ragged_masks(lengths, width, block_pos, model.fc.weight.dtype)
-        hidden = model(embed(block), block_pos, context_kv=kv, attention_masks=masks)[:, 1:]
+        key_mask = None
+        if not bool((lengths == width).all()):  # ragged rows: hide each row's unused columns from every layer
+            col = torch.arange(width, device=device)
+            key_mask = torch.cat([col[None] < lengths[:, None], torch.ones_like(block_pos, dtype=torch.bool)], dim=1)
+            key_mask = key_mask[:, None, None]  # [B, 1, 1, S]; each layer adds its own rule by position
+        hidden = model(model.embed_block(block, embed), block_pos, context_kv=kv, key_mask=key_mask)[:, 1:]
         return Proposal(drafter.block_logprobs(hidden))
-
-    def _ragged_masks(self, lengths, width, block_pos, dtype) -> dict[str, torch.Tensor]:
-        col = torch.arange(width, device=lengths.device)
-        key_pos = torch.cat([col.expand(len(lengths), -1), block_pos], dim=1)  # column = position
-        valid = torch.cat([col[None] < lengths[:, None], torch.ones_like(block_pos, dtype=torch.bool)], dim=1)
-        hidden = torch.finfo(dtype).min
-        full = torch.zeros(valid.shape, dtype=dtype, device=valid.device).masked_fill_(~valid, hidden)
-        full = full[:, None, None].expand(-1, 1, block_pos.shape[1], -1)
-        masks = {FULL: full, SLIDING: None}
-        if SLIDING in self.drafter.config.layer_types:
-            window = window_mask(block_pos, key_pos, self.drafter.config.sliding_window, dtype)
-            masks[SLIDING] = window.masked_fill(~valid[:, None, None], hidden)
-        return masks

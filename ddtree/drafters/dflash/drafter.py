@@ -25,9 +25,11 @@ def target_vocab_size(target) -> int:
 def check_compatible(config: DFlashConfig, target) -> None:
     """Raise a ValueError naming the mismatch when a drafter cannot serve ``target``."""
     tc = target.config.get_text_config() if hasattr(target.config, "get_text_config") else target.config
-    if tc.hidden_size != config.hidden_size:
+    want = config.target_hidden_size or config.hidden_size
+    if tc.hidden_size != want:
+        field = "target_hidden_size" if config.target_hidden_size else "hidden size"
         raise ValueError(
-            f"drafter hidden size {config.hidden_size} does not match the target's {tc.hidden_size}: "
+            f"drafter {field} {want} does not match the target's {tc.hidden_size}: "
             "use a drafter trained for this target"
         )
     vocab = target_vocab_size(target)
@@ -145,9 +147,9 @@ class DFlashDrafter(Drafter):
         lm_head = self._target_parts[1]
         hidden = hidden.to(lm_head.weight.dtype)
         if self._head_slice is None:  # the target's own module: its tensor-parallel or device hooks apply
-            logits = lm_head(hidden.to(lm_head.weight.device))
-            return torch.log_softmax(logits.float(), dim=-1).to(hidden.device)
+            logits = self.model.process_logits(lm_head(hidden.to(lm_head.weight.device)).float())
+            return torch.log_softmax(logits, dim=-1).to(hidden.device)
         linear = cpu_linear.linear if cpu_linear.routed(self.model.fc) else F.linear  # routed with the model
-        sub = torch.log_softmax(linear(hidden, *self._head_slice).float(), dim=-1)
+        sub = torch.log_softmax(self.model.process_logits(linear(hidden, *self._head_slice).float()), dim=-1)
         out = sub.new_full((*sub.shape[:-1], lm_head.weight.shape[0]), float("-inf"))
         return out.index_copy_(-1, self.draft_vocab, sub)

@@ -15,22 +15,24 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ddtree.drafters.dflash.attention import block_attention
+from ddtree.drafters.dflash.attention import block_attention, visible_keys
 from ddtree.drafters.dflash.checkpoint import (
-    DRAFT_VOCAB_FILE,
+    draft_vocab_file,
     header_shapes,
     load_draft_vocab,
     read_weights,
+    refuse_pickled_sidecars,
     save_draft_vocab,
     weight_files,
 )
-from ddtree.drafters.dflash.config import FULL, SLIDING, DFlashConfig
+from ddtree.drafters.dflash.config import DFlashConfig, LayerAttention
 
 
 class RMSNorm(nn.Module):
@@ -90,11 +92,12 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + _rotate_half(x) * sin
 
 
-def window_mask(q_positions: torch.Tensor, k_positions: torch.Tensor, window: int, dtype: torch.dtype) -> torch.Tensor:
-    """Additive ``[B, 1, Q, K]`` mask: a slot at ``p`` sees keys at ``p-w+1 .. p+w-1`` (flash ``(w-1, w-1)``)."""
-    dist = (q_positions[:, :, None] - k_positions[:, None, :]).abs()
-    mask = torch.zeros(dist.shape, dtype=dtype, device=dist.device)
-    return mask.masked_fill_(dist >= window, torch.finfo(dtype).min)[:, None]
+def additive(visible: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+    """A bool visibility mask as an additive one (0 / the dtype's min), with a head axis: ``[B, 1, Q, K]``."""
+    if visible is None:
+        return None
+    mask = torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill_(~visible, torch.finfo(dtype).min)
+    return mask if mask.dim() == 4 else mask[:, None]
 
 
 def _contiguous(context_positions, block_positions, context_len: int) -> bool:
@@ -109,9 +112,21 @@ def _contiguous(context_positions, block_positions, context_len: int) -> bool:
     return context_positions.shape[1] == context_len and bool((context_positions == want_ctx).all())
 
 
+def warn_last_layer(config: DFlashConfig, where: str) -> None:
+    """Warn when a drafter reads the target's last layer, whose feature differs between engines."""
+    last = config.num_target_layers - 1
+    if last in config.target_layer_ids:
+        warnings.warn(
+            f"drafter {where} reads target layer {last}, the target's last: Hugging Face's hidden_states[{last + 1}] "
+            "(what ddtree and the trainer feed it) is taken after the target's final norm, vLLM's auxiliary hidden "
+            "state for that layer before it, so this drafter drafts well here and poorly in vLLM. Drafters trained "
+            f"on layer ids up to {config.num_target_layers - 3} (the published default) avoid it", stacklevel=3)
+
+
 class DFlashAttention(nn.Module):
-    def __init__(self, config: DFlashConfig):
+    def __init__(self, config: DFlashConfig, spec: LayerAttention):
         super().__init__()
+        self.spec = spec
         h, d = config.hidden_size, config.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_attention_heads, config.num_key_value_heads, d
         self.q_proj = nn.Linear(h, self.num_heads * d, bias=config.attention_bias)
@@ -121,6 +136,8 @@ class DFlashAttention(nn.Module):
         self.q_norm = RMSNorm(d, config.rms_norm_eps)
         self.k_norm = RMSNorm(d, config.rms_norm_eps)
         self.scaling = d**-0.5
+        if spec.sinks:  # vLLM's per-head sink logits (dflash_config.attention_sink_bias)
+            self.attention_sink_bias = nn.Parameter(torch.zeros(self.num_heads))
 
     def project_kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys (normed, rotated) and values ``[B, kv_heads, T, d]`` for hidden states ``x``."""
@@ -129,14 +146,17 @@ class DFlashAttention(nn.Module):
         v = self.v_proj(x).view(bsz, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
         return apply_rope(k, cos, sin), v
 
-    def forward(self, x, cos, sin, context_kv, mask, window=None):
+    def forward(self, x, cos, sin, context_kv, mask):
+        """``mask``: the layer's additive mask, or None to let the kernel apply the layer's rule itself."""
         bsz, q_len, _ = x.shape
         q = self.q_norm(self.q_proj(x).view(bsz, q_len, self.num_heads, self.head_dim)).transpose(1, 2)
         q = apply_rope(q, cos, sin)
         k_blk, v_blk = self.project_kv(x, cos, sin)
         k_ctx, v_ctx = context_kv
         k, v = torch.cat([k_ctx, k_blk], dim=2), torch.cat([v_ctx, v_blk], dim=2)
-        out = block_attention(q, k, v, window=window, additive_mask=mask, scale=self.scaling)
+        rule = {} if mask is not None else {"causal": self.spec.causal, "window": self.spec.window}
+        out = block_attention(q, k, v, additive_mask=mask, scale=self.scaling,
+                              sinks=getattr(self, "attention_sink_bias", None), **rule)
         return self.o_proj(out.transpose(1, 2).reshape(bsz, q_len, -1))
 
 
@@ -152,27 +172,33 @@ class DFlashMLP(nn.Module):
 
 
 class DFlashLayer(nn.Module):
-    def __init__(self, config: DFlashConfig, layer_type: str):
+    def __init__(self, config: DFlashConfig, spec: LayerAttention):
         super().__init__()
-        self.layer_type = layer_type
-        self.self_attn = DFlashAttention(config)
+        self.layer_type = spec.type
+        self.self_attn = DFlashAttention(config, spec)
         self.mlp = DFlashMLP(config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, x, cos, sin, context_kv, mask, window=None):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, context_kv, mask, window)
+    def forward(self, x, cos, sin, context_kv, mask):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, context_kv, mask)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
 class DFlashDraftModel(nn.Module):
     """DFlash drafter weights with the published key names (``layers.*``, ``fc``, ``hidden_norm``, ``norm``)."""
 
-    def __init__(self, config: DFlashConfig):
+    def __init__(self, config: DFlashConfig, mask_embedding: bool = False):
         super().__init__()
         self.config = config
-        self.layers = nn.ModuleList(DFlashLayer(config, t) for t in config.layer_types)
-        self.fc = nn.Linear(len(config.target_layer_ids) * config.hidden_size, config.hidden_size, bias=False)
+        self.layers = nn.ModuleList(DFlashLayer(config, spec) for spec in config.resolve_attention())
+        self.fc = nn.Linear(config.fc_in_features, config.hidden_size, bias=False)
+        if mask_embedding:  # a checkpoint's own embedding for mask_token_id (replaces the target's row)
+            if config.input_embedding_scale != 1.0:
+                raise ValueError("the drafter has both a mask_embedding tensor and input_embedding_scale "
+                                 f"{config.input_embedding_scale}: whether the scale applies to that tensor is "
+                                 "defined nowhere, so ddtree refuses it; drop one of them")
+            self.mask_embedding = nn.Parameter(torch.zeros(config.hidden_size))
         self.hidden_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary = RotaryEmbedding(config)
@@ -183,13 +209,44 @@ class DFlashDraftModel(nn.Module):
     def block_size(self) -> int:
         return self.config.block_size
 
+    def attention_table(self) -> str:
+        """The resolved per-layer attention (layer, type, causal, window, sinks), printable."""
+        return self.config.attention_table()
+
+    def embed_block(self, block: torch.Tensor, embed: nn.Module) -> torch.Tensor:
+        """The block tokens' input: the target's raw embedding rows times ``input_embedding_scale`` (every slot,
+        the root too), with the checkpoint's ``mask_embedding`` wherever a token is ``mask_token_id``."""
+        x = embed(block)
+        scale = self.config.input_embedding_scale
+        target_scale = getattr(embed, "embed_scale", None)  # e.g. Gemma3's scaled embedding module
+        if isinstance(target_scale, torch.Tensor) and target_scale.numel() == 1:
+            # The authors look the rows up raw (F.embedding on the weight), bypassing the module's own scale;
+            # undone here rather than bypassed, so the module's device / tensor-parallel hooks still run.
+            scale = scale / float(target_scale)
+        if scale != 1.0:
+            x = x * scale
+        mask_emb = getattr(self, "mask_embedding", None)
+        if mask_emb is not None:
+            x = torch.where((block == self.config.mask_token_id)[..., None], mask_emb.to(x), x)
+        return x
+
+    def process_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """``output_multiplier``, then ``final_logit_softcapping`` (when > 0), as the drafter was trained."""
+        if self.config.output_multiplier != 1.0:
+            logits = logits * self.config.output_multiplier
+        cap = self.config.final_logit_softcapping
+        if cap is not None and cap > 0:
+            logits = torch.tanh(logits / cap) * cap
+        return logits
+
     def project_context(self, features: torch.Tensor) -> torch.Tensor:
         """``hidden_norm(fc(features))``: raw concatenated target features to drafter width."""
         expected = self.fc.in_features
         if features.shape[-1] != expected:
             raise ValueError(
                 f"context features have width {features.shape[-1]}, the drafter expects {expected} "
-                f"({len(self.config.target_layer_ids)} target layers x hidden {self.config.hidden_size})"
+                f"({len(self.config.target_layer_ids)} target layers x hidden "
+                f"{self.config.target_hidden_size or self.config.hidden_size})"
             )
         return self.hidden_norm(self.fc(features.to(self.fc.weight.dtype)))
 
@@ -198,47 +255,52 @@ class DFlashDraftModel(nn.Module):
         cos, sin = self.rotary(positions, context.dtype)
         return [layer.self_attn.project_kv(context, cos, sin) for layer in self.layers]
 
-    def layer_masks(self, block_positions, key_positions, dtype) -> dict[str, torch.Tensor | None]:
-        """Default masks: full layers see every key; sliding layers get the DFlash window."""
-        masks: dict[str, torch.Tensor | None] = {FULL: None, SLIDING: None}
-        if SLIDING in self.config.layer_types:
-            masks[SLIDING] = window_mask(block_positions, key_positions, self.config.sliding_window, dtype)
-        return masks
-
     def forward(
         self,
         block_embeds: torch.Tensor,
         block_positions: torch.Tensor,
         context: torch.Tensor | None = None,
         context_positions: torch.Tensor | None = None,
-        attention_masks: dict[str, torch.Tensor | None] | None = None,
+        key_mask: torch.Tensor | None = None,
         context_kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
     ) -> torch.Tensor:
         """Final-normed hidden states ``[B, Q, H]`` of the block.
 
         Give either projected ``context`` with ``context_positions`` or precomputed
         per-layer ``context_kv`` (whose keys then sit at ``0 .. C-1``).
-        ``attention_masks`` maps layer type to an additive ``[B, 1, Q, C + Q]`` mask
-        over ``[context ; block]``. Without one, full layers see every key and
-        sliding layers get the DFlash window ``|p - k| < sliding_window``.
+        ``key_mask`` (bool, or additive, broadcastable to ``[B, 1, Q, C + Q]``)
+        hides keys from every layer (padding, other blocks); each layer adds its own
+        rule (:meth:`DFlashConfig.resolve_attention`) by key position on top.
         """
         x = block_embeds.to(self.fc.weight.dtype)
         if context_kv is None:
             if context is None or context_positions is None:
                 raise ValueError("give context with context_positions, or context_kv")
             context_kv = self.context_kv(context.to(x.dtype), context_positions)
-        masks = dict(attention_masks or {})
-        window = None
-        if SLIDING in self.config.layer_types and masks.get(SLIDING) is None:
-            if _contiguous(context_positions, block_positions, context_kv[0][0].shape[2]):
-                window = self.config.sliding_window  # the kernel applies it (flash-attn where available)
-            else:
-                key_positions = torch.cat([context_positions, block_positions], dim=1)
-                masks[SLIDING] = self.layer_masks(block_positions, key_positions, x.dtype)[SLIDING]
+        ctx_len = context_kv[0][0].shape[2]
+        kernel_rule = key_mask is None and _contiguous(context_positions, block_positions, ctx_len)
+        masks: dict[tuple, torch.Tensor | None] = {}
+        if not kernel_rule:
+            bsz = block_positions.shape[0]
+            ctx_pos = context_positions if context_positions is not None else \
+                torch.arange(ctx_len, device=block_positions.device).expand(bsz, -1)
+            key_pos = torch.cat([ctx_pos, block_positions], dim=1)
+            if key_mask is not None and key_mask.dtype == torch.bool:
+                key_mask = additive(key_mask, x.dtype)
+            for layer in self.layers:
+                rule = (layer.self_attn.spec.causal, layer.self_attn.spec.window)
+                if rule not in masks:
+                    mask = additive(visible_keys(block_positions, key_pos, *rule), x.dtype)
+                    if key_mask is not None:
+                        mask = key_mask.to(x.dtype) if mask is None else (mask + key_mask.to(x.dtype)).clamp_(
+                            min=torch.finfo(x.dtype).min)
+                    if mask is None:
+                        mask = torch.zeros(1, 1, 1, 1, dtype=x.dtype, device=x.device)
+                    masks[rule] = mask
         cos, sin = self.rotary(block_positions, x.dtype)
         for layer, kv in zip(self.layers, context_kv):
-            sliding = layer.layer_type == SLIDING
-            x = layer(x, cos, sin, kv, masks.get(layer.layer_type), window if sliding else None)
+            rule = (layer.self_attn.spec.causal, layer.self_attn.spec.window)
+            x = layer(x, cos, sin, kv, masks.get(rule))
         return self.norm(x)
 
     @classmethod
@@ -253,11 +315,16 @@ class DFlashDraftModel(nn.Module):
         """
         path = Path(path)
         config = DFlashConfig.from_pretrained(path)
+        warn_last_layer(config, str(path))
+        refuse_pickled_sidecars(path)
         files = weight_files(path)
         shapes = header_shapes(files)
         shapes = {k.removeprefix("model."): v for k, v in shapes.items()}
+        if shapes.get("mask_embedding") in ((config.hidden_size,), (1, config.hidden_size)):
+            shapes["mask_embedding"] = (config.hidden_size,)
+        has_mask = "mask_embedding" in shapes
         with torch.device("meta"):
-            own = {k: tuple(v.shape) for k, v in cls(config).state_dict().items()}
+            own = {k: tuple(v.shape) for k, v in cls(config, mask_embedding=has_mask).state_dict().items()}
         missing = sorted(set(own) - set(shapes))
         unexpected = sorted(set(shapes) - set(own))
         if missing or unexpected:
@@ -270,14 +337,16 @@ class DFlashDraftModel(nn.Module):
                                  "the weights belong to different drafters; re-download the directory")
         state = read_weights(files)
         state = {k.removeprefix("model."): v for k, v in state.items()}
+        if has_mask:
+            state["mask_embedding"] = state["mask_embedding"].reshape(-1)
         for k, v in state.items():
             if v.is_floating_point() and not bool(torch.isfinite(v).all()):
                 bad = int((~torch.isfinite(v)).sum())
                 raise ValueError(f"drafter weight {k} holds {bad} NaN or inf values: the checkpoint is damaged "
                                  "(or was saved from a diverged run); re-download or retrain it")
-        model = cls(config)
+        model = cls(config, mask_embedding=has_mask)
         model.load_state_dict(state)
-        if (path / DRAFT_VOCAB_FILE).exists():
+        if draft_vocab_file(path) is not None:
             model.draft_vocab = load_draft_vocab(path, config.vocab_size)
         file_dtype = next(iter(state.values())).dtype
         model.to(dtype=dtype or file_dtype)
@@ -296,4 +365,4 @@ class DFlashDraftModel(nn.Module):
         (path / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
         save_file(state, str(path / "model.safetensors"), metadata={"format": "pt"})
         if self.draft_vocab is not None:
-            save_draft_vocab(path, self.draft_vocab)
+            save_draft_vocab(path, self.draft_vocab)  # JSON: never a *.safetensors file besides the weights
