@@ -331,18 +331,19 @@ def test_sampling_keeps_the_target_distribution(tmp_path):
     small = tiny_target("qwen3", vocab=8)
     path = ddtree_checkpoint(small, tmp_path / "d2", seed=4, block_size=4, top_k=4, mask_token_id=7)
     gen = SpeculativeGenerator(small, DFlashDrafter.from_pretrained(path, small), tree_budget=6)
-    cfg, samples = SamplingConfig(temperature=0.9, top_k=4), 800
+    cfg, samples, rows = SamplingConfig(temperature=0.9, top_k=4), 1200, 200
     exact = exact_distribution(small, cfg)
     counts, acc, expected, by_first = {}, [], [], {}
-    for seed in range(samples):
-        out = gen.generate(torch.tensor([PROMPT]), max_new_tokens=3, temperature=cfg.temperature, top_k=cfg.top_k,
-                           seed=seed, record_trees=True)
-        seq = tuple(out.new_tokens[0].tolist())
-        counts[seq] = counts.get(seq, 0) + 1
-        acc.append(out.acceptance_lengths[0])
-        if seq[0] not in by_first:
-            by_first[seq[0]] = expected_first_round_acceptance(small, out.rounds[0], seq[0], cfg)
-        expected.append(by_first[seq[0]])
+    for seed in range(samples // rows):  # a batch of one prompt repeated: its rows draw independently
+        out = gen.generate([torch.tensor(PROMPT)] * rows, max_new_tokens=3, temperature=cfg.temperature,
+                           top_k=cfg.top_k, seed=seed, record_trees=True)
+        for row in range(rows):
+            seq = tuple(out.row_tokens[row])
+            counts[seq] = counts.get(seq, 0) + 1
+            acc.append(out.acceptance_lengths[row][0])
+            if seq[0] not in by_first:
+                by_first[seq[0]] = expected_first_round_acceptance(small, out.rounds[row][0], seq[0], cfg)
+            expected.append(by_first[seq[0]])
     assert set(counts) <= set(exact)
     stat, df = chi2_statistic(counts, exact, samples)
     assert df >= 3 and stat < chi2_critical(df), (stat, df)
