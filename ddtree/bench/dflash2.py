@@ -103,7 +103,7 @@ def train(model, target, steps: int, batch: int, seed: int, log) -> list[float]:
         opt.zero_grad()
         loss.backward()
         opt.step()
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
         if step % 200 == 0 or step == steps - 1:
             log(f"step {step}: loss {loss.item():.3f}")
     return losses

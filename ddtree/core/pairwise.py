@@ -115,4 +115,7 @@ def pairwise_builder(builder):
     """The pairwise form of ``builder`` (``best_first`` -> :func:`best_first_pairwise`, ``chain`` ->
     :func:`chain_pairwise`, or its own ``pairwise`` attribute), else ``None``: a builder without one is
     given the per-depth log-probs along the greedy path instead."""
-    return getattr(builder, "pairwise", None) or PAIRWISE_BUILDERS.get(builder)
+    own = getattr(builder, "pairwise", None)
+    if own is not None:
+        return own
+    return next((pair for plain, pair in PAIRWISE_BUILDERS.items() if plain is builder), None)
