@@ -222,10 +222,47 @@ def authors_rounds(theirs, target, prompt, new):
     return out[0, prompt.shape[1]:].tolist(), drafts
 
 
-def test_chain_drafts_equal_the_authors_round_by_round(target, tmp_path, float64_norms):
-    path, theirs = authors_checkpoint(target, tmp_path / "d2", seed=5)
+def bigram_pair(tmp_path):
+    """A target whose next token depends only on the last one (its layers' outputs zeroed), and a DFlash2
+    drafter whose selector knows that map for two tokens in three: drafts then run deep, and break where
+    the map is wrong, so acceptance varies from round to round. Built from the authors' class."""
+    target = tiny_target("qwen3", seed=1)
+    with torch.no_grad():
+        for layer in target.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        nxt = target(torch.arange(target.config.vocab_size)[None]).logits[0].argmax(-1)
+    vocab = target.config.vocab_size
+    wrong = torch.arange(vocab) % 3 == 2
+    known = torch.where(wrong, (nxt + 1) % vocab, nxt)
+    dm = pytest.importorskip("dflash.model")
+    from transformers import Qwen3Config
+
+    cfg = dflash2_config(target, top_k=vocab)
+    cfg["dflash_config"].update(selector_rank=vocab, output_multiplier=0.0)  # the selector alone ranks
+    theirs = dm.DFlash2DraftModel(Qwen3Config(**cfg)).double()
+    fill(theirs, 11)
+    with torch.no_grad():
+        for layer in theirs.layers:  # the block keeps its embeddings: every mask slot's hidden state is alike
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        h0 = theirs.norm(target.get_input_embeddings().weight[MASK_ID][None])[0]
+        sel = theirs.candidate_selector
+        sel.hidden_projection.weight.copy_((h0 / h0.dot(h0)).expand(vocab, -1))  # proj(h0) = 1
+        sel.predecessor_codebook.weight.copy_(torch.eye(vocab))
+        sel.successor_codebook.weight.copy_(10.0 * (torch.arange(vocab)[:, None] == known[None, :]))
+    write(tmp_path, cfg, published_state(theirs))
+    return target, tmp_path, dm.DFlash2DraftModel.from_pretrained(str(tmp_path), dtype=torch.float64).eval()
+
+
+@pytest.mark.parametrize("kind", ["random", "bigram"])
+def test_chain_drafts_equal_the_authors_round_by_round(target, tmp_path, float64_norms, kind):
+    if kind == "random":
+        path, theirs = authors_checkpoint(target, tmp_path / "d2", seed=5)
+    else:
+        target, path, theirs = bigram_pair(tmp_path / "d2")
     prompt = torch.tensor([[11, 4, 27, 80, 3, 19, 52]])
-    new = 48
+    new = 48 if kind == "random" else 160
     their_tokens, drafts = authors_rounds(theirs, target, prompt, new)
     gen = SpeculativeGenerator(target, DFlashDrafter.from_pretrained(path, target), tree_budget=BLOCK - 1,
                                builder="chain")
@@ -245,6 +282,8 @@ def test_chain_drafts_equal_the_authors_round_by_round(target, tmp_path, float64
         theirs_acc.append(acc + 1)
         start += acc + 1
     assert out.acceptance_lengths[: len(full)] == theirs_acc
+    if kind == "bigram":  # deep drafts that break where the selector's map is wrong
+        assert len(set(theirs_acc)) >= 3 and sum(theirs_acc) / len(theirs_acc) > 2.5, theirs_acc
 
 
 # ------------------------------------------------------------------------------------------------------------
