@@ -9,14 +9,14 @@ import math
 
 import pytest
 import torch
+from test_generator import expected_acceptance, reference
+from tiny import MASK_ID, tiny_target
 
 from ddtree import SamplingConfig, SpeculativeGenerator
 from ddtree.core.pairwise import best_first_pairwise, chain_pairwise
 from ddtree.drafters.dflash.drafter import DFlashDrafter
 from ddtree.drafters.dflash2.drafter import DFlash2Drafter
 from ddtree.drafters.dflash2.model import DFlash2DraftModel
-from test_generator import expected_acceptance, reference
-from tiny import MASK_ID, tiny_target
 
 BLOCK = 6
 
@@ -191,7 +191,7 @@ def test_hidden_states_and_selector_scores_equal_the_authors(target, tmp_path, r
     assert (h_ours - h_theirs).abs().max() < tol
     # Their selector's scores, recomputed from their modules for every (previous, candidate) pair.
     sel = theirs.candidate_selector
-    unary, their_cand = logits_t.topk(sel.top_k, dim=-1)
+    _, their_cand = logits_t.topk(sel.top_k, dim=-1)
     assert torch.equal(their_cand.sort(-1).values, cand)
     proj = sel.hidden_projection(h_theirs[:, 1:])[0]
     pred, succ = sel.predecessor_codebook.weight, sel.successor_codebook.weight
@@ -364,8 +364,13 @@ def test_greedy_generation_is_lossless_and_acceptance_matches_a_walk_of_each_tre
 def test_sampling_keeps_the_target_distribution(tmp_path):
     """At temperature > 0 the tree is still a deterministic function of the drafter (the selector's most
     likely branches): the verifier's draws make the output the target's own distribution (chi-square)."""
-    from test_sampling_e2e import (PROMPT, chi2_critical, chi2_statistic, exact_distribution,
-                                   expected_first_round_acceptance)
+    from test_sampling_e2e import (
+        PROMPT,
+        chi2_critical,
+        chi2_statistic,
+        exact_distribution,
+        expected_first_round_acceptance,
+    )
 
     small = tiny_target("qwen3", vocab=8)
     path = ddtree_checkpoint(small, tmp_path / "d2", seed=4, block_size=4, top_k=4, mask_token_id=7)

@@ -90,9 +90,9 @@ class DFlash2Config:
         return [self.base.sliding_window if t == SLIDING and on else None for t in self.base.layer_types]
 
     @classmethod
-    def from_dict(cls, d: dict) -> "DFlash2Config":
+    def from_dict(cls, d: dict) -> DFlash2Config:
         if not isinstance(d, dict):
-            raise ValueError(f"a drafter config is a JSON object (a dict), got {type(d).__name__}")
+            raise ValueError(f"a drafter config is a JSON object (a dict), got {type(d).__name__}")  # noqa: TRY004 (a config error, as DFlashConfig raises)
         d = dict(d)
         dflash = dict(d.get("dflash_config") or {})
 
@@ -118,7 +118,7 @@ class DFlash2Config:
                              ("final_logit_softcapping", None)))
         for name, v in (("input_embedding_scale", scale), ("output_multiplier", mult)):
             if isinstance(v, bool) or not isinstance(v, (int, float)):
-                raise ValueError(f"DFlash2 config: {name} must be a number, got {v!r}")
+                raise ValueError(f"DFlash2 config: {name} must be a number, got {v!r}")  # noqa: TRY004
         if cap is not None and (isinstance(cap, bool) or not isinstance(cap, (int, float))):
             raise ValueError(f"DFlash2 config: final_logit_softcapping must be a number or null, got {cap!r}")
         is_causal = d.pop("is_causal", None)
@@ -154,7 +154,7 @@ class DFlash2Config:
         return out
 
     @classmethod
-    def from_pretrained(cls, path: str | os.PathLike) -> "DFlash2Config":
+    def from_pretrained(cls, path: str | os.PathLike) -> DFlash2Config:
         path = Path(path)
         file = path / "config.json" if path.is_dir() else path
         if not file.exists():
@@ -166,4 +166,4 @@ class DFlash2Config:
         return cls.from_dict(data)
 
 
-__all__ = ["ARCHITECTURE", "DFlash2Config", "FULL", "SLIDING", "is_dflash2"]
+__all__ = ["ARCHITECTURE", "FULL", "SLIDING", "DFlash2Config", "is_dflash2"]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -50,7 +50,7 @@ class DFlash2Drafter(Drafter):
                                  "it: keep it on a device")
 
     @classmethod
-    def from_pretrained(cls, path, target, *, dtype=None, device=None) -> "DFlash2Drafter":
+    def from_pretrained(cls, path, target, *, dtype=None, device=None) -> DFlash2Drafter:
         check_compatible(DFlash2Config.from_pretrained(path), target)  # before any weight is read
         dev = device if device is not None else target.get_input_embeddings().weight.device
         return cls(DFlash2DraftModel.from_pretrained(path, dtype=dtype, device=dev), target)

@@ -48,7 +48,7 @@ class GroupedDynamicConv(nn.Module):
         return self.kernel_projection(u).view(*u.shape[:-1], 2, self.kernel_size, -1)
 
     def apply(self, x: torch.Tensor, dynamic: torch.Tensor, which: int) -> torch.Tensor:
-        bsz, t, h = x.shape
+        t = x.shape[1]
         dyn = dynamic[:, :, which].repeat_interleave(self.group_size, dim=-1)  # [B, T, K, H]
         weight = self.base_kernel[which].to(x.dtype) + dyn  # [B, T, K, H]
         out = weight[:, :, 0] * x
@@ -227,7 +227,7 @@ class DFlash2DraftModel(nn.Module):
 
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike, *, dtype: torch.dtype | None = None,
-                        device: str | torch.device | None = None) -> "DFlash2DraftModel":
+                        device: str | torch.device | None = None) -> DFlash2DraftModel:
         """Load a published DFlash2 directory (``config.json`` + ``*.safetensors``) as it is.
 
         Names and shapes are checked in the headers first (bare or ``.weight`` codebook names alike);
