@@ -7,4 +7,5 @@ SUBCOMMANDS = {
     "attention": ("ddtree.bench.attention", "one tree-verify attention layer per backend"),
     "long-run": ("ddtree.bench.long_run", "one long generation: exactness and memory per committed token"),
     "linear": ("ddtree.bench.linear", "hybrid GDN verify: tree against chain"),
+    "dflash2": ("ddtree.bench.dflash2", "DDTree over a DFlash2 selector's pairwise scores against its chain"),
 }

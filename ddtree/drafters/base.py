@@ -13,6 +13,8 @@ from typing import Protocol, Sequence
 
 import torch
 
+from ddtree.core.pairwise import PairwiseScores
+
 
 @dataclass
 class Proposal:
@@ -21,11 +23,16 @@ class Proposal:
     ``logprobs`` ``[B, D, V]``: a distribution per depth after the root, for the
     tree builder. ``paths`` (optional): per row, ``(tokens, cumulative scores)``
     branches from the root that :func:`ddtree.core.tree.graft_paths` adds to the
-    built tree under the same budget (prompt lookup uses them).
+    built tree under the same budget (prompt lookup uses them). ``pairwise``
+    (optional): scores of each depth's candidates given the token before them
+    (a DFlash2 selector); the round then grows the tree from them with the
+    builder's pairwise form (:func:`ddtree.core.pairwise.pairwise_builder`), and
+    ``logprobs`` is the per-depth view along the greedy path.
     """
 
     logprobs: torch.Tensor
     paths: list[list[tuple[list[int], list[float]]]] | None = None
+    pairwise: PairwiseScores | None = None
 
     @property
     def has_paths(self) -> bool:

@@ -27,6 +27,8 @@ from ddtree.core.builders import TreeBuilder, resolve_builder
 from ddtree.drafters.base import Drafter, check_drafter
 from ddtree.drafters.dflash.drafter import DFlashDrafter
 from ddtree.drafters.dflash.model import DFlashDraftModel
+from ddtree.drafters.dflash2.drafter import DFlash2Drafter
+from ddtree.drafters.dflash2.model import DFlash2DraftModel
 from ddtree.generation.inputs import StreamerFeed, prompt_rows, resolve_generation
 from ddtree.generation.round import speculative_round
 from ddtree.generation.state import DecodeState
@@ -114,6 +116,8 @@ class SpeculativeGenerator:
         self.lockstep = Lockstep.for_model(target)  # ranks of a tensor-parallel target; inactive otherwise
         if isinstance(drafter, DFlashDraftModel):
             drafter = DFlashDrafter(drafter, target)  # ranks agree on it while binding
+        elif isinstance(drafter, DFlash2DraftModel):
+            drafter = DFlash2Drafter(drafter, target)
         elif self.lockstep.active and not isinstance(drafter, DFlashDrafter):
             self.lockstep.agree(_drafter_identity(drafter), "the drafter")
         check_drafter(drafter)

@@ -4,7 +4,8 @@ The first call prefills the prompts and emits each row's first token. Every
 later call runs one round for the active rows:
 
 1. ``draft.propose(roots)``: per-depth log-probs after each row's root;
-2. ``policy.choose`` and ``builder(roots, logprobs, budget)``: one tree per row;
+2. ``policy.choose`` and ``builder(roots, logprobs, budget)``: one tree per row (its pairwise
+   form when the proposal carries pairwise scores, see :mod:`ddtree.core.pairwise`);
 3. the backend's tree-attention kwargs (rows padded in the cache get a dense mask);
 4. one target forward over every row's tree, at positions ``length + depth``;
 5. ``verify_tree``: each row's accepted path and bonus token;
@@ -19,6 +20,7 @@ from __future__ import annotations
 import torch
 
 from ddtree.core.masks import tree_position_ids
+from ddtree.core.pairwise import pairwise_builder
 from ddtree.core.sampling import choose_tokens
 from ddtree.core.tree import SOURCE_NAMES, graft_paths, root_only
 from ddtree.core.verify import verify_tree
@@ -167,7 +169,11 @@ def _draft_tree(state: DecodeState, context: int):
         proposal = state.draft.propose(roots)
     with state.timer.stage("tree_build"):
         size = gen.lockstep.share(state.policy.choose(proposal.logprobs, context))  # each rank's clock differs
-        tree = gen.builder(roots, proposal.logprobs, size)
+        pairwise = None if proposal.pairwise is None else pairwise_builder(gen.builder)
+        if pairwise is not None:  # scores given each node's own parent (a DFlash2 selector)
+            tree = pairwise(roots, proposal.pairwise, size)
+        else:
+            tree = gen.builder(roots, proposal.logprobs, size)
         if proposal.has_paths:
             tree = graft_paths(tree, proposal.paths, size)
     state.budgets.append(size)

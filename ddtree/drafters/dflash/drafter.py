@@ -131,6 +131,17 @@ class DFlashDrafter(Drafter):
 
     @classmethod
     def from_pretrained(cls, path, target, *, dtype=None, device=None, draft_vocab="auto") -> "DFlashDrafter":
+        """Bind a published drafter directory to ``target``; a DFlash2 one (``architectures``) gives a
+        :class:`~ddtree.drafters.dflash2.drafter.DFlash2Drafter`, which proposes over the full vocabulary."""
+        from ddtree.drafters.dflash2.config import is_dflash2
+
+        if is_dflash2(path):
+            from ddtree.drafters.dflash2.drafter import DFlash2Drafter
+
+            if not (draft_vocab is None or draft_vocab == "auto" or (isinstance(draft_vocab, int) and draft_vocab == 0)):
+                raise ValueError("a DFlash2 drafter proposes over the full vocabulary (its selector reads every "
+                                 "logit): pass draft_vocab='auto' or None")
+            return DFlash2Drafter.from_pretrained(path, target, dtype=dtype, device=device)
         check_compatible(DFlashConfig.from_pretrained(path), target)  # before any weight is read
         dev = device if device is not None else target.get_input_embeddings().weight.device
         return cls(DFlashDraftModel.from_pretrained(path, dtype=dtype, device=dev), target, draft_vocab=draft_vocab)

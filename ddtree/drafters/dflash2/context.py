@@ -1,0 +1,38 @@
+"""``DFlash2Context``: one generation's DFlash2 state (the context keys/values, kept as DFlash keeps them) and
+its proposal: pairwise selector scores, plus their per-depth view along the greedy path."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ddtree.drafters.base import Proposal
+from ddtree.drafters.dflash.context import DFlashContext
+
+
+class DFlash2Context(DFlashContext):
+    """The committed context's per-layer keys/values (appended as for DFlash); ``propose`` runs the DFlash2
+    block and its selector."""
+
+    @torch.no_grad()
+    def propose(self, root_tokens: torch.Tensor) -> Proposal:
+        """``Proposal.pairwise``: the selector's log-probs for slots ``1 ..`` given each slot's previous
+        token; ``Proposal.logprobs`` ``[B, block_size - 1, V]``: those along the greedy path (``-inf`` off
+        each slot's candidates), so ``chain`` on either is the selector's greedy chain."""
+        if self.kv is None or bool((self.lengths == 0).any()):
+            raise RuntimeError("the drafter has no context yet: append the prompt's target features first")
+        drafter = self.drafter
+        model = drafter.model
+        embed, lm_head = drafter._target_parts
+        root_tokens = root_tokens.view(-1)
+        bsz, size, device = root_tokens.shape[0], drafter.block_size, root_tokens.device
+        lengths = self.lengths.to(device)
+        block = torch.cat([root_tokens[:, None], root_tokens.new_full((bsz, size - 1), drafter.mask_token_id)], 1)
+        positions = lengths[:, None] + torch.arange(size, device=device)
+        width = int(lengths.max())
+        kv = [(k[:, :, :width], v[:, :, :width]) for k, v in self.kv]
+        embeds = F.embedding(block, embed.weight) * model.config.input_embedding_scale  # the raw rows, as published
+        ragged = None if bool((lengths == width).all()) else lengths
+        hidden = model(embeds, positions, kv, ragged)[:, 1:]
+        scores = model.candidate_selector.pairwise(hidden, model.logits(hidden, lm_head), root_tokens)
+        return Proposal(scores.along(scores.greedy_indices(), lm_head.weight.shape[0]), pairwise=scores)
