@@ -252,3 +252,29 @@ def test_pre_norm_fault_swaps_only_the_last_layer_inside_its_hook(tmp_path):
     torch.testing.assert_close(features[..., :64], right[..., :64])  # layer 1 as read correctly
     assert not torch.allclose(features[..., 64:], right[..., 64:])
     torch.testing.assert_close(target.model.norm(features[..., 64:]), right[..., 64:])
+
+
+def test_a_fault_within_noise_of_the_reference_is_not_blamed():
+    """Two profiles 0.02 apart on 40 drafts are the same integration as far as the prompts can tell."""
+    from ddtree.apps.doctor.config_check import ConfigReport
+
+    ref = Profile("reference", "correct", mean=1.8, per_position=[0.5, 0.2, 0.1], drafts=40)
+    same = Profile("mask_wrong", "the wrong mask token", mean=1.76, per_position=[0.48, 0.18, 0.1], drafts=40)
+    far = Profile("no_offset", "no offset", mean=1.02, per_position=[0.02, 0, 0], drafts=90)
+    rep = DoctorReport("t", "d", 4, 2, 8, ConfigReport(), ref, [], [same, far], profile_from_figures(1.75, [0.47, 0.18, 0.1]))
+    rep.ranking = rank(rep.engine, [ref, same, far])
+    rep.verdict = verdict(rep)
+    assert rep.ranking[0].name == "mask_wrong" and not rep.distinct("mask_wrong") and rep.distinct("no_offset")
+    assert "within sampling noise" in rep.verdict and "Closest fault" not in rep.verdict
+    assert "(~ reference)" in render(rep).splitlines()[[i for i, l in enumerate(render(rep).splitlines())
+                                                       if l.strip().startswith("mask_wrong")][0]]
+
+
+def test_look_alike_faults_are_named_together():
+    rep = _report(profile_from_figures(1.04, [0.035, 0.005, 0]))
+    rep.signatures.append(Profile("pre_norm_last", "read before the final norm", mean=1.05,
+                                  per_position=[0.05, 0, 0]))
+    rep.ranking = rank(rep.engine, [rep.reference, *rep.signatures])
+    rep.verdict = verdict(rep)
+    assert "Nearly as close: read before the final norm" in rep.verdict
+    assert "all in one part of the integration: features" in rep.verdict

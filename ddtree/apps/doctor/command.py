@@ -44,6 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
                                                                     "(1 + accepted / drafts)")
     ap.add_argument("--engine-rates", default=None, help="the engine's per-position acceptance rates, comma list")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="reference model dtype")
+    ap.add_argument("--device", default="cpu", help="device for the models (cpu, cuda, ...)")
     ap.add_argument("--json", default=None, help="write the full report as JSON here")
     ap.add_argument("--plot", default=None, help="write a per-position acceptance plot (PNG) here (needs matplotlib)")
     ap.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
@@ -74,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     report = diagnose(args.target, args.drafter, prompts=args.prompts, num_prompts=args.num_prompts,
                       max_new_tokens=args.max_new_tokens, tree_budgets=budgets, faults=faults, engine=engine,
-                      dtype=getattr(torch, args.dtype), progress=not args.no_progress)
+                      dtype=getattr(torch, args.dtype), progress=not args.no_progress, device=args.device)
     print(render(report))
     if args.json:
         report.to_json(args.json)

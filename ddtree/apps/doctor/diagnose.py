@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -14,7 +15,7 @@ import torch
 from ddtree.apps.doctor.config_check import ConfigReport, check_config, read_raw_config
 from ddtree.apps.doctor.engine_logs import EngineProfile
 from ddtree.apps.doctor.faults import FAULTS, FAULTS_BY_NAME, Pair, Skip
-from ddtree.apps.doctor.profile import Profile, accepted_counts, distance, encode_prompts, load_prompts, \
+from ddtree.apps.doctor.profile import Profile, accepted_counts, distance, encode_prompts, load_prompts, noise, \
     profile_from_counts
 
 REFERENCE = "reference"
@@ -53,6 +54,11 @@ class DoctorReport:
     def signature(self, name: str) -> Profile:
         return next(p for p in [self.reference, *self.signatures] if p.name == name)
 
+    def distinct(self, name: str) -> bool:
+        """Whether the fault's profile stands clear of the reference: more than twice the sampling noise
+        of the two apart. One that does not is harmless on this pair, or needs more prompts to show."""
+        return distinct(self.reference, self.signature(name))
+
     def to_dict(self) -> dict:
         return asdict(self)
 
@@ -86,7 +92,7 @@ class Progress:
             self.stream.flush()
 
 
-def _load(target: str | None, drafter: str | None, dtype: torch.dtype):
+def _load(target: str | None, drafter: str | None, dtype: torch.dtype, device: str = "cpu"):
     from ddtree.generation.generator import SpeculativeGenerator
     from ddtree.loading.pretrained import default_drafter_dir, smollm2_path
 
@@ -95,9 +101,15 @@ def _load(target: str | None, drafter: str | None, dtype: torch.dtype):
     target_path = str(smollm2_path()) if target is None else str(target)
     drafter_path = str(default_drafter_dir()) if drafter is None else str(drafter)
     # Engines run the drafter over the full vocabulary (they do not read draft_vocab.safetensors).
-    gen = SpeculativeGenerator.from_pretrained(target_path, drafter_path, dtype=dtype, draft_vocab=None,
-                                               cpu_linear=False)
+    gen = SpeculativeGenerator.from_pretrained(target_path, drafter_path, dtype=dtype, draft_vocab=None, device=device)
     return gen, target_path, drafter_path
+
+
+def distinct(reference: Profile, signature: Profile) -> bool:
+    if signature.mean is None or reference.mean is None:
+        return False
+    gap = distance(reference.mean, reference.per_position, signature)
+    return gap > 2 * math.hypot(noise(reference), noise(signature))
 
 
 def rank(engine: EngineProfile, profiles: Sequence[Profile]) -> list[Ranked]:
@@ -132,17 +144,26 @@ def verdict(report: DoctorReport) -> str:
     sig = report.signature(best.name)
     lines.append(f"{head}; a correct integration gives {ref.mean:.2f} here "
                  f"(per position {_rates(ref.per_position)}).")
-    lines.append(f"Closest fault: {best.title} — injected into ddtree it gives {sig.mean:.2f} "
-                 f"(per position {_rates(sig.per_position)}; distance {best.distance:.3f}).")
-    if fault is not None:
-        lines.append(f"Check: {fault.check}.")
-    ref_d = next((r.distance for r in report.ranking if r.name == REFERENCE), None)
-    close = [r for r in report.ranking[1:4] if r.name != REFERENCE and r.distance <= 2 * best.distance + 0.01]
+    ref_d = next((r.distance for r in report.ranking if r.name == REFERENCE), math.inf)
+    if not report.distinct(best.name):
+        lines.append(f"The closest fault, {best.title}, gives {sig.mean:.2f}, within sampling noise of the correct "
+                     "integration on these prompts: the figures do not point at a known fault. Run more prompts "
+                     "(--num-prompts, --max-new-tokens) or compare the engine's prompts and sampling settings.")
+        return "\n".join(lines)
+    lines.append(f"Closest fault: {best.title}. Injected into ddtree it gives {sig.mean:.2f} "
+                 f"(per position {_rates(sig.per_position)}; distance {best.distance:.3f}, the correct "
+                 f"integration's {ref_d:.3f}).")
+    close = [r for r in report.ranking[1:] if r.name != REFERENCE and report.distinct(r.name)
+             and r.distance <= 4 * best.distance + 0.02 and r.distance < ref_d / 2]
+    groups = {FAULTS_BY_NAME[r.name].group for r in [best, *close] if r.name in FAULTS_BY_NAME}
     if close:
-        lines.append("Also close: " + "; ".join(f"{r.title} ({r.mean:.2f}, distance {r.distance:.3f})"
-                                                for r in close) + ".")
-    if ref_d is not None:
-        lines.append(f"(The correct integration is at distance {ref_d:.3f}.)")
+        lines.append("Nearly as close: " + "; ".join(f"{r.title} ({r.mean:.2f}, distance {r.distance:.3f})"
+                                                     for r in close) + ".")
+    if close and len(groups) == 1:
+        lines.append(f"These faults look alike (all in one part of the integration: {groups.pop()}); check each: "
+                     + "; ".join(FAULTS_BY_NAME[r.name].check for r in [best, *close]) + ".")
+    elif fault is not None:
+        lines.append(f"Check: {fault.check}.")
     return "\n".join(lines)
 
 
@@ -154,7 +175,7 @@ def diagnose(target: str | None = None, drafter: str | None = None, *, prompts: 
              num_prompts: int = 4, max_new_tokens: int = 32, tree_budgets: Sequence[int] = (8,),
              faults: Sequence[str] | None = None, engine: EngineProfile | None = None,
              dtype: torch.dtype = torch.float32, progress: bool = True, generator=None,
-             drafter_dir: str | None = None, stream=None) -> DoctorReport:
+             drafter_dir: str | None = None, stream=None, device: str = "cpu") -> DoctorReport:
     """Diagnose a target / DFlash drafter pair (paths; both ``None``: the default pair).
 
     ``generator`` (with ``drafter_dir``) runs on an already-loaded pair instead of
@@ -164,7 +185,7 @@ def diagnose(target: str | None = None, drafter: str | None = None, *, prompts: 
     """
     t0 = time.perf_counter()
     if generator is None:
-        generator, target_path, drafter_dir = _load(target, drafter, dtype)
+        generator, target_path, drafter_dir = _load(target, drafter, dtype, device)
     else:
         if drafter_dir is None:
             raise ValueError("with a loaded generator, give drafter_dir (its directory holds config.json)")
@@ -198,7 +219,8 @@ def diagnose(target: str | None = None, drafter: str | None = None, *, prompts: 
         bar.label = f"reference tree@{b}"
         trees.append(profile_from_counts(f"tree@{b}", f"DDTree, budget {b}", run(generator, b, "best_first"),
                                          chain, method=f"tree@{b}"))
-    low = (lambda: _low_precision_pair(target_path, drafter_dir)) if Path(target_path).is_dir() else None
+    dev = generator.target.get_input_embeddings().weight.device
+    low = (lambda: _low_precision_pair(target_path, drafter_dir, dev)) if Path(target_path).is_dir() else None
     pair = Pair(generator.target, generator.drafter, Path(drafter_dir), raw, tok, load_low_precision=low)
     signatures = []
     for name in names:
@@ -230,11 +252,11 @@ def diagnose(target: str | None = None, drafter: str | None = None, *, prompts: 
     return report
 
 
-def _low_precision_pair(target_path: str, drafter_dir):
+def _low_precision_pair(target_path: str, drafter_dir, device):
     from ddtree.generation.generator import SpeculativeGenerator
 
     gen = SpeculativeGenerator.from_pretrained(target_path, str(drafter_dir), dtype=torch.bfloat16, draft_vocab=None,
-                                               cpu_linear=False)
+                                               device=device)
     return gen.target, gen.drafter
 
 
@@ -280,7 +302,7 @@ def render(report: DoctorReport) -> str:
     for p in report.trees:
         out.append(row(p.name, p))
     for p in report.signatures:
-        out.append(row(p.name, p))
+        out.append(row(p.name, p) + ("" if p.mean is None or report.distinct(p.name) else "  (~ reference)"))
     if report.engine is not None:
         e = report.engine
         out.append(row(f"ENGINE ({e.engine})", mean=e.mean_acceptance_length, rates=e.per_position,

@@ -34,6 +34,7 @@ class Fault:
     title: str  # what the engine does wrong, in plain words
     check: str  # where to look in an engine
     build: Callable  # (Pair) -> (drafter, context manager); raises Skip
+    group: str = ""  # the part of an integration it belongs to (faults of one group look alike)
 
 
 @dataclass
@@ -277,26 +278,26 @@ def _low_precision(pair: Pair):
 
 FAULTS = [
     Fault("no_offset", "layer ids read without the +1 offset (hidden_states[i] for layer i)",
-          "the aux-hidden-state layer indices: HF hidden_states[0] is the embedding", _feature_fault(_no_offset)),
+          "the aux-hidden-state layer indices: HF hidden_states[0] is the embedding", _feature_fault(_no_offset), "features"),
     Fault("one_late", "every feature layer read one layer late",
-          "the layer whose output is captured for each id", _feature_fault(_one_late)),
+          "the layer whose output is captured for each id", _feature_fault(_one_late), "features"),
     Fault("layer_missing", "the last feature layer missing (zeros)",
-          "that every target_layer_id is captured", _feature_fault(_missing, zero=lambda n: [n - 1])),
+          "that every target_layer_id is captured", _feature_fault(_missing, zero=lambda n: [n - 1]), "features"),
     Fault("layer_repeated", "a feature layer repeated in place of the last one",
-          "the order and uniqueness of the captured layers", _feature_fault(_repeated)),
+          "the order and uniqueness of the captured layers", _feature_fault(_repeated), "features"),
     Fault("pre_norm_last", "the last target layer read before the final norm (HF's hidden_states[-1] is normed)",
-          "whether the aux state of the last layer is taken before or after the model's final norm", _pre_norm),
+          "whether the aux state of the last layer is taken before or after the model's final norm", _pre_norm, "features"),
     Fault("window_ignored", "the sliding window ignored (sliding layers see the whole context)",
-          "the drafter's layer_types / sliding_window handling", _from_config(_window_ignored)),
+          "the drafter's layer_types / sliding_window handling", _from_config(_window_ignored), "attention"),
     Fault("causality_swapped", "sliding layers made non-causal and full layers causal",
-          "the per-layer is_causal / layer types handling", _from_config(_causality_swapped)),
+          "the per-layer is_causal / layer types handling", _from_config(_causality_swapped), "attention"),
     Fault("context_dropped", "the drafter context dropped every round (only the newest tokens kept)",
-          "the drafter's KV cache across rounds (the cache-drop bug)", _dropped),
+          "the drafter's KV cache across rounds (the cache-drop bug)", _dropped, "context"),
     Fault("mask_wrong", "the wrong mask token embedded in the draft slots",
-          "which token id fills the block's masked slots (dflash_config.mask_token_id)", _mask_wrong),
+          "which token id fills the block's masked slots (dflash_config.mask_token_id)", _mask_wrong, "block input"),
     Fault("scale_ignored", "the input embedding scale ignored",
-          "dflash_config.input_embedding_scale", _from_config(_scale_ignored)),
+          "dflash_config.input_embedding_scale", _from_config(_scale_ignored), "block input"),
     Fault("low_precision", "a bfloat16 target (and drafter)",
-          "the serving dtype; compare with a float32 run", _low_precision),
+          "the serving dtype; compare with a float32 run", _low_precision, "precision"),
 ]
 FAULTS_BY_NAME = {f.name: f for f in FAULTS}

@@ -58,6 +58,15 @@ def accepted_counts(generator, prompts: Sequence[torch.Tensor], budget: int, max
     return counts
 
 
+def noise(profile: Profile) -> float:
+    """The RMS standard error of a profile's per-position rates (binomial, over its drafts): how far two
+    measurements of the same integration on these prompts can drift apart by chance."""
+    if not profile.drafts or not profile.per_position:
+        return 0.0
+    var = [p * (1 - p) / profile.drafts for p in profile.per_position]
+    return math.sqrt(sum(var) / len(var))
+
+
 def distance(engine_mean: float, engine_rates: Sequence[float] | None, profile: Profile) -> float:
     """How far a profile is from an engine's: RMS over the common positions, else the mean's difference."""
     if profile.mean is None:
