@@ -18,7 +18,12 @@ from ddtree.apps.doctor import diagnose, parse_engine_log, profile_from_figures,
 from ddtree.apps.doctor.command import main as doctor_main
 from ddtree.apps.doctor.config_check import check_config, thinking_mode
 from ddtree.apps.doctor.diagnose import DoctorReport, Progress, rank, verdict
-from ddtree.apps.doctor.faults import DroppedContext, FaultyDrafter, ReadLayers, _decoder_layers
+from ddtree.apps.doctor.faults import (
+    DroppedContext,
+    FaultyDrafter,
+    ReadLayers,
+    _decoder_layers,
+)
 from ddtree.apps.doctor.profile import Profile, accepted_counts, profile_from_counts
 from ddtree.drafters.dflash.drafter import DFlashDrafter
 from ddtree.generation.generator import SpeculativeGenerator
@@ -43,7 +48,7 @@ def _scripted(decoy_at=None):
 
 def test_accepted_counts_are_what_the_drafter_gets_right():
     """A drafter right at depths 1-2 and wrong at 3 (a decoy) has exactly 2 accepted per chain round."""
-    target, ref, drafter = _scripted({3: 0})
+    target, _, drafter = _scripted({3: 0})
     gen = SpeculativeGenerator(target, drafter, tree_budget=4, builder="chain")
     counts = accepted_counts(gen, [torch.tensor([PROMPT])], budget=4, max_new_tokens=16)
     assert len(counts) >= 4 and all(c == 2 for c in counts[:-1]) and counts[-1] <= 2
@@ -53,7 +58,7 @@ def test_accepted_counts_are_what_the_drafter_gets_right():
 
 def test_dropped_context_collapses_a_drafter_that_needs_its_history():
     """The cache-drop fault: the scripted drafter, which places its proposals by context length, loses them."""
-    target, ref, drafter = _scripted()
+    target, _, drafter = _scripted()
     prompts = [torch.tensor([PROMPT])]
     good = accepted_counts(SpeculativeGenerator(target, drafter, tree_budget=4, builder="chain"), prompts, 4, 16)
     faulty = FaultyDrafter(drafter, context=lambda b: DroppedContext(drafter, b))
@@ -266,8 +271,7 @@ def test_a_fault_within_noise_of_the_reference_is_not_blamed():
     rep.verdict = verdict(rep)
     assert rep.ranking[0].name == "mask_wrong" and not rep.distinct("mask_wrong") and rep.distinct("no_offset")
     assert "within sampling noise" in rep.verdict and "Closest fault" not in rep.verdict
-    assert "(~ reference)" in render(rep).splitlines()[[i for i, l in enumerate(render(rep).splitlines())
-                                                       if l.strip().startswith("mask_wrong")][0]]
+    assert "(~ reference)" in next(line for line in render(rep).splitlines() if line.strip().startswith("mask_wrong"))
 
 
 def test_look_alike_faults_are_named_together():

@@ -4,7 +4,12 @@ from pathlib import Path
 
 import pytest
 
-from ddtree.apps.doctor.engine_logs import EngineProfile, parse_engine_log, profile_from_figures, recover_num_drafts
+from ddtree.apps.doctor.engine_logs import (
+    EngineProfile,
+    parse_engine_log,
+    profile_from_figures,
+    recover_num_drafts,
+)
 
 FIX = Path(__file__).parent / "fixtures" / "engine_logs"
 

@@ -6,17 +6,24 @@ import json
 import math
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable, Sequence
 
 import torch
 
 from ddtree.apps.doctor.config_check import ConfigReport, check_config, read_raw_config
 from ddtree.apps.doctor.engine_logs import EngineProfile
 from ddtree.apps.doctor.faults import FAULTS, FAULTS_BY_NAME, Pair, Skip
-from ddtree.apps.doctor.profile import Profile, accepted_counts, distance, encode_prompts, load_prompts, noise, \
-    profile_from_counts
+from ddtree.apps.doctor.profile import (
+    Profile,
+    accepted_counts,
+    distance,
+    encode_prompts,
+    load_prompts,
+    noise,
+    profile_from_counts,
+)
 
 REFERENCE = "reference"
 
@@ -278,7 +285,7 @@ def render(report: DoctorReport) -> str:
     if not report.config.unknown_keys:
         out.append("  no unknown keys")
     k = report.chain_length
-    out += ["", f"== acceptance profiles (vLLM's definitions: mean = 1 + accepted/drafts; position k = drafts "
+    out += ["", "== acceptance profiles (vLLM's definitions: mean = 1 + accepted/drafts; position k = drafts "
             "with their first k tokens accepted / drafts)"]
     head = f"  {'profile':<19}{'mean':>6}{'drafts':>8}  " + " ".join(f"{'p' + str(i + 1):>6}" for i in range(k))
     if report.engine is not None:

@@ -37,15 +37,15 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Iterable, Sequence
 
 __all__ = [
+    "KNOWN_FORMATS",
     "EngineProfile",
     "parse_engine_log",
     "profile_from_figures",
     "recover_num_drafts",
-    "KNOWN_FORMATS",
 ]
 
 KNOWN_FORMATS = (

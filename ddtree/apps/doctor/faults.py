@@ -14,14 +14,14 @@ import copy
 import json
 import os
 import tempfile
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Sequence
 
 import torch
 
-from ddtree.drafters.base import DraftContext, Drafter
 from ddtree.apps.doctor.config_check import FULL, SLIDING, field_value
+from ddtree.drafters.base import DraftContext, Drafter
 
 
 class Skip(Exception):
