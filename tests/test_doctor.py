@@ -282,3 +282,14 @@ def test_look_alike_faults_are_named_together():
     rep.verdict = verdict(rep)
     assert "Nearly as close: read before the final norm" in rep.verdict
     assert "all in one part of the integration: features" in rep.verdict
+
+
+def test_plot_is_written_or_skipped_with_a_message(tmp_path):
+    from ddtree.apps.doctor import plot
+
+    rep = _report(profile_from_figures(1.04, [0.035, 0.005, 0]))
+    msg = plot(rep, tmp_path / "p.png")
+    if importlib.util.find_spec("matplotlib") is None:
+        assert "matplotlib is not installed" in msg and not (tmp_path / "p.png").exists()
+    else:
+        assert (tmp_path / "p.png").stat().st_size > 1000

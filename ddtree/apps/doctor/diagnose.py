@@ -191,7 +191,8 @@ def diagnose(target: str | None = None, drafter: str | None = None, *, prompts: 
     or :func:`~ddtree.apps.doctor.engine_logs.profile_from_figures`), to rank the signatures against.
     """
     t0 = time.perf_counter()
-    if generator is None:
+    loaded_here = generator is None
+    if loaded_here:
         generator, target_path, drafter_dir = _load(target, drafter, dtype, device)
     else:
         if drafter_dir is None:
@@ -227,7 +228,8 @@ def diagnose(target: str | None = None, drafter: str | None = None, *, prompts: 
         trees.append(profile_from_counts(f"tree@{b}", f"DDTree, budget {b}", run(generator, b, "best_first"),
                                          chain, method=f"tree@{b}"))
     dev = generator.target.get_input_embeddings().weight.device
-    low = (lambda: _low_precision_pair(target_path, drafter_dir, dev)) if Path(target_path).is_dir() else None
+    reloadable = loaded_here or Path(target_path).is_dir()  # a path or hub id we can load again in bf16
+    low = (lambda: _low_precision_pair(target_path, drafter_dir, dev)) if reloadable else None
     pair = Pair(generator.target, generator.drafter, Path(drafter_dir), raw, tok, load_low_precision=low)
     signatures = []
     for name in names:
