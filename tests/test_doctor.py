@@ -293,3 +293,13 @@ def test_plot_is_written_or_skipped_with_a_message(tmp_path):
         assert "matplotlib is not installed" in msg and not (tmp_path / "p.png").exists()
     else:
         assert (tmp_path / "p.png").stat().st_size > 1000
+
+
+def test_cli_refuses_a_log_without_metrics_before_loading_anything(tmp_path, capsys):
+    log = tmp_path / "x.log"
+    log.write_text((__import__("pathlib").Path(__file__).parent / "fixtures" / "engine_logs" /
+                    "no_spec_metrics.log").read_text())
+    assert doctor_main(["--engine-log", str(log), "--no-progress"]) == 2
+    assert "no speculative-decoding metrics line" in capsys.readouterr().err
+    assert doctor_main(["--engine-log", str(log), "--engine-mean", "1.2"]) == 2
+    assert "not both" in capsys.readouterr().err
