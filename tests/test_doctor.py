@@ -214,7 +214,12 @@ CLEAR = ["no_offset", "layer_repeated", "pre_norm_last", "context_dropped"]
 
 @pytest.fixture(scope="module")
 def smollm_report():
-    return diagnose(num_prompts=2, max_new_tokens=24, tree_budgets=(), faults=CLEAR, progress=False)
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)  # a module fixture runs before conftest's per-test one_thread
+    try:
+        return diagnose(num_prompts=2, max_new_tokens=24, tree_budgets=(), faults=CLEAR, progress=False)
+    finally:
+        torch.set_num_threads(before)
 
 
 @pytest.mark.parametrize("fault", CLEAR)
