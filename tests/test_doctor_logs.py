@@ -1,4 +1,4 @@
-"""Tests for engine_logs.py against real log lines (fixtures/SOURCES.md says where each comes from)."""
+"""Tests for engine_logs.py against real log lines (tests/fixtures/engine_logs/SOURCES.md says where each comes from)."""
 
 from pathlib import Path
 

@@ -1,7 +1,7 @@
 """Parse serving-engine speculative-decoding log lines into one acceptance profile.
 
-Standalone (stdlib only, Python 3.10+). Part of the planned ``python -m ddtree doctor``:
-the doctor compares the profile returned here with reference and fault-injected profiles.
+Stdlib only. ``python -m ddtree doctor`` compares the profile returned here with its reference and
+fault-injected profiles.
 
 Definitions (vLLM's, used for every engine):
 
@@ -9,7 +9,7 @@ Definitions (vLLM's, used for every engine):
 * per-position rate k    = drafts whose first k draft tokens were all accepted / drafts
   (a prefix rate, so the list never increases; sum(rates) == accepted / drafts)
 
-Formats recognised (see fixtures/SOURCES.md for real lines and where they come from):
+Formats recognised (see tests/fixtures/engine_logs/SOURCES.md for real lines and where they come from):
 
 ``vllm-v1``
     ``SpecDecoding metrics: ...`` from vllm/v1/spec_decode/metrics.py, any of its versions:
