@@ -1,4 +1,4 @@
-"""``python -m ddtree demo|chat|bench|train``."""
+"""``python -m ddtree demo|chat|doctor|bench|train``."""
 
 from __future__ import annotations
 
@@ -9,12 +9,14 @@ USAGE = """usage: python -m ddtree COMMAND [options]
 commands:
   demo    one prompt through plain decoding, the DFlash chain and DDTree (default pair)
   chat    a multi-turn chat decoded by DDTree, streamed, with per-reply speed (default pair)
+  doctor  why an engine's acceptance is low: config check, reference profile, fault signatures
   bench   benchmarks (python -m ddtree.bench --help)
   train   train a DFlash drafter (python -m ddtree.train --help)
 
 Each command takes --help. Examples:
   python -m ddtree demo --budget 8
   python -m ddtree chat
+  python -m ddtree doctor --engine-mean 1.04 --engine-rates 0.045,0.004,0,0,0
 """
 EXAMPLES = [line.strip() for line in USAGE.split("Examples:")[1].splitlines() if line.strip()]
 
@@ -33,6 +35,10 @@ def main(argv: list[str] | None = None) -> int:
         from ddtree.apps.chat import main as chat_main
 
         return chat_main(rest)
+    if command == "doctor":
+        from ddtree.apps.doctor.command import main as doctor_main
+
+        return doctor_main(rest)
     if command == "bench":
         from ddtree.bench.__main__ import exit_code
         from ddtree.bench.__main__ import main as bench_main

@@ -11,17 +11,20 @@ import importlib.util
 import io
 import shlex
 import sys
+from pathlib import Path
 
 import pytest
 
 import ddtree.__main__ as top
 from ddtree.apps import chat, demo
+from ddtree.apps.doctor import command as doctor
 from ddtree.bench import attention, cpu_linear, tree_build
 from ddtree.bench import main as bench_main
 from ddtree.train import config as train_config
 
 COMMANDS = {  # name: (module holding EXAMPLES, parser factory)
-    "demo": (demo, demo.build_parser), "chat": (chat, chat.build_parser), "bench": (bench_main, bench_main.build_parser),
+    "demo": (demo, demo.build_parser), "chat": (chat, chat.build_parser),
+    "doctor": (doctor, doctor.build_parser), "bench": (bench_main, bench_main.build_parser),
     "bench attention": (attention, attention.build_parser),
     "bench tree-build": (tree_build, tree_build.build_parser),
     "bench cpu-linear": (cpu_linear, cpu_linear.build_parser),
@@ -75,6 +78,13 @@ def short_form(example: str, pair, tmp) -> list[str]:
     head = " ".join(argv[2:4])
     if head in ("ddtree demo",):
         return cmd + models + ["--max-new-tokens", "6", "--threads", "1"]
+    if head == "ddtree doctor":
+        # The example's log is a real vLLM line (a fixture); everything it writes goes to tmp.
+        log = Path(__file__).resolve().parent / "fixtures" / "engine_logs" / "vllm_v1_current_multiline.log"
+        cmd = [str(log) if a == "vllm.log" else a for a in cmd]
+        return cmd + models + ["--num-prompts", "1", "--max-new-tokens", "4", "--budgets", "", "--threads", "1",
+                               "--faults", "no_offset,context_dropped",
+                               "--no-progress", "--json", str(tmp / "doctor.json")]
     if head == "ddtree chat":
         return cmd + models + ["--max-new-tokens", "4", "--threads", "1"]
     if head == "ddtree.bench tree-build":

@@ -1,0 +1,303 @@
+"""Known integration faults, injected into ddtree's own pipeline without touching its internals.
+
+Each fault builds a drafter for the unchanged target: a :class:`FaultyDrafter`
+that delegates to the real one and changes what it reads (features) or keeps
+(context), a shallow copy with one setting changed, or a drafter loaded from a
+modified copy of the drafter directory. A fault that cannot apply to a pair
+says why (:class:`Skip`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+import os
+import tempfile
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ddtree.apps.doctor.config_check import FULL, SLIDING, field_value
+from ddtree.drafters.base import DraftContext, Drafter
+
+
+class Skip(Exception):
+    """The fault does not apply to this pair (the message says why)."""
+
+
+@dataclass
+class Fault:
+    name: str
+    title: str  # what the engine does wrong, in plain words
+    check: str  # where to look in an engine
+    build: Callable  # (Pair) -> (drafter, context manager); raises Skip
+    group: str = ""  # the part of an integration it belongs to (faults of one group look alike)
+
+
+@dataclass
+class Pair:
+    """What a fault needs: the real drafter, the target, the drafter directory and its raw config."""
+
+    target: object
+    drafter: object
+    drafter_dir: Path
+    raw: dict
+    tokenizer: object = None
+    load_low_precision: Callable | None = None  # () -> (target, drafter) in bf16
+
+    @property
+    def num_target_layers(self) -> int:
+        cfg = self.target.config
+        cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+        return int(cfg.num_hidden_layers)
+
+
+class FaultyDrafter(Drafter):
+    """Delegates to ``inner``; ``features`` replaces how target features are read, ``context`` how a
+    generation's context is made."""
+
+    def __init__(self, inner, features: Callable | None = None, context: Callable | None = None):
+        self.inner = inner
+        self.block_size = inner.block_size
+        self.target_layer_ids = list(inner.target_layer_ids)
+        self.needs_hidden_states = True
+        self._features, self._context = features, context
+
+    def context_features(self, hidden_states):
+        return self.inner.context_features(hidden_states) if self._features is None else self._features(hidden_states)
+
+    def new_context(self, batch_size: int = 1):
+        return self.inner.new_context(batch_size) if self._context is None else self._context(batch_size)
+
+
+def _device(drafter):
+    model = getattr(drafter, "model", None)
+    return model.fc.weight.device if model is not None and hasattr(model, "fc") else None
+
+
+class ReadLayers:
+    """Features from chosen ``hidden_states`` indices (the correct read is ``id + 1`` per layer id);
+    indices in ``zero`` give zeros; ``last`` (a one-item list a hook fills) replaces ``hidden_states[-1]``."""
+
+    def __init__(self, indices: Sequence[int], device=None, zero: Sequence[int] = (), last: list | None = None):
+        self.indices, self.device, self.zero, self.last = list(indices), device, set(zero), last
+
+    def __call__(self, hidden_states):
+        n = len(hidden_states) - 1
+        parts = []
+        for j, i in enumerate(self.indices):
+            h = self.last[0] if self.last is not None and i == n else hidden_states[i]
+            parts.append(torch.zeros_like(h) if j in self.zero else h)
+        device = self.device if self.device is not None else parts[0].device
+        return torch.cat([p.to(device) for p in parts], dim=-1)
+
+
+class DroppedContext(DraftContext):
+    """The cache-drop bug: each append starts a fresh context, so the drafter sees only the newest tokens.
+
+    RoPE is relative, so renumbering the kept tokens from 0 is what an engine that
+    drops its drafter cache computes with the right positions.
+    """
+
+    def __init__(self, drafter, batch_size: int):
+        self.drafter = drafter
+        self.inner = drafter.new_context(batch_size)
+
+    def append(self, features, tokens, counts=None):
+        self.inner = self.drafter.new_context(tokens.shape[0])
+        self.inner.append(features, tokens, counts)
+
+    def propose(self, root_tokens):
+        return self.inner.propose(root_tokens)
+
+    def select_rows(self, rows):
+        self.inner.select_rows(rows)
+
+
+@contextlib.contextmanager
+def _nothing():
+    yield
+
+
+def _decoder_layers(target):
+    for path in ("model.layers", "model.decoder.layers", "transformer.h", "model.language_model.layers"):
+        obj = target
+        try:
+            for part in path.split("."):
+                obj = getattr(obj, part)
+            return obj
+        except AttributeError:
+            continue
+    raise Skip("cannot find the target's decoder layers to hook the pre-norm state")
+
+
+def _feature_fault(shift: Callable[[list[int], int], list[int]], zero: Callable[[int], list[int]] | None = None):
+    def build(pair: Pair):
+        ids = [int(i) for i in pair.drafter.target_layer_ids]
+        n = pair.num_target_layers
+        idx = shift([i + 1 for i in ids], n)
+        if idx == [i + 1 for i in ids] and zero is None:
+            raise Skip("it reads the same layers as the correct integration for this drafter")
+        return FaultyDrafter(pair.drafter, ReadLayers(idx, _device(pair.drafter), zero(len(ids)) if zero else ())), _nothing()
+    return build
+
+
+def _no_offset(idx, n):
+    return [i - 1 for i in idx]
+
+
+def _one_late(idx, n):
+    return [min(i + 1, n) for i in idx]
+
+
+def _repeated(idx, n):
+    if len(idx) < 2:
+        raise Skip("the drafter reads a single target layer: nothing to repeat")
+    return idx[:-2] + [idx[-2], idx[-2]]
+
+
+def _missing(idx, n):
+    return list(idx)
+
+
+def _pre_norm(pair: Pair):
+    n = pair.num_target_layers
+    ids = [int(i) for i in pair.drafter.target_layer_ids]
+    if n - 1 not in ids:
+        raise Skip(f"the drafter does not read the last target layer ({n - 1}), where the final norm sits")
+    last: list = [None]
+    layer = _decoder_layers(pair.target)[-1]
+
+    def hook(module, args, output):
+        last[0] = output[0] if isinstance(output, tuple) else output
+
+    @contextlib.contextmanager
+    def hooked():
+        handle = layer.register_forward_hook(hook)
+        try:
+            yield
+        finally:
+            handle.remove()
+
+    return FaultyDrafter(pair.drafter, ReadLayers([i + 1 for i in ids], _device(pair.drafter), last=last)), hooked()
+
+
+def _dropped(pair: Pair):
+    return FaultyDrafter(pair.drafter, context=lambda b: DroppedContext(pair.drafter, b)), _nothing()
+
+
+def _mask_wrong(pair: Pair):
+    mask = getattr(pair.drafter, "mask_token_id", None)
+    if mask is None:
+        raise Skip("the drafter has no mask token")
+    tok = pair.tokenizer
+    candidates = [getattr(tok, "pad_token_id", None), getattr(tok, "eos_token_id", None), 0] if tok else [0, 1]
+    wrong = next(int(c) for c in candidates if c is not None and int(c) != int(mask))
+    bad = copy.copy(pair.drafter)
+    bad.mask_token_id = wrong
+    return bad, _nothing()
+
+
+@contextlib.contextmanager
+def modified_copy(drafter_dir: Path, raw: dict):
+    """A temporary drafter directory: this config, the original weights linked in."""
+    with tempfile.TemporaryDirectory(prefix="ddtree-doctor-") as tmp:
+        for f in Path(drafter_dir).iterdir():
+            if f.name != "config.json" and f.suffix == ".safetensors" and "draft_vocab" not in f.name:
+                os.symlink(f.resolve(), Path(tmp) / f.name)
+        (Path(tmp) / "config.json").write_text(json.dumps(raw))
+        yield Path(tmp)
+
+
+def _from_config(change: Callable[[dict], dict]):
+    def build(pair: Pair):
+        from ddtree.drafters.dflash.drafter import DFlashDrafter
+
+        raw = change(json.loads(json.dumps(pair.raw)))
+        dtype = next(pair.target.parameters()).dtype
+        with modified_copy(pair.drafter_dir, raw) as tmp:
+            drafter = DFlashDrafter.from_pretrained(tmp, pair.target, dtype=dtype, device=_device(pair.drafter),
+                                                    draft_vocab=None)
+        return drafter, _nothing()
+    return build
+
+
+def _sliding_types(raw: dict) -> list[str]:
+    from ddtree.apps.doctor.config_check import layer_attention
+
+    return [t for t, _, _ in layer_attention(raw)]
+
+
+def _window_ignored(raw: dict) -> dict:
+    types = _sliding_types(raw)
+    if SLIDING not in types:
+        raise Skip("the drafter has no sliding-window layers")
+    raw["layer_types"] = [FULL] * len(types)
+    raw.pop("sliding_window", None)
+    raw.get("dflash_config", {}).pop("use_swa", None)
+    return raw
+
+
+def _causality_swapped(raw: dict) -> dict:
+    from ddtree.drafters.dflash.config import DFlashConfig
+
+    if SLIDING not in _sliding_types(raw):
+        raise Skip("the drafter has no sliding-window layers (all layers full attention)")
+    if "is_causal" not in DFlashConfig.__dataclass_fields__:
+        raise Skip("this ddtree's DFlash config has no causality field to flip")
+    current = raw.get("is_causal", field_value(raw, "causal"))
+    raw["is_causal"] = not bool(current)
+    raw.get("dflash_config", {}).pop("causal", None)
+    return raw
+
+
+def _scale_ignored(raw: dict) -> dict:
+    from ddtree.drafters.dflash.config import DFlashConfig
+
+    scale = field_value(raw, "input_embedding_scale")
+    if scale is None or float(scale) == 1.0:
+        raise Skip("the drafter has no input embedding scale (1)")
+    if "input_embedding_scale" not in DFlashConfig.__dataclass_fields__:
+        raise Skip("this ddtree's DFlash config does not apply input_embedding_scale")
+    raw.pop("input_embedding_scale", None)
+    raw.get("dflash_config", {}).pop("input_embedding_scale", None)
+    return raw
+
+
+def _low_precision(pair: Pair):
+    if next(pair.target.parameters()).dtype in (torch.bfloat16, torch.float16):
+        raise Skip("the target already runs in 16-bit precision")
+    if pair.load_low_precision is None:
+        raise Skip("no way to load the pair in bfloat16 (give paths, not models)")
+    target, drafter = pair.load_low_precision()
+    return (target, drafter), _nothing()
+
+
+FAULTS = [
+    Fault("no_offset", "layer ids read without the +1 offset (hidden_states[i] for layer i)",
+          "the aux-hidden-state layer indices: HF hidden_states[0] is the embedding", _feature_fault(_no_offset), "features"),
+    Fault("one_late", "every feature layer read one layer late",
+          "the layer whose output is captured for each id", _feature_fault(_one_late), "features"),
+    Fault("layer_missing", "the last feature layer missing (zeros)",
+          "that every target_layer_id is captured", _feature_fault(_missing, zero=lambda n: [n - 1]), "features"),
+    Fault("layer_repeated", "a feature layer repeated in place of the last one",
+          "the order and uniqueness of the captured layers", _feature_fault(_repeated), "features"),
+    Fault("pre_norm_last", "the last target layer read before the final norm (HF's hidden_states[-1] is normed)",
+          "whether the aux state of the last layer is taken before or after the model's final norm", _pre_norm, "features"),
+    Fault("window_ignored", "the sliding window ignored (sliding layers see the whole context)",
+          "the drafter's layer_types / sliding_window handling", _from_config(_window_ignored), "attention"),
+    Fault("causality_swapped", "sliding layers made non-causal and full layers causal",
+          "the per-layer is_causal / layer types handling", _from_config(_causality_swapped), "attention"),
+    Fault("context_dropped", "the drafter context dropped every round (only the newest tokens kept)",
+          "the drafter's KV cache across rounds (the cache-drop bug)", _dropped, "context"),
+    Fault("mask_wrong", "the wrong mask token embedded in the draft slots",
+          "which token id fills the block's masked slots (dflash_config.mask_token_id)", _mask_wrong, "block input"),
+    Fault("scale_ignored", "the input embedding scale ignored",
+          "dflash_config.input_embedding_scale", _from_config(_scale_ignored), "block input"),
+    Fault("low_precision", "a bfloat16 target (and drafter)",
+          "the serving dtype; compare with a float32 run", _low_precision, "precision"),
+]
+FAULTS_BY_NAME = {f.name: f for f in FAULTS}

@@ -1,0 +1,137 @@
+"""Acceptance profiles with vLLM's definitions, from ddtree's per-round accepted counts.
+
+mean = 1 + accepted / drafts; rate at position k = drafts whose first k draft
+tokens were all accepted / drafts (so ``mean == 1 + sum(rates)``). A "draft" is
+one verify round of one prompt; the prefill round verifies nothing and is left out.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+BUILTIN_PROMPTS = ["chat-1", "code-1", "math-1", "story-1", "chat-4", "code-2", "math-2", "story-2"]
+
+
+@dataclass
+class Profile:
+    """One configuration's acceptance on the prompts. ``skipped``: why it did not run (then no figures)."""
+
+    name: str
+    title: str
+    method: str = "chain"  # "chain" or "tree@B"
+    mean: float | None = None
+    per_position: list[float] = field(default_factory=list)
+    drafts: int = 0
+    accepted: int = 0
+    skipped: str | None = None
+    check: str = ""
+    seconds: float = 0.0  # wall time of its runs (for the report only)
+
+
+def profile_from_counts(name: str, title: str, accepted: Sequence[int], positions: int, method: str = "chain",
+                        check: str = "") -> Profile:
+    """The profile of per-draft accepted counts (draft tokens accepted, bonus excluded)."""
+    acc = [int(a) for a in accepted]
+    drafts = len(acc)
+    if drafts == 0:
+        return Profile(name, title, method, skipped="no draft rounds ran (prompts too short or max tokens 1)",
+                       check=check)
+    rates = [sum(a >= k for a in acc) / drafts for k in range(1, positions + 1)]
+    return Profile(name, title, method, 1 + sum(acc) / drafts, rates, drafts, sum(acc), check=check)
+
+
+def accepted_counts(generator, prompts: Sequence[torch.Tensor], budget: int, max_new_tokens: int,
+                    step: Callable[[], None] | None = None) -> list[int]:
+    """Per verify round, the draft tokens accepted (``acceptance - 1``), over every prompt, greedy."""
+    counts: list[int] = []
+    for ids in prompts:
+        out = generator.generate(ids, max_new_tokens=max_new_tokens, tree_budget=budget, temperature=0.0)
+        counts.extend(int(a) - 1 for a in out.acceptance_lengths)
+        if step is not None:
+            step()
+    return counts
+
+
+def noise(profile: Profile) -> float:
+    """The RMS standard error of a profile's per-position rates (binomial, over its drafts): how far two
+    measurements of the same integration on these prompts can drift apart by chance."""
+    if not profile.drafts or not profile.per_position:
+        return 0.0
+    var = [p * (1 - p) / profile.drafts for p in profile.per_position]
+    return math.sqrt(sum(var) / len(var))
+
+
+def distance(engine_mean: float, engine_rates: Sequence[float] | None, profile: Profile) -> float:
+    """How far a profile is from an engine's: RMS over the common positions, else the mean's difference."""
+    if profile.mean is None:
+        return math.inf
+    if engine_rates:
+        k = min(len(engine_rates), len(profile.per_position))
+        if k:
+            return math.sqrt(sum((engine_rates[i] - profile.per_position[i]) ** 2 for i in range(k)) / k)
+    return abs(engine_mean - profile.mean)
+
+
+# --------------------------------------------------------------------------- prompts
+
+
+def load_prompts(source: str | None, num_prompts: int) -> list:
+    """Prompts as chat messages or text: a ``.jsonl`` (``messages``, ``prompt`` or ``text`` per line), a text
+    file (one prompt per line), or ``None`` for the built-in mixed set (chat, code, math, story)."""
+    if source is None:
+        rows = [json.loads(line) for line in _builtin_file().read_text().splitlines() if line.strip()]
+        by_id = {r["id"]: r for r in rows}
+        return [by_id[i]["messages"] for i in BUILTIN_PROMPTS if i in by_id][:num_prompts]
+    path = Path(source)
+    if not path.is_file():
+        raise FileNotFoundError(f"no prompt file {path}: give a .jsonl or a text file (one prompt per line)")
+    prompts: list = []
+    if path.suffix == ".jsonl":
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            if not line.strip():
+                continue
+            row = json.loads(line)
+            item = row.get("messages") or row.get("prompt") or row.get("text") if isinstance(row, dict) else row
+            if not item:
+                raise ValueError(f"{path}:{n} has no 'messages', 'prompt' or 'text' field")
+            prompts.append(item)
+    else:
+        prompts = [line for line in path.read_text().splitlines() if line.strip()]
+    if not prompts:
+        raise ValueError(f"{path} holds no prompts")
+    return prompts[:num_prompts]
+
+
+def _builtin_file() -> Path:
+    import ddtree
+
+    return Path(ddtree.__file__).parent / "data" / "prompts.jsonl"
+
+
+def encode_prompts(tokenizer, prompts: list, vocab_size: int) -> list[torch.Tensor]:
+    """Token ids per prompt: chat messages through the chat template when there is one."""
+    chat = tokenizer is not None and bool(getattr(tokenizer, "chat_template", None))
+    out = []
+    for p in prompts:
+        if isinstance(p, str) and chat:
+            p = [{"role": "user", "content": p}]
+        if isinstance(p, list) and p and isinstance(p[0], int):
+            ids = torch.tensor(p)
+        elif tokenizer is None:
+            raise ValueError("the target has no tokenizer: give prompts as token ids (a jsonl of id lists)")
+        elif isinstance(p, list) and chat:
+            ids = tokenizer.apply_chat_template(p, add_generation_prompt=True, return_tensors="pt",
+                                                return_dict=True)["input_ids"][0]
+        else:
+            text = "\n".join(m["content"] for m in p) if isinstance(p, list) else p
+            ids = tokenizer(text, return_tensors="pt").input_ids[0]
+        if ids.numel() == 0 or int(ids.max()) >= vocab_size:
+            raise ValueError(f"prompt {len(out)} encodes to no tokens or ids outside the vocabulary ({vocab_size})")
+        out.append(ids.view(1, -1))
+    return out

