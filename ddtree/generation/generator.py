@@ -65,8 +65,9 @@ class GenerationOutput:
     """``sequences`` ``[B, P + N]``: each prompt left-padded to the longest (``P``), then its new tokens,
     right-padded to the longest row (``N``) with the pad id. For one prompt that is ``[1, prompt + new]``.
 
-    ``acceptance_lengths`` and ``rounds`` are lists for one prompt, and lists of
-    per-row lists for a batch; ``row_tokens`` is each row's new tokens, unpadded.
+    ``row_tokens``, ``row_acceptance`` and ``row_rounds`` are per-row lists whatever the batch size (index
+    ``[0]`` for one prompt): code that takes one prompt or a batch reads those. ``acceptance_lengths`` and
+    ``rounds`` are the same lists, but unwrapped for one prompt (HF-style convenience).
     """
 
     sequences: torch.Tensor
@@ -76,6 +77,16 @@ class GenerationOutput:
     prompt_length: int = 0
     row_tokens: list[list[int]] = field(default_factory=list)
     text: list[str] | None = None  # each row's new tokens decoded, when the generator has a tokenizer
+
+    @property
+    def row_acceptance(self) -> list[list[int]]:
+        """Each row's acceptance lengths (one per verify round, counting the bonus token), for any batch size."""
+        return [self.acceptance_lengths] if len(self.row_tokens) == 1 else self.acceptance_lengths
+
+    @property
+    def row_rounds(self) -> list[list]:
+        """Each row's recorded rounds (``record_trees=True``), for any batch size."""
+        return [self.rounds] if len(self.row_tokens) == 1 else self.rounds
 
     @property
     def new_tokens(self) -> torch.Tensor:
