@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import time
+import warnings
 from dataclasses import dataclass, field
 from typing import Iterator
 
@@ -27,7 +28,7 @@ from ddtree.core.builders import TreeBuilder, resolve_builder
 from ddtree.drafters.base import Drafter, check_drafter
 from ddtree.drafters.dflash.drafter import DFlashDrafter
 from ddtree.drafters.dflash.model import DFlashDraftModel
-from ddtree.generation.inputs import StreamerFeed, prompt_rows, resolve_generation
+from ddtree.generation.inputs import StreamerFeed, chat_template_warning, prompt_rows, resolve_generation
 from ddtree.generation.round import speculative_round
 from ddtree.generation.state import DecodeState
 from ddtree.runtime.distributed import Lockstep, module_fingerprint
@@ -287,6 +288,7 @@ class SpeculativeGenerator:
             if feed is not None:
                 feed.end()
         elapsed = time.perf_counter() - t0
+        self._hint(state)
         return self._output(state, elapsed, options.get("tree_budget"))
 
     def stream(self, input_ids=None, generation_config=None, *, streamer=None, **options) -> Iterator[list]:
@@ -305,9 +307,16 @@ class SpeculativeGenerator:
                     yield tokens
                 elif tokens[0]:
                     yield tokens[0]
+            self._hint(state)
         finally:
             if feed is not None:
                 feed.end()
+
+    def _hint(self, state: DecodeState) -> None:
+        """Warn (once per call) when rows stopped at their first token on a prompt without the chat template."""
+        message = chat_template_warning(self.tokenizer, state.prompts, state.new_tokens, state.stops)
+        if message is not None:
+            warnings.warn(message, UserWarning, stacklevel=3)
 
     @staticmethod
     def _feed(streamer, state: DecodeState) -> StreamerFeed | None:
