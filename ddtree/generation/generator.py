@@ -106,7 +106,10 @@ class SpeculativeGenerator:
     routes a float32 CPU target's linear layers through :mod:`ddtree.target.cpu_linear`
     (faster few-token verify forwards), and the DFlash drafter's along with it:
     ``True`` requires it, ``"auto"`` uses it where it runs, ``False`` leaves the
-    models as they are.
+    models as they are. ``threads`` (CPU targets): ``"auto"`` applies the demo's thread policy
+    (:func:`ddtree.runtime.threads.configure_threads`: a count you set, or ``OMP_NUM_THREADS``, is kept;
+    else the physical cores other processes leave free, since a small model on an oversubscribed CPU
+    runs many times slower), an int sets torch's count, ``None`` leaves torch as it is.
 
     It holds models and settings only (plus a verify-latency profile that
     ``tree_budget="auto"`` shares): every call keeps its own state, so calls can
@@ -122,7 +125,9 @@ class SpeculativeGenerator:
         builder: str | TreeBuilder = "best_first",
         attention: str | None = "auto",
         cpu_linear: bool | str = False,
+        threads: int | str | None = "auto",
     ):
+        self.threads = _apply_thread_policy(target, threads)
         self.lockstep = Lockstep.for_model(target)  # ranks of a tensor-parallel target; inactive otherwise
         if isinstance(drafter, DFlashDraftModel):
             drafter = DFlashDrafter(drafter, target)  # ranks agree on it while binding
@@ -394,6 +399,20 @@ class SpeculativeGenerator:
             text=None if self.tokenizer is None else [self.tokenizer.decode(t, skip_special_tokens=True)
                                                       for t in state.new_tokens],
         )
+
+
+def _apply_thread_policy(target, threads):
+    """Apply ``threads`` (see :class:`SpeculativeGenerator`) to torch for a CPU target; returns what runs."""
+    from ddtree.runtime.threads import configure_threads
+
+    if threads is None:
+        return None
+    if threads != "auto" and (not isinstance(threads, int) or isinstance(threads, bool) or threads < 1):
+        raise ValueError(f"threads must be 'auto', an int >= 1 or None (leave torch as it is), got {threads!r}")
+    param = next(target.parameters(), None)
+    if param is not None and param.device.type != "cpu":
+        return None  # the CPU threads only feed the host side of a GPU target
+    return configure_threads(None if threads == "auto" else threads)
 
 
 def _route_cpu_linear(target, mode) -> int:
