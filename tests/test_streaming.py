@@ -92,6 +92,7 @@ def test_one_prompt_streams_equal_generate_under_every_cut(setup):
         # every verified round accepted the whole block the scripted drafter proposed (its last may be cut)
         assert out.acceptance_lengths == [BLOCK] * len(out.acceptance_lengths), name
         assert len(out.acceptance_lengths) == -(-(len(want) - 1) // BLOCK), name
+        assert out.row_acceptance == [out.acceptance_lengths] and out.row_rounds == [out.rounds], name
         chunks = list(gen.stream(PROMPTS[0], **opts))
         assert [t for c in chunks for t in c] == want, name
         assert all(chunks), name  # no empty yields for one prompt
@@ -133,6 +134,7 @@ def test_batch_stream_rows_equal_generate_rows_under_every_cut(setup):
         for b, p in enumerate(PROMPTS):
             assert out.row_tokens[b] == _expected(refs[b], len(p), opts["max_new_tokens"], opts["stop_token_ids"])
         assert all(a == BLOCK for row in out.row_acceptance for a in row), name
+        assert out.row_acceptance is out.acceptance_lengths and len(out.row_acceptance) == len(PROMPTS), name
         rows: list[list[int]] = [[] for _ in PROMPTS]
         for chunk in gen.stream(PROMPTS, **opts):
             assert len(chunk) == len(PROMPTS)
