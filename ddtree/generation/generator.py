@@ -99,7 +99,9 @@ class SpeculativeGenerator:
     """Lossless DDTree generation for one target and one drafter, one prompt or a batch.
 
     ``tree_budget`` is the number of draft nodes per round; a fixed 0 is plain
-    target-only decoding (the drafter does no work), the baseline for speedups. ``builder`` is ``"best_first"`` (DDTree),
+    target-only decoding (the drafter does no work), the baseline for speedups. ``None`` picks
+    :func:`default_tree_budget` for the target's device (small on a CPU, where verify cost grows
+    with every node; see docs/benchmarks.md). ``builder`` is ``"best_first"`` (DDTree),
     ``"chain"`` (DFlash), ``"beam@WxD"``, ``"module:function"`` or any callable
     with the :class:`~ddtree.core.builders.TreeBuilder` signature. ``attention`` names the
     tree-verify attention backend (see :mod:`ddtree.target.attention`). ``cpu_linear``
@@ -121,7 +123,7 @@ class SpeculativeGenerator:
         target,
         drafter: Drafter | DFlashDraftModel,
         *,
-        tree_budget: int = 32,
+        tree_budget: int | str | BudgetPolicy | None = None,
         builder: str | TreeBuilder = "best_first",
         attention: str | None = "auto",
         cpu_linear: bool | str = False,
@@ -134,6 +136,8 @@ class SpeculativeGenerator:
         elif self.lockstep.active and not isinstance(drafter, DFlashDrafter):
             self.lockstep.agree(_drafter_identity(drafter), "the drafter")
         check_drafter(drafter)
+        if tree_budget is None:
+            tree_budget = default_tree_budget(target)
         check_budget(tree_budget)
         self.target = target.eval()
         self.cpu_linear = _route_cpu_linear(target, cpu_linear)
@@ -399,6 +403,20 @@ class SpeculativeGenerator:
             text=None if self.tokenizer is None else [self.tokenizer.decode(t, skip_special_tokens=True)
                                                       for t in state.new_tokens],
         )
+
+
+DEFAULT_TREE_BUDGET = {"cpu": 4}
+"""Default draft nodes per round by device type: on a CPU the verify forward's cost grows with every node, and
+budget 4 measured fastest on the default pair (docs/benchmarks.md); other devices verify wide trees nearly
+for free, and get ``DEFAULT_TREE_BUDGET_ACCELERATOR``."""
+DEFAULT_TREE_BUDGET_ACCELERATOR = 32
+
+
+def default_tree_budget(target) -> int:
+    """The default budget for ``target``'s device (:data:`DEFAULT_TREE_BUDGET`)."""
+    param = next(target.parameters(), None)
+    kind = param.device.type if param is not None else "cpu"
+    return DEFAULT_TREE_BUDGET.get(kind, DEFAULT_TREE_BUDGET_ACCELERATOR)
 
 
 def _apply_thread_policy(target, threads):
