@@ -28,7 +28,12 @@ from ddtree.core.builders import TreeBuilder, resolve_builder
 from ddtree.drafters.base import Drafter, check_drafter
 from ddtree.drafters.dflash.drafter import DFlashDrafter
 from ddtree.drafters.dflash.model import DFlashDraftModel
-from ddtree.generation.inputs import StreamerFeed, chat_template_warning, prompt_rows, resolve_generation
+from ddtree.generation.inputs import (
+    StreamerFeed,
+    chat_template_warning,
+    prompt_rows,
+    resolve_generation,
+)
 from ddtree.generation.round import speculative_round
 from ddtree.generation.state import DecodeState
 from ddtree.runtime.distributed import Lockstep, module_fingerprint
