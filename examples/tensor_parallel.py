@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.perf_counter()
         out = gen.generate(ids, max_new_tokens=args.max_new_tokens, stop_token_ids=tok.eos_token_id)
         seconds = time.perf_counter() - t0
-        rows.append({"prompt": text, "tokens": out.row_tokens[0], "acceptance": out.acceptance_lengths,
+        rows.append({"prompt": text, "tokens": out.row_tokens[0], "acceptance": out.row_acceptance[0],
                      "seconds": seconds, "budgets": out.stats.budgets})
     if int(os.environ.get("RANK", "0")) == 0:
         new = sum(len(r["tokens"]) for r in rows)

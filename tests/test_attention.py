@@ -287,6 +287,7 @@ def test_backend_names_and_auto_choice():
     # Below the crossover the CPU auto backend hands over the dense mask, above it the tree spec.
     model = tiny_hf_target("llama")
     tree = DraftTree.from_parents(torch.tensor([[1, 2, 3]]), torch.tensor([[-1, 0, 1]]))
+    cpu_auto.prepare(model)  # a backend's kwargs need the implementation it sets (checked at every forward)
     assert "attention_mask" in cpu_auto.tree_forward_kwargs(model, tree, CPU_DENSE_BELOW - 1, torch.float64)
     assert TREE_KWARG in cpu_auto.tree_forward_kwargs(model, tree, CPU_DENSE_BELOW, torch.float64)
     auto = get_backend("auto")
@@ -481,3 +482,40 @@ def test_generation_is_lossless_and_accepts_the_same_with_every_cpu_backend(kind
         if drafter_name == "scripted":
             assert max(accepted["sdpa"]) > 2  # the tree path really carried several tokens per round
         target.set_attn_implementation("sdpa")
+
+
+def test_two_generators_with_different_attention_on_one_target_are_exact_or_refused():
+    """A second generator switching the target's attention implementation must not leave the first one verifying
+    trees under a plain causal mask: every pair of backends on one target is either exact (acceptance as
+    scripted) or refused at the first tree forward, by name."""
+    from tiny import VOCAB, ScriptedDrafter, tiny_target
+
+    from ddtree import SpeculativeGenerator
+
+    target = tiny_target("llama")
+    prompt = list(range(10, 30))
+    target.set_attn_implementation("sdpa")
+    ref = target.generate(torch.tensor([prompt]), max_new_tokens=20, do_sample=False, pad_token_id=0)
+    new = ref[0, len(prompt):].tolist()
+
+    def run(gen):
+        out = gen.generate(prompt, max_new_tokens=20, stop_token_ids=(), record_trees=True)
+        assert torch.equal(out.sequences, ref)
+        assert out.acceptance_lengths == [5] * len(out.acceptance_lengths) and len(out.acceptance_lengths) == 4
+        return out
+
+    def make(attention):
+        return SpeculativeGenerator(target, ScriptedDrafter(ref, VOCAB, block_size=5), tree_budget=8,
+                                    attention=attention)
+
+    for first, second in [("split", "sdpa"), ("fused", "sdpa"), ("sdpa", "split"), ("split", "fused"),
+                          ("sdpa", "auto"), ("auto", "split")]:
+        target.set_attn_implementation("sdpa")
+        a, b = make(first), make(second)
+        run(b)  # the generator built last always runs what it set up
+        if a.backend.name in ("split", "fused") and b.backend.name == "sdpa":
+            with pytest.raises(RuntimeError, match=f"attention='{first}'.*now runs 'sdpa'.*same attention="):
+                a.generate(prompt, max_new_tokens=20)
+        else:
+            run(a)
+    assert len(new) == 20

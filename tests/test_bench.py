@@ -6,7 +6,7 @@ import json
 
 import pytest
 import torch
-from tiny import tiny_drafter, tiny_target
+from tiny import VOCAB, ScriptedDrafter, tiny_drafter, tiny_target
 
 from ddtree import SpeculativeGenerator, best_first
 from ddtree.bench.runner import Bench, Run, load_rounds, lossless_check
@@ -99,13 +99,24 @@ def test_lossless_check_finds_the_first_mismatch():
     assert check["short"]["first_mismatch"]["token_index"] == 2  # a prefix of the reference is not equal
 
 
+def scripted_generator(target, prompts: list[list[int]], new: int) -> SpeculativeGenerator:
+    """A generator whose drafter proposes each prompt's own greedy continuation: acceptance is known."""
+    refs = []
+    for p in prompts:
+        ids = torch.tensor([p])
+        out = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new + 8, do_sample=False,
+                              pad_token_id=0, eos_token_id=None)  # past the cut: the last round drafts there too
+        refs.append(out[0])
+    return SpeculativeGenerator(target, ScriptedDrafter(refs, VOCAB, block_size=5, match_prompt=True))
+
+
 def test_bench_end_to_end_on_tiny_pair(tmp_path):
     torch.manual_seed(0)
     target = tiny_target("qwen3")
-    gen = SpeculativeGenerator(target, tiny_drafter(target))
+    prompts = [Prompt("p0", list(range(3, 14))), Prompt("p1", [40, 41, 42, 7])]
+    gen = scripted_generator(target, [p.input_ids for p in prompts], 8)
     methods = parse_methods("chain,best_first@8,beam@2x2,examples.custom_builder:spine@6")
     bench = Bench(gen, methods, max_new_tokens=8, seed=1)
-    prompts = [Prompt("p0", list(range(3, 14))), Prompt("p1", [40, 41, 42, 7])]
     runs = bench.run(prompts, repeats=2, warmup=False, progress=False, trees_path=tmp_path / "trees.jsonl")
     assert len(runs) == len(methods) * len(prompts) * 2
     rows = summarize(runs, methods, bench.depth, greedy=True)
@@ -114,9 +125,10 @@ def test_bench_end_to_end_on_tiny_pair(tmp_path):
         assert r["lossless"] is True
         assert len(r["speedup_per_repeat"]) == 2 and r["tokens_per_second"] > 0
         if r["method"] != "ar":
-            assert 1.0 <= r["tau"] <= 1 + bench.depth
-            acc = r["depth_acceptance"]
-            assert len(acc) == bench.depth and all(a >= b for a, b in zip(acc, acc[1:]))
+            # the drafter proposes the continuation: every round accepts the tree's full depth (beam@2x2: 2)
+            deep = 2 if r["method"] == "beam@2x2" else bench.depth
+            assert r["tau"] == pytest.approx(1 + deep), r["method"]
+            assert r["depth_acceptance"] == pytest.approx([1.0] * deep + [0.0] * (bench.depth - deep)), r["method"]
             assert set(r["stage_ms_per_round"]) >= {"draft", "tree_build", "mask", "verify", "commit"}
     assert {r["method"]: r["budget"] for r in rows}["chain"] == bench.depth
     assert "| best_first@8 | 8 |" in markdown_table(rows)
@@ -124,7 +136,7 @@ def test_bench_end_to_end_on_tiny_pair(tmp_path):
     assert {s["method"] for s in saved} == {m.name for m in methods if m.kind == "tree"}
     row = next(s for s in saved if s["method"] == "best_first@8")
     tree = row["tree"]
-    assert tree.num_nodes <= 9 and row["accepted"][0] == 0
+    assert tree.num_nodes <= 9 and row["accepted"][0] == 0 and len(row["accepted"]) == 1 + bench.depth
     graph = tree.to_networkx()
     assert graph.number_of_edges() == tree.num_nodes - 1
     assert all(graph.has_edge(a, b) for a, b in zip(row["accepted"], row["accepted"][1:]))
@@ -194,9 +206,9 @@ def test_batch_bench_keeps_batch_one_acceptance_and_outputs():
     from ddtree.bench.batch import markdown_batch_table, run_batches, summarize_batches
 
     target = tiny_target("qwen3")
-    gen = SpeculativeGenerator(target, tiny_drafter(target))
     methods = parse_methods("chain,best_first@6")
     prompts = [Prompt("p0", list(range(3, 14))), Prompt("p1", [40, 41, 42, 7]), Prompt("p2", [9, 8, 7, 6, 5, 4])]
+    gen = scripted_generator(target, [p.input_ids for p in prompts], 10)
     runs = run_batches(gen, methods, prompts, [1, 3], max_new_tokens=10, repeats=1, stops=[], depth=4)
     rows = summarize_batches(runs)
     assert {(r["batch_size"], r["method"]) for r in rows} == {
@@ -205,7 +217,8 @@ def test_batch_bench_keeps_batch_one_acceptance_and_outputs():
         assert r["tokens_per_second"] > 0
         if r["method"] in ("chain", "best_first@6"):
             assert r["acceptance_equals_batch_1"] == (3, 3)  # the same trees at batch 3
-            assert r["tau"] >= 1.0 and r["verify_ms_per_round"] > 0
+            # 10 tokens: the prefill's, then rounds of a full chain (5) and the 4 left of the next
+            assert r["tau"] == pytest.approx(5.0) and r["verify_ms_per_round"] > 0
         assert r["rows_equal_to_batch_1_plain"] == (3, 3)  # float64: every method, every row, exact
     assert "| 3 | best_first@6 |" in markdown_batch_table(rows)
 
@@ -240,6 +253,19 @@ def test_linear_bench_runs_on_a_tiny_hybrid(tmp_path):
     result = main(["linear", "--contexts", "24", "--nodes", "6,9", "--repeats", "1", "--out", str(out)])
     assert [(r["context"], r["nodes"]) for r in result["rows"]] == [(24, 6), (24, 9)]
     for row in result["rows"]:
-        assert row["leaves"] >= 1 and 1 <= row["depth"] < row["nodes"]
+        # the deepest path's depth nodes are no leaves (nor is the root)
+        assert 1 <= row["leaves"] <= row["nodes"] - row["depth"] and 1 <= row["depth"] < row["nodes"]
         assert all(row[k] > 0 for k in ("tree_ms", "chain_ms", "plain_ms", "paths_ms", "commit_ms"))
     assert json.loads(out.read_text())["rows"] == result["rows"]
+
+
+def test_linear_bench_leaf_paths_of_known_trees():
+    from ddtree import DraftTree
+    from ddtree.bench.linear import _leaf_paths
+
+    chain = DraftTree.from_parents(torch.zeros(1, 4, dtype=torch.long), torch.tensor([[-1, 0, 1, 2]]))
+    star = DraftTree.from_parents(torch.zeros(1, 4, dtype=torch.long), torch.tensor([[-1, 0, 0, 0]]))
+    fork = DraftTree.from_parents(torch.zeros(1, 5, dtype=torch.long), torch.tensor([[-1, 0, 1, 1, 0]]))
+    assert _leaf_paths(chain) == [[0, 1, 2, 3]]
+    assert _leaf_paths(star) == [[0, 1], [0, 2], [0, 3]]
+    assert _leaf_paths(fork) == [[0, 1, 2], [0, 1, 3], [0, 4]]

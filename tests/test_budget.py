@@ -144,9 +144,29 @@ def test_auto_on_a_fresh_generator_picks_only_measured_budgets_and_reports_calib
     assert again.stats.budget_policy["latency"]["profile_seconds"] == desc["latency"]["profile_seconds"]
 
 
+class TickClock:
+    """A fake clock: every read advances it by ``tick`` seconds, so a round that reads it once lasts ``tick``."""
+
+    def __init__(self, tick: float):
+        self.tick, self.now, self.reads = tick, 0.0, 0
+
+    def __call__(self) -> float:
+        self.now += self.tick
+        self.reads += 1
+        return self.now
+
+
+class Modelled(AutoBudget):
+    """An AutoBudget whose verify forwards take exactly what its latency model says (not what the machine did)."""
+
+    def observe(self, tree, result, verify_seconds, context_len):
+        super().observe(tree, result, self.latency.seconds(tree.num_nodes, context_len, tree.batch_size), context_len)
+
+
 def test_auto_decodes_plainly_while_no_tree_pays_and_stays_exact():
-    """Verify cost proportional to the node count (a compute-bound batch) and a drafter that is never right:
-    plain steps win, so most rounds skip the draft altogether, with a tree tried again every few rounds."""
+    """Verify cost proportional to the node count (a compute-bound batch), a plain round of 10 ms on a fake clock
+    and a drafter that is never right: after a few trees the policy decodes plainly, trying a tree again after
+    every PLAIN_STREAK plain rounds. No wall-clock time enters the choice: the sequence of budgets is exact."""
     target = tiny_target("qwen3")
     prompt = [5, 17, 3, 9]
     ids = torch.tensor([prompt])
@@ -155,16 +175,46 @@ def test_auto_decodes_plainly_while_no_tree_pays_and_stays_exact():
     wrong = torch.tensor(prompt + [(t + 1) % 97 for t in ref] + [0] * 8)
     drafter = ScriptedDrafter(wrong, 97)
     gen = SpeculativeGenerator(target, drafter)
-    policy = AutoBudget(FunctionLatency(lambda n, c, b=1: 0.01 * n), candidates=(1, 2, 4), overhead_seconds=0.005)
+    clock = TickClock(0.01)
+    policy = Modelled(FunctionLatency(lambda n, c, b=1: 0.01 * n), candidates=(1, 2, 4), overhead_seconds=0.005,
+                      clock=clock)
     out = gen.generate(prompt, max_new_tokens=40, tree_budget=policy)
     assert out.row_tokens[0] == ref
+    assert out.acceptance_lengths == [1] * 39  # the drafter is never right
     budgets = out.stats.budgets
-    assert budgets.count(0) >= 0.7 * len(budgets) and any(b > 0 for b in budgets)
-    assert len(drafter.proposals) == sum(b > 0 for b in budgets)  # skipped rounds did not draft
-    assert out.stats.budget_policy["plain_rounds"] == budgets.count(0)
+    streak = AutoBudget.PLAIN_STREAK
+    trees = [i for i, b in enumerate(budgets) if b > 0]
+    # trees until calibration learns depth 1 fails, then a 1-node tree after every PLAIN_STREAK plain rounds
+    assert budgets == [4, 4, 4, 1] + ([0] * streak + [1]) * 3 + [0] * streak
+    assert len(drafter.proposals) == len(trees)  # skipped rounds did not draft
+    desc = out.stats.budget_policy
+    assert desc["plain_rounds"] == budgets.count(0) and desc["plain_round_seconds"] == pytest.approx(0.01)
+    assert desc["verify_scale"] == 1.0 and clock.reads >= len(budgets)
     # cheap trees and a drafter that is always right: every round drafts
     right = ScriptedDrafter(torch.tensor(prompt + ref + [0] * 8), 97)
-    cheap = AutoBudget(FunctionLatency(lambda n, c, b=1: 0.01 + 0.0001 * n), candidates=(1, 2, 4),
-                       overhead_seconds=0.001)
+    cheap = Modelled(FunctionLatency(lambda n, c, b=1: 0.01 + 0.0001 * n), candidates=(1, 2, 4),
+                     overhead_seconds=0.001, clock=TickClock(0.01))
     out = SpeculativeGenerator(target, right).generate(prompt, max_new_tokens=40, tree_budget=cheap)
     assert out.row_tokens[0] == ref and 0 not in out.stats.budgets
+    assert out.acceptance_lengths[:-1] == [5] * (len(out.acceptance_lengths) - 1)  # budget 4: a full chain
+
+
+def test_profiled_latency_times_forwards_on_its_clock():
+    """A fake clock advanced by the target itself (1 ms per forward plus 1 ms per query token): the profile is
+    exactly that cost, the warm-up forward is not counted, and counts past the hopeless ratio are not timed."""
+    torch.manual_seed(0)
+    target = tiny_target("llama")
+    gen = SpeculativeGenerator(target, tiny_drafter(target))  # block size 5: hopeless beyond 10x one node
+    clock = TickClock(0.0)
+    target.register_forward_pre_hook(
+        lambda module, args, kwargs: setattr(clock, "now", clock.now + 0.001 * (1 + kwargs["input_ids"].shape[1])),
+        with_kwargs=True)
+    lat = ProfiledLatency(gen, [1, 2, 5, 9, 17, 33, 65], repeats=2, clock=clock)
+    assert lat.hopeless == 10
+    table = lat.profile(64)
+    # 33 nodes (34 ms) is the first count slower than 10x one node (2 ms): timed, then the profile stops
+    assert table == pytest.approx({1: 0.002, 2: 0.003, 5: 0.006, 9: 0.010, 17: 0.018, 33: 0.034})
+    assert lat.measured(40) == {1, 2, 5, 9, 17, 33}
+    assert lat.seconds(65, 40) == pytest.approx(0.034 + 0.001 * 32)  # extrapolated from the last two
+    # the prefill of 64 tokens, one untimed warm-up forward, then 2 repeats of every timed count
+    assert lat.profile_seconds == pytest.approx(0.065 + 0.002 + 2 * (0.002 + 0.003 + 0.006 + 0.010 + 0.018 + 0.034))

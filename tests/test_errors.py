@@ -7,7 +7,7 @@ import copy
 import pytest
 import torch
 
-from tiny import MASK_ID, VOCAB, tiny_drafter, tiny_config, tiny_target  # noqa: F401
+from tiny import MASK_ID, VOCAB, ScriptedDrafter, tiny_drafter, tiny_config, tiny_target  # noqa: F401
 from ddtree import SamplingConfig, SpeculativeGenerator
 from ddtree.drafters.dflash.config import DFlashConfig
 from ddtree.drafters.dflash.drafter import DFlashDrafter, check_compatible
@@ -62,12 +62,16 @@ def target():
     return tiny_target()
 
 
+PROMPT = torch.tensor([[5, 17, 3]])
+OTHER = [1, 2, 3]
+
+
 @pytest.fixture(scope="module")
 def gen(target):
-    return SpeculativeGenerator(target, tiny_drafter(target.config), tree_budget=4)
-
-
-PROMPT = torch.tensor([[5, 17, 3]])
+    """A drafter that proposes the target's greedy continuations of PROMPT and OTHER: rounds accept 4 + 1."""
+    refs = [target.generate(torch.tensor([p]), max_new_tokens=24, do_sample=False, pad_token_id=0)[0]
+            for p in (PROMPT[0].tolist(), OTHER)]
+    return SpeculativeGenerator(target, ScriptedDrafter(refs, VOCAB, match_prompt=True), tree_budget=4)
 
 # --------------------------------------------------------------------------- drafter vs target
 
@@ -237,8 +241,8 @@ def test_bad_batches_are_refused_before_any_state(gen):
     with pytest.raises(ValueError, match=r"a text prompt needs a tokenizer"):
         gen.generate("hello", max_new_tokens=2)
     # nothing was left behind: the same generator still gives the single-prompt answer
-    ok = gen.generate([1, 2, 3], max_new_tokens=4)
-    assert ok.sequences.shape == (1, 7)
+    ok = gen.generate(OTHER, max_new_tokens=4)
+    assert ok.sequences[0].tolist() == gen.drafter.references[1][:7].tolist() and ok.acceptance_lengths == [5]
 
 
 # --------------------------------------------------------------------------- sampling settings
@@ -271,5 +275,6 @@ def test_valid_inputs_still_run(gen):
     # The same generator accepts good inputs: the errors above are about the inputs, not the setup.
     out = gen.generate(PROMPT, max_new_tokens=3, temperature=1.0, top_k=5, top_p=0.9, seed=0)
     assert out.new_tokens.shape == (1, 3)
-    ref = gen.target.generate(PROMPT, max_new_tokens=3, do_sample=False, pad_token_id=0)
-    assert torch.equal(gen.generate(PROMPT, max_new_tokens=3).sequences, ref)
+    ref = gen.target.generate(PROMPT, max_new_tokens=12, do_sample=False, pad_token_id=0)
+    good = gen.generate(PROMPT, max_new_tokens=12)
+    assert torch.equal(good.sequences, ref) and good.acceptance_lengths == [5, 5, 5]

@@ -122,12 +122,19 @@ def test_repeated_calls_do_not_leak_state(tiny_pair):
 
 
 def test_stream_yields_what_generate_returns(tiny_pair):
-    target, draft = tiny_pair
-    gen = SpeculativeGenerator(target, draft, tree_budget=16)
-    out = gen.generate(torch.tensor([PROMPTS[1]]), max_new_tokens=50)
-    chunks = list(gen.stream(torch.tensor([PROMPTS[1]]), max_new_tokens=50))
-    assert [len(c) for c in chunks[1:]] == out.acceptance_lengths[: len(chunks) - 1] or sum(map(len, chunks)) == 50
-    assert sum(chunks, []) == out.new_tokens[0].tolist()
+    """Each round yields its accepted path and bonus token; the last round's chunk is cut at max_new_tokens."""
+    target, _ = tiny_pair
+    prompt = PROMPTS[1]
+    ref = reference(target, prompt, new=60)[0].tolist()
+    gen = SpeculativeGenerator(target, ScriptedDrafter(torch.tensor(ref), 97, decoy_at={3: 0}), tree_budget=16)
+    out = gen.generate(torch.tensor([prompt]), max_new_tokens=50, record_trees=True)
+    acc = out.acceptance_lengths
+    assert acc == [expected_acceptance(r, ref) for r in out.rounds] and acc[0] == 5  # the decoy's runner-up is in
+    chunks = list(gen.stream(torch.tensor([prompt]), max_new_tokens=50))
+    assert len(chunks) == 1 + len(acc) and len(chunks[0]) == 1  # the prefill's token, then one chunk per round
+    assert [len(c) for c in chunks[1:-1]] == acc[:-1]
+    assert len(chunks[-1]) == 50 - 1 - sum(acc[:-1]) <= acc[-1]
+    assert sum(chunks, []) == out.new_tokens[0].tolist() == ref[len(prompt):len(prompt) + 50]
 
 
 def test_budget_zero_is_plain_decoding(tiny_pair):

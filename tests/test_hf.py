@@ -9,24 +9,31 @@ import torch
 from transformers import StoppingCriteria, StoppingCriteriaList, TextIteratorStreamer
 
 import ddtree
-from tiny import tiny_drafter, tiny_target
-from tiny import tiny_tokenizer
+from tiny import VOCAB, ScriptedDrafter, tiny_target, tiny_tokenizer
 
 PROMPT = torch.tensor([[5, 17, 3, 9, 40, 61]])
 NEW = 30
 
 
+ROUNDS = [5] * 6  # NEW tokens: the prefill's, then rounds that accept the scripted drafter's whole block (4 + bonus)
+
+
 @pytest.fixture(scope="module")
 def pair():
+    """The tiny target and a drafter that proposes its greedy continuation of PROMPT: greedy rounds accept 5."""
     target = tiny_target("qwen3")
-    return target, tiny_drafter(target)
+    ref = target.generate(PROMPT, max_new_tokens=NEW + 8, do_sample=False, pad_token_id=0)
+    return target, ScriptedDrafter(ref[0], VOCAB, block_size=5)
 
 
 def test_greedy_equals_speculative_generator_and_plain_generate(pair):
     target, drafter = pair
     dec = ddtree.decoding(drafter, tree_budget=8)
+    drafter.proposals.clear()
     out = target.generate(PROMPT, custom_generate=dec, max_new_tokens=NEW, pad_token_id=0)
+    assert len(drafter.proposals) == len(ROUNDS)  # ddtree's loop ran, with the scripted acceptance
     ours = dec.generator_for(target).generate(PROMPT, max_new_tokens=NEW)
+    assert ours.acceptance_lengths == ROUNDS
     plain = target.generate(PROMPT, max_new_tokens=NEW, do_sample=False, pad_token_id=0)
     assert torch.equal(out, ours.sequences) and torch.equal(out, plain)
     state = torch.get_rng_state()
@@ -81,8 +88,11 @@ def test_hf_stopping_criteria_stop_where_generate_stops(pair):
     criteria = StoppingCriteriaList([StopAfter(token, 2, PROMPT.shape[1])])
     for kwargs in (dict(stopping_criteria=criteria), dict(eos_token_id=[full[7], 10_000])):
         plain = target.generate(PROMPT, max_new_tokens=NEW, do_sample=False, pad_token_id=0, **kwargs)
+        drafter.proposals.clear()
         out = target.generate(PROMPT, custom_generate=dec, max_new_tokens=NEW, pad_token_id=0, **kwargs)
         assert torch.equal(out, plain) and out.shape[1] < PROMPT.shape[1] + NEW
+        new = out.shape[1] - PROMPT.shape[1]
+        assert len(drafter.proposals) == -(-(new - 1) // 5)  # whole blocks accepted up to the stop
 
 
 def test_streamer_receives_exactly_the_decoded_output(pair):
@@ -108,7 +118,7 @@ def test_streamer_receives_exactly_the_decoded_output(pair):
     out = target.generate(PROMPT, custom_generate=dec, max_new_tokens=NEW, pad_token_id=0, streamer=rec)
     assert rec.calls[0] == PROMPT.tolist() and rec.calls[-1] == "end" and rec.calls.count("end") == 1
     assert sum(rec.calls[1:-1], []) == out[0, PROMPT.shape[1]:].tolist()
-    assert len(rec.calls) - 2 < NEW  # several tokens per put: rounds, not single steps
+    assert [len(c) for c in rec.calls[1:-1]] == [1] + ROUNDS[:-1] + [NEW - 1 - sum(ROUNDS[:-1])]  # one put per round
 
 
 def test_return_dict_and_left_padded_single_row(pair):

@@ -53,10 +53,22 @@ def no_real_build(monkeypatch):
 
 
 def test_the_untouched_directory_loads(good_dir, target):
+    """Loaded from disk, the drafter drafts exactly what the model it was saved from drafts: the same trees
+    (tokens and scores), so the same acceptance, round for round (a weight left at its init would differ)."""
     drafter = DFlashDrafter.from_pretrained(good_dir, target)
     gen = SpeculativeGenerator(target, drafter, tree_budget=4)
-    ref = target.generate(torch.tensor([[3, 4, 5]]), max_new_tokens=6, do_sample=False, pad_token_id=0)
-    assert torch.equal(gen.generate(torch.tensor([[3, 4, 5]]), max_new_tokens=6).sequences, ref)
+    prompt = torch.tensor([[3, 4, 5]])
+    ref = target.generate(prompt, max_new_tokens=12, do_sample=False, pad_token_id=0)
+    out = gen.generate(prompt, max_new_tokens=12, record_trees=True)
+    assert torch.equal(out.sequences, ref)
+    saved = SpeculativeGenerator(target, tiny_drafter(target), tree_budget=4)  # same seed: the saved weights
+    want = saved.generate(prompt, max_new_tokens=12, record_trees=True)
+    assert out.acceptance_lengths == want.acceptance_lengths and len(out.rounds) == len(want.rounds) > 0
+    for got, exp in zip(out.rounds, want.rounds):
+        assert torch.equal(got.tree.tokens, exp.tree.tokens) and torch.equal(got.tree.scores, exp.tree.scores)
+    other = SpeculativeGenerator(target, tiny_drafter(target, seed=7), tree_budget=4)
+    assert any(not torch.equal(a.tree.tokens, b.tree.tokens) for a, b in
+               zip(other.generate(prompt, max_new_tokens=12, record_trees=True).rounds, want.rounds))
 
 
 @pytest.mark.parametrize("keep", [0.5, 0.999, 20])

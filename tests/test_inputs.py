@@ -238,3 +238,42 @@ def test_text_iterator_streamer_gets_the_decoded_output():
     rounds = [[5, 6], [7], [8, 9, 10]]
     list(streamed(rounds, streamer, prompt=[3, 4]))
     assert "".join(streamer) == tok.decode(sum(rounds, []))
+
+
+def test_raw_text_that_stops_at_its_first_token_warns_once_toward_the_chat_template():
+    """HF's behaviour is kept (the one stop token is returned), with one warning naming apply_chat_template;
+    a templated prompt, or a generation that runs past its first token, gives no warning."""
+    import warnings
+
+    from tiny import VOCAB, ScriptedDrafter, tiny_target, tiny_tokenizer
+
+    from ddtree import SpeculativeGenerator
+
+    target = tiny_target("llama")
+    tok = tiny_tokenizer()
+    raw = "w5 w17 w9"
+    templated = tok.apply_chat_template([{"role": "user", "content": raw}], add_generation_prompt=True,
+                                        return_dict=True, return_tensors="pt")
+    cases = {"raw": tok(raw)["input_ids"], "templated": templated["input_ids"][0].tolist()}
+    for name, ids in cases.items():
+        ref = target.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False, pad_token_id=2)[0]
+        gen = SpeculativeGenerator(target, ScriptedDrafter(ref, VOCAB), tree_budget=4)
+        gen.tokenizer = tok
+        first, later = int(ref[len(ids)]), int(ref[len(ids) + 3])
+        prompt = raw if name == "raw" else templated
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            out = gen.generate(prompt, max_new_tokens=8, stop_token_ids=[first])
+            streamed = list(gen.stream(prompt, max_new_tokens=8, stop_token_ids=[first]))
+            batch = gen.generate([prompt, prompt] if name == "raw" else [ids, ids], max_new_tokens=8,
+                                 stop_token_ids=[first])
+            if later != first and first not in ref[len(ids):len(ids) + 4].tolist()[1:]:
+                past = gen.generate(prompt, max_new_tokens=8, stop_token_ids=[later])
+                assert len(past.row_tokens[0]) > 1
+        assert out.row_tokens[0] == [first] and streamed == [[first]] and batch.row_tokens == [[first], [first]]
+        hints = [w for w in caught if "apply_chat_template" in str(w.message)]
+        if name == "raw":
+            assert len(hints) == 3  # once per call: generate, stream, and the batch (not once per row)
+            assert "stopped at its first token" in str(hints[0].message)
+        else:
+            assert hints == []

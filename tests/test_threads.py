@@ -72,3 +72,30 @@ def test_thread_info_reports_without_changing(machine):
 def test_real_topology_is_sane():
     cpus = threads.available_cpus()
     assert 1 <= threads.physical_cores(cpus) <= len(cpus)
+
+
+def test_library_calls_apply_the_policy_with_an_opt_out(machine):
+    """A generator on a CPU target applies the demo's policy unless told not to: on the shared 4-CPU machine
+    (3 CPUs busy) torch's default of 4 threads becomes 1; ``threads=None`` leaves it; an int sets it."""
+    from tiny import tiny_drafter, tiny_target
+
+    from ddtree import SpeculativeGenerator
+
+    target = tiny_target("llama")
+    drafter = tiny_drafter(target)
+    machine["load"] = 3.0
+    torch.set_num_threads(4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # 1 thread + 3 busy CPUs fit: no warning
+        gen = SpeculativeGenerator(target, drafter)
+    assert torch.get_num_threads() == 1 and (gen.threads.threads, gen.threads.source) == (1, "default")
+    torch.set_num_threads(4)
+    assert SpeculativeGenerator(target, drafter, threads=None).threads is None and torch.get_num_threads() == 4
+    with pytest.warns(RuntimeWarning, match="looks shared"):  # 2 threads + 3 busy CPUs > 4: the measured fix
+        assert SpeculativeGenerator(target, drafter, threads=2).threads.source == "argument"
+    assert torch.get_num_threads() == 2
+    torch.set_num_threads(4)
+    out = SpeculativeGenerator(target, drafter).generate([5, 17, 3], max_new_tokens=3)
+    assert out.stats.threads["threads"] == 1  # the stats report what ran
+    with pytest.raises(ValueError, match="threads must be 'auto', an int >= 1 or None"):
+        SpeculativeGenerator(target, drafter, threads=0)

@@ -10,7 +10,7 @@ import torch
 
 from ddtree import SpeculativeGenerator, cache_kwargs, new_target_cache
 from ddtree.target.cache import SUPPORTED_TRANSFORMERS, CacheNotUpdatedError
-from tiny import tiny_drafter, tiny_target
+from tiny import VOCAB, ScriptedDrafter, tiny_target
 
 
 def _drop_cache(target, after_calls: int = 0):
@@ -27,22 +27,36 @@ def _drop_cache(target, after_calls: int = 0):
     target.forward = forward
 
 
+PROMPT = torch.tensor([[5, 17, 3, 9]])
+
+
+def _scripted(target, new: int = 16) -> ScriptedDrafter:
+    """A drafter that proposes the target's greedy continuation of PROMPT (rounds accept 4 drafts + bonus)."""
+    return ScriptedDrafter(target.generate(PROMPT, max_new_tokens=new, do_sample=False, pad_token_id=0)[0], VOCAB)
+
+
 @pytest.mark.parametrize("after_calls,step", [(0, "prefill"), (1, "verify forward")])
 def test_a_forward_that_ignores_the_cache_is_refused(after_calls, step):
     target = tiny_target("qwen3")
-    gen = SpeculativeGenerator(target, tiny_drafter(target), tree_budget=4)
+    gen = SpeculativeGenerator(target, _scripted(target), tree_budget=4)
+    ok = gen.generate(PROMPT, max_new_tokens=8)  # the control: with the cache honoured, exact and accepted
+    assert ok.row_tokens[0] == gen.drafter.reference[4:12].tolist() and ok.acceptance_lengths == [5, 5]
     _drop_cache(target, after_calls)
     with pytest.raises(CacheNotUpdatedError, match=rf"after the {step} .*Installed transformers \d") as err:
-        gen.generate(torch.tensor([[5, 17, 3, 9]]), max_new_tokens=8)
+        gen.generate(PROMPT, max_new_tokens=8)
     assert SUPPORTED_TRANSFORMERS in str(err.value)
 
 
 def test_plain_decoding_is_guarded_too():
     target = tiny_target("llama")
-    gen = SpeculativeGenerator(target, tiny_drafter(target), tree_budget=0)
+    drafter = _scripted(target)
+    gen = SpeculativeGenerator(target, drafter, tree_budget=0)
+    ok = gen.generate(PROMPT, max_new_tokens=4)
+    assert ok.row_tokens[0] == drafter.reference[4:8].tolist() and ok.acceptance_lengths == [1, 1, 1]
+    assert not drafter.proposals  # budget 0: the drafter does no work
     _drop_cache(target, after_calls=1)
     with pytest.raises(CacheNotUpdatedError, match="decode step"):
-        gen.generate(torch.tensor([[5, 17, 3, 9]]), max_new_tokens=4)
+        gen.generate(PROMPT, max_new_tokens=4)
 
 
 def test_cache_keyword_reaches_the_cache():

@@ -152,9 +152,13 @@ class ScriptedDrafter(Drafter):
     ``decoy_at`` maps a depth (1-based) to a wrong token that gets the top rank
     there instead, pushing the right one to rank 1. Every proposal is logged in
     ``proposals``; the drafter keeps no per-generation state of its own.
+    With ``match_prompt`` a row follows the reference that starts with its prompt
+    (for callers that run prompts one by one, like the bench), not the one at its row index.
     """
 
-    def __init__(self, reference, vocab: int, block_size: int = 5, decoy_at: dict | None = None):
+    def __init__(self, reference, vocab: int, block_size: int = 5, decoy_at: dict | None = None,
+                 match_prompt: bool = False):
+        self.match_prompt = match_prompt
         refs = reference if isinstance(reference, (list, tuple)) else [reference]
         self.references = [torch.as_tensor(r).view(-1) for r in refs]
         self.vocab = vocab
@@ -183,6 +187,10 @@ class _ScriptedContext(DraftContext):
     def append(self, features, tokens, counts=None):
         t = tokens.shape[1]
         counts = [t] * len(self.rows) if counts is None else [int(c) for c in counts]
+        if self.drafter.match_prompt and not any(self.lengths):  # the prefill: each row's prompt, left-aligned
+            refs = self.drafter.references
+            self.rows = [next(j for j, r in enumerate(refs) if r[:c].tolist() == tokens[i, :c].tolist())
+                         for i, c in enumerate(counts)]
         self.lengths = [n + c for n, c in zip(self.lengths, counts)]
 
     def select_rows(self, rows):

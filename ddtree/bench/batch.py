@@ -98,7 +98,7 @@ def _one(gens, name, method, batch, size, repeat, max_new_tokens, stops, depth) 
     budget = 0 if name == "ar" else (depth if method.budget is None else method.budget)
     out = gen.generate(ids if size > 1 else ids[0], max_new_tokens=max_new_tokens, stop_token_ids=stops,
                        tree_budget=budget, seed=repeat)
-    acc = out.acceptance_lengths if size > 1 else [out.acceptance_lengths]
+    acc = out.row_acceptance
     s = out.stats
     return BatchRun(name, size, repeat, [p.id for p in batch], s.new_tokens, s.total_seconds,
                     s.seconds.get("verify", 0.0), s.rounds, acc, out.row_tokens)

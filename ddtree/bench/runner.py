@@ -102,9 +102,9 @@ class Bench:
         if s.budget_policy is not None:
             self.policies[m.name] = s.budget_policy
         stages = {k: v for k, v in s.seconds.items() if k in STAGES or k == "prefill"}
-        run = Run(m.name, prompt.id, repeat, s.new_tokens, s.total_seconds, list(out.acceptance_lengths),
+        run = Run(m.name, prompt.id, repeat, s.new_tokens, s.total_seconds, list(out.row_acceptance[0]),
                   stages, list(s.budgets), out.new_tokens[0].tolist(), prompt.category, s.accepted_by_source)
-        return run, out.rounds
+        return run, out.row_rounds[0]
 
     def run(self, prompts: list[Prompt], repeats: int = 3, warmup: bool = True, progress: bool = True,
             trees_path: Path | None = None) -> list[Run]:

@@ -69,7 +69,7 @@ def generate_all(gen, new_tokens: int) -> dict:
         o = g.generate(PROMPT, max_new_tokens=new_tokens)
         sync()
         seconds = time.perf_counter() - t0
-        out[f"{builder}@{budget}"] = {"tokens": o.row_tokens[0], "acceptance": o.acceptance_lengths,
+        out[f"{builder}@{budget}"] = {"tokens": o.row_tokens[0], "acceptance": o.row_acceptance[0],
                                       "tokens_per_second": round(len(o.row_tokens[0]) / seconds, 2)}
     return out
 

@@ -128,8 +128,9 @@ class ProfiledLatency:
     """
 
     def __init__(self, generator, node_counts: Sequence[int], repeats: int = 3, seed: int = 0,
-                 time_per_count: float = 0.1):
+                 time_per_count: float = 0.1, clock: Callable[[], float] = time.perf_counter):
         self.generator = generator
+        self.clock = clock  # times the profiled forwards (inject a fake one to test deterministically)
         self.node_counts = sorted(set(int(n) for n in node_counts))
         self.repeats = repeats
         self.time_per_count = time_per_count
@@ -158,9 +159,9 @@ class ProfiledLatency:
     def profile(self, bucket: int, batch: int = 1) -> dict[int, float]:
         key = (bucket, batch)
         if key not in self.profiles:
-            t0 = time.perf_counter()
+            t0 = self.clock()
             self.profiles[key] = self._measure(self._fit_bucket(bucket), batch)
-            self.profile_seconds += time.perf_counter() - t0
+            self.profile_seconds += self.clock() - t0
         return self.profiles[key]
 
     def _fit_bucket(self, bucket: int) -> int:
@@ -210,13 +211,13 @@ class ProfiledLatency:
             # Ranks of a tensor-parallel target time the same forwards: rank 0's clock says when to stop.
             while lockstep.share(len(times) < self.repeats and (not times or sum(times) < self.time_per_count)):
                 sync()
-                t0 = time.perf_counter()
+                t0 = self.clock()
                 target_forward(target, tokens, positions, cache, hidden=False, **kwargs)
                 sync()
                 if warm:
                     warm = False
                 else:
-                    times.append(time.perf_counter() - t0)
+                    times.append(self.clock() - t0)
                 truncate(cache, context)  # back to the prefix
             table[nodes] = min(times)  # the least disturbed run; `scale` restores typical speed
             if lockstep.share(len(table) > 1 and table[nodes] > self.hopeless * table[self.node_counts[0]]):

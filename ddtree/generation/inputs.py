@@ -352,6 +352,41 @@ def _resolve_stops(eos_token_id, stop_token_ids, generation_config, target_gener
     return ()
 
 
+# --------------------------------------------------------------------- chat templates
+
+_SENTINEL = "DDTREE-CONTENT-7f3a"
+
+
+def missing_chat_template(tokenizer, prompt: Sequence[int] | torch.Tensor) -> bool:
+    """True when ``tokenizer`` has a chat template and ``prompt`` does not end with its assistant turn opener
+    (what ``apply_chat_template(..., add_generation_prompt=True)`` puts after the user's text)."""
+    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+        return False
+    try:
+        rendered = tokenizer.apply_chat_template([{"role": "user", "content": _SENTINEL}], tokenize=False,
+                                                 add_generation_prompt=True)
+        text = tokenizer.decode(torch.as_tensor(prompt).view(-1).tolist(), skip_special_tokens=False)
+    except Exception:  # a template that needs other inputs, a tokenizer without decode: no opinion
+        return False
+    if not isinstance(rendered, str) or _SENTINEL not in rendered:
+        return False
+    opener = rendered.split(_SENTINEL)[-1].strip()
+    return bool(opener) and not text.rstrip().endswith(opener)
+
+
+def chat_template_warning(tokenizer, prompts, new_tokens: list[list[int]], stops) -> str | None:
+    """The hint for a generation whose rows stopped at their first token on a prompt without the chat
+    template (an instruct model given raw text often ends at once); ``None`` when it does not apply."""
+    rows = [b for b, new in enumerate(new_tokens) if len(new) == 1 and new[0] in stops]
+    if not rows or not any(missing_chat_template(tokenizer, prompts[b]) for b in rows):
+        return None
+    where = "the generation" if len(new_tokens) == 1 else f"row(s) {rows} of the batch"
+    return (f"{where} stopped at its first token (stop token {new_tokens[rows[0]][0]}), and the prompt does not "
+            "end with the chat template's assistant turn: an instruct model given raw text often ends at once. "
+            "Format the prompt with tokenizer.apply_chat_template([{'role': 'user', 'content': text}], "
+            "add_generation_prompt=True, return_dict=True, return_tensors='pt') and pass **inputs")
+
+
 # --------------------------------------------------------------------- streamers
 
 

@@ -90,8 +90,7 @@ def _prefill(state: DecodeState) -> RoundResult:
     state.lengths, state.roots, state.prefilled = lengths, roots, True
     tokens = [[] for _ in state.prompts]
     for i, row in enumerate(state.active):
-        tokens[row] = [int(roots[i])]
-        state.emit(row, tokens[row])
+        tokens[row] = state.emit(row, [int(roots[i])])
     return _finish_round(state, tokens, [None] * len(state.prompts))
 
 
@@ -137,10 +136,9 @@ def _plain_step(state: DecodeState) -> RoundResult:
     tokens = [[] for _ in state.prompts]
     acceptance: list[int | None] = [None] * len(state.prompts)
     for i, row in enumerate(state.active):
-        tokens[row] = [int(state.roots[i])]
         acceptance[row] = 1
         state.acceptance[row].append(1)
-        state.emit(row, tokens[row])
+        tokens[row] = state.emit(row, [int(state.roots[i])])
     return _finish_round(state, tokens, acceptance)
 
 
@@ -236,13 +234,12 @@ def _emit_accepted(state: DecodeState, tree, path: torch.Tensor, result) -> Roun
     tokens: list[list[int]] = [[] for _ in state.prompts]
     acceptance: list[int | None] = [None] * len(state.prompts)
     for i, row in enumerate(state.active):
-        tokens[row] = path_tokens[i][1 : counts[i]] + [bonus[i]]
         acceptance[row] = counts[i]
         state.acceptance[row].append(counts[i])
         if state.record:
             state.records[row].append(RoundRecord(int(state.lengths[i]), tree.row(i), path[i, : counts[i]].tolist(),
                                                   bonus[i]))
-        state.emit(row, tokens[row])
+        tokens[row] = state.emit(row, path_tokens[i][1 : counts[i]] + [bonus[i]])
     state.lengths = state.lengths + result.num_accepted.to(state.lengths.device)
     state.roots = result.bonus
     state.rounds += 1

@@ -64,8 +64,10 @@ class RoundRecord:
 class RoundResult:
     """What one round committed, per row of the batch (inactive rows: ``[]`` and ``None``).
 
+    ``tokens[b]`` is what the round appended to row ``b``'s output: cut at a stop token (kept) and at
+    ``max_new_tokens``, so the rounds' tokens add up to exactly what ``generate`` returns.
     ``acceptance[b]`` counts the tree nodes on row ``b``'s accepted path including
-    the root, which is the tokens the round emitted for it before any stop cut;
+    the root, which is the tokens the round verified for it before any cut;
     ``None`` for the prefill, which emits one token per row and verifies nothing.
     """
 
@@ -117,14 +119,16 @@ class DecodeState:
     def done(self) -> bool:
         return self.prefilled and not self.active
 
-    def emit(self, row: int, tokens: list[int]) -> bool:
-        """Append a row's tokens, cut at its first stop token (kept) and at ``max_new_tokens``; True when it finished."""
-        room = self.max_new_tokens - len(self.new_tokens[row])
-        for i, tok in enumerate(tokens[:room]):
+    def emit(self, row: int, tokens: list[int]) -> list[int]:
+        """Append a row's tokens, cut at its first stop token (kept) and at ``max_new_tokens``; returns what was
+        appended (the round's output for the row: streams hand out exactly this). Sets ``finished[row]``."""
+        room = max(0, self.max_new_tokens - len(self.new_tokens[row]))
+        kept = list(tokens[:room])
+        for i, tok in enumerate(kept):
             if tok in self.stops:
-                self.new_tokens[row].extend(tokens[: i + 1])
+                kept = kept[: i + 1]
                 self.finished[row] = True
-                return True
-        self.new_tokens[row].extend(tokens[:room])
-        self.finished[row] = len(self.new_tokens[row]) >= self.max_new_tokens
-        return self.finished[row]
+                break
+        self.new_tokens[row].extend(kept)
+        self.finished[row] = self.finished[row] or len(self.new_tokens[row]) >= self.max_new_tokens
+        return kept

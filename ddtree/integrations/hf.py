@@ -24,13 +24,13 @@ _WARPERS = ("TemperatureLogitsWarper", "TopKLogitsWarper", "TopPLogitsWarper")
 _PREPARED = frozenset({"attention_mask", "position_ids", "cache", "past_key_values", "logits_to_keep", "use_cache"})
 
 
-def decoding(drafter, tree_budget: int | str = 16, builder: Any = "best_first", *, seed: int | None = None,
+def decoding(drafter, tree_budget: int | str | None = None, builder: Any = "best_first", *, seed: int | None = None,
              **generator_options) -> "DDTreeDecoding":
     """A ``custom_generate`` callable running DDTree with ``drafter`` (a DFlash model or any ``Drafter``).
 
     ``target.generate(**inputs, custom_generate=ddtree.decoding(drafter), max_new_tokens=128)``
-    returns what ``generate`` returns. ``tree_budget`` can also be given per call
-    (``generate(..., tree_budget=8)``). Sampling is lossless but draws its random
+    returns what ``generate`` returns. ``tree_budget`` (default: the generator's, by device) can also be
+    given per call (``generate(..., tree_budget=8)``). Sampling is lossless but draws its random
     numbers in another order than HF's sampler, so for a seed the tokens differ
     from plain ``generate``: ``seed`` fixes ddtree's own generator; without it, one
     number drawn from torch's global RNG seeds it, so ``torch.manual_seed`` makes

@@ -421,6 +421,35 @@ def _with_linear_tree(model, tree: DraftTree, kwargs: dict) -> dict:
     return kwargs
 
 
+_DENSE_RUNNERS = frozenset({"sdpa", "eager"} | {impl for impl, *_ in IMPLEMENTATIONS.values()})
+"""Attention implementations that apply a dense 4D tree mask as given (the split ones run it like sdpa)."""
+_SPLIT_RUNNERS = frozenset(impl for impl, *_ in IMPLEMENTATIONS.values())
+"""The registered split implementations: each reads the tree spec exactly (they differ only in kernels)."""
+
+
+def attention_implementation(model) -> str | None:
+    """The attention implementation ``model`` runs now (its text config's, for composite models)."""
+    impl = getattr(model.config, "_attn_implementation", None)
+    if impl is None:
+        impl = getattr(_text_config(model.config), "_attn_implementation", None)
+    return impl
+
+
+def check_implementation(model, backend_name: str, allowed) -> None:
+    """Refuse a verify forward whose target no longer runs an attention implementation that honours the
+    backend's kwargs: another generator (or ``set_attn_implementation``) switched it, and the tree would be
+    verified under a plain causal mask, silently wrong."""
+    impl = attention_implementation(model)
+    if impl not in allowed:
+        raise RuntimeError(
+            f"attention={backend_name!r} verifies trees through the {' / '.join(sorted(allowed))} attention "
+            f"implementation, but {type(model).__name__} now runs {impl!r} (another SpeculativeGenerator with a "
+            "different attention= on the same target, or set_attn_implementation, changed it): its tree forward "
+            "would ignore the tree mask. Give every generator on one target the same attention=, or use "
+            "attention=\"sdpa\" for all of them (it runs under every implementation ddtree sets)"
+        )
+
+
 class TreeAttentionBackend(Protocol):
     """How a target's attention sees a tree: ``prepare`` sets the model up once (its attention
     implementation), ``tree_forward_kwargs`` gives one verify forward's extra kwargs (a dense mask, or the
@@ -450,6 +479,7 @@ class DenseMaskBackend:
 
     def tree_forward_kwargs(self, model, tree: DraftTree, prefix_len: int, dtype: torch.dtype,
                             prefix_valid: torch.Tensor | None = None) -> dict:
+        check_implementation(model, self.name, _DENSE_RUNNERS)
         mask = dense_tree_mask(model, tree, prefix_len, dtype, prefix_valid)
         return _with_linear_tree(model, tree, {"attention_mask": mask})
 
@@ -483,7 +513,8 @@ class SplitBackend:
     def tree_forward_kwargs(self, model, tree: DraftTree, prefix_len: int, dtype: torch.dtype,
                             prefix_valid: torch.Tensor | None = None) -> dict:
         if prefix_len < self.dense_below or prefix_valid is not None:  # the split kernels take no padding
-            return DenseMaskBackend().tree_forward_kwargs(model, tree, prefix_len, dtype, prefix_valid)
+            return DenseMaskBackend(self.name).tree_forward_kwargs(model, tree, prefix_len, dtype, prefix_valid)
+        check_implementation(model, self.name, _SPLIT_RUNNERS)
         return _with_linear_tree(model, tree, {TREE_KWARG: TreeAttentionSpec.from_tree(tree)})
 
 

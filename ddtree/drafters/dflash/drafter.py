@@ -23,8 +23,14 @@ def target_vocab_size(target) -> int:
 
 
 def check_compatible(config: DFlashConfig, target) -> None:
-    """Raise a ValueError naming the mismatch when a drafter cannot serve ``target``."""
-    tc = target.config.get_text_config() if hasattr(target.config, "get_text_config") else target.config
+    """Raise a ValueError naming the mismatch when a drafter cannot serve ``target`` (a model)."""
+    check_compatible_config(config, target.config, vocab_size=target_vocab_size(target))
+
+
+def check_compatible_config(config: DFlashConfig, target_config, vocab_size: int | None = None) -> None:
+    """The same check from the target's config alone (``vocab_size``: its lm_head rows when known), so that a
+    wrong pair is refused before either model's weights are downloaded or read."""
+    tc = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
     want = config.target_hidden_size or config.hidden_size
     if tc.hidden_size != want:
         field = "target_hidden_size" if config.target_hidden_size else "hidden size"
@@ -32,7 +38,7 @@ def check_compatible(config: DFlashConfig, target) -> None:
             f"drafter {field} {want} does not match the target's {tc.hidden_size}: "
             "use a drafter trained for this target"
         )
-    vocab = target_vocab_size(target)
+    vocab = vocab_size if vocab_size is not None else tc.vocab_size
     if vocab != config.vocab_size:
         raise ValueError(
             f"drafter vocab size {config.vocab_size} does not match the target's lm_head ({vocab}): "
