@@ -144,6 +144,11 @@ PREFILL_CHUNK = 4096
 memory) by the chunk instead of the prompt, at the cost of a few extra forward launches on long prompts."""
 
 
+GDN_CHUNK = 64
+"""transformers' chunked gated-delta rule works in blocks of 64 tokens: a prefill split at multiples of it
+runs the same arithmetic as one forward (float64: equal bits), other splits differ in the last bits."""
+
+
 def check_prefill_chunk(chunk) -> None:
     if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
         raise ValueError(f"prefill_chunk must be an int >= 1 (prompt tokens per prefill forward) or None "
@@ -171,12 +176,16 @@ def chunked_prefill(target, ids: torch.Tensor, cache, chunk: int | None, *, posi
 
     ``positions``/``valid`` (``[B, T]``) for left-padded rows; ``on_chunk(start, end, out)`` sees each
     forward's output (its hidden states when ``hidden``). Equal to one forward over the prompt up to
-    floating-point summation order (the tests check tokens and acceptance).
+    floating-point summation order (the tests check tokens and acceptance); a GDN hybrid's chunk is
+    rounded up to whole GDN blocks (:data:`GDN_CHUNK`), where it is equal to the bit.
     """
     from ddtree.target.cache import check_cache_length
+    from ddtree.target.linear_attention import gdn_modules
 
     width = ids.shape[1]
     step = width if chunk is None or not chunk_continues_state(target) else max(1, int(chunk))
+    if step < width and gdn_modules(target):
+        step = -(-step // GDN_CHUNK) * GDN_CHUNK  # whole GDN chunks: bit for bit the one-shot recurrence
     out = None
     for start in range(0, width, step):
         end = min(start + step, width)
