@@ -178,3 +178,45 @@ def test_a_bad_prefill_chunk_is_refused_by_name(chunk):
     gen = SpeculativeGenerator(target, tiny_drafter(target))
     with pytest.raises(ValueError, match="prefill_chunk must be an int >= 1"):
         gen.start([1, 2, 3], max_new_tokens=2, prefill_chunk=chunk)
+
+
+def _proposals(gen, prompts, trim: bool, monkeypatch):
+    from ddtree.drafters.dflash.context import DFlashContext
+
+    monkeypatch.setattr(DFlashContext, "trim_sliding", trim)
+    logged, contexts = [], []
+    original = DFlashContext.propose
+
+    def spy(self, roots):
+        proposal = original(self, roots)
+        logged.append(proposal.logprobs.clone())
+        contexts.append(self)
+        return proposal
+
+    monkeypatch.setattr(DFlashContext, "propose", spy)
+    out = gen.generate(prompts, max_new_tokens=200)
+    monkeypatch.setattr(DFlashContext, "propose", original)
+    return out, logged, contexts[-1]
+
+
+@pytest.mark.parametrize("lengths", [[40], [40, 13, 70]])
+def test_trimming_sliding_layers_context_changes_no_draft(lengths, monkeypatch):
+    """A sliding layer's context keeps only its window's keys: every proposal of a long generation equals the
+    untrimmed context's, while its buffer stays bounded by the window (full layers keep everything)."""
+    target = tiny_target("qwen3")
+    drafter = tiny_drafter(target, layer_types=["sliding_attention", "full_attention"], sliding_window=8)
+    gen = SpeculativeGenerator(target, drafter, tree_budget=8, prefill_chunk=16)
+    prompts = prompts_of(lengths, seed=6)
+    prompts = prompts if len(prompts) > 1 else prompts[0]
+    kept, untrimmed, whole = _proposals(gen, prompts, False, monkeypatch)
+    out, trimmed, ctx = _proposals(gen, prompts, True, monkeypatch)
+    assert torch.equal(out.sequences, kept.sequences) and out.acceptance_lengths == kept.acceptance_lengths
+    assert len(trimmed) == len(untrimmed) > 10
+    for a, b in zip(trimmed, untrimmed):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
+    assert ctx.front > 0 and whole.front == 0
+    sliding, full = ctx.kv[0][0].shape[2], ctx.kv[1][0].shape[2]
+    assert sliding < full  # 300 positions of which the window shows 8
+    if len(lengths) == 1:  # the 64 dropped at once, the window, a round: one doubling past 64
+        assert sliding == 128 + 1
+    assert whole.kv[0][0].shape[2] == whole.kv[1][0].shape[2]

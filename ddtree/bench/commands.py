@@ -7,4 +7,5 @@ SUBCOMMANDS = {
     "attention": ("ddtree.bench.attention", "one tree-verify attention layer per backend"),
     "long-run": ("ddtree.bench.long_run", "one long generation: exactness and memory per committed token"),
     "linear": ("ddtree.bench.linear", "hybrid GDN verify: tree against chain"),
+    "memory": ("ddtree.bench.memory", "long prompts: peak memory and time to first token against HF generate"),
 }

@@ -6,26 +6,46 @@ import torch
 
 from ddtree.drafters.base import DraftContext, Proposal
 from ddtree.drafters.dflash.config import FULL, SLIDING
-from ddtree.drafters.dflash.model import window_mask
 
 
 class DFlashContext(DraftContext):
     """The DFlash drafter's per-generation state: each layer's keys/values of the committed context.
 
     Row ``b``'s context fills buffer columns ``0 .. lengths[b] - 1`` (column =
-    token position). Buffers grow by doubling, so appending a round's tokens
-    copies only those tokens, never the whole context. Block entries are never
-    stored: nothing has to be cropped after a round.
+    token position) of a full layer's buffer. Buffers grow by doubling, so
+    appending a round's tokens copies only those tokens, never the whole context.
+    Block entries are never stored: nothing has to be cropped after a round.
+
+    A sliding layer keeps only what its window can still show a block: a block's
+    queries sit at ``lengths[b]`` and after, so keys before
+    ``min(lengths) - sliding_window + 1`` are dropped (``front`` of them; its
+    column ``c`` holds position ``front + c``), in steps of at least a window so
+    the shift is paid once per window of tokens. Its memory is then bounded by the
+    window, not the context.
     """
+
+    trim_sliding = True  # False keeps every sliding-layer key (the tests compare both)
 
     def __init__(self, drafter, batch_size: int = 1):
         self.drafter = drafter
         self.kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # [B, Hkv, capacity + 1, d]; the last is scratch
         self.lengths = torch.zeros(batch_size, dtype=torch.long)
+        config = drafter.config
+        self.sliding = [i for i, kind in enumerate(config.layer_types) if kind == SLIDING]
+        self.window = config.sliding_window
+        self.front = 0  # positions dropped from the sliding layers' buffers
 
     @property
     def capacity(self) -> int:
-        return 0 if self.kv is None else self.kv[0][0].shape[2] - 1
+        """Positions a full layer's buffer holds (with sliding layers only: the positions up to the
+        sliding buffers' end)."""
+        if self.kv is None:
+            return 0
+        return max(k.shape[2] - 1 + off for (k, _), off in zip(self.kv, self._offsets()))
+
+    def _offsets(self) -> list[int]:
+        """Per layer, the position of its buffer's column 0."""
+        return [self.front if i in self.sliding else 0 for i in range(len(self.drafter.config.layer_types))]
 
     def nbytes(self) -> int:
         """Bytes held by the context buffers."""
@@ -50,34 +70,57 @@ class DFlashContext(DraftContext):
         need = int((self.lengths + counts).max())
         self._reserve(need, new)
         uniform = bool((counts == t).all()) and bool((self.lengths == self.lengths[0]).all())
-        if uniform:
-            at = int(self.lengths[0])
-            for (kb, vb), (k, v) in zip(self.kv, new):
+        for (kb, vb), (k, v), off in zip(self.kv, new, self._offsets()):
+            if uniform:
+                at = int(self.lengths[0]) - off
                 kb[:, :, at : at + t] = k
                 vb[:, :, at : at + t] = v
-        else:
-            cols = torch.where(torch.arange(t, device=device) < counts[:, None], positions, self.capacity)
-            for (kb, vb), (k, v) in zip(self.kv, new):
-                idx = cols[:, None, :, None].expand(bsz, k.shape[1], t, k.shape[-1])
-                kb.scatter_(2, idx, k)
-                vb.scatter_(2, idx, v)
+                continue
+            scratch = kb.shape[2] - 1
+            cols = torch.where(torch.arange(t, device=device) < counts[:, None], positions - off, scratch)
+            idx = cols[:, None, :, None].expand(bsz, k.shape[1], t, k.shape[-1])
+            kb.scatter_(2, idx, k)
+            vb.scatter_(2, idx, v)
         self.lengths = self.lengths + counts
+        self._trim()
 
     def _reserve(self, need: int, like: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        if need <= self.capacity:
-            return
-        cap = max(need, 2 * self.capacity, 64)
+        """Room for positions up to ``need`` in every layer's buffer (each grown by doubling)."""
         grown = []
-        for i, (k, v) in enumerate(like):
+        for i, ((k, v), off) in enumerate(zip(like, self._offsets())):
+            old = None if self.kv is None else self.kv[i]
+            cap = 0 if old is None else old[0].shape[2] - 1
+            if need - off <= cap:
+                grown.append(old)
+                continue
             bsz, heads, _, dim = k.shape
-            kb = k.new_zeros(bsz, heads, cap + 1, dim)
-            vb = v.new_zeros(bsz, heads, cap + 1, v.shape[-1])
-            if self.kv is not None:
-                old_k, old_v = self.kv[i]
-                kb[:, :, : self.capacity] = old_k[:, :, : self.capacity]
-                vb[:, :, : self.capacity] = old_v[:, :, : self.capacity]
+            size = max(need - off, 2 * cap, 64)
+            kb = k.new_zeros(bsz, heads, size + 1, dim)
+            vb = v.new_zeros(bsz, heads, size + 1, v.shape[-1])
+            if old is not None:
+                kb[:, :, :cap] = old[0][:, :, :cap]
+                vb[:, :, :cap] = old[1][:, :, :cap]
             grown.append((kb, vb))
         self.kv = grown
+
+    def _trim(self) -> None:
+        """Drop the sliding layers' keys no block can see any more (once a window's worth has piled up)."""
+        if not self.sliding or not self.trim_sliding or self.kv is None:
+            return
+        front = max(0, int(self.lengths.min()) - self.window + 1)
+        drop = front - self.front
+        if drop < max(self.window, 64):
+            return
+        for i in self.sliding:
+            k, v = self.kv[i]
+            keep = k.shape[2] - 1 - drop
+            shifted = []
+            for buf in (k, v):
+                out = torch.zeros_like(buf)
+                out[:, :, :keep] = buf[:, :, drop : drop + keep]
+                shifted.append(out)
+            self.kv[i] = (shifted[0], shifted[1])
+        self.front = front
 
     def select_rows(self, rows: torch.Tensor) -> None:
         self.lengths = self.lengths.index_select(0, rows.to(self.lengths.device))
@@ -100,22 +143,33 @@ class DFlashContext(DraftContext):
         block = torch.cat([root_tokens, root_tokens.new_full((bsz, size - 1), drafter.mask_token_id)], dim=1)
         block_pos = lengths[:, None] + torch.arange(size, device=device)
         width = int(lengths.max())
-        kv = [(k[:, :, :width], v[:, :, :width]) for k, v in self.kv]
+        kv = [(k[:, :, : width - off], v[:, :, : width - off]) for (k, v), off in zip(self.kv, self._offsets())]
         masks = None
         if not bool((lengths == width).all()):  # ragged rows: mask each row's unused columns
             masks = self._ragged_masks(lengths, width, block_pos, model.fc.weight.dtype)
+        elif self.front and self.sliding:  # trimmed sliding layers: their keys start at `front`
+            masks = {FULL: None, SLIDING: self._sliding_mask(lengths, width, block_pos, model.fc.weight.dtype)}
         hidden = model(embed(block), block_pos, context_kv=kv, attention_masks=masks)[:, 1:]
         return Proposal(drafter.block_logprobs(hidden))
 
-    def _ragged_masks(self, lengths, width, block_pos, dtype) -> dict[str, torch.Tensor]:
-        col = torch.arange(width, device=lengths.device)
-        key_pos = torch.cat([col.expand(len(lengths), -1), block_pos], dim=1)  # column = position
+    def _keys(self, lengths, width, block_pos, start: int):
+        """Key positions ``[B, width - start + Q]`` of a buffer whose column 0 is ``start``, and which are real."""
+        col = torch.arange(start, width, device=lengths.device)
+        key_pos = torch.cat([col.expand(len(lengths), -1), block_pos], dim=1)
         valid = torch.cat([col[None] < lengths[:, None], torch.ones_like(block_pos, dtype=torch.bool)], dim=1)
+        return key_pos, valid
+
+    def _sliding_mask(self, lengths, width, block_pos, dtype) -> torch.Tensor:
+        key_pos, valid = self._keys(lengths, width, block_pos, self.front)
+        window = self.drafter.model.layer_masks(block_pos, key_pos, dtype)[SLIDING]
+        return window.masked_fill(~valid[:, None, None], torch.finfo(dtype).min)
+
+    def _ragged_masks(self, lengths, width, block_pos, dtype) -> dict[str, torch.Tensor]:
+        _, valid = self._keys(lengths, width, block_pos, 0)
         hidden = torch.finfo(dtype).min
         full = torch.zeros(valid.shape, dtype=dtype, device=valid.device).masked_fill_(~valid, hidden)
         full = full[:, None, None].expand(-1, 1, block_pos.shape[1], -1)
         masks = {FULL: full, SLIDING: None}
-        if SLIDING in self.drafter.config.layer_types:
-            window = window_mask(block_pos, key_pos, self.drafter.config.sliding_window, dtype)
-            masks[SLIDING] = window.masked_fill(~valid[:, None, None], hidden)
+        if self.sliding:
+            masks[SLIDING] = self._sliding_mask(lengths, width, block_pos, dtype)
         return masks
