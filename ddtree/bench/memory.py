@@ -28,6 +28,8 @@ CONFIGS = {
     "qwen36-27b": dict(model_type="qwen3_5_text", hidden_size=5120, intermediate_size=17408, num_attention_heads=24,
                        num_key_value_heads=4, head_dim=256, linear_num_key_heads=16, linear_num_value_heads=48,
                        linear_key_head_dim=128, linear_value_head_dim=128, vocab_size=248320),
+    "narrow": dict(model_type="qwen3", hidden_size=256, intermediate_size=768, num_attention_heads=4,
+                   num_key_value_heads=2, head_dim=64, vocab_size=151936),  # issue 21's case, with --layers 8
     "tiny": dict(model_type="qwen3", hidden_size=64, intermediate_size=128, num_attention_heads=4,
                  num_key_value_heads=2, head_dim=16, vocab_size=151936),
 }
