@@ -157,8 +157,9 @@ def check_prefill_chunk(chunk) -> None:
 
 def chunk_continues_state(target) -> bool:
     """Whether a multi-token forward continues the cached state for every layer of ``target``. Attention
-    layers always do; transformers' Gated DeltaNet layers do from 5.15 on (older ones restart the chunked
-    rule from a zero state on a multi-token input), so a hybrid target prefills in one forward there."""
+    layers always do; transformers' Gated DeltaNet layers do in 5.15 and 5.24 (their chunked rule starts
+    from the cached state). Older releases are not checked (Qwen3-Next's first GDN forward restarted from
+    zero), so a hybrid target prefills in one forward there."""
     from ddtree.target.linear_attention import gdn_modules
 
     if not gdn_modules(target):
