@@ -107,7 +107,7 @@ def test_shipped_drafter_loads_for_the_default_target():
 def test_default_pair_is_lossless_and_its_acceptance_needs_the_right_features():
     """The real pair: output equals plain decoding, every round accepts what a walk of its tree against
     that output gives, and features taken one layer off (the classic integration bug) cut acceptance."""
-    from ddtree import SpeculativeGenerator, extract_context_feature
+    from ddtree import SpeculativeGenerator
     from test_generator import expected_acceptance
 
     gen = SpeculativeGenerator.from_pretrained(tree_budget=16)
@@ -122,8 +122,7 @@ def test_default_pair_is_lossless_and_its_acceptance_needs_the_right_features():
     tau = sum(out.acceptance_lengths) / len(out.acceptance_lengths)
     assert tau >= 1.4, tau
 
-    ids_ = gen.drafter.target_layer_ids
-    gen.drafter.context_features = lambda hs: extract_context_feature(hs, [i - 1 for i in ids_])  # hidden_states[i]
+    gen.drafter.target_layer_ids = [i - 1 for i in gen.drafter.target_layer_ids]  # reads hidden_states[i]
     off = gen.generate(ids, max_new_tokens=48)
     assert torch.equal(off.sequences, plain)  # still lossless ...
     tau_off = sum(off.acceptance_lengths) / len(off.acceptance_lengths)

@@ -172,7 +172,7 @@ class ScriptedDrafter(Drafter):
         return self.references[0]
 
     def context_features(self, hidden_states):
-        return hidden_states[-1]
+        return hidden_states[1]  # target layer 0, the one it declares
 
     def new_context(self, batch_size: int = 1):
         return _ScriptedContext(self, batch_size)

@@ -8,4 +8,5 @@ SUBCOMMANDS = {
     "long-run": ("ddtree.bench.long_run", "one long generation: exactness and memory per committed token"),
     "linear": ("ddtree.bench.linear", "hybrid GDN verify: tree against chain"),
     "dflash2": ("ddtree.bench.dflash2", "DDTree over a DFlash2 selector's pairwise scores against its chain"),
+    "memory": ("ddtree.bench.memory", "long prompts: peak memory and time to first token against HF generate"),
 }

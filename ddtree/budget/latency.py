@@ -186,7 +186,7 @@ class ProfiledLatency:
         from ddtree.core.masks import tree_position_ids
         from ddtree.runtime.distributed import Lockstep
         from ddtree.target.cache import new_target_cache, truncate
-        from ddtree.target.forward import target_forward
+        from ddtree.target.forward import PREFILL_CHUNK, chunked_prefill, target_forward
 
         gen = self.generator
         lockstep = getattr(gen, "lockstep", None) or Lockstep()
@@ -196,7 +196,8 @@ class ProfiledLatency:
         dtype = next(target.parameters()).dtype
         rng = torch.Generator().manual_seed(self.seed)
         cache = new_target_cache(target)
-        target_forward(target, torch.randint(0, vocab, (batch, context), generator=rng).to(device), None, cache)
+        prefix = torch.randint(0, vocab, (batch, context), generator=rng).to(device)
+        chunked_prefill(target, prefix, cache, getattr(gen, "prefill_chunk", PREFILL_CHUNK))  # last logits only
         sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
         table = {}
         for nodes in self.node_counts:

@@ -63,8 +63,12 @@ class DraftContext(Protocol):
 class Drafter(Protocol):
     """What a round needs from a drafter: which target features to read, and a fresh context per generation.
 
-    ``needs_hidden_states`` (default ``True``): ``False`` lets the target skip
-    ``output_hidden_states`` in every forward (a model-free proposer).
+    ``needs_hidden_states`` (default ``True``): ``False`` lets the target keep
+    no hidden states in any forward (a model-free proposer). ``target_layer_ids``
+    are the target layers whose outputs the round keeps: ``context_features``
+    gets HF's ``hidden_states`` layout (``num_layers + 1`` entries, layer ``i`` at
+    ``i + 1``, the last one after the final norm) with only those entries set,
+    the others ``None``, so the prefill and verify never hold every layer.
     """
 
     block_size: int
@@ -72,7 +76,8 @@ class Drafter(Protocol):
     needs_hidden_states: bool = True
 
     def context_features(self, hidden_states: Sequence[torch.Tensor]) -> torch.Tensor | None:
-        """The target features this drafter reads, ``[B, T, F]``, from a forward's ``hidden_states``."""
+        """The target features this drafter reads, ``[B, T, F]``, from a forward's ``hidden_states``
+        (its ``target_layer_ids`` entries set, the rest ``None``)."""
         ...
 
     def new_context(self, batch_size: int = 1) -> DraftContext:

@@ -2,7 +2,9 @@
 
 HF ``output_hidden_states`` returns ``num_layers + 1`` tensors and index 0 is the
 embedding output, so target layer ``i`` is ``hidden_states[i + 1]``. Getting this
-offset wrong keeps the output correct but collapses acceptance.
+offset wrong keeps the output correct but collapses acceptance. The round keeps only
+the drafter's ``target_layer_ids`` entries (``target_forward(..., layers=)``); the
+others are ``None``.
 """
 
 from __future__ import annotations

@@ -42,6 +42,7 @@ from ddtree.runtime.distributed import Lockstep, module_fingerprint
 from ddtree.runtime.threads import thread_info
 from ddtree.runtime.timing import StageTimer
 from ddtree.target.attention import get_backend
+from ddtree.target.forward import PREFILL_CHUNK, check_prefill_chunk
 
 
 @dataclass
@@ -119,6 +120,7 @@ class SpeculativeGenerator:
     (:func:`ddtree.runtime.threads.configure_threads`: a count you set, or ``OMP_NUM_THREADS``, is kept;
     else the physical cores other processes leave free, since a small model on an oversubscribed CPU
     runs many times slower), an int sets torch's count, ``None`` leaves torch as it is.
+    ``prefill_chunk`` (default 4096) is the prompt tokens per prefill forward, which bounds a long prompt's prefill memory; ``None`` prefills in one forward.
 
     It holds models and settings only (plus a verify-latency profile that
     ``tree_budget="auto"`` shares): every call keeps its own state, so calls can
@@ -135,6 +137,7 @@ class SpeculativeGenerator:
         attention: str | None = "auto",
         cpu_linear: bool | str = False,
         threads: int | str | None = "auto",
+        prefill_chunk: int | None = PREFILL_CHUNK,
     ):
         self.threads = _apply_thread_policy(target, threads)
         self.lockstep = Lockstep.for_model(target)  # ranks of a tensor-parallel target; inactive otherwise
@@ -148,6 +151,8 @@ class SpeculativeGenerator:
         if tree_budget is None:
             tree_budget = default_tree_budget(target)
         check_budget(tree_budget)
+        check_prefill_chunk(prefill_chunk)
+        self.prefill_chunk = prefill_chunk
         self.target = target.eval()
         self.cpu_linear = _route_cpu_linear(target, cpu_linear)
         if self.cpu_linear and isinstance(drafter, DFlashDrafter):
@@ -245,6 +250,7 @@ class SpeculativeGenerator:
         attention_mask=None,
         tree_budget: int | str | BudgetPolicy | None = None,
         record_trees: bool = False,
+        prefill_chunk: int | None | str = "default",
         **options,
     ) -> DecodeState:
         """A fresh :class:`~ddtree.generation.state.DecodeState` for these prompts; advance it with ``speculative_round``.
@@ -257,8 +263,9 @@ class SpeculativeGenerator:
         ``do_sample``, ``eos_token_id`` / ``stop_token_ids``, ``seed``) are resolved by
         :func:`ddtree.generation.inputs.resolve_generation`: stop tokens default to the
         target's EOS ids (``stop_token_ids=()`` turns that off), and options that
-        cannot be honoured exactly are refused by name. Everything is checked
-        before any state exists, so a bad call leaves nothing behind.
+        cannot be honoured exactly are refused by name. ``prefill_chunk`` overrides the
+        generator's. Everything is checked before any state exists, so a bad call leaves
+        nothing behind.
         """
         embed = self.target.get_input_embeddings().weight
         with self.lockstep.fail_together("checking generate's inputs"):
@@ -274,6 +281,8 @@ class SpeculativeGenerator:
                 raise ValueError(f"max_new_tokens must be an int >= 1, got {settings.max_new_tokens!r}")
             budget = self.tree_budget if tree_budget is None else tree_budget
             check_budget(budget)
+            chunk = self.prefill_chunk if prefill_chunk == "default" else prefill_chunk
+            check_prefill_chunk(chunk)
         seed = settings.seed
         if self.lockstep.active:
             self.lockstep.agree(([r.tolist() for r in rows], settings.max_new_tokens, settings.sampling,
@@ -286,7 +295,7 @@ class SpeculativeGenerator:
         return DecodeState(
             generator=self, prompts=[r.to(embed.device) for r in rows], max_new_tokens=settings.max_new_tokens,
             sampling=settings.sampling, stops=frozenset(settings.stop_token_ids), policy=self.budget_policy(budget),
-            rng=rng, timer=StageTimer(embed.device), record=record_trees,
+            rng=rng, timer=StageTimer(embed.device), record=record_trees, prefill_chunk=chunk,
         )
 
     def generate(self, input_ids=None, generation_config=None, *, streamer=None, **options) -> GenerationOutput:

@@ -35,7 +35,7 @@ from ddtree.target.cache import (
     truncate_front,
 )
 from ddtree.target.cache import select_rows as select_cache_rows
-from ddtree.target.forward import target_forward
+from ddtree.target.forward import chunked_prefill, target_forward
 from ddtree.target.linear_attention import gdn_modules
 
 
@@ -65,28 +65,13 @@ def _prefill(state: DecodeState) -> RoundResult:
     plain = state.policy is None
     hidden = not plain and gen.drafter.needs_hidden_states
     with timer.stage("prefill"):
-        if padded and gdn_modules(target):
-            last, features, ids = _prefill_each_row(state, hidden, width, device)
-        else:
-            if padded:
-                valid = padding_mask(lengths, width)
-                positions = (valid.long().cumsum(-1) - 1).clamp(min=0)
-                out = target_forward(target, ids, positions, state.cache, hidden=hidden,
-                                     attention_mask=valid.long())
-            else:
-                out = target_forward(target, ids, None, state.cache, hidden=hidden)
-            last = out.logits[:, -1]
-            features = gen.drafter.context_features(out.hidden_states) if hidden else None
-            if padded and not plain:  # left-align each row's real positions for the drafter
-                take = (torch.arange(width, device=device) + (width - lengths)[:, None]).clamp(max=width - 1)
-                ids = ids.gather(1, take)
-                features = None if features is None else features.gather(
-                    1, take[..., None].expand(-1, -1, features.shape[-1]))
-        check_cache_length(state.cache, width, "prefill")
-        roots = gen.lockstep.share(choose_tokens(last.to(device), state.sampling, state.rng))
         if not plain:
             state.draft = gen.drafter.new_context(len(state.prompts))
-            state.draft.append(features, ids, lengths)
+        if padded and gdn_modules(target):
+            last = _prefill_each_row(state, hidden, width)
+        else:
+            last = _prefill_batch(state, ids, lengths, hidden)
+        roots = gen.lockstep.share(choose_tokens(last.to(device), state.sampling, state.rng))
     state.lengths, state.roots, state.prefilled = lengths, roots, True
     tokens = [[] for _ in state.prompts]
     for i, row in enumerate(state.active):
@@ -94,28 +79,71 @@ def _prefill(state: DecodeState) -> RoundResult:
     return _finish_round(state, tokens, [None] * len(state.prompts))
 
 
-def _prefill_each_row(state: DecodeState, hidden: bool, width: int, device):
+def _prefill_batch(state: DecodeState, ids: torch.Tensor, lengths: torch.Tensor, hidden: bool) -> torch.Tensor:
+    """Prefill every row in one batch, ``state.prefill_chunk`` columns per forward; each chunk's features
+    (left-aligned: a row's pads are dropped) go to the drafter context at once, so nothing prompt-long but
+    the cache is ever held. Returns the last logits ``[B, V]``."""
+    gen = state.generator
+    width = ids.shape[1]
+    padded = not bool((lengths == width).all())
+    valid = padding_mask(lengths, width) if padded else None
+    positions = (valid.long().cumsum(-1) - 1).clamp(min=0) if padded else None
+    pads = width - lengths
+
+    def to_drafter(start: int, end: int, out) -> None:
+        if state.draft is None:
+            return
+        features = gen.drafter.context_features(out.hidden_states) if hidden else None
+        chunk, counts = ids[:, start:end], None
+        if padded:  # left-align each row's real columns of this chunk
+            first = pads.clamp(min=start)
+            counts = (end - first).clamp(min=0)
+            take = (torch.arange(end - start, device=ids.device) + (first - start)[:, None]).clamp(max=end - start - 1)
+            chunk = chunk.gather(1, take)
+            if features is not None:
+                features = features.gather(1, take.to(features.device)[..., None].expand(-1, -1, features.shape[-1]))
+        state.draft.append(features, chunk, counts)
+
+    return chunked_prefill(gen.target, ids, state.cache, state.prefill_chunk, positions=positions, valid=valid,
+                           hidden=hidden, layers=gen.drafter.target_layer_ids if hidden else None,
+                           on_chunk=to_drafter)
+
+
+def _prefill_each_row(state: DecodeState, hidden: bool, width: int) -> torch.Tensor:
     """Prefill a hybrid GDN target's prompts one by one and stack the caches: each row's GDN state is then
     exactly its batch-1 prefill's. A left-padded batch forward is not: transformers zeroes the pad inputs,
     but its chunked gated-delta rule still decays through the pads (float64, 57 pads: a row's last logits
-    2e-7 off its own prefill's, on transformers 5.0 and 5.24). Returns the last logits ``[B, V]``, the drafter
-    features (left-aligned, ``None`` when not read) and the left-aligned token ids ``[B, width]``."""
+    2e-7 off its own prefill's, on transformers 5.0 and 5.24). Each chunk's features go to the drafter
+    context as that row's alone (the other rows append nothing). Returns the last logits ``[B, V]``."""
     gen = state.generator
     target = gen.target
-    caches, last, features = [], [], []
-    ids = torch.full((len(state.prompts), width), gen.pad_token_id, dtype=torch.long, device=device)
+    rows = len(state.prompts)
+    caches, last = [], []
     for b, prompt in enumerate(state.prompts):
+
+        def to_drafter(start: int, end: int, out, b=b, prompt=prompt) -> None:
+            if state.draft is None:
+                return
+            t = end - start
+            tokens = torch.zeros((rows, t), dtype=torch.long, device=prompt.device)
+            tokens[b] = prompt[start:end]
+            counts = torch.zeros(rows, dtype=torch.long, device=prompt.device)
+            counts[b] = t
+            features = None
+            if hidden:
+                own = gen.drafter.context_features(out.hidden_states)
+                features = own.new_zeros((rows, *own.shape[1:]))
+                features[b] = own[0]
+            state.draft.append(features, tokens, counts)
+
         cache = new_target_cache(target)
-        out = target_forward(target, prompt.view(1, -1), None, cache, hidden=hidden)
-        check_cache_length(cache, len(prompt), "prefill")
+        logits = chunked_prefill(target, prompt.view(1, -1), cache, state.prefill_chunk, hidden=hidden,
+                                 layers=gen.drafter.target_layer_ids if hidden else None, on_chunk=to_drafter)
         caches.append(cache)
-        last.append(out.logits[:, -1])
-        if hidden:
-            feats = gen.drafter.context_features(out.hidden_states)
-            features.append(torch.nn.functional.pad(feats, (0, 0, 0, width - feats.shape[1])))
-        ids[b, : len(prompt)] = prompt.to(ids.device)
+        last.append(logits)
     state.cache = stack_rows(caches, [len(p) for p in state.prompts])
-    return torch.cat(last), torch.cat(features) if hidden else None, ids
+    check_cache_length(state.cache, width, "prefill")
+    return torch.cat(last)
 
 
 def _plain_step(state: DecodeState) -> RoundResult:
@@ -123,10 +151,10 @@ def _plain_step(state: DecodeState) -> RoundResult:
     width = cache_length(cache)
     with state.timer.stage("verify"):
         if bool((lengths == width).all()):
-            out = target_forward(target, state.roots.view(-1, 1), None, cache, hidden=False)
+            out = target_forward(target, state.roots.view(-1, 1), None, cache, hidden=False, last=1)
         else:
             valid = torch.cat([padding_mask(lengths, width), torch.ones_like(lengths[:, None], dtype=torch.bool)], 1)
-            out = target_forward(target, state.roots.view(-1, 1), lengths[:, None], cache, hidden=False,
+            out = target_forward(target, state.roots.view(-1, 1), lengths[:, None], cache, hidden=False, last=1,
                                  attention_mask=valid.long())
         check_cache_length(cache, width + 1, "decode step")
         logits = out.logits[:, -1].to(state.roots.device)
@@ -192,7 +220,8 @@ def _verify(state: DecodeState, tree):
     with state.timer.stage("verify"):
         try:
             out = target_forward(gen.target, tree.tokens, positions, cache,
-                                 hidden=gen.drafter.needs_hidden_states, **kwargs)
+                                 hidden=gen.drafter.needs_hidden_states, layers=gen.drafter.target_layer_ids,
+                                 **kwargs)
         except RuntimeError:  # a mask sized for a prefix the forward never saw fails inside attention: say why
             check_cache_length(cache, width + tree.num_nodes, "verify forward")
             raise

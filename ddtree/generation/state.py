@@ -27,7 +27,7 @@ from ddtree.drafters.base import DraftContext, Drafter
 from ddtree.runtime.distributed import Lockstep
 from ddtree.runtime.timing import StageTimer
 from ddtree.target.attention import TreeAttentionBackend
-from ddtree.target.forward import TargetModel
+from ddtree.target.forward import PREFILL_CHUNK, TargetModel
 
 
 class RoundEngine(Protocol):
@@ -89,6 +89,7 @@ class DecodeState:
     rng: torch.Generator
     timer: StageTimer
     record: bool = False
+    prefill_chunk: int | None = PREFILL_CHUNK  # prompt tokens per prefill forward; None: the whole prompt at once
     new_tokens: list[list[int]] = field(default_factory=list)
     acceptance: list[list[int]] = field(default_factory=list)
     records: list[list[RoundRecord]] = field(default_factory=list)

@@ -2,11 +2,18 @@
 
 Every forward of the target (prefill, plain step, tree verify, latency
 profile) goes through ``target_forward``, so the cache keyword of the
-installed transformers (``cache=`` or ``past_key_values=``) is chosen in one place.
+installed transformers (``cache=`` or ``past_key_values=``) is chosen in one place,
+and so is what a forward keeps: ``last`` logits positions only (a prompt's 32k
+rows of a 152k vocabulary are 20 GB of float32 nothing reads) and, with
+``layers``, only the hidden states the drafter reads (hooks on those decoder
+layers instead of ``output_hidden_states``, which holds every layer).
 """
 
 from __future__ import annotations
 
+import functools
+import inspect
+from dataclasses import dataclass
 from typing import Any, Protocol, Sequence
 
 import torch
@@ -16,7 +23,7 @@ from ddtree.target.cache import cache_kwargs
 
 class TargetOutput(Protocol):
     logits: torch.Tensor  # [B, Q, V]
-    hidden_states: Sequence[torch.Tensor] | None  # num_layers + 1 tensors; [0] is the embedding output
+    hidden_states: Sequence[torch.Tensor | None] | None  # num_layers + 1 entries; [0] is the embedding output
 
 
 class TargetModel(Protocol):
@@ -34,13 +41,159 @@ class TargetModel(Protocol):
                  output_hidden_states: bool, **kwargs) -> TargetOutput: ...
 
 
-def target_forward(target: TargetModel, input_ids, position_ids, cache, hidden: bool = True, **kwargs) -> TargetOutput:
-    """One target forward that extends ``cache`` (under whichever keyword this transformers takes)."""
-    return target(
-        input_ids=input_ids,
-        position_ids=position_ids,
-        use_cache=True,
-        output_hidden_states=hidden,
-        **cache_kwargs(target, cache),
-        **kwargs,
-    )
+@dataclass
+class Output:
+    """A forward's logits and (sparse) hidden states: ``hidden_states[j]`` is ``None`` where not kept."""
+
+    logits: torch.Tensor
+    hidden_states: tuple | None = None
+
+
+def target_forward(target: TargetModel, input_ids, position_ids, cache, hidden: bool = True, *,
+                   last: int | None = None, layers: Sequence[int] | None = None, **kwargs) -> TargetOutput:
+    """One target forward that extends ``cache`` (under whichever keyword this transformers takes).
+
+    ``last``: logits for the last ``last`` positions only. ``layers`` (with ``hidden``): keep only
+    ``hidden_states[i + 1]`` for these target layer ids, the other entries ``None`` (the HF indexing and
+    its post-norm last entry unchanged). ``hidden`` without ``layers`` keeps every layer.
+    """
+    call = dict(input_ids=input_ids, position_ids=position_ids, use_cache=True, **cache_kwargs(target, cache),
+                **kwargs)
+    if not hidden:
+        return _logits_forward(target, call, last, False)
+    if layers is None:
+        return _logits_forward(target, call, last, True)
+    plan = _decoder_parts(target)
+    if plan is None:  # an unrecognised layout: take them all and drop the rest at once
+        out = _logits_forward(target, call, last, True)
+        wanted = {int(i) + 1 for i in layers}
+        kept = tuple(h if j in wanted else None for j, h in enumerate(out.hidden_states))
+        return Output(out.logits, kept)
+    decoder, blocks, post_norm_last = plan
+    num = len(blocks)
+    kept: list = [None] * (num + 1)
+    handles = []
+
+    def keep(j):
+        def hook(module, args, output):
+            if j == num and post_norm_last:
+                kept[j] = output.last_hidden_state if hasattr(output, "last_hidden_state") else output[0]
+            else:
+                kept[j] = output[0] if isinstance(output, tuple) else output
+        return hook
+
+    try:
+        for j in sorted({int(i) + 1 for i in layers}):
+            if not 1 <= j <= num:
+                raise ValueError(f"target layer id {j - 1} out of range: the target has {num} decoder layers")
+            module = decoder if j == num and post_norm_last else blocks[j - 1]
+            handles.append(module.register_forward_hook(keep(j)))
+        out = _logits_forward(target, call, last, False)
+    finally:
+        for h in handles:
+            h.remove()
+    return Output(out.logits, tuple(kept))
+
+
+def _decoder_parts(target):
+    """``(decoder, its layer list, whether hidden_states[-1] is the decoder's post-norm output)``,
+    or ``None`` when the target's layout is not the HF decoder's."""
+    get = getattr(target, "get_decoder", None)
+    try:
+        decoder = get() if callable(get) else None
+    except (AttributeError, NotImplementedError, ValueError):
+        return None
+    blocks = getattr(decoder, "layers", None)
+    config = getattr(target.config, "get_text_config", lambda: target.config)()
+    if not isinstance(blocks, torch.nn.ModuleList) or len(blocks) != getattr(config, "num_hidden_layers", -1):
+        return None
+    return decoder, blocks, getattr(config, "tie_last_hidden_states", True) is not False
+
+
+@functools.lru_cache(maxsize=None)
+def takes_logits_to_keep(owner: type) -> bool:
+    """Whether this CausalLM class's forward takes ``logits_to_keep`` (every transformers 5 decoder does)."""
+    return "logits_to_keep" in inspect.signature(owner.forward).parameters
+
+
+def _logits_forward(target, call: dict, last: int | None, hidden: bool):
+    if last is None:
+        return target(output_hidden_states=hidden, **call)
+    if takes_logits_to_keep(type(target)):
+        return target(output_hidden_states=hidden, logits_to_keep=last, **call)
+    decoder = _plain_head_decoder(target)
+    if decoder is None:  # a head that is more than a linear layer: full logits, sliced at once
+        out = target(output_hidden_states=hidden, **call)
+        return Output(out.logits[:, -last:], getattr(out, "hidden_states", None))
+    out = decoder(output_hidden_states=hidden, **call)
+    logits = target.get_output_embeddings()(out.last_hidden_state[:, -last:])
+    return Output(logits, getattr(out, "hidden_states", None))
+
+
+def _plain_head_decoder(target):
+    """The decoder whose last hidden state the lm_head alone turns into logits, or ``None``."""
+    config = getattr(target.config, "get_text_config", lambda: target.config)()
+    if getattr(config, "final_logit_softcapping", None) or getattr(config, "logit_scale", None) not in (None, 1.0):
+        return None
+    parts = _decoder_parts(target)
+    return None if parts is None or parts[0] is target else parts[0]
+
+
+PREFILL_CHUNK = 4096
+"""Default prompt tokens per prefill forward: bounds the prefill's activations (and, with them, its peak
+memory) by the chunk instead of the prompt, at the cost of a few extra forward launches on long prompts."""
+
+
+GDN_CHUNK = 64
+"""transformers' chunked gated-delta rule works in blocks of 64 tokens: a prefill split at multiples of it
+runs the same arithmetic as one forward (float64: equal bits), other splits differ in the last bits."""
+
+
+def check_prefill_chunk(chunk) -> None:
+    if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
+        raise ValueError(f"prefill_chunk must be an int >= 1 (prompt tokens per prefill forward) or None "
+                         f"(the whole prompt in one forward), got {chunk!r}")
+
+
+def chunk_continues_state(target) -> bool:
+    """Whether a multi-token forward continues the cached state for every layer of ``target``. Attention
+    layers always do; transformers' Gated DeltaNet layers do in 5.15 and 5.24 (their chunked rule starts
+    from the cached state). Older releases are not checked (Qwen3-Next's first GDN forward restarted from
+    zero), so a hybrid target prefills in one forward there."""
+    from ddtree.target.linear_attention import gdn_modules
+
+    if not gdn_modules(target):
+        return True
+    import re
+
+    import transformers
+
+    return tuple(int(x) for x in re.findall(r"\d+", transformers.__version__)[:2]) >= (5, 15)
+
+
+def chunked_prefill(target, ids: torch.Tensor, cache, chunk: int | None, *, positions=None, valid=None,
+                    hidden: bool = False, layers: Sequence[int] | None = None, on_chunk=None) -> torch.Tensor:
+    """Prefill ``ids`` ``[B, T]`` into ``cache`` ``chunk`` tokens per forward; returns the last logits ``[B, V]``.
+
+    ``positions``/``valid`` (``[B, T]``) for left-padded rows; ``on_chunk(start, end, out)`` sees each
+    forward's output (its hidden states when ``hidden``). Equal to one forward over the prompt up to
+    floating-point summation order (the tests check tokens and acceptance); a GDN hybrid's chunk is
+    rounded up to whole GDN blocks (:data:`GDN_CHUNK`), where it is equal to the bit.
+    """
+    from ddtree.target.cache import check_cache_length
+    from ddtree.target.linear_attention import gdn_modules
+
+    width = ids.shape[1]
+    step = width if chunk is None or not chunk_continues_state(target) else max(1, int(chunk))
+    if step < width and gdn_modules(target):
+        step = -(-step // GDN_CHUNK) * GDN_CHUNK  # whole GDN chunks: bit for bit the one-shot recurrence
+    out = None
+    for start in range(0, width, step):
+        end = min(start + step, width)
+        extra = {} if valid is None else {"attention_mask": valid[:, :end].long()}
+        pos = None if positions is None else positions[:, start:end]
+        out = target_forward(target, ids[:, start:end], pos, cache, hidden=hidden, last=1, layers=layers, **extra)
+        check_cache_length(cache, end, "prefill")
+        if on_chunk is not None:
+            on_chunk(start, end, out)
+    return out.logits[:, -1]

@@ -11,19 +11,41 @@ class DFlashContext(DraftContext):
     """The DFlash drafter's per-generation state: each layer's keys/values of the committed context.
 
     Row ``b``'s context fills buffer columns ``0 .. lengths[b] - 1`` (column =
-    token position). Buffers grow by doubling, so appending a round's tokens
-    copies only those tokens, never the whole context. Block entries are never
-    stored: nothing has to be cropped after a round.
+    token position) of a full layer's buffer. Buffers grow by doubling, so
+    appending a round's tokens copies only those tokens, never the whole context.
+    Block entries are never stored: nothing has to be cropped after a round.
+
+    A sliding layer keeps only what its window can still show a block: a block's
+    queries sit at ``lengths[b]`` and after, so keys before
+    ``min(lengths) - sliding_window + 1`` are dropped (``front`` of them; its
+    column ``c`` holds position ``front + c``), in steps of at least a window so
+    the shift is paid once per window of tokens. Its memory is then bounded by the
+    window, not the context.
     """
+
+    trim_sliding = True  # False keeps every sliding-layer key (the tests compare both)
 
     def __init__(self, drafter, batch_size: int = 1):
         self.drafter = drafter
         self.kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # [B, Hkv, capacity + 1, d]; the last is scratch
         self.lengths = torch.zeros(batch_size, dtype=torch.long)
+        config = drafter.config
+        windowed = [a for a in config.resolve_attention() if a.window is not None]
+        self.sliding = [a.index for a in windowed]  # layers whose window hides old context keys
+        self.window = max((a.window for a in windowed), default=None)
+        self.front = 0  # positions dropped from the sliding layers' buffers
 
     @property
     def capacity(self) -> int:
-        return 0 if self.kv is None else self.kv[0][0].shape[2] - 1
+        """Positions a full layer's buffer holds (with sliding layers only: the positions up to the
+        sliding buffers' end)."""
+        if self.kv is None:
+            return 0
+        return max(k.shape[2] - 1 + off for (k, _), off in zip(self.kv, self._offsets()))
+
+    def _offsets(self) -> list[int]:
+        """Per layer, the position of its buffer's column 0."""
+        return [self.front if i in self.sliding else 0 for i in range(len(self.drafter.config.layer_types))]
 
     def nbytes(self) -> int:
         """Bytes held by the context buffers."""
@@ -48,34 +70,57 @@ class DFlashContext(DraftContext):
         need = int((self.lengths + counts).max())
         self._reserve(need, new)
         uniform = bool((counts == t).all()) and bool((self.lengths == self.lengths[0]).all())
-        if uniform:
-            at = int(self.lengths[0])
-            for (kb, vb), (k, v) in zip(self.kv, new):
+        for (kb, vb), (k, v), off in zip(self.kv, new, self._offsets()):
+            if uniform:
+                at = int(self.lengths[0]) - off
                 kb[:, :, at : at + t] = k
                 vb[:, :, at : at + t] = v
-        else:
-            cols = torch.where(torch.arange(t, device=device) < counts[:, None], positions, self.capacity)
-            for (kb, vb), (k, v) in zip(self.kv, new):
-                idx = cols[:, None, :, None].expand(bsz, k.shape[1], t, k.shape[-1])
-                kb.scatter_(2, idx, k)
-                vb.scatter_(2, idx, v)
+                continue
+            scratch = kb.shape[2] - 1
+            cols = torch.where(torch.arange(t, device=device) < counts[:, None], positions - off, scratch)
+            idx = cols[:, None, :, None].expand(bsz, k.shape[1], t, k.shape[-1])
+            kb.scatter_(2, idx, k)
+            vb.scatter_(2, idx, v)
         self.lengths = self.lengths + counts
+        self._trim()
 
     def _reserve(self, need: int, like: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        if need <= self.capacity:
-            return
-        cap = max(need, 2 * self.capacity, 64)
+        """Room for positions up to ``need`` in every layer's buffer (each grown by doubling)."""
         grown = []
-        for i, (k, v) in enumerate(like):
+        for i, ((k, v), off) in enumerate(zip(like, self._offsets())):
+            old = None if self.kv is None else self.kv[i]
+            cap = 0 if old is None else old[0].shape[2] - 1
+            if need - off <= cap:
+                grown.append(old)
+                continue
             bsz, heads, _, dim = k.shape
-            kb = k.new_zeros(bsz, heads, cap + 1, dim)
-            vb = v.new_zeros(bsz, heads, cap + 1, v.shape[-1])
-            if self.kv is not None:
-                old_k, old_v = self.kv[i]
-                kb[:, :, : self.capacity] = old_k[:, :, : self.capacity]
-                vb[:, :, : self.capacity] = old_v[:, :, : self.capacity]
+            size = max(need - off, 2 * cap, 64)
+            kb = k.new_zeros(bsz, heads, size + 1, dim)
+            vb = v.new_zeros(bsz, heads, size + 1, v.shape[-1])
+            if old is not None:
+                kb[:, :, :cap] = old[0][:, :, :cap]
+                vb[:, :, :cap] = old[1][:, :, :cap]
             grown.append((kb, vb))
         self.kv = grown
+
+    def _trim(self) -> None:
+        """Drop the sliding layers' keys no block can see any more (once a window's worth has piled up)."""
+        if not self.sliding or not self.trim_sliding or self.kv is None:
+            return
+        front = max(0, int(self.lengths.min()) - self.window + 1)
+        drop = front - self.front
+        if drop < max(self.window, 64):
+            return
+        for i in self.sliding:
+            k, v = self.kv[i]
+            keep = k.shape[2] - 1 - drop
+            shifted = []
+            for buf in (k, v):
+                out = torch.zeros_like(buf)
+                out[:, :, :keep] = buf[:, :, drop : drop + keep]
+                shifted.append(out)
+            self.kv[i] = (shifted[0], shifted[1])
+        self.front = front
 
     def select_rows(self, rows: torch.Tensor) -> None:
         self.lengths = self.lengths.index_select(0, rows.to(self.lengths.device))
@@ -98,11 +143,13 @@ class DFlashContext(DraftContext):
         block = torch.cat([root_tokens, root_tokens.new_full((bsz, size - 1), drafter.mask_token_id)], dim=1)
         block_pos = lengths[:, None] + torch.arange(size, device=device)
         width = int(lengths.max())
-        kv = [(k[:, :, :width], v[:, :, :width]) for k, v in self.kv]
+        offsets = self._offsets()
+        kv = [(k[:, :, : width - off], v[:, :, : width - off]) for (k, v), off in zip(self.kv, offsets)]
         key_mask = None
         if not bool((lengths == width).all()):  # ragged rows: hide each row's unused columns from every layer
             col = torch.arange(width, device=device)
             key_mask = torch.cat([col[None] < lengths[:, None], torch.ones_like(block_pos, dtype=torch.bool)], dim=1)
             key_mask = key_mask[:, None, None]  # [B, 1, 1, S]; each layer adds its own rule by position
-        hidden = model(model.embed_block(block, embed), block_pos, context_kv=kv, key_mask=key_mask)[:, 1:]
+        hidden = model(model.embed_block(block, embed), block_pos, context_kv=kv, key_mask=key_mask,
+                       context_offsets=offsets)[:, 1:]
         return Proposal(drafter.block_logprobs(hidden))

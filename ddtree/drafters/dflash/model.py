@@ -18,6 +18,8 @@ import os
 import warnings
 from pathlib import Path
 
+from typing import Sequence
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -263,43 +265,50 @@ class DFlashDraftModel(nn.Module):
         context_positions: torch.Tensor | None = None,
         key_mask: torch.Tensor | None = None,
         context_kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
+        context_offsets: Sequence[int] | None = None,
     ) -> torch.Tensor:
         """Final-normed hidden states ``[B, Q, H]`` of the block.
 
         Give either projected ``context`` with ``context_positions`` or precomputed
-        per-layer ``context_kv`` (whose keys then sit at ``0 .. C-1``).
-        ``key_mask`` (bool, or additive, broadcastable to ``[B, 1, Q, C + Q]``)
-        hides keys from every layer (padding, other blocks); each layer adds its own
-        rule (:meth:`DFlashConfig.resolve_attention`) by key position on top.
+        per-layer ``context_kv``, whose keys sit at ``offset .. offset + C_i - 1``
+        (``context_offsets[i]``, default 0: a sliding layer's context may start
+        later, see :class:`DFlashContext`). ``key_mask`` (bool, or additive,
+        broadcastable to ``[B, 1, Q, C + Q]`` over positions ``0 ..``) hides keys from
+        every layer (padding, other blocks); each layer adds its own rule
+        (:meth:`DFlashConfig.resolve_attention`) by key position on top.
         """
         x = block_embeds.to(self.fc.weight.dtype)
         if context_kv is None:
             if context is None or context_positions is None:
                 raise ValueError("give context with context_positions, or context_kv")
             context_kv = self.context_kv(context.to(x.dtype), context_positions)
-        ctx_len = context_kv[0][0].shape[2]
-        kernel_rule = key_mask is None and _contiguous(context_positions, block_positions, ctx_len)
+        offsets = [0] * len(self.layers) if context_offsets is None else list(context_offsets)
+        lens = [kv[0].shape[2] for kv in context_kv]
+        ctx_len = lens[0]
+        kernel_rule = (key_mask is None and not any(offsets) and len(set(lens)) == 1
+                       and _contiguous(context_positions, block_positions, ctx_len))
         masks: dict[tuple, torch.Tensor | None] = {}
-        if not kernel_rule:
+        if key_mask is not None and key_mask.dtype == torch.bool:
+            key_mask = additive(key_mask, x.dtype)
+        keys = []
+        for layer, off, clen in zip(self.layers, offsets, lens):
+            rule = (layer.self_attn.spec.causal, layer.self_attn.spec.window, off, clen)
+            keys.append(rule)
+            if kernel_rule or rule in masks:
+                continue
             bsz = block_positions.shape[0]
-            ctx_pos = context_positions if context_positions is not None else \
-                torch.arange(ctx_len, device=block_positions.device).expand(bsz, -1)
+            ctx_pos = context_positions if context_positions is not None and not off else \
+                (off + torch.arange(clen, device=block_positions.device)).expand(bsz, -1)
             key_pos = torch.cat([ctx_pos, block_positions], dim=1)
-            if key_mask is not None and key_mask.dtype == torch.bool:
-                key_mask = additive(key_mask, x.dtype)
-            for layer in self.layers:
-                rule = (layer.self_attn.spec.causal, layer.self_attn.spec.window)
-                if rule not in masks:
-                    mask = additive(visible_keys(block_positions, key_pos, *rule), x.dtype)
-                    if key_mask is not None:
-                        mask = key_mask.to(x.dtype) if mask is None else (mask + key_mask.to(x.dtype)).clamp_(
-                            min=torch.finfo(x.dtype).min)
-                    if mask is None:
-                        mask = torch.zeros(1, 1, 1, 1, dtype=x.dtype, device=x.device)
-                    masks[rule] = mask
+            mask = additive(visible_keys(block_positions, key_pos, *rule[:2]), x.dtype)
+            if key_mask is not None:
+                km = key_mask[..., off:] if key_mask.shape[-1] > 1 else key_mask
+                mask = km.to(x.dtype) if mask is None else (mask + km.to(x.dtype)).clamp_(min=torch.finfo(x.dtype).min)
+            if mask is None:
+                mask = torch.zeros(1, 1, 1, 1, dtype=x.dtype, device=x.device)
+            masks[rule] = mask
         cos, sin = self.rotary(block_positions, x.dtype)
-        for layer, kv in zip(self.layers, context_kv):
-            rule = (layer.self_attn.spec.causal, layer.self_attn.spec.window)
+        for layer, kv, rule in zip(self.layers, context_kv, keys):
             x = layer(x, cos, sin, kv, masks.get(rule))
         return self.norm(x)
 
