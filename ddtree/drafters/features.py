@@ -52,3 +52,14 @@ def extract_context_feature(hidden_states: Sequence[torch.Tensor], layer_ids: Se
     ids = check_target_layer_ids(layer_ids, num_layers)
     device = hidden_states[ids[0] + 1].device if device is None else device
     return torch.cat([hidden_states[i + 1].to(device) for i in ids], dim=-1)
+
+
+def borrow_target_parts(target) -> tuple:
+    """The target's input embedding and lm_head, which a DFlash drafter uses as its own. Borrowed, not owned:
+    returned as a tuple, so they are registered nowhere."""
+    parts = (target.get_input_embeddings(), target.get_output_embeddings())
+    for part, name in zip(parts, ("input embedding", "lm_head")):
+        if part.weight.device.type == "meta":
+            raise ValueError(f"the target's {name} is offloaded (its weight is on the meta device), and the "
+                             f"drafter borrows it: keep it on a device in the device_map (offload layers instead)")
+    return parts

@@ -54,8 +54,8 @@ def target_forward(target: TargetModel, input_ids, position_ids, cache, hidden: 
     """One target forward that extends ``cache`` (under whichever keyword this transformers takes).
 
     ``last``: logits for the last ``last`` positions only. ``layers`` (with ``hidden``): keep only
-    ``hidden_states[i + 1]`` for these target layer ids, the other entries ``None`` (the HF indexing and
-    its post-norm last entry unchanged). ``hidden`` without ``layers`` keeps every layer.
+    ``hidden_states[i + 1]`` for these target layer ids (``-1``: the embedding output), the other entries
+    ``None`` (the HF indexing and its post-norm last entry unchanged). ``hidden`` without ``layers`` keeps every layer.
     """
     call = dict(input_ids=input_ids, position_ids=position_ids, use_cache=True, **cache_kwargs(target, cache),
                 **kwargs)
@@ -84,9 +84,12 @@ def target_forward(target: TargetModel, input_ids, position_ids, cache, hidden: 
 
     try:
         for j in sorted({int(i) + 1 for i in layers}):
-            if not 1 <= j <= num:
+            if not 0 <= j <= num:
                 raise ValueError(f"target layer id {j - 1} out of range: the target has {num} decoder layers")
-            module = decoder if j == num and post_norm_last else blocks[j - 1]
+            if j == 0:  # id -1: hidden_states[0], the embedding output (a diagnostic read, never a DFlash one)
+                module = target.get_input_embeddings()
+            else:
+                module = decoder if j == num and post_norm_last else blocks[j - 1]
             handles.append(module.register_forward_hook(keep(j)))
         out = _logits_forward(target, call, last, False)
     finally:

@@ -12,27 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 FULL, SLIDING = "full_attention", "sliding_attention"
-
-# Top-level keys a DFlash drafter config may carry: Hugging Face's standard ones, Qwen3's, and DFlash's
-# (the authors' package, vLLM's and SGLang's spellings). Anything else is flagged: a key the engine reads
-# but ddtree does not (or the other way round) is a common source of silent mismatch.
-KNOWN_KEYS = frozenset({
-    "_name_or_path", "architectures", "chunk_size_feed_forward", "dtype", "torch_dtype", "id2label", "label2id",
-    "is_encoder_decoder", "model_type", "output_attentions", "output_hidden_states", "problem_type", "return_dict",
-    "transformers_version", "attention_dropout", "bos_token_id", "eos_token_id", "pad_token_id", "initializer_range",
-    "tie_word_embeddings", "use_cache", "max_window_layers", "use_sliding_window", "hidden_act", "rope_theta",
-    "rope_scaling", "rope_parameters", "dflash_config", "target_layer_ids", "mask_token_id", "is_causal",
-    "input_embedding_scale", "output_multiplier", "final_logit_softcapping", "target_hidden_size",
-    "add_swa_attention_sink_bias", "num_target_layers", "block_size", "logit_scale", "draft_vocab_size",
-    "hidden_size", "num_attention_heads", "num_key_value_heads", "intermediate_size", "num_hidden_layers",
-    "vocab_size", "head_dim", "rms_norm_eps", "attention_bias", "layer_types", "sliding_window",
-    "max_position_embeddings",
-})
-KNOWN_DFLASH_KEYS = frozenset({
-    "target_layer_ids", "mask_token_id", "block_size", "input_embedding_scale", "output_multiplier",
-    "final_logit_softcapping", "causal", "use_swa", "swa_window_size", "attention_sink_bias", "target_hidden_size",
-    "logit_scale", "draft_vocab_size",
-})
+from ddtree.drafters.dflash.config import DFlashConfig
 
 
 @dataclass
@@ -177,8 +157,7 @@ def check_config(raw: dict, target_config, tokenizer=None) -> ConfigReport:
     else:
         _check_mask(rep, int(mask), tokenizer)
     # -- unknown keys
-    rep.unknown_keys = sorted(k for k in raw if k not in KNOWN_KEYS)
-    rep.unknown_keys += sorted(f"dflash_config.{k}" for k in _dflash(raw) if k not in KNOWN_DFLASH_KEYS)
+    rep.unknown_keys = DFlashConfig.unknown_keys(raw)  # the keys ddtree's loader warns about, by the same rule
     for k in rep.unknown_keys:
         rep.add("keys", k, json.dumps(field_value(raw, k.split(".", 1)[-1]))[:40], "warn",
                 "unknown key: neither ddtree nor the known engines read it; check its spelling")

@@ -62,7 +62,9 @@ class FaultyDrafter(Drafter):
     def __init__(self, inner, features: Callable | None = None, context: Callable | None = None):
         self.inner = inner
         self.block_size = inner.block_size
-        self.target_layer_ids = list(inner.target_layer_ids)
+        # the target layers this read takes (-1: the embedding output), so the round keeps exactly those
+        reads = getattr(features, "indices", None)
+        self.target_layer_ids = sorted({i - 1 for i in reads}) if reads else list(inner.target_layer_ids)
         self.needs_hidden_states = True
         self._features, self._context = features, context
 

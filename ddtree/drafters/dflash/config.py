@@ -298,12 +298,17 @@ class DFlashConfig:
         config.warn_unusual(data, where=str(file))
         return config
 
+    @classmethod
+    def unknown_keys(cls, data: dict) -> list[str]:
+        """The keys of a raw ``config.json`` dict that ddtree does not read (``dflash_config.*`` spelled out)."""
+        dflash = data.get("dflash_config") or {}
+        fields = set(cls.__dataclass_fields__) - {"causal", "use_swa", "swa_window_size", "attention_sink_bias", "extra"}
+        unknown = sorted(k for k in data if k not in KNOWN_KEYS and k not in fields)
+        return unknown + sorted(f"dflash_config.{k}" for k in dflash if k not in KNOWN_DFLASH_KEYS)
+
     def warn_unusual(self, data: dict, where: str = "config.json") -> None:
         """One warning listing the keys ddtree does not read, one for an ambiguous sliding window."""
-        dflash = data.get("dflash_config") or {}
-        fields = set(self.__dataclass_fields__) - {"causal", "use_swa", "swa_window_size", "attention_sink_bias", "extra"}
-        unknown = sorted(k for k in data if k not in KNOWN_KEYS and k not in fields)
-        unknown += sorted(f"dflash_config.{k}" for k in dflash if k not in KNOWN_DFLASH_KEYS)
+        unknown = self.unknown_keys(data)
         if unknown:
             warnings.warn(f"{where}: ddtree does not read {', '.join(unknown)}; if one of them changes what the "
                           "drafter proposes, its drafts will differ from the trainer's (see docs/drafters.md)",

@@ -12,7 +12,11 @@ from ddtree.drafters.dflash.checkpoint import DRAFT_VOCAB_FILE, check_draft_voca
 from ddtree.drafters.dflash.config import DFlashConfig
 from ddtree.drafters.dflash.context import DFlashContext
 from ddtree.drafters.dflash.model import DFlashDraftModel
-from ddtree.drafters.features import check_target_layer_ids, extract_context_feature
+from ddtree.drafters.features import (
+    borrow_target_parts,
+    check_target_layer_ids,
+    extract_context_feature,
+)
 from ddtree.runtime.distributed import Lockstep, full_tensor, module_fingerprint
 from ddtree.target import cpu_linear
 
@@ -71,12 +75,7 @@ class DFlashDrafter(Drafter):
         self.block_size = model.config.block_size
         self.target_layer_ids = list(model.config.target_layer_ids)
         self.mask_token_id = model.config.mask_token_id
-        # Borrowed, not owned: kept in a tuple so they are not registered anywhere.
-        self._target_parts = (target.get_input_embeddings(), target.get_output_embeddings())
-        for part, name in zip(self._target_parts, ("input embedding", "lm_head")):
-            if part.weight.device.type == "meta":
-                raise ValueError(f"the target's {name} is offloaded (its weight is on the meta device), and the "
-                                 f"drafter borrows it: keep it on a device in the device_map (offload layers instead)")
+        self._target_parts = borrow_target_parts(target)
         self.set_draft_vocab(draft_vocab)
 
     def set_draft_vocab(self, draft_vocab: "str | int | torch.Tensor | None" = "auto") -> None:

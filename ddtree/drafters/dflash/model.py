@@ -17,7 +17,6 @@ import json
 import os
 import warnings
 from pathlib import Path
-
 from typing import Sequence
 
 import torch

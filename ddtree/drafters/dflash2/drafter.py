@@ -10,7 +10,11 @@ from ddtree.drafters.base import Drafter
 from ddtree.drafters.dflash2.config import DFlash2Config
 from ddtree.drafters.dflash2.context import DFlash2Context
 from ddtree.drafters.dflash2.model import DFlash2DraftModel
-from ddtree.drafters.features import check_target_layer_ids, extract_context_feature
+from ddtree.drafters.features import (
+    borrow_target_parts,
+    check_target_layer_ids,
+    extract_context_feature,
+)
 
 
 def check_compatible(config: DFlash2Config, target) -> None:
@@ -43,11 +47,7 @@ class DFlash2Drafter(Drafter):
         self.block_size = model.config.block_size
         self.target_layer_ids = list(model.config.target_layer_ids)
         self.mask_token_id = model.config.mask_token_id
-        self._target_parts = (target.get_input_embeddings(), target.get_output_embeddings())
-        for part, name in zip(self._target_parts, ("input embedding", "lm_head")):
-            if part.weight.device.type == "meta":
-                raise ValueError(f"the target's {name} is offloaded (on the meta device), and the drafter borrows "
-                                 "it: keep it on a device")
+        self._target_parts = borrow_target_parts(target)
 
     @classmethod
     def from_pretrained(cls, path, target, *, dtype=None, device=None) -> DFlash2Drafter:
