@@ -8,19 +8,19 @@ what an engine reported (log lines or figures).
 
 from ddtree.apps.doctor.diagnose import DoctorReport, diagnose, plot, render
 from ddtree.apps.doctor.engine_logs import (
-           EngineProfile,
-           parse_engine_log,
-           profile_from_figures,
+    EngineProfile,
+    parse_engine_log,
+    profile_from_figures,
 )
 from ddtree.apps.doctor.faults import FAULTS
 
 __all__ = [
-           "FAULTS",
-           "DoctorReport",
-           "EngineProfile",
-           "diagnose",
-           "parse_engine_log",
-           "plot",
-           "profile_from_figures",
-           "render",
+    "FAULTS",
+    "DoctorReport",
+    "EngineProfile",
+    "diagnose",
+    "parse_engine_log",
+    "plot",
+    "profile_from_figures",
+    "render",
 ]
