@@ -38,7 +38,7 @@ from ddtree.generation.inputs import (
 )
 from ddtree.generation.round import speculative_round
 from ddtree.generation.state import DecodeState
-from ddtree.runtime.distributed import Lockstep, module_fingerprint
+from ddtree.runtime.distributed import Lockstep, fail_together, module_fingerprint
 from ddtree.runtime.threads import thread_info
 from ddtree.runtime.timing import StageTimer
 from ddtree.target.attention import get_backend
@@ -203,6 +203,7 @@ class SpeculativeGenerator:
 
         from ddtree.drafters.dflash.config import DFlashConfig
         from ddtree.drafters.dflash.drafter import check_compatible_config
+        from ddtree.drafters.dflash2.config import is_dflash2
         from ddtree.loading.hub import config_file, model_dir
 
         if isinstance(dtype, str):
@@ -215,11 +216,15 @@ class SpeculativeGenerator:
             dtype = dtype or torch.float32
         if drafter_path_or_id is None:
             raise ValueError("give a drafter directory along with the target (or neither, for the default pair)")
-        # Both configs first (one small file each): a wrong pair fails before any weight is downloaded or read.
-        target_config = AutoConfig.from_pretrained(config_file(target_path_or_id, "target").parent)
-        drafter_config = DFlashConfig.from_pretrained(config_file(drafter_path_or_id, "drafter"))
-        check_compatible_config(drafter_config, target_config)
-        target_dir, drafter_dir = model_dir(target_path_or_id, "target"), model_dir(drafter_path_or_id, "drafter")
+        # Both configs first (one small file each): a wrong pair fails before any weight is downloaded or read,
+        # on every rank at once when ranks already share a process group (a rank failing alone would leave the
+        # others in the target's sharded load).
+        with fail_together(f"checking the drafter {drafter_path_or_id} against the target"):
+            target_config = AutoConfig.from_pretrained(config_file(target_path_or_id, "target").parent)
+            drafter_file = config_file(drafter_path_or_id, "drafter")
+            if not is_dflash2(drafter_file.parent):  # a DFlash2 drafter checks its own config before its weights
+                check_compatible_config(DFlashConfig.from_pretrained(drafter_file), target_config)
+            target_dir, drafter_dir = model_dir(target_path_or_id, "target"), model_dir(drafter_path_or_id, "drafter")
         placed = {k: v for k, v in (("tp_plan", tp_plan), ("device_map", device_map)) if v is not None}
         if tp_plan is not None:
             from ddtree.runtime.distributed import check_tp_divides
