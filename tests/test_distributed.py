@@ -115,7 +115,9 @@ def test_failing_rank_fails_every_rank_in_step(tp_results):
     assert f0["bad_input"].startswith("RankFailedError: rank 1 failed while checking generate's inputs: ValueError")
     assert "ranks disagree on generate's inputs" in f0["different_prompts"] == f1["different_prompts"]
     assert f1["wrong_drafter"].startswith("ValueError: drafter hidden size")
-    assert f0["wrong_drafter"].startswith("RankFailedError: rank 1 failed while binding the drafter")
+    # refused from the configs, before either model is read, on both ranks at once
+    assert f0["wrong_drafter"].startswith("RankFailedError: rank 1 failed while checking the drafter")
+    assert "drafter hidden size 32 does not match the target's 64" in f0["wrong_drafter"]
     assert "ranks disagree on the drafter" in f0["other_weights"] == f1["other_weights"]
     assert f0["after"] == f1["after"]  # still in step afterwards
 
