@@ -24,7 +24,7 @@ from torch import nn
 
 from ddtree.core.pairwise import PairwiseScores
 from ddtree.drafters.dflash.checkpoint import header_shapes, read_weights, weight_files
-from ddtree.drafters.dflash.model import DFlashMLP, RMSNorm, RotaryEmbedding, apply_rope
+from ddtree.drafters.dflash.model import DFlashAttention, DFlashMLP, RMSNorm, RotaryEmbedding, apply_rope
 from ddtree.drafters.dflash2.config import DFlash2Config
 
 CODEBOOKS = ("candidate_selector.predecessor_codebook", "candidate_selector.successor_codebook")
@@ -72,11 +72,7 @@ class DFlash2Attention(nn.Module):
         self.q_norm = RMSNorm(d, config.rms_norm_eps)
         self.k_norm = RMSNorm(d, config.rms_norm_eps)
 
-    def project_kv(self, x, cos, sin):
-        bsz, t, _ = x.shape
-        k = self.k_norm(self.k_proj(x).view(bsz, t, self.num_kv_heads, self.head_dim)).transpose(1, 2)
-        v = self.v_proj(x).view(bsz, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        return apply_rope(k, cos, sin), v
+    project_kv = DFlashAttention.project_kv  # the same projections and names as a DFlash layer's
 
     def forward(self, x, cos, sin, context_kv, visible):
         bsz, q_len, _ = x.shape
