@@ -22,6 +22,7 @@ from ddtree.apps.doctor.faults import (
     DroppedContext,
     FaultyDrafter,
     ReadLayers,
+    TruncatedContext,
     _decoder_layers,
 )
 from ddtree.apps.doctor.profile import Profile, accepted_counts, profile_from_counts
@@ -65,6 +66,44 @@ def test_dropped_context_collapses_a_drafter_that_needs_its_history():
     bad = accepted_counts(SpeculativeGenerator(target, faulty, tree_budget=4, builder="chain"), prompts, 4, 16)
     assert set(good) == {4}  # every round right
     assert bad[0] == 4 and max(bad[1:]) == 0  # the prompt is the first context; after that only the newest tokens
+
+
+def test_truncated_context_keeps_only_the_newest_tokens():
+    """The truncated cache: right while the whole context fits, wrong once it does not; roomy, it changes nothing."""
+    target, _, drafter = _scripted()
+    prompts = [torch.tensor([PROMPT])]
+
+    def counts(keep):
+        faulty = FaultyDrafter(drafter, context=lambda b: TruncatedContext(drafter, b, keep=keep))
+        return accepted_counts(SpeculativeGenerator(target, faulty, tree_budget=4, builder="chain"), prompts, 4, 16)
+
+    assert set(counts(100)) == {4}
+    short = counts(10)  # the 7-token prompt fits; after the first round's 5 tokens the context is 12
+    assert short[0] == 4 and short[1] == 0 and sum(short[1:]) / len(short[1:]) < 2
+    ctx = TruncatedContext(drafter, 1, keep=10)
+    toks = torch.arange(12).view(1, 12)
+    ctx.append(torch.zeros(1, 7, 4), toks[:, :7])
+    ctx.append(torch.zeros(1, 5, 4), toks[:, 7:])
+    assert ctx.inner.lengths == [10] and ctx.tokens.tolist() == [list(range(2, 12))]
+
+
+def test_causality_swap_flips_each_layer_by_its_type(tmp_path):
+    from ddtree.apps.doctor.faults import FAULTS_BY_NAME, Pair
+
+    target = tiny_target("llama", dtype=torch.float32)
+    model = tiny_drafter(target, num_layers=2, layer_types=["sliding_attention", "full_attention"], sliding_window=4)
+    drafter = DFlashDrafter(model, target)
+    assert [layer.self_attn.spec.causal for layer in model.layers] == [True, False]
+    bad, _ = FAULTS_BY_NAME["causality_swapped"].build(Pair(target, drafter, tmp_path, {}))
+    assert [layer.self_attn.spec.causal for layer in bad.model.layers] == [False, True]
+    assert [layer.self_attn.spec.causal for layer in model.layers] == [True, False]  # the real drafter untouched
+    ctx_ok, ctx_bad = drafter.new_context(), bad.new_context()
+    ids = torch.tensor([PROMPT])
+    with torch.no_grad():
+        hs = target(ids, output_hidden_states=True).hidden_states
+    for ctx, d in ((ctx_ok, drafter), (ctx_bad, bad)):
+        ctx.append(d.context_features(hs), ids)
+    assert not torch.allclose(ctx_ok.propose(ids[:, -1:]).logprobs, ctx_bad.propose(ids[:, -1:]).logprobs)
 
 
 def test_read_layers_maps_indices_zeroes_and_swaps_the_last():
@@ -191,7 +230,8 @@ def test_diagnose_runs_every_fault_on_a_tiny_pair(saved_tiny_pair, tmp_path):
     skipped = {s["name"]: s["skipped"] for s in data["signatures"] if s["skipped"]}
     assert "sliding" in skipped["window_ignored"] and "scale" in skipped["scale_ignored"]
     ran = [s for s in data["signatures"] if not s["skipped"]]
-    assert {"no_offset", "context_dropped", "mask_wrong", "low_precision"} <= {s["name"] for s in ran}
+    assert {"no_offset", "context_dropped", "context_truncated", "causality_swapped", "mask_wrong",
+            "low_precision"} <= {s["name"] for s in ran}
     ids = json.loads((saved_tiny_pair[1] / "config.json").read_text())["dflash_config"]["target_layer_ids"]
     assert max(ids) < 3 and "does not read the last target layer" in skipped["pre_norm_last"]  # tiny: 4 layers
     for s in ran + [data["reference"]]:

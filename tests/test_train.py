@@ -103,6 +103,38 @@ def test_warm_start_from_a_drafter(tmp_path):
                       target, 127, trained.config.target_layer_ids)
 
 
+def test_warm_start_onto_other_target_layers_rescales_the_replaced_columns(tmp_path):
+    """Moving a drafter off one target layer (the last, say) keeps its weights and rescales that layer's fc block."""
+    target = tiny_target()
+    run(tiny_cfg(tmp_path, num_prompts=16, steps=5, eval_every=5, save_every=5), target=target,
+        prompts=tiny_prompts(16), log_fn=lambda m: None)
+    trained = DFlashDraftModel.from_pretrained(tmp_path / "run" / "best", dtype=torch.float32)
+    old = list(trained.config.target_layer_ids)
+    new = old[:-1] + [old[-1] - 1 if old[-1] > 0 else old[-1] + 1]
+    h = trained.config.hidden_size
+    ids = sorted(set(old + new))
+    feats = torch.randn(50, h * len(ids))
+    col = {i: k * h for k, i in enumerate(ids)}
+    feats[:, col[new[-1]]:col[new[-1]] + h] *= 4.0  # the replacement layer runs 4x hotter
+    cache = {"layer_ids": ids, "features": feats}
+    cfg = tiny_cfg(tmp_path / "b", init_from_drafter=str(tmp_path / "run" / "best"))
+    lines = []
+    warm = build_drafter(cfg, target, 127, new, cache=cache, log=lines.append)
+    rms = lambda i: feats[:, col[i]:col[i] + h].pow(2).mean().sqrt()
+    ratio = float(rms(old[-1]) / rms(new[-1]))
+    assert 0.2 < ratio < 0.3
+    slot = len(old) - 1
+    torch.testing.assert_close(warm.fc.weight[:, slot * h:], trained.fc.weight[:, slot * h:] * ratio)
+    assert torch.equal(warm.fc.weight[:, :slot * h], trained.fc.weight[:, :slot * h])
+    assert torch.equal(warm.layers[0].mlp.down_proj.weight, trained.layers[0].mlp.down_proj.weight)
+    assert list(warm.config.target_layer_ids) == new
+    assert len(lines) == 1 and f"target layer {old[-1]} -> {new[-1]}" in lines[0]
+    with pytest.raises(ValueError, match=r"lacks \[" + str(new[-1]) + r"\]"):
+        build_drafter(cfg, target, 127, new, cache={"layer_ids": old, "features": feats[:, :h * len(old)]})
+    with pytest.raises(ValueError, match="target_layer_ids: drafter has"):
+        build_drafter(cfg, target, 127, new + [0], cache=cache)
+
+
 def test_training_block_matches_runtime_propose(tmp_path):
     """The block-sparse training forward equals the runtime drafter on the same prefix."""
     target = tiny_target()
@@ -146,7 +178,7 @@ def test_sliding_window_drafter_trains(tmp_path, layer_types):
     cfg = tiny_cfg(tmp_path, num_prompts=16, steps=5, eval_every=5)
     orig = loop.build_drafter
 
-    def build(cfg_, target_, mask, ids):
+    def build(cfg_, target_, mask, ids, **kw):
         from ddtree.drafters.dflash.config import DFlashConfig
         dcfg = DFlashConfig.for_target(target_.config, num_hidden_layers=1, block_size=cfg_.block_size,
                                        mask_token_id=mask, target_layer_ids=ids, layer_types=layer_types,

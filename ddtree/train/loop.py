@@ -205,33 +205,70 @@ def evaluate(model: DFlashDraftModel, embed, lm_head, ds: FeatureDataset, num_bl
 # --------------------------------------------------------------------------- model
 
 
-def build_drafter(cfg: TrainConfig, target, mask_token_id: int, target_layer_ids: list[int]) -> DFlashDraftModel:
+def build_drafter(cfg: TrainConfig, target, mask_token_id: int, target_layer_ids: list[int],
+                  cache: dict | None = None, log=print) -> DFlashDraftModel:
     dcfg = DFlashConfig.for_target(
         target.config, num_hidden_layers=cfg.num_layers, block_size=cfg.block_size, mask_token_id=mask_token_id,
         target_layer_ids=target_layer_ids, intermediate_size=cfg.intermediate_size or None)
     model = DFlashDraftModel(dcfg)
     if cfg.init_from_drafter:
-        init_from_drafter(model, cfg.init_from_drafter)
+        for line in init_from_drafter(model, cfg.init_from_drafter, cache):
+            log(f"[init] {line}")
     elif cfg.init_from_target >= 0:
         init_from_target_layer(model, target, cfg.init_from_target)
     return model.float()
 
 
-def init_from_drafter(model: DFlashDraftModel, path: str) -> None:
-    """Warm start from a trained drafter, so more data or a longer run need not repeat the early steps."""
+def init_from_drafter(model: DFlashDraftModel, path: str, cache: dict | None = None) -> list[str]:
+    """Warm start from a trained drafter, so more data or a longer run need not repeat the early steps.
+
+    The drafter may read other target layers than the run, as long as it reads as many: each
+    replaced layer's ``fc`` columns are rescaled by the ratio of the two layers' feature RMS in
+    ``cache`` (the feature cache, which must hold both), so the projection starts at the scale it
+    was trained for. This is how a drafter is moved off a layer that engines read differently
+    (the last one). Returns what was changed, one line per replaced layer.
+    """
     src = DFlashDraftModel.from_pretrained(path, dtype=torch.float32)
-    keys = ("hidden_size", "num_hidden_layers", "block_size", "target_layer_ids", "mask_token_id",
-            "intermediate_size", "layer_types")
+    keys = ("hidden_size", "num_hidden_layers", "block_size", "mask_token_id", "intermediate_size", "layer_types")
     def norm(v):
         return list(v) if isinstance(v, (list, tuple)) else v
 
     diff = {k: (norm(getattr(src.config, k)), norm(getattr(model.config, k))) for k in keys}
+    old_ids, new_ids = list(src.config.target_layer_ids), list(model.config.target_layer_ids)
+    if len(old_ids) != len(new_ids):
+        diff["target_layer_ids"] = (old_ids, new_ids)
     diff = {k: v for k, v in diff.items() if v[0] != v[1]}
     if diff:
         detail = ", ".join(f"{k}: drafter has {a}, run asks for {b}" for k, (a, b) in diff.items())
         raise ValueError(f"--init-from-drafter {path} does not fit this run ({detail}); "
                          "pass the same drafter options as the run that trained it")
-    model.load_state_dict(src.state_dict())
+    state = src.state_dict()
+    changed = [(slot, a, b) for slot, (a, b) in enumerate(zip(old_ids, new_ids)) if a != b]
+    notes = []
+    if changed:
+        cached = list(cache["layer_ids"]) if cache is not None else []
+        missing = sorted({x for _, a, b in changed for x in (a, b) if x not in cached})
+        if missing:
+            raise ValueError(f"--init-from-drafter {path} reads target layers {old_ids}, the run {new_ids}: the "
+                             f"feature cache must hold both to rescale the replaced ones, and lacks {missing}; "
+                             "add them to --cache-layer-ids and rebuild the cache")
+        h = cache["features"].shape[1] // len(cached)
+        w = state["fc.weight"].clone()
+        for slot, a, b in changed:
+            ratio = layer_rms(cache, a, h) / layer_rms(cache, b, h)
+            w[:, slot * h:(slot + 1) * h] *= ratio
+            notes.append(f"feature slot {slot}: target layer {a} -> {b}, fc columns scaled by {ratio:.4f} "
+                         f"(feature RMS {layer_rms(cache, a, h):.3f} -> {layer_rms(cache, b, h):.3f})")
+        state["fc.weight"] = w
+    model.load_state_dict(state)
+    return notes
+
+
+def layer_rms(cache: dict, layer: int, width: int, rows: int = 20000) -> float:
+    """RMS of one cached target layer's features over (at most) the first ``rows`` positions."""
+    col = list(cache["layer_ids"]).index(layer) * width
+    x = cache["features"][:rows, col:col + width].float()
+    return float(x.pow(2).mean().sqrt())
 
 
 def init_from_target_layer(model: DFlashDraftModel, target, layer: int) -> None:
@@ -281,7 +318,7 @@ def train(cfg: TrainConfig, target, train_ds: FeatureDataset, heldout_ds: Featur
     lm_weight = lm_head.weight.detach().float()
     use_autocast = cfg.autocast == "bfloat16"
 
-    model = build_drafter(cfg, target, mask_token_id, train_ds.layer_ids)
+    model = build_drafter(cfg, target, mask_token_id, train_ds.layer_ids, cache=train_ds.data, log=log)
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},

@@ -78,22 +78,18 @@ def rope_theta(cfg) -> float | None:
 
 
 def layer_attention(raw: dict) -> list[tuple[str, int | None, str]]:
-    """Per drafter layer: (type, window, causality) as the raw config states them."""
-    n = int(raw.get("num_hidden_layers") or 0)
-    types = raw.get("layer_types")
-    use_swa = bool(field_value(raw, "use_swa", False))
-    window = field_value(raw, "swa_window_size", None) or raw.get("sliding_window")
-    if not isinstance(types, list) or len(types) != n:
-        first = raw.get("max_window_layers", 28)
-        gated = raw.get("use_sliding_window") and raw.get("sliding_window") is not None
-        types = [SLIDING if use_swa or (gated and i >= first) else FULL for i in range(n)]
-    causal = raw.get("is_causal", _dflash(raw).get("causal"))
-    out = []
-    for t in types:
-        how = ("non-causal within the block (the DFlash default)" if causal is None
-               else "causal (is_causal/causal set)" if causal else "non-causal (is_causal/causal false)")
-        out.append((t, int(window) if t == SLIDING and window else None, how))
-    return out
+    """Per drafter layer: (type, window, causality), resolved by ddtree's DFlash config (as the authors do)."""
+    from ddtree.drafters.dflash.config import DFlashConfig
+
+    try:
+        resolved = DFlashConfig.from_dict(raw).resolve_attention()
+    except (ValueError, TypeError, KeyError) as e:  # the rest of the check reports the fields one by one
+        n = int(raw.get("num_hidden_layers") or 0)
+        types = raw.get("layer_types") if isinstance(raw.get("layer_types"), list) else [FULL] * n
+        return [(t, None, f"unresolved ({e})") for t in types]
+    override = raw.get("is_causal", _dflash(raw).get("causal"))
+    why = "set by is_causal / dflash_config.causal" if override is not None else "the default for its type"
+    return [(a.type, a.window, f"{'causal' if a.causal else 'non-causal'} ({why})") for a in resolved]
 
 
 def check_config(raw: dict, target_config, tokenizer=None) -> ConfigReport:

@@ -243,17 +243,58 @@ def _window_ignored(raw: dict) -> dict:
     return raw
 
 
-def _causality_swapped(raw: dict) -> dict:
-    from ddtree.drafters.dflash.config import DFlashConfig
+def _causality_swapped(pair: Pair):
+    """Each layer's causality the wrong way round: sliding layers non-causal, full layers causal.
 
-    if SLIDING not in _sliding_types(raw):
-        raise Skip("the drafter has no sliding-window layers (all layers full attention)")
-    if "is_causal" not in DFlashConfig.__dataclass_fields__:
-        raise Skip("this ddtree's DFlash config has no causality field to flip")
-    current = raw.get("is_causal", field_value(raw, "causal"))
-    raw["is_causal"] = not bool(current)
-    raw.get("dflash_config", {}).pop("causal", None)
-    return raw
+    Sliding layers run causal and full layers non-causal in the authors' code and vLLM; an
+    engine (and ddtree, once) that takes one rule for every layer gets one kind wrong.
+    """
+    model = getattr(pair.drafter, "model", None)
+    layers = getattr(model, "layers", None)
+    if layers is None or not all(hasattr(layer, "self_attn") and hasattr(layer.self_attn, "spec") for layer in layers):
+        raise Skip("the drafter's layers do not expose their resolved attention")
+    bad = copy.copy(pair.drafter)
+    bad.model = copy.deepcopy(model)
+    for layer in bad.model.layers:
+        spec = layer.self_attn.spec
+        layer.self_attn.spec = spec._replace(causal=spec.type != SLIDING)
+    if all(a.self_attn.spec == b.self_attn.spec for a, b in zip(bad.model.layers, model.layers)):
+        raise Skip("every layer already has the swapped causality (the config overrides it)")
+    return bad, _nothing()
+
+
+TRUNCATED_KEEP = 16  # context tokens the truncated-context fault keeps
+
+
+class TruncatedContext(DraftContext):
+    """A drafter cache that keeps only the newest ``keep`` context tokens (an undersized or evicted cache)."""
+
+    def __init__(self, drafter, batch_size: int, keep: int = TRUNCATED_KEEP):
+        self.drafter, self.keep = drafter, keep
+        self.inner = drafter.new_context(batch_size)
+        self.features = self.tokens = None
+
+    def append(self, features, tokens, counts=None):
+        if counts is not None and len(set(int(c) for c in counts)) > 1:
+            raise ValueError("the truncated-context fault runs one row at a time (rows of equal length)")
+        n = int(counts[0]) if counts is not None else tokens.shape[1]
+        f, t = features[:, :n], tokens[:, :n]
+        self.features = f if self.features is None else torch.cat([self.features, f], 1)
+        self.tokens = t if self.tokens is None else torch.cat([self.tokens, t], 1)
+        self.features, self.tokens = self.features[:, -self.keep:], self.tokens[:, -self.keep:]
+        self.inner = self.drafter.new_context(tokens.shape[0])
+        self.inner.append(self.features, self.tokens)
+
+    def propose(self, root_tokens):
+        return self.inner.propose(root_tokens)
+
+    def select_rows(self, rows):
+        self.inner.select_rows(rows)
+        self.features, self.tokens = self.features[rows], self.tokens[rows]
+
+
+def _truncated(pair: Pair):
+    return FaultyDrafter(pair.drafter, context=lambda b: TruncatedContext(pair.drafter, b)), _nothing()
 
 
 def _scale_ignored(raw: dict) -> dict:
@@ -292,9 +333,12 @@ FAULTS = [
     Fault("window_ignored", "the sliding window ignored (sliding layers see the whole context)",
           "the drafter's layer_types / sliding_window handling", _from_config(_window_ignored), "attention"),
     Fault("causality_swapped", "sliding layers made non-causal and full layers causal",
-          "the per-layer is_causal / layer types handling", _from_config(_causality_swapped), "attention"),
+          "the per-layer is_causal / layer types handling", _causality_swapped, "attention"),
     Fault("context_dropped", "the drafter context dropped every round (only the newest tokens kept)",
           "the drafter's KV cache across rounds (the cache-drop bug)", _dropped, "context"),
+    Fault("context_truncated", f"the drafter context truncated to its newest {TRUNCATED_KEEP} tokens every round",
+          "the drafter's KV cache size and eviction (it must hold the whole context, or the window)",
+          _truncated, "context"),
     Fault("mask_wrong", "the wrong mask token embedded in the draft slots",
           "which token id fills the block's masked slots (dflash_config.mask_token_id)", _mask_wrong, "block input"),
     Fault("scale_ignored", "the input embedding scale ignored",
