@@ -25,7 +25,7 @@ from ddtree.apps.doctor.faults import (
     TruncatedContext,
     _decoder_layers,
 )
-from ddtree.apps.doctor.profile import Profile, accepted_counts, profile_from_counts
+from ddtree.apps.doctor.profile import Profile, accepted_counts, paired, profile_from_counts, replay_counts
 from ddtree.drafters.dflash.drafter import DFlashDrafter
 from ddtree.generation.generator import SpeculativeGenerator
 
@@ -55,6 +55,30 @@ def test_accepted_counts_are_what_the_drafter_gets_right():
     assert len(counts) >= 4 and all(c == 2 for c in counts[:-1]) and counts[-1] <= 2
     p = profile_from_counts("x", "x", counts[:-1], 4)
     assert p.per_position == [1.0, 1.0, 0.0, 0.0] and p.mean == 3.0
+
+
+@pytest.mark.parametrize("kind", ["scripted", "dflash"])
+def test_replay_at_a_runs_own_rounds_gives_back_its_counts(kind):
+    """The paired replay is faithful: the run's own drafter, replayed at its rounds, accepts what it accepted."""
+    if kind == "scripted":
+        target, _, drafter = _scripted({3: 0})
+    else:
+        target = tiny_target("qwen3", dtype=torch.float32)
+        drafter = DFlashDrafter(tiny_drafter(target, target_layer_ids=[1, 3]), target)
+    gen = SpeculativeGenerator(target, drafter, tree_budget=4, builder="chain")
+    runs = []
+    prompts = [torch.tensor([PROMPT])] + ([torch.tensor([PROMPT[:4]])] if kind == "dflash" else [])
+    counts = accepted_counts(gen, prompts, 4, 16, runs=runs)
+    replayed, drafts = replay_counts(target, drafter, runs)
+    assert replayed == counts and len(drafts) == len(counts)
+    if kind == "scripted":
+        assert set(counts[:-1]) == {2}  # right at depths 1-2, the decoy at 3
+        p = paired(counts, drafts, counts, drafts)
+        assert (p.gap, p.changed, p.rounds) == (0.0, 0.0, len(counts))
+        dropped = FaultyDrafter(drafter, context=lambda b: DroppedContext(drafter, b))
+        lost, lost_drafts = replay_counts(target, dropped, runs)
+        p = paired(counts, drafts, lost, lost_drafts)
+        assert p.gap > 1.5 and p.z > 3 and p.changed == (len(counts) - 1) / len(counts)  # all but the first round
 
 
 def test_dropped_context_collapses_a_drafter_that_needs_its_history():

@@ -22,8 +22,12 @@ from ddtree.apps.doctor.profile import (
     encode_prompts,
     load_prompts,
     noise,
+    paired,
     profile_from_counts,
+    replay_counts,
 )
+
+PAIRED_Z = 3.0  # a paired loss this many standard errors above zero is a clear signature
 
 REFERENCE = "reference"
 
@@ -63,7 +67,8 @@ class DoctorReport:
 
     def distinct(self, name: str) -> bool:
         """Whether the fault's profile stands clear of the reference: more than twice the sampling noise
-        of the two apart. One that does not is harmless on this pair, or needs more prompts to show."""
+        of the two apart, or a paired loss at the reference's own rounds of more than ``PAIRED_Z`` standard
+        errors. One that does neither is harmless on this pair, or needs more prompts to show."""
         return distinct(self.reference, self.signature(name))
 
     def to_dict(self) -> dict:
@@ -115,6 +120,8 @@ def _load(target: str | None, drafter: str | None, dtype: torch.dtype, device: s
 def distinct(reference: Profile, signature: Profile) -> bool:
     if signature.mean is None or reference.mean is None:
         return False
+    if signature.paired is not None and signature.paired.gap > 0 and signature.paired.z > PAIRED_Z:
+        return True
     gap = distance(reference.mean, reference.per_position, signature)
     return gap > 2 * math.hypot(noise(reference), noise(signature))
 
@@ -211,16 +218,19 @@ def diagnose(target: str | None = None, drafter: str | None = None, *, prompts: 
         raise ValueError(f"unknown fault(s) {unknown}; known: {', '.join(FAULTS_BY_NAME)}")
     bar = Progress((1 + len(tree_budgets) + len(names)) * len(ids), progress, stream)
 
-    def run(gen, budget, builder) -> list[int]:
+    def run(gen, budget, builder, runs=None) -> list[int]:
         from ddtree.core.builders import resolve_builder
 
         gen.builder = resolve_builder(builder)
-        return accepted_counts(gen, ids, budget, max_new_tokens, step=bar.step)
+        return accepted_counts(gen, ids, budget, max_new_tokens, step=bar.step, runs=runs)
 
     bar.label = "reference chain"
     bar.show()
     t = time.perf_counter()
-    reference = profile_from_counts(REFERENCE, "correct integration (ddtree)", run(generator, chain, "chain"), chain)
+    runs: list = []
+    reference = profile_from_counts(REFERENCE, "correct integration (ddtree)", run(generator, chain, "chain", runs),
+                                    chain)
+    ref_replay = replay_counts(generator.target, generator.drafter, runs)
     reference.seconds = time.perf_counter() - t
     trees = []
     for b in tree_budgets:
@@ -249,7 +259,9 @@ def diagnose(target: str | None = None, drafter: str | None = None, *, prompts: 
         t = time.perf_counter()
         with hooks:
             counts = run(gen, chain, "chain")
+            replayed = replay_counts(tgt, dr, runs)
         signatures.append(profile_from_counts(name, fault.title, counts, chain, check=fault.check))
+        signatures[-1].paired = paired(*ref_replay, *replayed)
         signatures[-1].seconds = time.perf_counter() - t
     bar.close()
     report = DoctorReport(target_path, str(drafter_dir), block, len(ids), max_new_tokens, config, reference,
@@ -292,6 +304,7 @@ def render(report: DoctorReport) -> str:
     head = f"  {'profile':<19}{'mean':>6}{'drafts':>8}  " + " ".join(f"{'p' + str(i + 1):>6}" for i in range(k))
     if report.engine is not None:
         head += f"{'dist':>8}"
+    head += "   paired: lost/round (z), drafts changed"
     out.append(head)
     dist = {r.name: r.distance for r in report.ranking}
 
@@ -311,7 +324,13 @@ def render(report: DoctorReport) -> str:
     for p in report.trees:
         out.append(row(p.name, p))
     for p in report.signatures:
-        out.append(row(p.name, p) + ("" if p.mean is None or report.distinct(p.name) else "  (~ reference)"))
+        line = row(p.name, p)
+        if p.paired is not None and p.mean is not None:
+            if report.engine is not None and p.name not in dist:
+                line += " " * 8
+            z = f"{p.paired.z:.1f}" if math.isfinite(p.paired.z) else "inf"
+            line += f"   {p.paired.gap:+.2f} ({z}), {100 * p.paired.changed:.0f}%"
+        out.append(line + ("" if p.mean is None or report.distinct(p.name) else "  (~ reference)"))
     if report.engine is not None:
         e = report.engine
         out.append(row(f"ENGINE ({e.engine})", mean=e.mean_acceptance_length, rates=e.per_position,

@@ -19,6 +19,27 @@ BUILTIN_PROMPTS = ["chat-1", "code-1", "math-1", "story-1", "chat-4", "code-2", 
 
 
 @dataclass
+class Paired:
+    """A fault against the correct integration at the same rounds: the same contexts, the same true tokens.
+
+    ``gap``: mean accepted tokens per round lost to the fault (correct minus faulty), ``se`` its standard
+    error over the rounds, ``changed``: the share of rounds whose chain draft differs from the correct one.
+    Pairing removes the prompt-to-prompt noise, so a small loss shows where free-running profiles cannot.
+    """
+
+    rounds: int
+    gap: float
+    se: float
+    changed: float
+
+    @property
+    def z(self) -> float:
+        if self.se == 0:
+            return 0.0 if self.gap == 0 else math.copysign(math.inf, self.gap)
+        return self.gap / self.se
+
+
+@dataclass
 class Profile:
     """One configuration's acceptance on the prompts. ``skipped``: why it did not run (then no figures)."""
 
@@ -32,6 +53,7 @@ class Profile:
     skipped: str | None = None
     check: str = ""
     seconds: float = 0.0  # wall time of its runs (for the report only)
+    paired: Paired | None = None  # replayed at the correct integration's rounds (see :func:`replay_counts`)
 
 
 def profile_from_counts(name: str, title: str, accepted: Sequence[int], positions: int, method: str = "chain",
@@ -47,15 +69,67 @@ def profile_from_counts(name: str, title: str, accepted: Sequence[int], position
 
 
 def accepted_counts(generator, prompts: Sequence[torch.Tensor], budget: int, max_new_tokens: int,
-                    step: Callable[[], None] | None = None) -> list[int]:
-    """Per verify round, the draft tokens accepted (``acceptance - 1``), over every prompt, greedy."""
+                    step: Callable[[], None] | None = None, runs: list | None = None) -> list[int]:
+    """Per verify round, the draft tokens accepted (``acceptance - 1``), over every prompt, greedy.
+
+    ``runs``, when given, receives ``(sequence [1, P + N], prompt length, that prompt's counts)`` per prompt,
+    for :func:`replay_counts`.
+    """
     counts: list[int] = []
     for ids in prompts:
         out = generator.generate(ids, max_new_tokens=max_new_tokens, tree_budget=budget, temperature=0.0)
-        counts.extend(int(a) - 1 for a in out.acceptance_lengths)
+        mine = [int(a) - 1 for a in out.acceptance_lengths]
+        counts.extend(mine)
+        if runs is not None:
+            runs.append((out.sequences[:1].cpu(), int(ids.shape[-1]), mine))
         if step is not None:
             step()
     return counts
+
+
+@torch.no_grad()
+def replay_counts(target, drafter, runs: Sequence[tuple[torch.Tensor, int, list[int]]],
+                  ) -> tuple[list[int], list[torch.Tensor]]:
+    """A drafter's chain at another run's rounds: per round, the draft tokens it would get accepted, and its draft.
+
+    Each run is ``(sequence, prompt length, accepted counts)`` from :func:`accepted_counts` (greedy, so every
+    correct drafter yields the same sequence). One target forward gives every position's features; the drafter
+    then gets the context that run had at each round start, drafts a chain from that round's root, and is
+    scored against the true next tokens. Replaying the run's own drafter gives back its counts.
+    """
+    device = target.get_input_embeddings().weight.device
+    counts, drafts = [], []
+    for seq, plen, rounds in runs:
+        seq = seq.to(device)
+        hidden = target(seq, output_hidden_states=True).hidden_states
+        features = drafter.context_features(hidden)
+        ctx = drafter.new_context(1)
+        ctx.append(features[:, :plen], seq[:, :plen])
+        at, end = plen, seq.shape[1]
+        for k in rounds:
+            if at >= end:
+                break
+            draft = ctx.propose(seq[:, at:at + 1]).logprobs[0].argmax(-1)
+            truth = seq[0, at + 1:at + 1 + draft.numel()]
+            same = (draft[:truth.numel()] == truth).int().cumprod(0)
+            counts.append(int(same.sum()))
+            drafts.append(draft.cpu())
+            step = min(k + 1, end - at)
+            ctx.append(features[:, at:at + step], seq[:, at:at + step])
+            at += step
+    return counts, drafts
+
+
+def paired(reference: Sequence[int], ref_drafts: Sequence[torch.Tensor], fault: Sequence[int],
+           fault_drafts: Sequence[torch.Tensor]) -> Paired:
+    """The paired comparison of two replays over the same rounds."""
+    n = min(len(reference), len(fault))
+    if n == 0:
+        return Paired(0, 0.0, 0.0, 0.0)
+    d = torch.tensor([reference[i] - fault[i] for i in range(n)], dtype=torch.float64)
+    se = float(d.std(unbiased=True) / math.sqrt(n)) if n > 1 else 0.0
+    changed = sum(not torch.equal(ref_drafts[i], fault_drafts[i]) for i in range(n)) / n
+    return Paired(n, float(d.mean()), se, changed)
 
 
 def noise(profile: Profile) -> float:
