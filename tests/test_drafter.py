@@ -286,3 +286,14 @@ def test_generation_with_a_draft_vocab_is_lossless_and_accepts_within_it():
             assert max(out.acceptance_lengths) > 1
         else:
             assert set(out.acceptance_lengths) == {1}
+
+
+def test_a_float64_checkpoint_loads_without_rounding(tmp_path):
+    """The loader builds the model in the checkpoint's dtype: float64 weights come back bit for bit."""
+    target = tiny_target("qwen3", dtype=torch.float64)
+    model = tiny_drafter(target, dtype=torch.float64)
+    with torch.no_grad():
+        model.fc.weight.add_(1e-12)  # below float32's resolution near these values
+    model.save_pretrained(tmp_path / "d", dtype=torch.float64)
+    back = DFlashDraftModel.from_pretrained(tmp_path / "d")
+    assert back.fc.weight.dtype == torch.float64 and torch.equal(back.fc.weight, model.fc.weight)

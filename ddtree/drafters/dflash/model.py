@@ -352,12 +352,12 @@ class DFlashDraftModel(nn.Module):
                 bad = int((~torch.isfinite(v)).sum())
                 raise ValueError(f"drafter weight {k} holds {bad} NaN or inf values: the checkpoint is damaged "
                                  "(or was saved from a diverged run); re-download or retrain it")
-        model = cls(config, mask_embedding=has_mask)
+        file_dtype = next(iter(state.values())).dtype
+        # built in the final dtype first, so a float64 checkpoint is not rounded through float32 on the way
+        model = cls(config, mask_embedding=has_mask).to(dtype=dtype or file_dtype)
         model.load_state_dict(state)
         if draft_vocab_file(path) is not None:
             model.draft_vocab = load_draft_vocab(path, config.vocab_size)
-        file_dtype = next(iter(state.values())).dtype
-        model.to(dtype=dtype or file_dtype)
         if device is not None:
             model.to(device)
         return model.eval()
