@@ -19,6 +19,7 @@ def machine(monkeypatch):
     monkeypatch.setattr(threads, "machine_load", lambda: state["load"])
     for var in threads._ENV_VARS:
         monkeypatch.delenv(var, raising=False)
+    monkeypatch.setattr(threads, "_explicit", None)
     torch.set_num_threads(4)  # torch's own default: one per available CPU
     return state
 
@@ -59,6 +60,27 @@ def test_the_users_choice_is_kept(machine, monkeypatch):
     assert threads.configure_threads(1).source == "argument" and torch.get_num_threads() == 1
     with pytest.raises(ValueError, match="threads must be an int >= 1"):
         threads.configure_threads(0)
+
+
+def test_an_explicit_count_equal_to_torchs_default_survives_the_policy(machine):
+    """``--threads 4`` on the 4-CPU machine: torch's default count, chosen on purpose; a generator built
+    afterwards with threads="auto" keeps it (it used to fall back to the load policy's 1 thread)."""
+    from tiny import tiny_drafter, tiny_target
+
+    from ddtree import SpeculativeGenerator
+
+    machine["load"] = 3.0
+    with pytest.warns(RuntimeWarning):
+        threads.configure_threads(4)
+    target = tiny_target("llama")
+    with pytest.warns(RuntimeWarning, match="looks shared"):
+        gen = SpeculativeGenerator(target, tiny_drafter(target))
+    assert torch.get_num_threads() == 4 and gen.threads.source == "argument"
+    torch.set_num_threads(4)  # set again by hand: still the choice
+    assert threads.configure_threads(warn=False).threads == 4
+    threads.configure_threads(1)
+    torch.set_num_threads(4)  # a later change by other code: no longer the explicit choice, the policy applies
+    assert threads.configure_threads(warn=False).threads == 1
 
 
 def test_thread_info_reports_without_changing(machine):

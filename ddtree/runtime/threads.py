@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 _ENV_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
+_explicit: int | None = None  # the last count passed to configure_threads, kept by later policy calls
 
 
 @dataclass(frozen=True)
@@ -84,8 +85,10 @@ def configure_threads(threads: int | None = None, *, warn: bool = True) -> Threa
     """Set torch's thread count (unless the user already chose one) and return what runs.
 
     Order: an explicit ``threads``; ``OMP_NUM_THREADS`` / ``MKL_NUM_THREADS``;
-    a count already set with ``torch.set_num_threads`` (anything other than
-    torch's default of one per available CPU); else :func:`default_threads`.
+    a count passed here before and still in force (``--threads 2`` on a 2-CPU
+    machine equals torch's default, and must stay when a generator applies the
+    policy later); a count already set with ``torch.set_num_threads`` (anything
+    other than torch's default of one per available CPU); else :func:`default_threads`.
     Warns when our threads and the CPUs other processes keep busy (the load
     average) add up to more than the CPUs we have: that is where it collapses.
     """
@@ -96,7 +99,11 @@ def configure_threads(threads: int | None = None, *, warn: bool = True) -> Threa
     if threads is not None:
         if not isinstance(threads, int) or threads < 1:
             raise ValueError(f"threads must be an int >= 1, got {threads!r}")
+        global _explicit
         torch.set_num_threads(threads)
+        _explicit = threads
+        source = "argument"
+    elif _explicit is not None and torch.get_num_threads() == _explicit:
         source = "argument"
     elif any(os.environ.get(v) for v in _ENV_VARS):
         source = next(v for v in _ENV_VARS if os.environ.get(v))
