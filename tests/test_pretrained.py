@@ -106,7 +106,7 @@ def test_shipped_drafter_loads_for_the_default_target():
 @smollm
 def test_default_pair_is_lossless_and_its_acceptance_needs_the_right_features():
     """The real pair: output equals plain decoding, every round accepts what a walk of its tree against
-    that output gives, and features taken one layer off (the classic integration bug) cut acceptance."""
+    that output gives, and features in the wrong order cut acceptance."""
     from ddtree import SpeculativeGenerator
     from test_generator import expected_acceptance
 
@@ -122,11 +122,13 @@ def test_default_pair_is_lossless_and_its_acceptance_needs_the_right_features():
     tau = sum(out.acceptance_lengths) / len(out.acceptance_lengths)
     assert tau >= 1.4, tau
 
-    gen.drafter.target_layer_ids = [i - 1 for i in gen.drafter.target_layer_ids]  # reads hidden_states[i]
+    # Features in the wrong order (an engine that sorts or lists its auxiliary layers differently). One layer off
+    # costs this drafter little (neighbouring residual-stream layers are alike; docs/doctor.md has the figures).
+    gen.drafter.target_layer_ids = gen.drafter.target_layer_ids[::-1]
     off = gen.generate(ids, max_new_tokens=48)
     assert torch.equal(off.sequences, plain)  # still lossless ...
     tau_off = sum(off.acceptance_lengths) / len(off.acceptance_lengths)
-    assert tau_off < tau - 0.2, (tau_off, tau)  # ... but the drafter no longer sees what it was trained on
+    assert tau_off < tau - 0.5, (tau_off, tau)  # ... but the drafter no longer sees what it was trained on
 
 
 def test_the_shipped_drafter_lives_once_and_the_wheel_maps_it():

@@ -161,6 +161,12 @@ def _repeated(idx, n):
     return idx[:-2] + [idx[-2], idx[-2]]
 
 
+def _reordered(idx, n):
+    if len(idx) < 2:
+        raise Skip("the drafter reads a single target layer: no order to get wrong")
+    return idx[::-1]
+
+
 def _missing(idx, n):
     return list(idx)
 
@@ -328,6 +334,9 @@ FAULTS = [
           "that every target_layer_id is captured", _feature_fault(_missing, zero=lambda n: [n - 1]), "features"),
     Fault("layer_repeated", "a feature layer repeated in place of the last one",
           "the order and uniqueness of the captured layers", _feature_fault(_repeated), "features"),
+    Fault("layers_reordered", "the feature layers concatenated in reverse order",
+          "the order in which the captured layers are concatenated (it must be target_layer_ids' order)",
+          _feature_fault(_reordered), "features"),
     Fault("pre_norm_last", "the last target layer read before the final norm (HF's hidden_states[-1] is normed)",
           "whether the aux state of the last layer is taken before or after the model's final norm", _pre_norm, "features"),
     Fault("window_ignored", "the sliding window ignored (sliding layers see the whole context)",
