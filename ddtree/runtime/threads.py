@@ -105,6 +105,7 @@ def configure_threads(threads: int | None = None, *, warn: bool = True) -> Threa
         source = "argument"
     elif _explicit is not None and torch.get_num_threads() == _explicit:
         source = "argument"
+        warn = False  # said when it was chosen
     elif any(os.environ.get(v) for v in _ENV_VARS):
         source = next(v for v in _ENV_VARS if os.environ.get(v))
     elif torch.get_num_threads() != len(cpus):
