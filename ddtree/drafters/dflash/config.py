@@ -284,16 +284,7 @@ class DFlashConfig:
 
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike) -> "DFlashConfig":
-        path = Path(path)
-        file = path / "config.json" if path.is_dir() else path
-        if not file.exists():
-            raise FileNotFoundError(f"no drafter config at {file}: a DFlash drafter directory holds config.json")
-        try:
-            data = json.loads(file.read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise ValueError(
-                f"{file} is not valid JSON ({exc}): the file is damaged or not a config; re-download the drafter"
-            ) from None
+        file, data = read_config_json(path, "DFlash")
         config = cls.from_dict(data)
         config.warn_unusual(data, where=str(file))
         return config
@@ -362,3 +353,17 @@ class DFlashConfig:
             sliding_window=sliding_window,
             max_position_embeddings=getattr(tc, "max_position_embeddings", 40960),
         )
+
+
+def read_config_json(path: str | os.PathLike, kind: str) -> tuple[Path, dict]:
+    """A drafter directory's (or file's) ``config.json``, parsed, with errors that say what to do."""
+    path = Path(path)
+    file = path / "config.json" if path.is_dir() else path
+    if not file.exists():
+        raise FileNotFoundError(f"no drafter config at {file}: a {kind} drafter directory holds config.json")
+    try:
+        return file, json.loads(file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ValueError(
+            f"{file} is not valid JSON ({exc}): the file is damaged or not a config; re-download the drafter"
+        ) from None

@@ -13,7 +13,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from ddtree.drafters.dflash.config import FULL, SLIDING, DFlashConfig
+from ddtree.drafters.dflash.config import FULL, SLIDING, DFlashConfig, read_config_json
 
 ARCHITECTURE = "DFlash2DraftModel"
 
@@ -155,15 +155,7 @@ class DFlash2Config:
 
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike) -> DFlash2Config:
-        path = Path(path)
-        file = path / "config.json" if path.is_dir() else path
-        if not file.exists():
-            raise FileNotFoundError(f"no drafter config at {file}: a DFlash2 drafter directory holds config.json")
-        try:
-            data = json.loads(file.read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise ValueError(f"{file} is not valid JSON ({exc}): the file is damaged; re-download the drafter") from None
-        return cls.from_dict(data)
+        return cls.from_dict(read_config_json(path, "DFlash2")[1])
 
 
 __all__ = ["ARCHITECTURE", "FULL", "SLIDING", "DFlash2Config", "is_dflash2"]
