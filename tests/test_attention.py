@@ -225,7 +225,7 @@ def explicit_attention(q, k, v, allowed, scale=None):
 
 
 @pytest.mark.parametrize("q_len, kv_len, window", [(9, 9, None), (1, 12, None), (4, 12, None), (9, 9, 3),
-                                                   (1, 12, 4), (5, 12, 4), (6, 20, 40)])
+                                                   (1, 12, 4), (5, 12, 4), (6, 20, 40), (16, 50, None)])
 def test_causal_attention_is_bottom_right_aligned_with_window(q_len, kv_len, window):
     g = torch.Generator().manual_seed(q_len * 100 + kv_len)
     q = torch.randn(2, 4, q_len, 32, generator=g, dtype=torch.float64)

@@ -297,3 +297,23 @@ def test_a_float64_checkpoint_loads_without_rounding(tmp_path):
     model.save_pretrained(tmp_path / "d", dtype=torch.float64)
     back = DFlashDraftModel.from_pretrained(tmp_path / "d")
     assert back.fc.weight.dtype == torch.float64 and torch.equal(back.fc.weight, model.fc.weight)
+
+
+@pytest.mark.parametrize("cap", [None, 3.0])
+def test_block_logprobs_in_slices_are_log_softmax_to_the_bit(cap, monkeypatch):
+    # The block's log-probs are written in place a few rows at a time (no second vocabulary-wide copy):
+    # the bits must be log_softmax's over the whole block, softcapping included.
+    import ddtree.core.sampling as sampling
+
+    target = tiny_target(dtype=torch.float32)
+    model = tiny_drafter(target, dtype=torch.float32)
+    model.config.final_logit_softcapping, model.config.output_multiplier = cap, 0.7
+    drafter = DFlashDrafter(model, target)
+    hidden = torch.randn(2, 4, target.config.hidden_size, generator=torch.Generator().manual_seed(5))
+    logits = target.get_output_embeddings()(hidden).float() * 0.7
+    if cap is not None:
+        logits = torch.tanh(logits / cap) * cap
+    want = torch.log_softmax(logits, dim=-1)
+    monkeypatch.setattr(sampling, "LOG_SOFTMAX_CHUNK", 3 * logits.shape[-1])  # 3 rows per slice: 8 rows
+    got = drafter.block_logprobs(hidden)
+    assert torch.equal(got, want)

@@ -34,6 +34,10 @@ CONFIGS = {
                  num_key_value_heads=2, head_dim=16, vocab_size=151936),
 }
 METHODS = ("hf", "ddtree")
+WARMUP_TOKENS = 32
+"""Prompt tokens of the untimed warm-up generation each child runs first (``--warmup``, the default): the
+first call of a method pays one-off costs (lazy initialisation, the first touch of its kernels' code pages,
+which count in the RSS) that a serving process pays once, not per prompt."""
 
 
 def build_target(name: str, layers: int, dtype, device):
@@ -122,11 +126,14 @@ def child(args) -> dict:
     vocab = target.config.get_text_config().vocab_size
     prompt = torch.randint(0, vocab - 1, (1, args.length), generator=torch.Generator().manual_seed(2)).to(device)
     extra = {}
+    warm = prompt[:, : min(args.length, WARMUP_TOKENS)]
     if args.method == "ddtree":
         from ddtree import SpeculativeGenerator, speculative_round
 
         gen = SpeculativeGenerator(target, build_drafter(target), tree_budget=args.budget,
                                    prefill_chunk=args.chunk or None)
+        if args.warmup:
+            gen.generate(warm, max_new_tokens=args.new, stop_token_ids=())
         peak = _Peak(device)
         peak.start()
         t0 = time.perf_counter()
@@ -141,6 +148,10 @@ def child(args) -> dict:
         extra["drafter_context_bytes"] = draft_bytes
         tokens = state.new_tokens[0]
     else:
+        if args.warmup:
+            with torch.inference_mode():
+                target.generate(warm, attention_mask=torch.ones_like(warm), max_new_tokens=args.new,
+                                do_sample=False, pad_token_id=0)
         peak = _Peak(device)
         streamer = _FirstToken()
         peak.start()
@@ -158,7 +169,7 @@ def run_child(args, method: str, length: int) -> dict:
     cmd = [sys.executable, "-m", "ddtree.bench.memory", "--child", "--method", method, "--length", str(length),
            "--config", args.config, "--layers", str(args.layers), "--dtype", args.dtype, "--device", args.device,
            "--threads", str(args.threads), "--new", str(args.new), "--budget", str(args.budget),
-           "--chunk", str(args.chunk)]
+           "--chunk", str(args.chunk)] + ([] if args.warmup else ["--no-warmup"])
     done = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if done.returncode != 0:
         raise SystemExit(f"the {method} measurement at {length} tokens failed:\n{done.stderr[-3000:]}")
@@ -191,6 +202,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--new", type=int, default=4, help="tokens to generate per measurement")
     p.add_argument("--budget", type=int, default=16, help="ddtree's tree budget")
     p.add_argument("--chunk", type=int, default=4096, help="ddtree's prefill_chunk (0: one forward)")
+    p.add_argument("--no-warmup", dest="warmup", action="store_false",
+                   help="measure each method's first call (no untimed warm-up generation before it)")
     p.add_argument("--repeats", type=int, default=1, help="measurements per method and length (medians)")
     p.add_argument("--out", default=None, help="write the rows as JSON here")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
@@ -222,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(row)
         print(format_table(rows[-1:]).split("\n", 2)[-1], flush=True)
     print(f"config {args.config}, {args.layers} layers, {args.dtype}, {args.device}, threads {args.threads}, "
-          f"prefill_chunk {args.chunk}, torch {torch.__version__}, pid {os.getpid()}")
+          f"prefill_chunk {args.chunk}, warm-up {args.warmup}, torch {torch.__version__}, pid {os.getpid()}")
     print(format_table(rows))
     if args.out:
         with open(args.out, "w") as f:

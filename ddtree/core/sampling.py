@@ -55,6 +55,24 @@ def processed_logprobs(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tenso
     return x.log_softmax(dim=-1)
 
 
+LOG_SOFTMAX_CHUNK = 1 << 20
+"""Elements per slice of :func:`log_softmax_inplace`: its scratch is a few MB however wide the vocabulary."""
+
+
+def log_softmax_inplace(x: torch.Tensor) -> torch.Tensor:
+    """``x.log_softmax(-1)`` written into ``x`` a few rows at a time, so a vocabulary-wide block needs no second
+    copy (a 15-position block of a 152k vocabulary is 9 MB of float32). Each row's arithmetic is the one
+    ``log_softmax`` does: the bits are the same."""
+    if x.numel() == 0:
+        return x
+    flat = x.view(-1, x.shape[-1])
+    step = max(1, LOG_SOFTMAX_CHUNK // x.shape[-1])
+    for start in range(0, flat.shape[0], step):
+        rows = flat[start : start + step]
+        rows.copy_(rows.log_softmax(dim=-1))
+    return x
+
+
 def choose_tokens(logits: torch.Tensor, cfg: SamplingConfig, generator: torch.Generator | None = None) -> torch.Tensor:
     """One token per position of ``logits`` ``[..., V]``: argmax, or one independent draw."""
     if cfg.greedy:

@@ -302,6 +302,8 @@ def causal_attention(
         return F.scaled_dot_product_attention(
             q, k, v, dropout_p=dropout, is_causal=q_len > 1, scale=scale, enable_gqa=gqa
         )
+    if window is None and key_padding is None and softcap is None and not dropout and q.device.type == "cpu":
+        return cached_chunk_attention(q, k, v, scale)
     offset = kv_len - q_len
     rows = max(1, _MASK_CHUNK_ELEMENTS // max(kv_len, 1))
     key_pos = torch.arange(kv_len, device=q.device)
@@ -326,6 +328,31 @@ def causal_attention(
             )
         )
     return torch.cat(outs, dim=2)
+
+
+def cached_chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal attention of an ``L``-query prefill chunk over ``S > L`` keys, the chunk's own last, on a CPU.
+
+    The cached ``S - L`` keys are seen by every query (no mask) and the chunk's keys causally (a square, so
+    the kernel's own causal flag is the right alignment); PyTorch's CPU flash kernel attends each with its
+    LSE and the two merge exactly. No ``[L, S]`` mask is built: a 4096-token chunk after 12k cached tokens
+    would otherwise carry a 200 MB float mask, and the masked kernel visits every masked block.
+    """
+    hq, hkv, q_len = q.shape[1], k.shape[1], q.shape[2]
+    cached = k.shape[2] - q_len
+    o1, l1 = fused_prefix_kernel(q, k[:, :, :cached], v[:, :, :cached], scale)
+    group = hq // hkv
+    o2, l2 = torch.empty_like(o1), torch.empty_like(l1)
+    kb, vb = k[:, :, cached:], v[:, :, cached:]
+    for g in range(group):  # query heads g, g + G, ... read key heads 0, 1, ...: no key is repeated
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q[:, g::group].contiguous(), kb, vb, 0.0, True, scale=scale)
+        o2[:, g::group], l2[:, g::group] = out, lse
+    cdt = compute_dtype(q.dtype)
+    l1, l2 = l1.to(cdt), l2.to(cdt)
+    lse = torch.logaddexp(l1, l2)  # both finite: every query sees the cached keys and itself
+    out = o1.to(cdt).mul_((l1 - lse).exp_()[..., None])
+    return out.add_(o2.to(cdt).mul_((l2 - lse).exp_()[..., None])).to(q.dtype)
 
 
 def _make_attention_function(prefix_kernel: PrefixKernel, block_kernel: BlockKernel | None, use_flash_attn: bool):

@@ -7,6 +7,7 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
+from ddtree.core.sampling import log_softmax_inplace
 from ddtree.drafters.base import Drafter
 from ddtree.drafters.dflash.checkpoint import DRAFT_VOCAB_FILE, check_draft_vocab
 from ddtree.drafters.dflash.config import DFlashConfig
@@ -164,8 +165,8 @@ class DFlashDrafter(Drafter):
         hidden = hidden.to(lm_head.weight.dtype)
         if self._head_slice is None:  # the target's own module: its tensor-parallel or device hooks apply
             logits = self.model.process_logits(lm_head(hidden.to(lm_head.weight.device)).float())
-            return torch.log_softmax(logits, dim=-1).to(hidden.device)
+            return log_softmax_inplace(logits.contiguous()).to(hidden.device)
         linear = cpu_linear.linear if cpu_linear.routed(self.model.fc) else F.linear  # routed with the model
-        sub = torch.log_softmax(self.model.process_logits(linear(hidden, *self._head_slice).float()), dim=-1)
+        sub = log_softmax_inplace(self.model.process_logits(linear(hidden, *self._head_slice).float()).contiguous())
         out = sub.new_full((*sub.shape[:-1], lm_head.weight.shape[0]), float("-inf"))
         return out.index_copy_(-1, self.draft_vocab, sub)

@@ -237,7 +237,7 @@ class DFlashDraftModel(nn.Module):
             logits = logits * self.config.output_multiplier
         cap = self.config.final_logit_softcapping
         if cap is not None and cap > 0:
-            logits = torch.tanh(logits / cap) * cap
+            logits = (logits / cap).tanh_().mul_(cap)  # one vocabulary-wide copy, not three
         return logits
 
     def project_context(self, features: torch.Tensor) -> torch.Tensor:
