@@ -269,3 +269,21 @@ def test_linear_bench_leaf_paths_of_known_trees():
     assert _leaf_paths(chain) == [[0, 1, 2, 3]]
     assert _leaf_paths(star) == [[0, 1], [0, 2], [0, 3]]
     assert _leaf_paths(fork) == [[0, 1, 2], [0, 1, 3], [0, 4]]
+
+
+def test_memory_bench_measures_both_methods_side_by_side(tmp_path):
+    """The long-prompt bench: each method in its own child, the same tokens, a chunked ddtree prefill, and the
+    drafter's share of ddtree's time to first token reported (it is what HF's prefill does not do)."""
+    from ddtree.bench import memory
+
+    out = tmp_path / "memory.json"
+    assert memory.main(["--config", "tiny", "--layers", "1", "--lengths", "40,300", "--chunk", "128",
+                        "--new", "3", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["length"] for r in rows] == [40, 300]
+    for r in rows:
+        hf, dd = r["hf"], r["ddtree"]
+        assert hf["tokens"] == dd["tokens"] and len(dd["tokens"]) == 3
+        assert hf["peak_bytes"] > 0 and dd["peak_bytes"] > 0
+        assert 0 < dd["drafter_context_s"] < dd["ttft_s"]
+        assert dd["drafter_context_bytes"] > 0
