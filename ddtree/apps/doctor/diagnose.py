@@ -181,6 +181,10 @@ def verdict(report: DoctorReport) -> str:
     return "\n".join(lines)
 
 
+def _z_text(z: float) -> str:
+    return f"{z:.1f}" if math.isfinite(z) else "inf"
+
+
 def _rates(rates: Sequence[float] | None) -> str:
     return ", ".join(f"{r:.3f}" for r in rates or [])
 
@@ -261,7 +265,7 @@ def diagnose(target: str | None = None, drafter: str | None = None, *, prompts: 
             counts = run(gen, chain, "chain")
             replayed = replay_counts(tgt, dr, runs)
         signatures.append(profile_from_counts(name, fault.title, counts, chain, check=fault.check))
-        signatures[-1].paired = paired(*ref_replay, *replayed)
+        signatures[-1].paired = paired(ref_replay, replayed)
         signatures[-1].seconds = time.perf_counter() - t
     bar.close()
     report = DoctorReport(target_path, str(drafter_dir), block, len(ids), max_new_tokens, config, reference,
@@ -304,7 +308,7 @@ def render(report: DoctorReport) -> str:
     head = f"  {'profile':<19}{'mean':>6}{'drafts':>8}  " + " ".join(f"{'p' + str(i + 1):>6}" for i in range(k))
     if report.engine is not None:
         head += f"{'dist':>8}"
-    head += "   paired: lost/round (z), drafts changed"
+    head += "   paired: lost/round (z), nats/position (z), drafts changed"
     out.append(head)
     dist = {r.name: r.distance for r in report.ranking}
 
@@ -328,8 +332,8 @@ def render(report: DoctorReport) -> str:
         if p.paired is not None and p.mean is not None:
             if report.engine is not None and p.name not in dist:
                 line += " " * 8
-            z = f"{p.paired.z:.1f}" if math.isfinite(p.paired.z) else "inf"
-            line += f"   {p.paired.gap:+.2f} ({z}), {100 * p.paired.changed:.0f}%"
+            line += (f"   {p.paired.gap:+.2f} ({_z_text(p.paired.z)}), {p.paired.nats:+.2f} "
+                     f"({_z_text(p.paired.nats_z)}), {100 * p.paired.changed:.0f}%")
         out.append(line + ("" if p.mean is None or report.distinct(p.name) else "  (~ reference)"))
     if report.engine is not None:
         e = report.engine

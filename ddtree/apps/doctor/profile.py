@@ -25,18 +25,48 @@ class Paired:
     ``gap``: mean accepted tokens per round lost to the fault (correct minus faulty), ``se`` its standard
     error over the rounds, ``changed``: the share of rounds whose chain draft differs from the correct one.
     Pairing removes the prompt-to-prompt noise, so a small loss shows where free-running profiles cannot.
+
+    ``nats``/``nats_se``: the mean log-probability per chain position that the fault takes from the target's
+    own next tokens (floored at :data:`LOGPROB_FLOOR`). Every position of every round counts, not only the
+    first miss, so it shows a fault that degrades the drafter even where this drafter's acceptance, mostly
+    decided at position 1, hardly moves.
     """
 
     rounds: int
     gap: float
     se: float
     changed: float
+    nats: float = 0.0
+    nats_se: float = 0.0
 
     @property
     def z(self) -> float:
-        if self.se == 0:
-            return 0.0 if self.gap == 0 else math.copysign(math.inf, self.gap)
-        return self.gap / self.se
+        return _z(self.gap, self.se)
+
+    @property
+    def nats_z(self) -> float:
+        return _z(self.nats, self.nats_se)
+
+
+def _z(mean: float, se: float) -> float:
+    if se == 0:
+        return 0.0 if mean == 0 else math.copysign(math.inf, mean)
+    return mean / se
+
+
+LOGPROB_FLOOR = -20.0
+"""Log-probabilities of the target's tokens are floored here (nats), so a token outside a draft vocabulary
+(``-inf``) counts as a very bad guess, not as an infinite loss."""
+
+
+@dataclass
+class Replay:
+    """A drafter's chain at a run's rounds: per round the draft tokens accepted, the chain draft, and the mean
+    (floored) log-probability it gave the target's true next tokens."""
+
+    counts: list[int]
+    drafts: list[torch.Tensor]
+    logprobs: list[float]
 
 
 @dataclass
@@ -88,9 +118,9 @@ def accepted_counts(generator, prompts: Sequence[torch.Tensor], budget: int, max
 
 
 @torch.no_grad()
-def replay_counts(target, drafter, runs: Sequence[tuple[torch.Tensor, int, list[int]]],
-                  ) -> tuple[list[int], list[torch.Tensor]]:
-    """A drafter's chain at another run's rounds: per round, the draft tokens it would get accepted, and its draft.
+def replay_counts(target, drafter, runs: Sequence[tuple[torch.Tensor, int, list[int]]]) -> Replay:
+    """A drafter's chain at another run's rounds: per round, the draft tokens it would get accepted, its draft,
+    and the log-probability it gives the true tokens.
 
     Each run is ``(sequence, prompt length, accepted counts)`` from :func:`accepted_counts` (greedy, so every
     correct drafter yields the same sequence). One target forward gives every position's features; the drafter
@@ -98,7 +128,7 @@ def replay_counts(target, drafter, runs: Sequence[tuple[torch.Tensor, int, list[
     scored against the true next tokens. Replaying the run's own drafter gives back its counts.
     """
     device = target.get_input_embeddings().weight.device
-    counts, drafts = [], []
+    counts, drafts, logprobs = [], [], []
     for seq, plen, rounds in runs:
         seq = seq.to(device)
         hidden = target(seq, output_hidden_states=True).hidden_states
@@ -109,27 +139,35 @@ def replay_counts(target, drafter, runs: Sequence[tuple[torch.Tensor, int, list[
         for k in rounds:
             if at >= end:
                 break
-            draft = ctx.propose(seq[:, at:at + 1]).logprobs[0].argmax(-1)
+            block = ctx.propose(seq[:, at:at + 1]).logprobs[0]
+            draft = block.argmax(-1)
             truth = seq[0, at + 1:at + 1 + draft.numel()]
             same = (draft[:truth.numel()] == truth).int().cumprod(0)
             counts.append(int(same.sum()))
             drafts.append(draft.cpu())
+            given = block[: truth.numel()].gather(-1, truth[:, None]).clamp(min=LOGPROB_FLOOR)
+            logprobs.append(float(given.mean()) if truth.numel() else 0.0)
             step = min(k + 1, end - at)
             ctx.append(features[:, at:at + step], seq[:, at:at + step])
             at += step
-    return counts, drafts
+    return Replay(counts, drafts, logprobs)
 
 
-def paired(reference: Sequence[int], ref_drafts: Sequence[torch.Tensor], fault: Sequence[int],
-           fault_drafts: Sequence[torch.Tensor]) -> Paired:
+def paired(reference: Replay, fault: Replay) -> Paired:
     """The paired comparison of two replays over the same rounds."""
-    n = min(len(reference), len(fault))
+    n = min(len(reference.counts), len(fault.counts))
     if n == 0:
         return Paired(0, 0.0, 0.0, 0.0)
-    d = torch.tensor([reference[i] - fault[i] for i in range(n)], dtype=torch.float64)
-    se = float(d.std(unbiased=True) / math.sqrt(n)) if n > 1 else 0.0
-    changed = sum(not torch.equal(ref_drafts[i], fault_drafts[i]) for i in range(n)) / n
-    return Paired(n, float(d.mean()), se, changed)
+    gap, se = _mean_se([reference.counts[i] - fault.counts[i] for i in range(n)])
+    nats, nats_se = _mean_se([reference.logprobs[i] - fault.logprobs[i] for i in range(n)])
+    changed = sum(not torch.equal(reference.drafts[i], fault.drafts[i]) for i in range(n)) / n
+    return Paired(n, gap, se, changed, nats, nats_se)
+
+
+def _mean_se(values: Sequence[float]) -> tuple[float, float]:
+    d = torch.tensor(values, dtype=torch.float64)
+    se = float(d.std(unbiased=True) / math.sqrt(len(values))) if len(values) > 1 else 0.0
+    return float(d.mean()), se
 
 
 def noise(profile: Profile) -> float:
