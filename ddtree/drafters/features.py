@@ -13,6 +13,8 @@ from typing import Sequence
 
 import torch
 
+from ddtree.drafters.base import Drafter
+
 
 def build_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
     """The published default: the middle layer for one drafter layer, else evenly from 1 to L-3."""
@@ -63,3 +65,20 @@ def borrow_target_parts(target) -> tuple:
             raise ValueError(f"the target's {name} is offloaded (its weight is on the meta device), and the "
                              f"drafter borrows it: keep it on a device in the device_map (offload layers instead)")
     return parts
+
+
+class FeatureDrafter(Drafter):
+    """What DFlash and DFlash2 drafters share once bound to a target: the model and its settings, the target's
+    embedding and lm_head (borrowed, never copied), and the feature read of its ``target_layer_ids``."""
+
+    def _bind(self, model, target) -> None:
+        self.model = model
+        self.config = model.config
+        self.block_size = model.config.block_size
+        self.target_layer_ids = list(model.config.target_layer_ids)
+        self.mask_token_id = model.config.mask_token_id
+        self._target_parts = borrow_target_parts(target)
+
+    def context_features(self, hidden_states: Sequence[torch.Tensor]) -> torch.Tensor:
+        """The target layers' features on the drafter's device (a layer-split target's layers sit on several)."""
+        return extract_context_feature(hidden_states, self.target_layer_ids, device=self.model.fc.weight.device)

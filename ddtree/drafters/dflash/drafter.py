@@ -2,22 +2,15 @@
 
 from __future__ import annotations
 
-from typing import Sequence
-
 import torch
 import torch.nn.functional as F
 
 from ddtree.core.sampling import log_softmax_inplace
-from ddtree.drafters.base import Drafter
 from ddtree.drafters.dflash.checkpoint import DRAFT_VOCAB_FILE, check_draft_vocab
 from ddtree.drafters.dflash.config import DFlashConfig
 from ddtree.drafters.dflash.context import DFlashContext
 from ddtree.drafters.dflash.model import DFlashDraftModel
-from ddtree.drafters.features import (
-    borrow_target_parts,
-    check_target_layer_ids,
-    extract_context_feature,
-)
+from ddtree.drafters.features import FeatureDrafter, check_target_layer_ids
 from ddtree.runtime.distributed import Lockstep, full_tensor, module_fingerprint
 from ddtree.target import cpu_linear
 
@@ -59,7 +52,7 @@ def check_compatible_config(config: DFlashConfig, target_config, vocab_size: int
         raise ValueError(f"mask_token_id {config.mask_token_id} is outside the target's vocabulary (size {vocab})")
 
 
-class DFlashDrafter(Drafter):
+class DFlashDrafter(FeatureDrafter):
     """A DFlash model bound to its target: weights and settings only, shared by every generation.
 
     Per generation, :meth:`new_context` gives a :class:`DFlashContext`: each round
@@ -71,12 +64,7 @@ class DFlashDrafter(Drafter):
         self._lockstep = Lockstep.for_model(target)  # a tensor-parallel target's ranks bind together
         with self._lockstep.fail_together("binding the drafter to the target"):
             check_compatible(model.config, target)
-        self.model = model
-        self.config = model.config
-        self.block_size = model.config.block_size
-        self.target_layer_ids = list(model.config.target_layer_ids)
-        self.mask_token_id = model.config.mask_token_id
-        self._target_parts = borrow_target_parts(target)
+        self._bind(model, target)
         self.set_draft_vocab(draft_vocab)
 
     def set_draft_vocab(self, draft_vocab: "str | int | torch.Tensor | None" = "auto") -> None:
@@ -151,10 +139,6 @@ class DFlashDrafter(Drafter):
         check_compatible(DFlashConfig.from_pretrained(path), target)  # before any weight is read
         dev = device if device is not None else target.get_input_embeddings().weight.device
         return cls(DFlashDraftModel.from_pretrained(path, dtype=dtype, device=dev), target, draft_vocab=draft_vocab)
-
-    def context_features(self, hidden_states: Sequence[torch.Tensor]) -> torch.Tensor:
-        """The target layers' features on the drafter's device (a layer-split target's layers sit on several)."""
-        return extract_context_feature(hidden_states, self.target_layer_ids, device=self.model.fc.weight.device)
 
     def new_context(self, batch_size: int = 1) -> "DFlashContext":
         return DFlashContext(self, batch_size)

@@ -2,19 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
-import torch
-
-from ddtree.drafters.base import Drafter
 from ddtree.drafters.dflash2.config import DFlash2Config
 from ddtree.drafters.dflash2.context import DFlash2Context
 from ddtree.drafters.dflash2.model import DFlash2DraftModel
-from ddtree.drafters.features import (
-    borrow_target_parts,
-    check_target_layer_ids,
-    extract_context_feature,
-)
+from ddtree.drafters.features import FeatureDrafter, check_target_layer_ids
 
 
 def check_compatible(config: DFlash2Config, target) -> None:
@@ -32,7 +23,7 @@ def check_compatible(config: DFlash2Config, target) -> None:
         raise ValueError(f"mask_token_id {config.mask_token_id} is outside the target's vocabulary (size {vocab})")
 
 
-class DFlash2Drafter(Drafter):
+class DFlash2Drafter(FeatureDrafter):
     """A DFlash2 model bound to its target; each generation gets a :class:`DFlash2Context`.
 
     Its proposals carry pairwise selector scores: the round grows ``best_first`` trees in which each
@@ -42,21 +33,13 @@ class DFlash2Drafter(Drafter):
 
     def __init__(self, model: DFlash2DraftModel, target):
         check_compatible(model.config, target)
-        self.model = model
-        self.config = model.config
-        self.block_size = model.config.block_size
-        self.target_layer_ids = list(model.config.target_layer_ids)
-        self.mask_token_id = model.config.mask_token_id
-        self._target_parts = borrow_target_parts(target)
+        self._bind(model, target)
 
     @classmethod
     def from_pretrained(cls, path, target, *, dtype=None, device=None) -> DFlash2Drafter:
         check_compatible(DFlash2Config.from_pretrained(path), target)  # before any weight is read
         dev = device if device is not None else target.get_input_embeddings().weight.device
         return cls(DFlash2DraftModel.from_pretrained(path, dtype=dtype, device=dev), target)
-
-    def context_features(self, hidden_states: Sequence[torch.Tensor]) -> torch.Tensor:
-        return extract_context_feature(hidden_states, self.target_layer_ids, device=self.model.fc.weight.device)
 
     def new_context(self, batch_size: int = 1) -> DFlash2Context:
         return DFlash2Context(self, batch_size)
