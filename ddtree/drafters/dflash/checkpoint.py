@@ -62,6 +62,27 @@ def read_weights(files: list[Path]) -> dict[str, torch.Tensor]:
     return state
 
 
+def check_header_shapes(shapes: dict, own: dict, path, kind: str = "drafter") -> None:
+    """The checkpoint's tensor names and shapes (from its headers) against those its config implies."""
+    missing, unexpected = sorted(set(own) - set(shapes)), sorted(set(shapes) - set(own))
+    if missing or unexpected:
+        raise ValueError(f"{kind} weights in {path} do not match its config: missing {missing[:8]}, "
+                         f"unexpected {unexpected[:8]}")
+    for k, shape in shapes.items():
+        if shape != own[k]:
+            raise ValueError(f"{kind} weight {k} has shape {shape}, config implies {own[k]}: config.json and the "
+                             "weights belong to different drafters; re-download the directory")
+
+
+def check_finite(state: dict, kind: str = "drafter") -> None:
+    """Refuse weights that hold NaN or inf (a damaged file, or a run that diverged before it was saved)."""
+    for k, v in state.items():
+        if v.is_floating_point() and not bool(torch.isfinite(v).all()):
+            bad = int((~torch.isfinite(v)).sum())
+            raise ValueError(f"{kind} weight {k} holds {bad} NaN or inf values: the checkpoint is damaged "
+                             "(or was saved from a diverged run); re-download or retrain it")
+
+
 def refuse_pickled_sidecars(path: Path) -> None:
     """A pickled ``mask_embedding.pt`` (vLLM's sidecar) is refused by name: ddtree never unpickles."""
     found = sorted(f.name for f in path.glob("mask_embedding.*") if f.suffix in PICKLED_SUFFIXES) if path.is_dir() \

@@ -25,6 +25,8 @@ from torch import nn
 
 from ddtree.drafters.dflash.attention import block_attention, visible_keys
 from ddtree.drafters.dflash.checkpoint import (
+    check_finite,
+    check_header_shapes,
     draft_vocab_file,
     header_shapes,
     load_draft_vocab,
@@ -333,25 +335,12 @@ class DFlashDraftModel(nn.Module):
         has_mask = "mask_embedding" in shapes
         with torch.device("meta"):
             own = {k: tuple(v.shape) for k, v in cls(config, mask_embedding=has_mask).state_dict().items()}
-        missing = sorted(set(own) - set(shapes))
-        unexpected = sorted(set(shapes) - set(own))
-        if missing or unexpected:
-            raise ValueError(
-                f"drafter weights in {path} do not match its config: missing {missing[:8]}, unexpected {unexpected[:8]}"
-            )
-        for k, shape in shapes.items():
-            if shape != own[k]:
-                raise ValueError(f"drafter weight {k} has shape {shape}, config implies {own[k]}: config.json and "
-                                 "the weights belong to different drafters; re-download the directory")
+        check_header_shapes(shapes, own, path)
         state = read_weights(files)
         state = {k.removeprefix("model."): v for k, v in state.items()}
         if has_mask:
             state["mask_embedding"] = state["mask_embedding"].reshape(-1)
-        for k, v in state.items():
-            if v.is_floating_point() and not bool(torch.isfinite(v).all()):
-                bad = int((~torch.isfinite(v)).sum())
-                raise ValueError(f"drafter weight {k} holds {bad} NaN or inf values: the checkpoint is damaged "
-                                 "(or was saved from a diverged run); re-download or retrain it")
+        check_finite(state)
         file_dtype = next(iter(state.values())).dtype
         # built in the final dtype first, so a float64 checkpoint is not rounded through float32 on the way
         model = cls(config, mask_embedding=has_mask).to(dtype=dtype or file_dtype)

@@ -23,7 +23,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from ddtree.core.pairwise import PairwiseScores
-from ddtree.drafters.dflash.checkpoint import header_shapes, read_weights, weight_files
+from ddtree.drafters.dflash.checkpoint import (
+    check_finite,
+    check_header_shapes,
+    header_shapes,
+    read_weights,
+    weight_files,
+)
 from ddtree.drafters.dflash.model import DFlashAttention, DFlashMLP, RMSNorm, RotaryEmbedding, apply_rope
 from ddtree.drafters.dflash2.config import DFlash2Config
 
@@ -235,18 +241,9 @@ class DFlash2DraftModel(nn.Module):
         shapes = {_own_name(k): v for k, v in header_shapes(files).items()}
         with torch.device("meta"):
             own = {k: tuple(v.shape) for k, v in cls(config).state_dict().items()}
-        missing, unexpected = sorted(set(own) - set(shapes)), sorted(set(shapes) - set(own))
-        if missing or unexpected:
-            raise ValueError(f"DFlash2 drafter weights in {path} do not match its config: missing {missing[:8]}, "
-                             f"unexpected {unexpected[:8]}")
-        for k, shape in shapes.items():
-            if shape != own[k]:
-                raise ValueError(f"DFlash2 drafter weight {k} has shape {shape}, config implies {own[k]}: "
-                                 "config.json and the weights belong to different drafters")
+        check_header_shapes(shapes, own, path, kind="DFlash2 drafter")
         state = {_own_name(k): v for k, v in read_weights(files).items()}
-        for k, v in state.items():
-            if v.is_floating_point() and not bool(torch.isfinite(v).all()):
-                raise ValueError(f"DFlash2 drafter weight {k} holds NaN or inf values: the checkpoint is damaged")
+        check_finite(state, kind="DFlash2 drafter")
         file_dtype = next(iter(state.values())).dtype
         model = cls(config).to(file_dtype)  # load into the file's dtype: a float32 shell would round the weights
         model.load_state_dict(state)
