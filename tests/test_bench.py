@@ -277,13 +277,13 @@ def test_memory_bench_measures_both_methods_side_by_side(tmp_path):
     from ddtree.bench import memory
 
     out = tmp_path / "memory.json"
-    assert memory.main(["--config", "tiny", "--layers", "1", "--lengths", "40,300", "--chunk", "128",
-                        "--new", "3", "--out", str(out)]) == 0
+    assert memory.main(["--config", "tiny", "--layers", "1", "--lengths", "300", "--chunk", "128", "--new", "3",
+                        "--dtype", "float64", "--out", str(out)]) == 0  # float64: no near-tie can split the tokens
     rows = json.loads(out.read_text())["rows"]
-    assert [r["length"] for r in rows] == [40, 300]
-    for r in rows:
-        hf, dd = r["hf"], r["ddtree"]
-        assert hf["tokens"] == dd["tokens"] and len(dd["tokens"]) == 3
-        assert hf["peak_bytes"] > 0 and dd["peak_bytes"] > 0
-        assert 0 < dd["drafter_context_s"] < dd["ttft_s"]
-        assert dd["drafter_context_bytes"] > 0
+    assert [r["length"] for r in rows] == [300]
+    hf, dd = rows[0]["hf"], rows[0]["ddtree"]
+    assert hf["tokens"] == dd["tokens"] and len(dd["tokens"]) == 3
+    assert hf["peak_bytes"] >= 0 and dd["peak_bytes"] >= 0  # above the warmed-up level: a tiny run may need none
+    assert 0 < dd["drafter_context_s"] < dd["ttft_s"]
+    per_token = 2 * 2 * 16 * 8  # K and V of one drafter layer: 2 KV heads x 16 dims, float64
+    assert 300 * per_token <= dd["drafter_context_bytes"] <= (2 * 300 + 64) * per_token  # the prompt, grown capacity
