@@ -188,3 +188,20 @@ def test_prepare_is_instance_level_and_reversible():
         assert torch.equal(model(ids).logits, other(ids).logits)  # without a tree: transformers' own forward
     unprepare(model)
     assert not is_prepared(model) and not any("forward" in vars(m) for m in [model, *gdn_modules(model)])
+
+
+def test_a_prepared_target_still_gets_last_position_logits_from_hf_generate():
+    """HF ``generate`` reads the forward's parameters to decide ``logits_to_keep``: the routed forward keeps
+    the original signature, so a prompt's prefill still computes one logits row, not one per prompt token."""
+    import inspect
+
+    from ddtree.target.linear_attention import prepare
+
+    model = family_target("qwen3_5")
+    prepare(model)
+    assert "logits_to_keep" in inspect.signature(model.forward).parameters
+    rows = []
+    model.get_output_embeddings().register_forward_hook(lambda m, args, out: rows.append(args[0].shape[1]))
+    ids = torch.tensor([PROMPT * 3])
+    model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=2, do_sample=False, pad_token_id=0)
+    assert rows == [1, 1]

@@ -125,8 +125,9 @@ def test_chunked_prefill_equals_one_shot_tokens_and_acceptance(kind, lengths, ch
         if kind != "qwen3":
             step = -(-step // 64) * 64
         assert len(seen) == sum(-(-n // step) for n in rows)  # the prefill ran in chunks of `step`
-        width = int(state.draft.lengths.max())
-        kv = [k[:, :, :width].clone() for k, _ in state.draft.kv]
+        draft = state.catch_up_draft()
+        width = int(draft.lengths.max())
+        kv = [k[:, :, :width].clone() for k, _ in draft.kv]
         out = gen.generate(prompts if len(prompts) > 1 else prompts[0], max_new_tokens=NEW)
         runs[chunk] = (out.sequences, out.acceptance_lengths, kv)
     seq, acc, kv = runs[None]
@@ -136,6 +137,40 @@ def test_chunked_prefill_equals_one_shot_tokens_and_acceptance(kind, lengths, ch
         assert a == acc, chunk
         for x, y in zip(k, kv):
             torch.testing.assert_close(x, y, rtol=0, atol=1e-12)  # the drafter context: same features
+
+
+@pytest.mark.parametrize(("kind", "lengths", "chunk"), [("qwen3", [45], 16), ("qwen3", [45, 17, 30], 16),
+                                                       ("qwen3_5", [150, 60, 100], 64)])
+def test_the_first_token_does_not_wait_for_the_drafters_last_chunk(kind, lengths, chunk):
+    """The prefill emits the first token with each prompt's last chunk still held back from the drafter; the
+    next round takes it in first, and the context then equals one built from a plain HF forward."""
+    target, drafter = _pair(kind)
+    prompts = prompts_of(lengths, seed=2)
+    gen = SpeculativeGenerator(target, drafter, tree_budget=8, prefill_chunk=chunk)
+    state = gen.start(prompts if len(prompts) > 1 else prompts[0], max_new_tokens=NEW)
+    first = speculative_round(state)
+    assert all(len(t) == 1 for t in first.tokens)
+    in_context = state.draft.lengths.tolist()
+    width = max(lengths)  # a padded attention batch is chunked over its padded width, a hybrid's row by row
+    last = [width - (width - 1) // chunk * chunk] * len(lengths) if kind == "qwen3" else \
+        [n - (n - 1) // chunk * chunk for n in lengths]
+    assert in_context == [max(0, n - k) for n, k in zip(lengths, last)]  # every chunk but the last
+    assert len(state.deferred) == (1 if kind == "qwen3" else len(lengths))  # the hybrid prefills row by row
+    draft = state.catch_up_draft()
+    assert draft.lengths.tolist() == lengths and not state.deferred
+    for row, prompt in enumerate(prompts):
+        ids = torch.tensor([prompt])
+        with torch.no_grad():
+            hs = target(ids, output_hidden_states=True).hidden_states
+        fresh = gen.drafter.new_context(1)
+        fresh.append(gen.drafter.context_features(hs), ids)
+        for (k, v), (k1, v1) in zip(draft.kv, fresh.kv):
+            n = len(prompt)
+            torch.testing.assert_close(k[row:row + 1, :, :n], k1[:, :, :n], rtol=0, atol=1e-5)
+            torch.testing.assert_close(v[row:row + 1, :, :n], v1[:, :, :n], rtol=0, atol=1e-5)
+    out = gen.generate(prompts if len(prompts) > 1 else prompts[0], max_new_tokens=NEW)
+    acc = out.acceptance_lengths if len(prompts) > 1 else [out.acceptance_lengths]
+    assert max(a for row in acc for a in row) > 1  # the drafter gets accepted after the deferred intake
 
 
 @pytest.mark.parametrize("kind", ["qwen3", "qwen3_5"])

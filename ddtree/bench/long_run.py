@@ -319,7 +319,7 @@ def markdown(r: dict) -> str:
         f"`{m.get('command', '')}`\n",
         f"{m.get('models', '')}; {m.get('dtype', '')}, torch {m.get('torch', '')} ({m.get('torch_threads', '')} "
         f"threads), transformers {m.get('transformers', '')}, {m.get('date_utc', '')}.\n",
-        f"| figure | value |\n|---|---:|",
+        "| figure | value |\n|---|---:|",
         f"| new tokens (prompt) | {r['new_tokens']} ({r['prompt_tokens']}) |",
         f"| builder @ budget | {r['builder']} @ {r['budget']} |",
         f"| exact vs HF greedy | {exact} |",

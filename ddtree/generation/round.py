@@ -1,6 +1,7 @@
 """``speculative_round(state)``: one step of a generation, the loop body every caller shares.
 
-The first call prefills the prompts and emits each row's first token. Every
+The first call prefills the prompts and emits each row's first token (the drafter takes in the
+prompt's last chunk at the start of the next round, so the token does not wait for it). Every
 later call runs one round for the active rows:
 
 1. ``draft.propose(roots)``: per-depth log-probs after each row's root;
@@ -102,11 +103,20 @@ def _prefill_batch(state: DecodeState, ids: torch.Tensor, lengths: torch.Tensor,
             chunk = chunk.gather(1, take)
             if features is not None:
                 features = features.gather(1, take.to(features.device)[..., None].expand(-1, -1, features.shape[-1]))
-        state.draft.append(features, chunk, counts)
+        _to_context(state, end == width, features, chunk, counts)
 
     return chunked_prefill(gen.target, ids, state.cache, state.prefill_chunk, positions=positions, valid=valid,
                            hidden=hidden, layers=gen.drafter.target_layer_ids if hidden else None,
                            on_chunk=to_drafter)
+
+
+def _to_context(state: DecodeState, last: bool, *args) -> None:
+    """A prefill chunk's append to the drafter context: at once, or for a prompt's last chunk after the first
+    token is out (:meth:`DecodeState.catch_up_draft`)."""
+    if last:
+        state.deferred.append(args)
+    else:
+        state.draft.append(*args)
 
 
 def _prefill_each_row(state: DecodeState, hidden: bool, width: int) -> torch.Tensor:
@@ -134,7 +144,7 @@ def _prefill_each_row(state: DecodeState, hidden: bool, width: int) -> torch.Ten
                 own = gen.drafter.context_features(out.hidden_states)
                 features = own.new_zeros((rows, *own.shape[1:]))
                 features[b] = own[0]
-            state.draft.append(features, tokens, counts)
+            _to_context(state, end == len(prompt), features, tokens, counts)
 
         cache = new_target_cache(target)
         logits = chunked_prefill(target, prompt.view(1, -1), cache, state.prefill_chunk, hidden=hidden,
@@ -172,6 +182,7 @@ def _plain_step(state: DecodeState) -> RoundResult:
 
 def _tree_round(state: DecodeState) -> RoundResult:
     """Draft, build, verify and commit one tree per active row."""
+    state.catch_up_draft()
     context = int(state.lengths.max())
     with state.timer.stage("calibration"):
         state.policy.prepare(context, len(state.active))
@@ -285,12 +296,13 @@ def _finish_round(state: DecodeState, tokens, acceptance) -> RoundResult:
             index = torch.tensor(keep, dtype=torch.long, device=state.lengths.device)
             select_cache_rows(state.cache, index)
             if state.draft is not None:
-                state.draft.select_rows(index)
+                state.catch_up_draft().select_rows(index)
             state.lengths = state.lengths.index_select(0, index)
             state.roots = state.roots.index_select(0, index.to(state.roots.device))
             _trim_leading_padding(state)
         else:
             state.cache = state.draft = None  # nothing left to decode: free the memory now
+            state.deferred.clear()
     return RoundResult(tokens, acceptance, finished)
 
 

@@ -98,6 +98,7 @@ class DecodeState:
     active: list[int] = field(default_factory=list)
     cache: Any = None
     draft: DraftContext | None = None
+    deferred: list[tuple] = field(default_factory=list)  # drafter-context appends held back (see catch_up_draft)
     lengths: torch.Tensor | None = None  # [A] committed tokens per active row, in the cache
     roots: torch.Tensor | None = None  # [A] each active row's last emitted token, not yet in the cache
     prefilled: bool = False
@@ -119,6 +120,20 @@ class DecodeState:
     @property
     def done(self) -> bool:
         return self.prefilled and not self.active
+
+    def catch_up_draft(self) -> DraftContext | None:
+        """The drafter context with the prompt's last prefill chunk taken in.
+
+        The prefill hands that chunk's features to the drafter after it has emitted the first token, not
+        before: the first token then waits on the target's prefill alone, and the drafter's share moves
+        into the first tree round (which calls this first). A custom loop that reads ``draft`` right after
+        the prefill calls this too."""
+        if self.deferred:
+            with torch.inference_mode(), self.timer.stage("prefill"):
+                for args in self.deferred:
+                    self.draft.append(*args)
+            self.deferred.clear()
+        return self.draft
 
     def emit(self, row: int, tokens: list[int]) -> list[int]:
         """Append a row's tokens, cut at its first stop token (kept) and at ``max_new_tokens``; returns what was

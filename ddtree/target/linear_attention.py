@@ -23,8 +23,8 @@ states is what makes a 64-node tree affordable on a 27B target (design.md).
 
 from __future__ import annotations
 
+import functools
 import sys
-import types
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -445,14 +445,23 @@ def prepare(model) -> bool:
     if is_prepared(model):
         return True
     ctx = _Context()
-    for m in modules:
+    for m in [*modules, model]:
         m._ddtree_original_forward = m.forward
         m._ddtree_context = ctx
-        m.forward = types.MethodType(_gdn_forward, m)
-    model._ddtree_original_forward = model.forward
-    model._ddtree_context = ctx
-    model.forward = types.MethodType(_model_forward, model)
+        m.forward = _keeping_signature(m, _model_forward if m is model else _gdn_forward)
     return True
+
+
+def _keeping_signature(module, replacement):
+    """``replacement`` bound to ``module``, with the signature of the forward it replaces: HF ``generate``
+    reads the forward's parameters (a target whose forward seemed not to take ``logits_to_keep`` got the
+    prompt's every logits row computed by a later HF ``generate``)."""
+
+    @functools.wraps(module.forward)
+    def forward(*args, **kwargs):
+        return replacement(module, *args, **kwargs)
+
+    return forward
 
 
 def unprepare(model) -> None:
