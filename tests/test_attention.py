@@ -175,6 +175,11 @@ def test_merge_of_disjoint_key_sets_is_the_full_softmax():
         out, lse = merge_attention(o1, l1, o2, l2)
         torch.testing.assert_close(out, full_out, rtol=0, atol=1e-12)
         torch.testing.assert_close(lse, full_lse, rtol=0, atol=1e-12)
+        for dtype in (torch.float64, torch.float32):  # in place: the same bits, in the inputs' own storage
+            a, b = o1.to(dtype), o2.to(dtype)
+            want = merge_attention(a, l1, b, l2)[0]
+            got = merge_attention(a.clone(), l1, b.clone(), l2, inplace=True)[0]
+            assert torch.equal(got, want)
     # An empty side merges as nothing; two empty sides stay empty instead of NaN.
     empty = torch.full_like(full_lse, float("-inf"))
     out, lse = merge_attention(torch.zeros_like(full_out), empty, full_out, full_lse)

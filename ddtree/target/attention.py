@@ -42,6 +42,7 @@ from ddtree.target.split_attention import (
     attention_with_lse,
     compute_dtype,
     fold_gqa,
+    merge_attention,
     split_tree_attention,
     torch_prefix_kernel,
     tree_block_allowed,
@@ -348,11 +349,7 @@ def cached_chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sc
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             q[:, g::group].contiguous(), kb, vb, 0.0, True, scale=scale)
         o2[:, g::group], l2[:, g::group] = out, lse
-    cdt = compute_dtype(q.dtype)
-    l1, l2 = l1.to(cdt), l2.to(cdt)
-    lse = torch.logaddexp(l1, l2)  # both finite: every query sees the cached keys and itself
-    out = o1.to(cdt).mul_((l1 - lse).exp_()[..., None])
-    return out.add_(o2.to(cdt).mul_((l2 - lse).exp_()[..., None])).to(q.dtype)
+    return merge_attention(o1, l1, o2, l2, inplace=True)[0].to(q.dtype)
 
 
 def _make_attention_function(prefix_kernel: PrefixKernel, block_kernel: BlockKernel | None, use_flash_attn: bool):

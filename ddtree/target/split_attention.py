@@ -75,12 +75,14 @@ def attention_with_lse(
 
 
 def merge_attention(
-    o1: torch.Tensor, lse1: torch.Tensor, o2: torch.Tensor, lse2: torch.Tensor
+    o1: torch.Tensor, lse1: torch.Tensor, o2: torch.Tensor, lse2: torch.Tensor, *, inplace: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact softmax over the union of two disjoint key sets from the two partial results.
 
     ``o`` is ``[..., N, D]`` and ``lse`` is ``[..., N]`` (natural log). Empty sides
     (``lse = -inf``) get weight 0; if both are empty the row stays 0 with ``-inf``.
+    ``inplace``: ``o1`` and ``o2`` may be overwritten (a prompt-long chunk's outputs then need no third
+    copy); the result is the same to the bit.
     """
     cdt = torch.promote_types(compute_dtype(o1.dtype), compute_dtype(o2.dtype))
     lse1, lse2 = lse1.to(cdt), lse2.to(cdt)
@@ -88,6 +90,8 @@ def merge_attention(
     safe = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
     w1 = torch.exp(lse1 - safe)[..., None]
     w2 = torch.exp(lse2 - safe)[..., None]
+    if inplace:
+        return o1.to(cdt).mul_(w1).add_(o2.to(cdt).mul_(w2)), lse
     return o1.to(cdt) * w1 + o2.to(cdt) * w2, lse
 
 
