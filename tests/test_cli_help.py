@@ -82,8 +82,8 @@ def short_form(example: str, pair, tmp) -> list[str]:
         # The example's log is a real vLLM line (a fixture); everything it writes goes to tmp.
         log = Path(__file__).resolve().parent / "fixtures" / "engine_logs" / "vllm_v1_current_multiline.log"
         cmd = [str(log) if a == "vllm.log" else a for a in cmd]
-        return cmd + models + ["--num-prompts", "1", "--max-new-tokens", "4", "--budgets", "", "--threads", "1",
-                               "--faults", "no_offset,context_dropped",
+        return cmd + models + ["--num-prompts", "1", "--max-new-tokens", "4", "--replay-tokens", "8", "--budgets", "",
+                               "--threads", "1", "--faults", "no_offset,context_dropped",
                                "--no-progress", "--json", str(tmp / "doctor.json")]
     if head == "ddtree chat":
         return cmd + models + ["--max-new-tokens", "4", "--threads", "1"]
