@@ -250,11 +250,6 @@ def diagnose(target: str | None = None, drafter: str | None = None, *, prompts: 
     if longer:
         bar.label = f"reference, {replay_tokens} tokens"
         run(generator, chain, "chain", runs, replay_tokens)
-    # Every fault that leaves the target alone reads these: the drafter's layers and their neighbours.
-    kept = sorted({min(max(int(i) + d, -1), pair_layers(generator.target) - 1)
-                   for i in generator.drafter.target_layer_ids for d in (-1, 0, 1)})
-    hidden = target_hidden_states(generator.target, runs, kept)
-    ref_replay = replay_counts(generator.target, generator.drafter, runs, hidden)
     reference.seconds = time.perf_counter() - t
     trees = []
     for b in tree_budgets:
@@ -265,6 +260,11 @@ def diagnose(target: str | None = None, drafter: str | None = None, *, prompts: 
     reloadable = loaded_here or Path(target_path).is_dir()  # a path or hub id we can load again in bf16
     low = (lambda: _low_precision_pair(target_path, drafter_dir, dev)) if reloadable else None
     pair = Pair(generator.target, generator.drafter, Path(drafter_dir), raw, tok, load_low_precision=low)
+    # Every fault that leaves the target alone reads these: the drafter's layers and their neighbours.
+    kept = sorted({min(max(int(i) + d, -1), pair.num_target_layers - 1)
+                   for i in generator.drafter.target_layer_ids for d in (-1, 0, 1)})
+    hidden = target_hidden_states(generator.target, runs, kept)
+    ref_replay = replay_counts(generator.target, generator.drafter, runs, hidden)
     signatures = []
     for name in names:
         fault = FAULTS_BY_NAME[name]
@@ -297,11 +297,6 @@ def diagnose(target: str | None = None, drafter: str | None = None, *, prompts: 
         report.verdict = verdict(report)
     report.seconds = time.perf_counter() - t0
     return report
-
-
-def pair_layers(target) -> int:
-    config = target.config
-    return int((config.get_text_config() if hasattr(config, "get_text_config") else config).num_hidden_layers)
 
 
 def _low_precision_pair(target_path: str, drafter_dir, device):

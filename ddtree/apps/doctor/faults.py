@@ -99,16 +99,13 @@ class ReadLayers:
 
 class _RowsContext(DraftContext):
     """A context that keeps each row's tokens itself and builds the real one when asked to propose, so a
-    fault decides per row what stays (a row's count-0 append leaves it as it was)."""
+    fault decides per row what stays (a row's count-0 append leaves it as it was). ``keep(old, new)`` gives a
+    row's kept ``(features, tokens)`` after appending ``new`` to ``old`` (``None`` before the first)."""
 
-    def __init__(self, drafter, batch_size: int):
-        self.drafter = drafter
+    def __init__(self, drafter, batch_size: int, keep: Callable):
+        self.drafter, self.keep = drafter, keep
         self.kept: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * batch_size  # ([T, F], [T]) per row
         self.inner = None
-
-    def keep(self, old, new):
-        """A row's kept ``(features, tokens)`` after appending ``new`` to ``old`` (``None`` before the first)."""
-        raise NotImplementedError
 
     def append(self, features, tokens, counts=None):
         for b in range(tokens.shape[0]):
@@ -151,8 +148,8 @@ class DroppedContext(_RowsContext):
     drops its drafter cache computes with the right positions.
     """
 
-    def keep(self, old, new):
-        return new
+    def __init__(self, drafter, batch_size: int):
+        super().__init__(drafter, batch_size, lambda old, new: new)
 
 
 TRUNCATED_KEEP = 16  # context tokens the truncated-context fault keeps
@@ -162,10 +159,10 @@ class TruncatedContext(_RowsContext):
     """A drafter cache that keeps only the newest ``keep`` context tokens (an undersized or evicted cache)."""
 
     def __init__(self, drafter, batch_size: int, keep: int = TRUNCATED_KEEP):
-        super().__init__(drafter, batch_size)
+        super().__init__(drafter, batch_size, self._newest)
         self.limit = keep
 
-    def keep(self, old, new):
+    def _newest(self, old, new):
         if old is not None:
             new = (torch.cat([old[0], new[0]]), torch.cat([old[1], new[1]]))
         return new[0][-self.limit:], new[1][-self.limit:]
