@@ -256,10 +256,7 @@ def diagnose(target: str | None = None, drafter: str | None = None, *, prompts: 
         bar.label = f"reference tree@{b}"
         trees.append(profile_from_counts(f"tree@{b}", f"DDTree, budget {b}", run(generator, b, "best_first"),
                                          chain, method=f"tree@{b}"))
-    dev = generator.target.get_input_embeddings().weight.device
-    reloadable = loaded_here or Path(target_path).is_dir()  # a path or hub id we can load again in bf16
-    low = (lambda: _low_precision_pair(target_path, drafter_dir, dev)) if reloadable else None
-    pair = Pair(generator.target, generator.drafter, Path(drafter_dir), raw, tok, load_low_precision=low)
+    pair = Pair(generator.target, generator.drafter, Path(drafter_dir), raw, tok)
     # Every fault that leaves the target alone reads these: the drafter's layers and their neighbours.
     kept = sorted({min(max(int(i) + d, -1), pair.num_target_layers - 1)
                    for i in generator.drafter.target_layer_ids for d in (-1, 0, 1)})
@@ -270,22 +267,21 @@ def diagnose(target: str | None = None, drafter: str | None = None, *, prompts: 
         fault = FAULTS_BY_NAME[name]
         bar.label = name
         try:
-            built, hooks = fault.build(pair)
+            dr, hooks = fault.build(pair)
         except Skip as why:
             signatures.append(Profile(name, fault.title, skipped=str(why), check=fault.check))
             bar.step(len(ids))
             continue
-        tgt, dr = built if isinstance(built, tuple) else (generator.target, built)
         from ddtree.generation.generator import SpeculativeGenerator
 
-        gen = SpeculativeGenerator(tgt, dr, tree_budget=chain, builder="chain", attention=generator.backend
-                                   if tgt is generator.target else "auto")
+        tgt = generator.target  # a fault that changes it does so inside its hooks
+        gen = SpeculativeGenerator(tgt, dr, tree_budget=chain, builder="chain", attention=generator.backend)
         t = time.perf_counter()
         with hooks:
             counts = run(gen, chain, "chain")
-            same = (tgt is generator.target and isinstance(hooks, contextlib.nullcontext)
+            same = (isinstance(hooks, contextlib.nullcontext)
                     and set(getattr(dr, "target_layer_ids", kept)) <= set(kept))
-            replayed = replay_counts(tgt, dr, runs, hidden if same else None)
+            replayed = replay_counts(tgt, dr, runs, hidden if same else None, own_tokens=fault.changes_target)
         signatures.append(profile_from_counts(name, fault.title, counts, chain, check=fault.check))
         signatures[-1].paired = paired(ref_replay, replayed)
         signatures[-1].seconds = time.perf_counter() - t
@@ -297,14 +293,6 @@ def diagnose(target: str | None = None, drafter: str | None = None, *, prompts: 
         report.verdict = verdict(report)
     report.seconds = time.perf_counter() - t0
     return report
-
-
-def _low_precision_pair(target_path: str, drafter_dir, device):
-    from ddtree.generation.generator import SpeculativeGenerator
-
-    gen = SpeculativeGenerator.from_pretrained(target_path, str(drafter_dir), dtype=torch.bfloat16, draft_vocab=None,
-                                               device=device)
-    return gen.target, gen.drafter
 
 
 # --------------------------------------------------------------------------- output

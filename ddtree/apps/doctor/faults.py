@@ -35,6 +35,7 @@ class Fault:
     check: str  # where to look in an engine
     build: Callable  # (Pair) -> (drafter, context manager); raises Skip
     group: str = ""  # the part of an integration it belongs to (faults of one group look alike)
+    changes_target: bool = False  # its hooks change what the target computes, not only what the drafter reads
 
 
 @dataclass
@@ -46,7 +47,6 @@ class Pair:
     drafter_dir: Path
     raw: dict
     tokenizer: object = None
-    load_low_precision: Callable | None = None  # () -> (target, drafter) in bf16
 
     @property
     def num_target_layers(self) -> int:
@@ -246,13 +246,28 @@ def _dropped(pair: Pair):
     return FaultyDrafter(pair.drafter, context=lambda b: DroppedContext(pair.drafter, b)), _nothing()
 
 
+MASK_ALIKE = 0.98  # a wrong mask token embedding this close (cosine) to the right one cannot show
+
+
 def _mask_wrong(pair: Pair):
+    """The draft slots filled with a wrong id: the likely mix-ups (an id left at its default 0, the pad, eos or
+    bos token), of which the one that embeds least like the mask token. A mix-up with a token that embeds
+    alike (unused special tokens often share one untrained row) costs nothing and leaves no signature."""
     mask = getattr(pair.drafter, "mask_token_id", None)
     if mask is None:
         raise Skip("the drafter has no mask token")
     tok = pair.tokenizer
-    candidates = [getattr(tok, "pad_token_id", None), getattr(tok, "eos_token_id", None), 0] if tok else [0, 1]
-    wrong = next(int(c) for c in candidates if c is not None and int(c) != int(mask))
+    ids = [0] + ([getattr(tok, k, None) for k in ("pad_token_id", "eos_token_id", "bos_token_id")] if tok else [])
+    weight = pair.target.get_input_embeddings().weight
+    ids = sorted({int(i) for i in ids if i is not None and 0 <= int(i) < weight.shape[0] and int(i) != int(mask)})
+    own = getattr(getattr(pair.drafter, "model", None), "mask_embedding", None)  # a checkpoint's own mask row
+    right = (own if own is not None else weight[int(mask)]).detach().float()
+    cos = {i: float(torch.nn.functional.cosine_similarity(weight[i].detach().float(), right.to(weight.device), 0))
+           for i in ids}
+    wrong = min(cos, key=cos.get)
+    if cos[wrong] > MASK_ALIKE:
+        raise Skip(f"every likely wrong id ({', '.join(map(str, ids))}) embeds like the mask token "
+                   f"(cosine over {MASK_ALIKE}): such a mix-up changes nothing")
     bad = copy.copy(pair.drafter)
     bad.mask_token_id = wrong
     return bad, _nothing()
@@ -335,13 +350,46 @@ def _scale_ignored(raw: dict) -> dict:
     return raw
 
 
+QUANT_BITS, QUANT_GROUP = 4, 128  # the low-precision fault's weight quantisation
+
+
+def quantised(weight: torch.Tensor, bits: int = QUANT_BITS, group: int = QUANT_GROUP) -> torch.Tensor:
+    """``weight`` rounded to ``bits``-bit integers and back: symmetric, round to nearest, one scale per ``group``
+    consecutive inputs of each row (the last group of a row shorter when ``group`` does not divide it)."""
+    rows = weight.detach().float().reshape(-1, weight.shape[-1])
+    width = rows.shape[1]
+    padded = torch.nn.functional.pad(rows, (0, -width % group)).view(rows.shape[0], -1, group)
+    top = 2 ** (bits - 1) - 1
+    scale = padded.abs().amax(-1, keepdim=True).clamp(min=1e-12) / top
+    out = (torch.round(padded / scale).clamp(-top, top) * scale).view(rows.shape[0], -1)[:, :width]
+    return out.reshape(weight.shape).to(weight.dtype)
+
+
 def _low_precision(pair: Pair):
-    if next(pair.target.parameters()).dtype in (torch.bfloat16, torch.float16):
-        raise Skip("the target already runs in 16-bit precision")
-    if pair.load_low_precision is None:
-        raise Skip("no way to load the pair in bfloat16 (give paths, not models)")
-    target, drafter = pair.load_low_precision()
-    return (target, drafter), _nothing()
+    """The target's decoder weight matrices quantised (:func:`quantised`) while the fault runs, then put back.
+
+    A drafter is trained on a 16-bit target's features. On the default pair bf16 and fp8
+    (e4m3, one scale per tensor) cost it nothing measurable (docs/doctor.md); a 4-bit target,
+    as GPTQ/AWQ-class quantisation serves it, does.
+    """
+    params = [p for layer in _decoder_layers(pair.target) for m in layer.modules()
+              if not isinstance(m, torch.nn.modules.conv._ConvNd)
+              for p in m.parameters(recurse=False) if p.ndim >= 2 and p.is_floating_point()]
+    if not params:
+        raise Skip("the target's decoder layers hold no weight matrices to round")
+
+    @contextlib.contextmanager
+    def rounded():
+        saved = [p.data for p in params]
+        try:
+            for p in params:
+                p.data = quantised(p.data)
+            yield
+        finally:
+            for p, d in zip(params, saved):
+                p.data = d
+
+    return pair.drafter, rounded()
 
 
 FAULTS = [
@@ -371,7 +419,8 @@ FAULTS = [
           "which token id fills the block's masked slots (dflash_config.mask_token_id)", _mask_wrong, "block input"),
     Fault("scale_ignored", "the input embedding scale ignored",
           "dflash_config.input_embedding_scale", _from_config(_scale_ignored), "block input"),
-    Fault("low_precision", "a bfloat16 target (and drafter)",
-          "the serving dtype; compare with a float32 run", _low_precision, "precision"),
+    Fault("low_precision", f"the target's weights in {QUANT_BITS} bits (round to nearest, groups of {QUANT_GROUP})",
+          "the target's serving dtype and quantisation (the drafter was trained on a 16-bit target)",
+          _low_precision, "precision", changes_target=True),
 ]
 FAULTS_BY_NAME = {f.name: f for f in FAULTS}

@@ -132,7 +132,7 @@ REPLAY_BATCH = 8  # runs replayed side by side (one drafter forward proposes for
 
 @torch.no_grad()
 def replay_counts(target, drafter, runs: Sequence[tuple[torch.Tensor, int, list[int]]],
-                  hidden: Sequence | None = None) -> Replay:
+                  hidden: Sequence | None = None, own_tokens: bool = False) -> Replay:
     """A drafter's chain at another run's rounds: per round, the draft tokens it would get accepted, its draft,
     and the log-probability it gives the true tokens.
 
@@ -144,11 +144,19 @@ def replay_counts(target, drafter, runs: Sequence[tuple[torch.Tensor, int, list[
     nothing), which a weight-bound drafter on a CPU does in little more than one run's time. ``hidden``:
     each run's target hidden states (:func:`target_hidden_states`) when they are already known, since
     a fault that leaves the target alone reads the same ones.
+
+    ``own_tokens``: score against ``target``'s own greedy next token at each position of the run (one
+    forward over it, so each given the run's tokens before it) instead of the run's tokens. A fault that
+    changes the target (its precision) is then judged by how well the drafter follows that target, as an
+    engine running it would be, on the same contexts. Past a draft's first position this is the target's
+    choice after the run's own tokens, not after the draft's, which differ where the two targets part.
     """
     out = Replay([], [], [])
     for i in range(0, len(runs), REPLAY_BATCH):
         known = None if hidden is None else hidden[i:i + REPLAY_BATCH]
-        for part in _replay_batch(target, drafter, runs[i:i + REPLAY_BATCH], known):
+        if own_tokens and known is not None:
+            raise ValueError("own_tokens needs the target's own forward: give no hidden states with it")
+        for part in _replay_batch(target, drafter, runs[i:i + REPLAY_BATCH], known, own_tokens):
             out.counts += part.counts
             out.drafts += part.drafts
             out.logprobs += part.logprobs
@@ -156,21 +164,34 @@ def replay_counts(target, drafter, runs: Sequence[tuple[torch.Tensor, int, list[
 
 
 @torch.no_grad()
-def target_hidden_states(target, runs, layers: Sequence[int] | None = None) -> list[tuple]:
-    """Per run, the target's hidden states over its sequence (HF's layout; only ``layers`` kept when given)."""
+def target_hidden_states(target, runs, layers: Sequence[int] | None = None, predictions: list | None = None
+                         ) -> list[tuple]:
+    """Per run, the target's hidden states over its sequence (HF's layout; only ``layers`` kept when given).
+    ``predictions``, when given, receives per run the target's greedy next token at every position ``[1, L]``
+    (position 0 keeps the run's first token): what it would append after each prefix."""
     from ddtree.target.cache import new_target_cache
     from ddtree.target.forward import target_forward
 
     device = target.get_input_embeddings().weight.device
-    return [target_forward(target, seq.to(device), None, new_target_cache(target), hidden=True, last=1,
-                           layers=None if layers is None else list(layers)).hidden_states for seq, _, _ in runs]
+    out = []
+    for seq, _, _ in runs:
+        seq = seq.to(device)
+        res = target_forward(target, seq, None, new_target_cache(target), hidden=True,
+                             last=None if predictions is not None else 1,
+                             layers=None if layers is None else list(layers))
+        if predictions is not None:
+            predictions.append(torch.cat([seq[:, :1], res.logits[:, :-1].argmax(-1)], dim=1))
+        out.append(res.hidden_states)
+    return out
 
 
-def _replay_batch(target, drafter, runs, hidden=None) -> list[Replay]:
+def _replay_batch(target, drafter, runs, hidden=None, own_tokens=False) -> list[Replay]:
     device = target.get_input_embeddings().weight.device
     seqs = [seq.to(device) for seq, _, _ in runs]
+    truths = [] if own_tokens else None
     if hidden is None:
-        hidden = target_hidden_states(target, runs, getattr(drafter, "target_layer_ids", None))
+        hidden = target_hidden_states(target, runs, getattr(drafter, "target_layer_ids", None), truths)
+    truths = seqs if truths is None else truths
     features = [drafter.context_features(h) for h in hidden]
     n = len(runs)
     ctx = drafter.new_context(n)
@@ -198,9 +219,9 @@ def _replay_batch(target, drafter, runs, hidden=None) -> list[Replay]:
             if not live[r]:
                 spans.append((at[r], at[r]))
                 continue
-            seq, end = seqs[r], seqs[r].shape[1]
+            end = seqs[r].shape[1]
             draft = blocks[r].argmax(-1)
-            truth = seq[0, at[r] + 1:at[r] + 1 + draft.numel()]
+            truth = truths[r][0, at[r] + 1:at[r] + 1 + draft.numel()]
             same = (draft[:truth.numel()] == truth).int().cumprod(0)
             out[r].counts.append(int(same.sum()))
             out[r].drafts.append(draft.cpu())
