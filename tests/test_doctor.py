@@ -450,7 +450,8 @@ def test_the_default_pairs_mask_token_embeds_like_its_pad_and_eos_so_the_fault_t
         emb = f.get_tensor(next(k for k in f.keys() if k.endswith("embed_tokens.weight"))).float()
     cos = torch.nn.functional.cosine_similarity(emb[[0, 1, 2]], emb[16][None], dim=-1)
     assert float(cos[1:].min()) > MASK_ALIKE > float(cos[0])
-    assert smollm_report.signature("mask_wrong").mean < 1.1 < smollm_report.reference.mean - 0.5
+    sig = smollm_report.signature("mask_wrong")
+    assert sig.mean < 1.1 < smollm_report.reference.mean - 0.5 and "(token 0 in place of 16)" in sig.title
 
 
 @pytest.mark.parametrize("fault", CLEAR)
@@ -483,6 +484,25 @@ def test_pre_norm_fault_swaps_only_the_last_layer_inside_its_hook(tmp_path):
     torch.testing.assert_close(features[..., :64], right[..., :64])  # layer 1 as read correctly
     assert not torch.allclose(features[..., 64:], right[..., 64:])
     torch.testing.assert_close(target.model.norm(features[..., 64:]), right[..., 64:])
+
+
+def test_the_pre_norm_fault_replays_each_run_with_its_own_pre_norm_state(tmp_path):
+    """The fault's hook keeps the last forward's pre-norm state, so a replay of several runs must read each
+    run's features right after its own forward: together they replay as each does alone."""
+    from ddtree.apps.doctor.faults import FAULTS_BY_NAME, Pair
+
+    target = tiny_target("llama", dtype=torch.float32)
+    drafter = DFlashDrafter(tiny_drafter(target, target_layer_ids=[1, 3]), target)
+    runs = []
+    accepted_counts(SpeculativeGenerator(target, drafter, tree_budget=4, builder="chain"),
+                    [torch.tensor([PROMPT]), torch.tensor([PROMPT[:4]]), torch.tensor([PROMPT[2:]])], 4, 12, runs=runs)
+    faulty, hooks = FAULTS_BY_NAME["pre_norm_last"].build(Pair(target, drafter, tmp_path, {}))
+    with hooks:
+        together = replay_counts(target, faulty, runs)
+        alone = [replay_counts(target, faulty, [run]) for run in runs]
+    assert together.counts == [c for a in alone for c in a.counts]
+    assert together.logprobs == pytest.approx([lp for a in alone for lp in a.logprobs], abs=1e-5)
+    assert paired(replay_counts(target, drafter, runs), together).changed > 0  # and it took effect
 
 
 def test_a_fault_within_noise_of_the_reference_is_not_blamed():

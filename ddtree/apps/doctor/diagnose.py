@@ -282,7 +282,9 @@ def diagnose(target: str | None = None, drafter: str | None = None, *, prompts: 
             same = (isinstance(hooks, contextlib.nullcontext)
                     and set(getattr(dr, "target_layer_ids", kept)) <= set(kept))
             replayed = replay_counts(tgt, dr, runs, hidden if same else None, own_tokens=fault.changes_target)
-        signatures.append(profile_from_counts(name, fault.title, counts, chain, check=fault.check))
+        note = getattr(dr, "fault_note", None)  # what a fault chose for this pair, e.g. the wrong token
+        title = f"{fault.title} ({note})" if note else fault.title
+        signatures.append(profile_from_counts(name, title, counts, chain, check=fault.check))
         signatures[-1].paired = paired(ref_replay, replayed)
         signatures[-1].seconds = time.perf_counter() - t
     bar.close()

@@ -270,6 +270,7 @@ def _mask_wrong(pair: Pair):
                    f"(cosine over {MASK_ALIKE}): such a mix-up changes nothing")
     bad = copy.copy(pair.drafter)
     bad.mask_token_id = wrong
+    bad.fault_note = f"token {wrong} in place of {int(mask)}"  # shown with the fault's title
     return bad, _nothing()
 
 

@@ -151,11 +151,11 @@ def replay_counts(target, drafter, runs: Sequence[tuple[torch.Tensor, int, list[
     engine running it would be, on the same contexts. Past a draft's first position this is the target's
     choice after the run's own tokens, not after the draft's, which differ where the two targets part.
     """
+    if own_tokens and hidden is not None:
+        raise ValueError("own_tokens needs the target's own forward: give no hidden states with it")
     out = Replay([], [], [])
     for i in range(0, len(runs), REPLAY_BATCH):
         known = None if hidden is None else hidden[i:i + REPLAY_BATCH]
-        if own_tokens and known is not None:
-            raise ValueError("own_tokens needs the target's own forward: give no hidden states with it")
         for part in _replay_batch(target, drafter, runs[i:i + REPLAY_BATCH], known, own_tokens):
             out.counts += part.counts
             out.drafts += part.drafts
@@ -189,10 +189,13 @@ def _replay_batch(target, drafter, runs, hidden=None, own_tokens=False) -> list[
     device = target.get_input_embeddings().weight.device
     seqs = [seq.to(device) for seq, _, _ in runs]
     truths = [] if own_tokens else None
-    if hidden is None:
-        hidden = target_hidden_states(target, runs, getattr(drafter, "target_layer_ids", None), truths)
+    if hidden is None:  # each run's features read right after its forward: a fault's hooks keep only the last
+        layers = getattr(drafter, "target_layer_ids", None)
+        features = [drafter.context_features(target_hidden_states(target, [run], layers, truths)[0])
+                    for run in runs]
+    else:
+        features = [drafter.context_features(h) for h in hidden]
     truths = seqs if truths is None else truths
-    features = [drafter.context_features(h) for h in hidden]
     n = len(runs)
     ctx = drafter.new_context(n)
 
