@@ -21,6 +21,7 @@ from ddtree.apps.doctor.config_check import check_config, thinking_mode
 from ddtree.apps.doctor.diagnose import DoctorReport, Progress, rank, verdict
 from ddtree.apps.doctor.faults import (
     FAULTS,
+    FAULTS_BY_NAME,
     DroppedContext,
     FaultyDrafter,
     ReadLayers,
@@ -528,6 +529,16 @@ def test_look_alike_faults_are_named_together():
     rep.verdict = verdict(rep)
     assert "Nearly as close: read before the final norm" in rep.verdict
     assert "all in one part of the integration: features" in rep.verdict
+
+
+def test_look_alike_faults_from_different_parts_are_each_given_their_check():
+    rep = _report(profile_from_figures(1.04, [0.035, 0.005, 0]))
+    rep.signatures.append(Profile("mask_wrong", "the wrong mask token", mean=1.03, per_position=[0.03, 0, 0]))
+    rep.ranking = rank(rep.engine, [rep.reference, *rep.signatures])
+    rep.verdict = verdict(rep)
+    assert "Nearly as close: the wrong mask token" in rep.verdict
+    assert "in different parts of the integration: features, block input" in rep.verdict
+    assert FAULTS_BY_NAME["mask_wrong"].check in rep.verdict and FAULTS_BY_NAME["no_offset"].check in rep.verdict
 
 
 def test_plot_is_written_or_skipped_with_a_message(tmp_path):

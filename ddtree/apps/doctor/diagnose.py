@@ -172,13 +172,15 @@ def verdict(report: DoctorReport) -> str:
                  f"integration's {ref_d:.3f}).")
     close = [r for r in report.ranking[1:] if r.name != REFERENCE and report.distinct(r.name)
              and r.distance <= 4 * best.distance + 0.02 and r.distance < ref_d / 2]
-    groups = {FAULTS_BY_NAME[r.name].group for r in [best, *close] if r.name in FAULTS_BY_NAME}
+    groups = list(dict.fromkeys(FAULTS_BY_NAME[r.name].group for r in [best, *close] if r.name in FAULTS_BY_NAME))
     if close:
         lines.append("Nearly as close: " + "; ".join(f"{r.title} ({r.mean:.2f}, distance {r.distance:.3f})"
                                                      for r in close) + ".")
-    if close and len(groups) == 1:
-        lines.append(f"These faults look alike (all in one part of the integration: {groups.pop()}); check each: "
-                     + "; ".join(FAULTS_BY_NAME[r.name].check for r in [best, *close]) + ".")
+        where = (f"all in one part of the integration: {groups[0]}" if len(groups) == 1
+                 else "in different parts of the integration: " + ", ".join(groups))
+        lines.append(f"These faults look alike ({where}); check each: "
+                     + "; ".join(FAULTS_BY_NAME[r.name].check for r in [best, *close] if r.name in FAULTS_BY_NAME)
+                     + ".")
     elif fault is not None:
         lines.append(f"Check: {fault.check}.")
     return "\n".join(lines)
