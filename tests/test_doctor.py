@@ -487,6 +487,17 @@ def test_pre_norm_fault_swaps_only_the_last_layer_inside_its_hook(tmp_path):
     torch.testing.assert_close(target.model.norm(features[..., 64:]), right[..., 64:])
 
 
+def test_the_pre_norm_fault_needs_a_target_whose_last_hidden_state_is_normed(tmp_path):
+    from ddtree.apps.doctor.faults import FAULTS_BY_NAME, Pair, Skip
+
+    target = tiny_target("llama", dtype=torch.float32)
+    drafter = DFlashDrafter(tiny_drafter(target, target_layer_ids=[1, 3]), target)
+    FAULTS_BY_NAME["pre_norm_last"].build(Pair(target, drafter, tmp_path, {}))  # applies: HF's last entry is normed
+    target.config.tie_last_hidden_states = False  # ddtree's forward then reads the last layer's own output
+    with pytest.raises(Skip, match="not after the final norm"):
+        FAULTS_BY_NAME["pre_norm_last"].build(Pair(target, drafter, tmp_path, {}))
+
+
 def test_the_pre_norm_fault_replays_each_run_with_its_own_pre_norm_state(tmp_path):
     """The fault's hook keeps the last forward's pre-norm state, so a replay of several runs must read each
     run's features right after its own forward: together they replay as each does alone."""

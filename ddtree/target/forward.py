@@ -63,7 +63,7 @@ def target_forward(target: TargetModel, input_ids, position_ids, cache, hidden: 
         return _logits_forward(target, call, last, False)
     if layers is None:
         return _logits_forward(target, call, last, True)
-    plan = _decoder_parts(target)
+    plan = decoder_parts(target)
     if plan is None:  # an unrecognised layout: take them all and drop the rest at once
         out = _logits_forward(target, call, last, True)
         wanted = {int(i) + 1 for i in layers}
@@ -98,7 +98,7 @@ def target_forward(target: TargetModel, input_ids, position_ids, cache, hidden: 
     return Output(out.logits, tuple(kept))
 
 
-def _decoder_parts(target):
+def decoder_parts(target):
     """``(decoder, its layer list, whether hidden_states[-1] is the decoder's post-norm output)``,
     or ``None`` when the target's layout is not the HF decoder's."""
     get = getattr(target, "get_decoder", None)
@@ -138,7 +138,7 @@ def _plain_head_decoder(target):
     config = getattr(target.config, "get_text_config", lambda: target.config)()
     if getattr(config, "final_logit_softcapping", None) or getattr(config, "logit_scale", None) not in (None, 1.0):
         return None
-    parts = _decoder_parts(target)
+    parts = decoder_parts(target)
     return None if parts is None or parts[0] is target else parts[0]
 
 

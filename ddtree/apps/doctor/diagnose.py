@@ -276,14 +276,16 @@ def diagnose(target: str | None = None, drafter: str | None = None, *, prompts: 
             continue
         from ddtree.generation.generator import SpeculativeGenerator
 
-        tgt = generator.target  # a fault that changes it does so inside its hooks
-        gen = SpeculativeGenerator(tgt, dr, tree_budget=chain, builder="chain", attention=generator.backend)
+        # A fault that changes the target does so inside its hooks.
+        gen = SpeculativeGenerator(generator.target, dr, tree_budget=chain, builder="chain",
+                                   attention=generator.backend)
         t = time.perf_counter()
         with hooks:
             counts = run(gen, chain, "chain")
             same = (isinstance(hooks, contextlib.nullcontext)
                     and set(getattr(dr, "target_layer_ids", kept)) <= set(kept))
-            replayed = replay_counts(tgt, dr, runs, hidden if same else None, own_tokens=fault.changes_target)
+            replayed = replay_counts(generator.target, dr, runs, hidden if same else None,
+                                     own_tokens=fault.changes_target)
         note = getattr(dr, "fault_note", None)  # what a fault chose for this pair, e.g. the wrong token
         title = f"{fault.title} ({note})" if note else fault.title
         signatures.append(profile_from_counts(name, title, counts, chain, check=fault.check))

@@ -173,16 +173,17 @@ def _nothing() -> contextlib.nullcontext:
     return contextlib.nullcontext()
 
 
-def _decoder_layers(target):
-    for path in ("model.layers", "model.decoder.layers", "transformer.h", "model.language_model.layers"):
-        obj = target
-        try:
-            for part in path.split("."):
-                obj = getattr(obj, part)
-            return obj
-        except AttributeError:
-            continue
-    raise Skip("cannot find the target's decoder layers to hook the pre-norm state")
+def _decoder_layers(target, last_normed: bool = False):
+    """The target's decoder layers as ddtree's forward finds them; ``last_normed``: only where HF's
+    ``hidden_states[-1]`` is the final norm's output (else there is no pre-norm state to mix up)."""
+    from ddtree.target.forward import decoder_parts
+
+    parts = decoder_parts(target)
+    if parts is None:
+        raise Skip("ddtree does not recognise this target's decoder layout (get_decoder().layers)")
+    if last_normed and not parts[2]:
+        raise Skip("this target's hidden_states[-1] is not after the final norm")
+    return parts[1]
 
 
 def _feature_fault(shift: Callable[[list[int], int], list[int]], zero: Callable[[int], list[int]] | None = None):
@@ -226,7 +227,7 @@ def _pre_norm(pair: Pair):
     if n - 1 not in ids:
         raise Skip(f"the drafter does not read the last target layer ({n - 1}), where the final norm sits")
     last: list = [None]
-    layer = _decoder_layers(pair.target)[-1]
+    layer = _decoder_layers(pair.target, last_normed=True)[-1]
 
     def hook(module, args, output):
         last[0] = output[0] if isinstance(output, tuple) else output
