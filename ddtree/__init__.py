@@ -40,14 +40,14 @@ from ddtree.generation.round import speculative_round
 from ddtree.generation.state import DecodeState, RoundRecord, RoundResult
 from ddtree.integrations.hf import DDTreeDecoding, decoding
 from ddtree.runtime.threads import ThreadInfo, configure_threads, thread_info
-from ddtree.target.attention import get_backend
-from ddtree.target.cache import (
+from ddtree.targets.attention import get_backend
+from ddtree.targets.cache import (
     cache_kwargs,
     commit_accepted,
     keep_positions,
     new_target_cache,
 )
-from ddtree.target.forward import target_forward
+from ddtree.targets.forward import target_forward
 
 __version__ = "0.1.0"
 

@@ -40,7 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads or max(1, (os.cpu_count() or 1) // ranks))
     budget = args.budget if args.budget == "auto" else int(args.budget)
     placement = {"tp_plan": "auto"} if ranks > 1 else {}
-    # Stock linears in both runs: ddtree.target.cpu_linear does not route sharded layers, and the comparison is exact.
+    # Stock linears in both runs: ddtree.targets.cpu_linear does not route sharded layers, and the comparison is exact.
     gen = SpeculativeGenerator.from_pretrained(cpu_linear=False, tree_budget=budget, builder=args.builder, **placement)
     tok = gen.tokenizer
     rows = []

@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 
-from ddtree.target.attention import (
+from ddtree.targets.attention import (
     CPU_DENSE_BELOW,
     TREE_KWARG,
     AutoBackend,
@@ -23,9 +23,9 @@ from ddtree.target.attention import (
     get_backend,
 )
 from ddtree.drafters.dflash.attention import block_attention
-from ddtree.target.cache import cache_kwargs
+from ddtree.targets.cache import cache_kwargs
 from ddtree.core.masks import tree_attention_mask
-from ddtree.target.split_attention import (
+from ddtree.targets.split_attention import (
     attention_with_lse,
     merge_attention,
     split_tree_attention,
@@ -407,7 +407,7 @@ def test_registered_by_name_without_patching():
     dense = run_target(model, get_backend("sdpa"), tree, prompt)
     torch.testing.assert_close(split[3], dense[3], rtol=0, atol=1e-10)
     # A tree kwarg with the wrong node count is refused, not silently misapplied.
-    from ddtree.target.attention import TreeAttentionSpec
+    from ddtree.targets.attention import TreeAttentionSpec
 
     other = TreeAttentionSpec.from_tree(DraftTree.from_parents(torch.tensor([[1, 2]]), torch.tensor([[-1, 0]])))
     backend.prepare(model)

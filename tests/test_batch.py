@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from ddtree import Proposal, SamplingConfig, SpeculativeGenerator, speculative_round
-from ddtree.target.cache import cache_length
+from ddtree.targets.cache import cache_length
 from tiny import ScriptedDrafter, tiny_drafter, tiny_target
 from test_generator import expected_acceptance
 from test_sampling_e2e import chi2_critical, chi2_statistic, exact_distribution

@@ -53,7 +53,7 @@ def test_keep_positions_slices_a_leading_run_and_gathers_otherwise():
 def test_ragged_commit_equals_each_rows_own_prefill(kind):
     """Rows with different committed lengths (left padding) accept different paths: each row's cache after
     the commit equals a prefill of that row alone, right-aligned, and the padding is exactly the shortfall."""
-    from ddtree.target.cache import padding_mask
+    from ddtree.targets.cache import padding_mask
 
     target = tiny_target(kind)
     g = torch.Generator().manual_seed(3)

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from ddtree import SpeculativeGenerator
-from ddtree.target import cpu_linear
+from ddtree.targets import cpu_linear
 from tiny import ScriptedDrafter, tiny_drafter, tiny_target
 from test_generator import PROMPTS, expected_acceptance, reference
 

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-import ddtree.target.attention
-import ddtree.target.linear_attention
+import ddtree.targets.attention
+import ddtree.targets.linear_attention
 from ddtree import SpeculativeGenerator
 from tiny import FAMILIES, HYBRIDS, WINDOW, family_target
 from tiny import ScriptedDrafter
@@ -61,7 +61,7 @@ def test_a_missing_window_is_caught(family, monkeypatch):
     """With the window dropped from the dense mask, the family test's checks fail."""
     target = family_target(family)
     ref = _reference(target)
-    monkeypatch.setattr(ddtree.target.attention, "attention_windows", lambda model: {0: None})
+    monkeypatch.setattr(ddtree.targets.attention, "attention_windows", lambda model: {0: None})
     out = _run(target, ref, "best_first", 8, {2: 3}, attention="sdpa")
     with pytest.raises(AssertionError):
         _check(out, ref)
@@ -69,7 +69,7 @@ def test_a_missing_window_is_caught(family, monkeypatch):
 
 def _flat_recurrence(fn, p, plan, state):
     """The naive tree forward: the nodes in index order as one chain (siblings share state)."""
-    return ddtree.target.linear_attention._run(fn, p.q, p.k, p.v, p.g, p.beta, state, False)[0]
+    return ddtree.targets.linear_attention._run(fn, p.q, p.k, p.v, p.g, p.beta, state, False)[0]
 
 
 def _flat_conv_index(self, kernel, device):
@@ -84,9 +84,9 @@ def test_a_shared_gdn_state_is_caught(broken, monkeypatch):
     target = family_target("qwen3_5")
     ref = _reference(target)
     if broken == "recurrence":
-        monkeypatch.setattr(ddtree.target.linear_attention, "_tree_recurrence", _flat_recurrence)
+        monkeypatch.setattr(ddtree.targets.linear_attention, "_tree_recurrence", _flat_recurrence)
     else:
-        monkeypatch.setattr(ddtree.target.linear_attention.LinearTreePlan, "conv_index", _flat_conv_index)
+        monkeypatch.setattr(ddtree.targets.linear_attention.LinearTreePlan, "conv_index", _flat_conv_index)
     out = _run(target, ref, "best_first", 8, {2: 3})
     with pytest.raises(AssertionError):
         _check(out, ref)

@@ -10,10 +10,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-import ddtree.target.linear_attention
+import ddtree.targets.linear_attention
 from ddtree import SpeculativeGenerator, speculative_round
-from ddtree.target.cache import _kv_layers
-from ddtree.target.linear_attention import _linear_layer_ids, _states
+from ddtree.targets.cache import _kv_layers
+from ddtree.targets.linear_attention import _linear_layer_ids, _states
 from tiny import HYBRIDS, family_target
 from tiny import tiny_drafter
 from test_batch import BUILDERS, RowDecoys, assert_rows_are_their_own_runs, hf_greedy, prompts_of
@@ -119,7 +119,7 @@ def _select_first_rows(cache, rows):
     """A broken select: keeps the first ``len(rows)`` rows' GDN states, not the remaining rows'."""
     for idx in _linear_layer_ids(cache):
         conv, state = _states(cache, idx)
-        ddtree.target.linear_attention._set_states(cache, idx, conv[: len(rows)], state[: len(rows)])
+        ddtree.targets.linear_attention._set_states(cache, idx, conv[: len(rows)], state[: len(rows)])
 
 
 def _keep_all_rows(cache, rows):
@@ -131,6 +131,6 @@ def _keep_all_rows(cache, rows):
 def test_a_wrong_gdn_row_select_is_caught(broken, caught, monkeypatch):
     """With a finished row's GDN state kept, or the wrong rows' states kept, the batch checks fail."""
     target, prompts, free, stops = _case("qwen3_next")
-    monkeypatch.setattr(ddtree.target.linear_attention, "select_linear_rows", broken)
+    monkeypatch.setattr(ddtree.targets.linear_attention, "select_linear_rows", broken)
     with pytest.raises(caught):
         _check_rows(target, prompts, free, stops, "best_first", 8)

@@ -11,7 +11,7 @@ import networkx as nx
 PACKAGE = Path(__file__).resolve().parents[1] / "ddtree"
 
 # Bottom to top: a module may import its own layer and the layers below it, never one above.
-LAYERS = ["runtime", "core", "target", "drafters", "loading", "budget", "generation", "integrations", "apps",
+LAYERS = ["runtime", "core", "targets", "drafters", "loading", "budget", "generation", "integrations", "apps",
           "train", "bench"]
 
 
@@ -77,9 +77,9 @@ def test_every_module_sits_in_a_layer():
 def test_the_checker_sees_function_level_and_type_only_imports():
     """The walk is not fooled by an import hidden in a function or under TYPE_CHECKING, or by a relative one."""
     src = ("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from ddtree.core import tree\n"
-           "def f():\n    from ..target.cache import new_target_cache\n    import ddtree.runtime.timing\n")
+           "def f():\n    from ..targets.cache import new_target_cache\n    import ddtree.runtime.timing\n")
     found = imports_of(src, "ddtree.core.masks", False, set(modules()))
-    assert found == {"ddtree.core.tree", "ddtree.target.cache", "ddtree.runtime.timing"}
+    assert found == {"ddtree.core.tree", "ddtree.targets.cache", "ddtree.runtime.timing"}
 
 
 def test_a_cycle_is_caught():

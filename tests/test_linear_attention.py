@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from ddtree import DraftTree, cache_kwargs, commit_accepted, new_target_cache
-from ddtree.target.attention import get_backend
-from ddtree.target.linear_attention import _states, commit_linear_states, gdn_modules
+from ddtree.targets.attention import get_backend
+from ddtree.targets.linear_attention import _states, commit_linear_states, gdn_modules
 from ddtree.core.masks import tree_position_ids
 from tiny import family_target
 
@@ -158,7 +158,7 @@ def test_a_long_chain_runs_the_chunked_rule_and_commits_exactly(family):
     """From CHUNKED_CHAIN_FROM nodes a chain runs transformers' chunked rule (its own multi-token path):
     close to the token-by-token decode at float32 rounding (the GDN math runs in float32 either way), and so is
     the committed state, whose later layers' inputs come from that forward."""
-    from ddtree.target.linear_attention import CHUNKED_CHAIN_FROM
+    from ddtree.targets.linear_attention import CHUNKED_CHAIN_FROM
 
     model = family_target(family)
     backend = get_backend("sdpa")
@@ -176,7 +176,7 @@ def test_a_long_chain_runs_the_chunked_rule_and_commits_exactly(family):
 
 
 def test_prepare_is_instance_level_and_reversible():
-    from ddtree.target.linear_attention import is_prepared, prepare, unprepare
+    from ddtree.targets.linear_attention import is_prepared, prepare, unprepare
 
     model = family_target("qwen3_5")
     other = family_target("qwen3_5")
@@ -195,7 +195,7 @@ def test_a_prepared_target_still_gets_last_position_logits_from_hf_generate():
     the original signature, so a prompt's prefill still computes one logits row, not one per prompt token."""
     import inspect
 
-    from ddtree.target.linear_attention import prepare
+    from ddtree.targets.linear_attention import prepare
 
     model = family_target("qwen3_5")
     prepare(model)

@@ -12,8 +12,8 @@ import torch
 
 from ddtree import PromptLookup, SpeculativeGenerator, speculative_round
 from ddtree.drafters.features import extract_context_feature
-from ddtree.target.cache import new_target_cache
-from ddtree.target.forward import chunked_prefill, target_forward
+from ddtree.targets.cache import new_target_cache
+from ddtree.targets.forward import chunked_prefill, target_forward
 from test_batch import prompts_of
 from test_generator import expected_acceptance
 from tiny import FAMILIES, ScriptedDrafter, family_target, tiny_drafter, tiny_target

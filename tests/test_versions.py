@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from ddtree import SpeculativeGenerator, cache_kwargs, new_target_cache
-from ddtree.target.cache import SUPPORTED_TRANSFORMERS, CacheNotUpdatedError
+from ddtree.targets.cache import SUPPORTED_TRANSFORMERS, CacheNotUpdatedError
 from tiny import VOCAB, ScriptedDrafter, tiny_target
 
 

@@ -73,7 +73,7 @@ def run_demo(args: argparse.Namespace) -> int:
         raise SystemExit(f"the target in {args.target} has no tokenizer (its directory lacks the tokenizer files, "
                          "e.g. tokenizer.json): the demo needs one")
     if gen.cpu_linear:
-        print(f"target linears: ddtree.target.cpu_linear ({gen.cpu_linear} layers; plain decoding uses it too)")
+        print(f"target linears: ddtree.targets.cpu_linear ({gen.cpu_linear} layers; plain decoding uses it too)")
     ids = _encode(tok, args.prompt)
     if ids.shape[-1] == 0:
         raise SystemExit(

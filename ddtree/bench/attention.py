@@ -24,7 +24,7 @@ import torch
 
 from ddtree.core.masks import tree_attention_mask
 from ddtree.core.tree import DraftTree
-from ddtree.target.attention import (
+from ddtree.targets.attention import (
     IMPLEMENTATIONS,
     TREE_KWARG,
     TreeAttentionSpec,

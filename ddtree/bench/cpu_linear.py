@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from ddtree.target import cpu_linear
+from ddtree.targets import cpu_linear
 
 SMOLLM2 = dict(hidden=576, kv=192, intermediate=1536, layers=30, vocab=49152)
 

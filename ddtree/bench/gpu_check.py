@@ -36,14 +36,14 @@ from ddtree.bench.attention import _Layer, random_tree
 from ddtree.core.masks import tree_attention_mask
 from ddtree.core.tree import DraftTree
 from ddtree.drafters.dflash.attention import block_attention
-from ddtree.target.attention import (
+from ddtree.targets.attention import (
     IMPLEMENTATIONS,
     TREE_KWARG,
     TreeAttentionSpec,
     flash_attn_available,
     get_backend,
 )
-from ddtree.target.cache import cache_kwargs
+from ddtree.targets.cache import cache_kwargs
 
 BF16_TOL = 2e-2  # max abs error of bf16 results against float32 dense attention
 FP32_TOL = 1e-4
@@ -235,8 +235,8 @@ def check_linear(device, dtype, tol, level: str = "full") -> list[dict]:
 
     from ddtree.bench.linear import hybrid_target
     from ddtree.core.masks import tree_position_ids
-    from ddtree.target.cache import commit_accepted, new_target_cache
-    from ddtree.target.linear_attention import _states, gdn_modules
+    from ddtree.targets.cache import commit_accepted, new_target_cache
+    from ddtree.targets.linear_attention import _states, gdn_modules
 
     full = level == "full"
     model = hybrid_target("qwen36-27b" if full else "tiny", 4, dtype=dtype, device=device)

@@ -27,8 +27,8 @@ import torch
 from ddtree.bench.attention import DTYPES, parse_sizes, random_tree, write_result
 from ddtree.core.masks import tree_position_ids
 from ddtree.core.tree import DraftTree
-from ddtree.target.attention import get_backend
-from ddtree.target.cache import (
+from ddtree.targets.attention import get_backend
+from ddtree.targets.cache import (
     cache_kwargs,
     commit_accepted,
     new_target_cache,

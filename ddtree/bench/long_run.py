@@ -33,7 +33,7 @@ import torch
 
 from ddtree.core.masks import tree_attention_mask, tree_position_ids
 from ddtree.core.verify import verify_tree
-from ddtree.target.cache import cache_kwargs, commit_accepted, new_target_cache
+from ddtree.targets.cache import cache_kwargs, commit_accepted, new_target_cache
 
 DEFAULT_PROMPT = "Write a long story about a lighthouse keeper and the sea, chapter by chapter."
 

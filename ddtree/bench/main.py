@@ -82,11 +82,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ignore-eos", action="store_true", help="always generate max-new-tokens")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="torch device")
     p.add_argument("--dtype", default=None, help="float32 (CPU default), bfloat16 (CUDA default), float16")
-    p.add_argument("--attention", default="sdpa", help="tree-verify attention backend (see ddtree.target.attention)")
+    p.add_argument("--attention", default="sdpa", help="tree-verify attention backend (see ddtree.targets.attention)")
     p.add_argument("--draft-vocab", default="auto",
                    help="drafter proposal vocabulary: 'auto' (the drafter's draft_vocab file), 'full', or N top-ranked ids")
     p.add_argument("--cpu-linear", default="auto", choices=["auto", "on", "off"],
-                   help="route a float32 CPU target's linears through ddtree.target.cpu_linear (method ar_stock "
+                   help="route a float32 CPU target's linears through ddtree.targets.cpu_linear (method ar_stock "
                         "times plain decoding without it)")
     p.add_argument("--threads", type=int, default=None,
                    help="torch CPU threads (None: OMP_NUM_THREADS, else the free physical cores; see ddtree.runtime.threads)")

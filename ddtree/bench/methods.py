@@ -11,7 +11,7 @@ from typing import Sequence
 import torch
 
 from ddtree.core.sampling import SamplingConfig, choose_tokens
-from ddtree.target.cache import cache_kwargs, new_target_cache
+from ddtree.targets.cache import cache_kwargs, new_target_cache
 
 STAGES = ("draft", "tree_build", "mask", "verify", "commit")
 

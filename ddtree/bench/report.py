@@ -15,7 +15,7 @@ from ddtree.bench.prompts import DEFAULT_PROMPTS
 from ddtree.bench.runner import Run, lossless_check
 from ddtree.runtime import distributed
 from ddtree.runtime.threads import thread_info
-from ddtree.target import cpu_linear
+from ddtree.targets import cpu_linear
 
 
 def summarize(runs: list[Run], methods: list[Method], depth: int, greedy: bool) -> list[dict]:
@@ -215,7 +215,7 @@ def _meta(args, gen, prompts, seconds, argv) -> dict:
 
 def _md_header(meta: dict) -> str:
     routed = meta.get("cpu_linear_layers")
-    linears = f"ddtree.target.cpu_linear on {routed} target linears" if routed else "stock linears"
+    linears = f"ddtree.targets.cpu_linear on {routed} target linears" if routed else "stock linears"
     return (
         f"`{meta['command']}`\n\n{meta['machine']}, {meta['processor']}, {meta['device']} {meta['dtype']}, "
         f"torch {meta['torch']} ({meta['torch_threads']} threads), transformers {meta['transformers']}, "

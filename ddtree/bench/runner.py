@@ -25,7 +25,7 @@ from ddtree.bench.methods import (
 from ddtree.bench.prompts import Prompt
 from ddtree.core.sampling import SamplingConfig
 from ddtree.core.tree import DraftTree
-from ddtree.target import cpu_linear
+from ddtree.targets import cpu_linear
 
 
 @dataclass

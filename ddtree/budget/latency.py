@@ -185,8 +185,8 @@ class ProfiledLatency:
     def _measure(self, context: int, batch: int) -> dict[int, float]:
         from ddtree.core.masks import tree_position_ids
         from ddtree.runtime.distributed import Lockstep
-        from ddtree.target.cache import new_target_cache, truncate
-        from ddtree.target.forward import PREFILL_CHUNK, chunked_prefill, target_forward
+        from ddtree.targets.cache import new_target_cache, truncate
+        from ddtree.targets.forward import PREFILL_CHUNK, chunked_prefill, target_forward
 
         gen = self.generator
         lockstep = getattr(gen, "lockstep", None) or Lockstep()

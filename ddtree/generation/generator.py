@@ -41,8 +41,8 @@ from ddtree.generation.state import DecodeState
 from ddtree.runtime.distributed import Lockstep, fail_together, module_fingerprint
 from ddtree.runtime.threads import thread_info
 from ddtree.runtime.timing import StageTimer
-from ddtree.target.attention import get_backend
-from ddtree.target.forward import PREFILL_CHUNK, check_prefill_chunk
+from ddtree.targets.attention import get_backend
+from ddtree.targets.forward import PREFILL_CHUNK, check_prefill_chunk
 
 
 @dataclass
@@ -112,8 +112,8 @@ class SpeculativeGenerator:
     with every node; see docs/benchmarks.md). ``builder`` is ``"best_first"`` (DDTree),
     ``"chain"`` (DFlash), ``"beam@WxD"``, ``"module:function"`` or any callable
     with the :class:`~ddtree.core.builders.TreeBuilder` signature. ``attention`` names the
-    tree-verify attention backend (see :mod:`ddtree.target.attention`). ``cpu_linear``
-    routes a float32 CPU target's linear layers through :mod:`ddtree.target.cpu_linear`
+    tree-verify attention backend (see :mod:`ddtree.targets.attention`). ``cpu_linear``
+    routes a float32 CPU target's linear layers through :mod:`ddtree.targets.cpu_linear`
     (faster few-token verify forwards), and the DFlash drafter's along with it:
     ``True`` requires it, ``"auto"`` uses it where it runs, ``False`` leaves the
     models as they are. ``threads`` (CPU targets): ``"auto"`` applies the demo's thread policy
@@ -457,8 +457,8 @@ def _apply_thread_policy(target, threads):
 
 
 def _route_cpu_linear(target, mode) -> int:
-    """Install :mod:`ddtree.target.cpu_linear` on ``target`` as ``mode`` asks; returns the routed layer count."""
-    from ddtree.target import cpu_linear
+    """Install :mod:`ddtree.targets.cpu_linear` on ``target`` as ``mode`` asks; returns the routed layer count."""
+    from ddtree.targets import cpu_linear
 
     if mode not in (True, False, "auto"):
         raise ValueError(f"cpu_linear must be True, False or 'auto', got {mode!r}")

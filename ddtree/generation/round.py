@@ -26,7 +26,7 @@ from ddtree.core.sampling import choose_tokens
 from ddtree.core.tree import SOURCE_NAMES, graft_paths, root_only
 from ddtree.core.verify import verify_tree
 from ddtree.generation.state import DecodeState, RoundRecord, RoundResult
-from ddtree.target.cache import (
+from ddtree.targets.cache import (
     cache_length,
     check_cache_length,
     commit_accepted,
@@ -35,9 +35,9 @@ from ddtree.target.cache import (
     stack_rows,
     truncate_front,
 )
-from ddtree.target.cache import select_rows as select_cache_rows
-from ddtree.target.forward import chunked_prefill, target_forward
-from ddtree.target.linear_attention import gdn_modules
+from ddtree.targets.cache import select_rows as select_cache_rows
+from ddtree.targets.forward import chunked_prefill, target_forward
+from ddtree.targets.linear_attention import gdn_modules
 
 
 def speculative_round(state: DecodeState) -> RoundResult:

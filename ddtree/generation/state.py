@@ -26,8 +26,8 @@ from ddtree.core.tree import DraftTree
 from ddtree.drafters.base import DraftContext, Drafter
 from ddtree.runtime.distributed import Lockstep
 from ddtree.runtime.timing import StageTimer
-from ddtree.target.attention import TreeAttentionBackend
-from ddtree.target.forward import PREFILL_CHUNK, TargetModel
+from ddtree.targets.attention import TreeAttentionBackend
+from ddtree.targets.forward import PREFILL_CHUNK, TargetModel
 
 
 class RoundEngine(Protocol):

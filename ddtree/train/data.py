@@ -23,7 +23,7 @@ from typing import Iterable, Sequence
 import torch
 
 from ddtree.drafters.features import extract_context_feature
-from ddtree.target.cache import cache_kwargs
+from ddtree.targets.cache import cache_kwargs
 
 
 @dataclass

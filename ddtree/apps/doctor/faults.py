@@ -176,7 +176,7 @@ def _nothing() -> contextlib.nullcontext:
 def _decoder_layers(target, last_normed: bool = False):
     """The target's decoder layers as ddtree's forward finds them; ``last_normed``: only where HF's
     ``hidden_states[-1]`` is the final norm's output (else there is no pre-norm state to mix up)."""
-    from ddtree.target.forward import decoder_parts
+    from ddtree.targets.forward import decoder_parts
 
     parts = decoder_parts(target)
     if parts is None:

@@ -169,8 +169,8 @@ def target_hidden_states(target, runs, layers: Sequence[int] | None = None, pred
     """Per run, the target's hidden states over its sequence (HF's layout; only ``layers`` kept when given).
     ``predictions``, when given, receives per run the target's greedy next token at every position ``[1, L]``
     (position 0 keeps the run's first token): what it would append after each prefix."""
-    from ddtree.target.cache import new_target_cache
-    from ddtree.target.forward import target_forward
+    from ddtree.targets.cache import new_target_cache
+    from ddtree.targets.forward import target_forward
 
     device = target.get_input_embeddings().weight.device
     out = []

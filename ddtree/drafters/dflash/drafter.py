@@ -12,7 +12,7 @@ from ddtree.drafters.dflash.context import DFlashContext
 from ddtree.drafters.dflash.model import DFlashDraftModel
 from ddtree.drafters.features import FeatureDrafter, check_target_layer_ids
 from ddtree.runtime.distributed import Lockstep, full_tensor, module_fingerprint
-from ddtree.target import cpu_linear
+from ddtree.targets import cpu_linear
 
 
 def target_vocab_size(target) -> int:

@@ -54,12 +54,12 @@ def new_target_cache(model=None):
     Attention layers are built without sliding-window caches on purpose: those discard
     old states and refuse arbitrary compaction, while ddtree applies windows through its
     masks instead. Pass ``model`` for targets with linear-attention layers, which need
-    their conv/recurrent slots (see :mod:`ddtree.target.linear_attention`).
+    their conv/recurrent slots (see :mod:`ddtree.targets.linear_attention`).
     """
     from transformers import DynamicCache
 
     if model is not None:
-        from ddtree.target.linear_attention import gdn_modules, new_hybrid_cache
+        from ddtree.targets.linear_attention import gdn_modules, new_hybrid_cache
 
         if gdn_modules(model):
             return new_hybrid_cache(model)
@@ -141,7 +141,7 @@ def commit_accepted(cache, prefix_len: int, accepted: torch.Tensor, lengths: tor
     counts = (accepted >= 0).sum(dim=1)
     if bool(((accepted >= 0) != (torch.arange(accepted.shape[1], device=accepted.device) < counts[:, None])).any()):
         raise ValueError("accepted paths must be -1 padded at the end only")
-    from ddtree.target.linear_attention import commit_linear_states, has_pending
+    from ddtree.targets.linear_attention import commit_linear_states, has_pending
 
     kv_layers = _kv_layers(cache)
     if has_pending(cache):
@@ -150,7 +150,7 @@ def commit_accepted(cache, prefix_len: int, accepted: torch.Tensor, lengths: tor
         raise ValueError(
             "the target cache has linear-attention (GDN) layers but the verify forward left no per-node state: "
             "transformers' own GDN forward would have mixed sibling nodes. Prepare the target with "
-            "ddtree.target.linear_attention.prepare(model) and pass the backend's tree_forward_kwargs "
+            "ddtree.targets.linear_attention.prepare(model) and pass the backend's tree_forward_kwargs "
             "(SpeculativeGenerator does)"
         )
     # Rows that accept equally many nodes stay right-aligned when the nodes are appended after the whole
@@ -211,7 +211,7 @@ def _gather_columns(tensor: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
 def truncate(cache, length: int) -> None:
     """Back to the first ``length`` columns: drop the rest in every attention layer (``DynamicCache.crop``'s
     meaning moved across versions) and any uncommitted tree state of linear-attention layers."""
-    from ddtree.target.linear_attention import drop_pending
+    from ddtree.targets.linear_attention import drop_pending
 
     drop_pending(cache)
     for keys, values, store in _kv_layers(cache):
@@ -227,7 +227,7 @@ def truncate_front(cache, count: int) -> None:
 def select_rows(cache, rows: torch.Tensor) -> None:
     """Keep only batch rows ``rows`` of every layer of ``cache`` (finished rows stop costing compute): attention
     columns and, for a hybrid target, each GDN layer's per-row conv window and recurrent state."""
-    from ddtree.target.linear_attention import select_linear_rows
+    from ddtree.targets.linear_attention import select_linear_rows
 
     for keys, values, store in _kv_layers(cache):
         index = rows.to(keys.device)
@@ -239,7 +239,7 @@ def stack_rows(caches: list, lengths: list[int]):
     """One batch cache from batch-1 caches holding ``lengths[b]`` columns each: attention columns
     right-aligned (zeros in front, which :func:`padding_mask` masks) and GDN states stacked. Reuses the
     longest row's cache object, so its per-layer bookkeeping (initialised layers, previous-state flags) stays."""
-    from ddtree.target.linear_attention import stack_linear_states
+    from ddtree.targets.linear_attention import stack_linear_states
 
     if len(caches) != len(lengths) or not caches:
         raise ValueError(f"{len(caches)} caches for {len(lengths)} lengths")

@@ -1,7 +1,7 @@
 """Which target families ddtree verifies exactly, and a clear refusal for the rest.
 
 A tree verify is exact when every layer of the target can see a tree: softmax attention
-through a mask or split attention, Gated DeltaNet through :mod:`ddtree.target.linear_attention`.
+through a mask or split attention, Gated DeltaNet through :mod:`ddtree.targets.linear_attention`.
 A layer with any other recurrent state (Mamba-2 mixers, short convolutions, other linear
 attention) would run the tree as one chain and silently mix siblings, so such targets
 are refused when the generator is built, before any output exists.
@@ -9,7 +9,7 @@ are refused when the generator is built, before any output exists.
 
 from __future__ import annotations
 
-from ddtree.target.linear_attention import GDN_MODEL_TYPES, gdn_modules
+from ddtree.targets.linear_attention import GDN_MODEL_TYPES, gdn_modules
 
 ATTENTION_FAMILIES = (
     "llama", "qwen2", "qwen3", "qwen3_moe", "mistral", "mixtral", "gemma2", "gemma3_text", "cohere2", "gpt_oss",

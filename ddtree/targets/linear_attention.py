@@ -12,7 +12,7 @@ the cached state, so on a flattened tree siblings would mix. Here each node gets
 
 The verify forward never writes the cache. It stashes each node's small recurrence
 inputs (q, k, v, g, beta) and conv inputs in a pending slot of the cache object, and
-:func:`commit_linear_states` (called by :func:`ddtree.target.cache.commit_accepted`) replays
+:func:`commit_linear_states` (called by :func:`ddtree.targets.cache.commit_accepted`) replays
 each row's accepted path from the committed state: the last accepted node's state and
 the conv window along the path become the cache. Keeping inputs instead of per-node
 states is what makes a 64-node tree affordable on a 27B target (design.md).

@@ -18,7 +18,7 @@ from typing import Any, Protocol, Sequence
 
 import torch
 
-from ddtree.target.cache import cache_kwargs
+from ddtree.targets.cache import cache_kwargs
 
 
 class TargetOutput(Protocol):
@@ -163,7 +163,7 @@ def chunk_continues_state(target) -> bool:
     layers always do; transformers' Gated DeltaNet layers do in 5.15 and 5.24 (their chunked rule starts
     from the cached state). Older releases are not checked (Qwen3-Next's first GDN forward restarted from
     zero), so a hybrid target prefills in one forward there."""
-    from ddtree.target.linear_attention import gdn_modules
+    from ddtree.targets.linear_attention import gdn_modules
 
     if not gdn_modules(target):
         return True
@@ -183,8 +183,8 @@ def chunked_prefill(target, ids: torch.Tensor, cache, chunk: int | None, *, posi
     floating-point summation order (the tests check tokens and acceptance); a GDN hybrid's chunk is
     rounded up to whole GDN blocks (:data:`GDN_CHUNK`), where it is equal to the bit.
     """
-    from ddtree.target.cache import check_cache_length
-    from ddtree.target.linear_attention import gdn_modules
+    from ddtree.targets.cache import check_cache_length
+    from ddtree.targets.linear_attention import gdn_modules
 
     width = ids.shape[1]
     step = width if chunk is None or not chunk_continues_state(target) else max(1, int(chunk))

@@ -6,7 +6,7 @@ arguments of one HF forward call. ``prepare(model)`` is called once per target.
 - ``"sdpa"``: a dense additive ``[B, 1, N, prefix + N]`` mask; any HF attention
   implementation that accepts a 4D mask runs it.
 - ``"split"``, ``"fused"``, ``"flash_attn"``: split attention (see
-  :mod:`ddtree.target.split_attention`). The committed prefix is attended with no mask
+  :mod:`ddtree.targets.split_attention`). The committed prefix is attended with no mask
   by a kernel that returns the log-sum-exp, the tree block with its small dense
   mask, and the two are merged exactly. They differ only in the prefix kernel:
   plain torch (the reference), PyTorch's fused flash/memory-efficient kernels
@@ -36,7 +36,7 @@ import torch.nn.functional as F
 
 from ddtree.core.masks import tree_attention_mask
 from ddtree.core.tree import DraftTree
-from ddtree.target.split_attention import (
+from ddtree.targets.split_attention import (
     BlockKernel,
     PrefixKernel,
     attention_with_lse,
@@ -430,7 +430,7 @@ def register_attention_implementations() -> None:
 
 def prepare_target(model) -> None:
     """What every backend does to a target first: refuse families a tree cannot verify, route GDN layers."""
-    from ddtree.target import families, linear_attention
+    from ddtree.targets import families, linear_attention
 
     families.check_supported(model)
     linear_attention.prepare(model)
@@ -438,7 +438,7 @@ def prepare_target(model) -> None:
 
 def _with_linear_tree(model, tree: DraftTree, kwargs: dict) -> dict:
     """Add the tree for GDN layers when ``model`` has them (attention layers never see it)."""
-    from ddtree.target import linear_attention
+    from ddtree.targets import linear_attention
 
     if linear_attention.is_prepared(model):
         kwargs[linear_attention.LINEAR_TREE_KWARG] = tree
