@@ -40,7 +40,7 @@ from ddtree.generation.round import speculative_round
 from ddtree.generation.state import DecodeState, RoundRecord, RoundResult
 from ddtree.integrations.hf import DDTreeDecoding, decoding
 from ddtree.runtime.threads import ThreadInfo, configure_threads, thread_info
-from ddtree.targets.attention import get_backend
+from ddtree.targets.backends import get_backend
 from ddtree.targets.cache import (
     cache_kwargs,
     commit_accepted,

@@ -9,19 +9,21 @@ import random
 import pytest
 import torch
 
-from ddtree.targets.attention import (
+from ddtree.targets.backends import (
     CPU_DENSE_BELOW,
-    TREE_KWARG,
     AutoBackend,
     DenseMaskBackend,
     SplitBackend,
     auto_backend_name,
+    get_backend,
+)
+from ddtree.targets.kernels import (
     causal_attention,
     flash_attn_available,
     fused_block_kernel,
     fused_prefix_kernel,
-    get_backend,
 )
+from ddtree.targets.registration import TREE_KWARG, register_attention_implementations
 from ddtree.drafters.dflash.attention import block_attention
 from ddtree.targets.cache import cache_kwargs
 from ddtree.core.masks import tree_attention_mask
@@ -394,7 +396,7 @@ def test_registered_by_name_without_patching():
     """``attn_implementation="ddtree_split"`` at load time, no model edits: the tree kwarg reaches every layer."""
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    import ddtree  # noqa: F401  (importing ddtree registers the implementations)
+    register_attention_implementations()  # what a user does before loading by name (a backend's prepare does it too)
 
     cfg = LlamaConfig(vocab_size=50, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=4)
@@ -407,7 +409,7 @@ def test_registered_by_name_without_patching():
     dense = run_target(model, get_backend("sdpa"), tree, prompt)
     torch.testing.assert_close(split[3], dense[3], rtol=0, atol=1e-10)
     # A tree kwarg with the wrong node count is refused, not silently misapplied.
-    from ddtree.targets.attention import TreeAttentionSpec
+    from ddtree.targets.registration import TreeAttentionSpec
 
     other = TreeAttentionSpec.from_tree(DraftTree.from_parents(torch.tensor([[1, 2]]), torch.tensor([[-1, 0]])))
     backend.prepare(model)

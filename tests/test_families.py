@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 import torch
 
-import ddtree.targets.attention
 import ddtree.targets.linear_attention
 from ddtree import SpeculativeGenerator
+from ddtree.targets.description import describe
 from tiny import FAMILIES, HYBRIDS, WINDOW, family_target
 from tiny import ScriptedDrafter
 from test_generator import expected_acceptance
@@ -61,7 +61,7 @@ def test_a_missing_window_is_caught(family, monkeypatch):
     """With the window dropped from the dense mask, the family test's checks fail."""
     target = family_target(family)
     ref = _reference(target)
-    monkeypatch.setattr(ddtree.targets.attention, "attention_windows", lambda model: {0: None})
+    monkeypatch.setattr(describe(target), "windows", {0: None})
     out = _run(target, ref, "best_first", 8, {2: 3}, attention="sdpa")
     with pytest.raises(AssertionError):
         _check(out, ref)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from ddtree import DraftTree, cache_kwargs, commit_accepted, new_target_cache
-from ddtree.targets.attention import get_backend
+from ddtree.targets.backends import get_backend
 from ddtree.targets.linear_attention import _states, commit_linear_states, gdn_modules
 from ddtree.core.masks import tree_position_ids
 from tiny import family_target

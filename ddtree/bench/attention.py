@@ -24,11 +24,12 @@ import torch
 
 from ddtree.core.masks import tree_attention_mask
 from ddtree.core.tree import DraftTree
-from ddtree.targets.attention import (
+from ddtree.targets.kernels import flash_attn_available
+from ddtree.targets.registration import (
     IMPLEMENTATIONS,
     TREE_KWARG,
     TreeAttentionSpec,
-    flash_attn_available,
+    register_attention_implementations,
 )
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "fp64": torch.float64}
@@ -126,6 +127,7 @@ def bench_case(
     mask_ms = time_ms(build_mask, device, warmup, repeats)
     reference = _dense_reference(q, k, v, mask, scale) if check else None
     spec = TreeAttentionSpec.from_tree(tree)
+    register_attention_implementations()
     functions = AttentionInterface()
     calls = {
         "sdpa": lambda: sdpa_attention_forward(layer, q, k, v, mask, scaling=scale)[0],

@@ -36,12 +36,13 @@ from ddtree.bench.attention import _Layer, random_tree
 from ddtree.core.masks import tree_attention_mask
 from ddtree.core.tree import DraftTree
 from ddtree.drafters.dflash.attention import block_attention
-from ddtree.targets.attention import (
+from ddtree.targets.backends import get_backend
+from ddtree.targets.kernels import flash_attn_available
+from ddtree.targets.registration import (
     IMPLEMENTATIONS,
     TREE_KWARG,
     TreeAttentionSpec,
-    flash_attn_available,
-    get_backend,
+    register_attention_implementations,
 )
 from ddtree.targets.cache import cache_kwargs
 
@@ -78,6 +79,7 @@ def check_split(device, dtype, tol, shapes) -> list[dict]:
     """Registered split attention (every backend) against float32 dense attention under the lead's mask."""
     from transformers import AttentionInterface
 
+    register_attention_implementations()
     functions = AttentionInterface()
     rows = []
     for i, (heads, kv_heads, head_dim, prefix_len, n, window) in enumerate(shapes):
@@ -101,6 +103,7 @@ def check_causal(device, dtype, tol, tiny: bool = False) -> list[dict]:
     """Prefill / chunk / decode calls (no tree) against float32 bottom-right causal attention."""
     from transformers import AttentionInterface
 
+    register_attention_implementations()
     functions = AttentionInterface()
     rows = []
     gen = torch.Generator().manual_seed(0)

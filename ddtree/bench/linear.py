@@ -27,7 +27,7 @@ import torch
 from ddtree.bench.attention import DTYPES, parse_sizes, random_tree, write_result
 from ddtree.core.masks import tree_position_ids
 from ddtree.core.tree import DraftTree
-from ddtree.targets.attention import get_backend
+from ddtree.targets.backends import get_backend
 from ddtree.targets.cache import (
     cache_kwargs,
     commit_accepted,

@@ -82,7 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ignore-eos", action="store_true", help="always generate max-new-tokens")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="torch device")
     p.add_argument("--dtype", default=None, help="float32 (CPU default), bfloat16 (CUDA default), float16")
-    p.add_argument("--attention", default="sdpa", help="tree-verify attention backend (see ddtree.targets.attention)")
+    p.add_argument("--attention", default="sdpa", help="tree-verify attention backend (see ddtree.targets.backends)")
     p.add_argument("--draft-vocab", default="auto",
                    help="drafter proposal vocabulary: 'auto' (the drafter's draft_vocab file), 'full', or N top-ranked ids")
     p.add_argument("--cpu-linear", default="auto", choices=["auto", "on", "off"],

@@ -41,7 +41,7 @@ from ddtree.generation.state import DecodeState
 from ddtree.runtime.distributed import Lockstep, fail_together, module_fingerprint
 from ddtree.runtime.threads import thread_info
 from ddtree.runtime.timing import StageTimer
-from ddtree.targets.attention import get_backend
+from ddtree.targets.backends import get_backend
 from ddtree.targets.forward import PREFILL_CHUNK, check_prefill_chunk
 
 
@@ -112,7 +112,7 @@ class SpeculativeGenerator:
     with every node; see docs/benchmarks.md). ``builder`` is ``"best_first"`` (DDTree),
     ``"chain"`` (DFlash), ``"beam@WxD"``, ``"module:function"`` or any callable
     with the :class:`~ddtree.core.builders.TreeBuilder` signature. ``attention`` names the
-    tree-verify attention backend (see :mod:`ddtree.targets.attention`). ``cpu_linear``
+    tree-verify attention backend (see :mod:`ddtree.targets.backends`). ``cpu_linear``
     routes a float32 CPU target's linear layers through :mod:`ddtree.targets.cpu_linear`
     (faster few-token verify forwards), and the DFlash drafter's along with it:
     ``True`` requires it, ``"auto"`` uses it where it runs, ``False`` leaves the

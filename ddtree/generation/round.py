@@ -36,8 +36,8 @@ from ddtree.targets.cache import (
     truncate_front,
 )
 from ddtree.targets.cache import select_rows as select_cache_rows
+from ddtree.targets.description import describe
 from ddtree.targets.forward import chunked_prefill, target_forward
-from ddtree.targets.linear_attention import gdn_modules
 
 
 def speculative_round(state: DecodeState) -> RoundResult:
@@ -68,7 +68,7 @@ def _prefill(state: DecodeState) -> RoundResult:
     with timer.stage("prefill"):
         if not plain:
             state.draft = gen.drafter.new_context(len(state.prompts))
-        if padded and gdn_modules(target):
+        if padded and not describe(target).padded_prefill_exact:
             last = _prefill_each_row(state, hidden, width)
         else:
             last = _prefill_batch(state, ids, lengths, hidden)
@@ -120,10 +120,9 @@ def _to_context(state: DecodeState, last: bool, *args) -> None:
 
 
 def _prefill_each_row(state: DecodeState, hidden: bool, width: int) -> torch.Tensor:
-    """Prefill a hybrid GDN target's prompts one by one and stack the caches: each row's GDN state is then
-    exactly its batch-1 prefill's. A left-padded batch forward is not: transformers zeroes the pad inputs,
-    but its chunked gated-delta rule still decays through the pads (float64, 57 pads: a row's last logits
-    2e-7 off its own prefill's, on transformers 5.0 and 5.24). Each chunk's features go to the drafter
+    """Prefill the prompts one by one and stack the caches, for a target whose stateful layers a left-padded
+    batch forward leaves inexact (GDN: see ``padded_prefill_exact`` of its kind): each row's state is then
+    exactly its batch-1 prefill's. Each chunk's features go to the drafter
     context as that row's alone (the other rows append nothing). Returns the last logits ``[B, V]``."""
     gen = state.generator
     target = gen.target

@@ -26,7 +26,7 @@ from ddtree.core.tree import DraftTree
 from ddtree.drafters.base import DraftContext, Drafter
 from ddtree.runtime.distributed import Lockstep
 from ddtree.runtime.timing import StageTimer
-from ddtree.targets.attention import TreeAttentionBackend
+from ddtree.targets.backends import TreeAttentionBackend
 from ddtree.targets.forward import PREFILL_CHUNK, TargetModel
 
 

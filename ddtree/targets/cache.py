@@ -3,7 +3,8 @@
 After the tree forward the target cache holds ``[prefix | all tree nodes]``.
 :func:`commit_accepted` keeps the prefix and exactly the accepted nodes, in path
 order. It is the one place every cache kind goes through, so version quirks of
-transformers' cache classes stay here.
+transformers' cache classes stay here. Layers with per-row state (linear attention)
+are handled by their kind (:mod:`ddtree.targets.layer_kinds`), found from the cache.
 """
 
 from __future__ import annotations
@@ -12,6 +13,9 @@ import functools
 import inspect
 
 import torch
+
+from ddtree.targets.description import describe
+from ddtree.targets.layer_kinds import kinds_in_cache
 
 SUPPORTED_TRANSFORMERS = ">=5.0,<6"
 """The transformers versions ddtree is exact on (kept equal to pyproject.toml's range by a test)."""
@@ -49,20 +53,18 @@ def check_cache_length(cache, expected: int, step: str) -> None:
 
 
 def new_target_cache(model=None):
-    """A cache whose attention layers keep every position (and, for a hybrid GDN target, state slots).
+    """A cache whose attention layers keep every position (and, for a target with stateful layers, their slots).
 
     Attention layers are built without sliding-window caches on purpose: those discard
     old states and refuse arbitrary compaction, while ddtree applies windows through its
-    masks instead. Pass ``model`` for targets with linear-attention layers, which need
-    their conv/recurrent slots (see :mod:`ddtree.targets.linear_attention`).
+    masks instead. Pass ``model`` for targets with stateful layers (linear attention), whose
+    kind builds the cache with their slots (see :mod:`ddtree.targets.layer_kinds`).
     """
     from transformers import DynamicCache
 
     if model is not None:
-        from ddtree.targets.linear_attention import gdn_modules, new_hybrid_cache
-
-        if gdn_modules(model):
-            return new_hybrid_cache(model)
+        for kind in describe(model).stateful:
+            return kind.new_cache(model)
     return DynamicCache()
 
 
@@ -141,18 +143,9 @@ def commit_accepted(cache, prefix_len: int, accepted: torch.Tensor, lengths: tor
     counts = (accepted >= 0).sum(dim=1)
     if bool(((accepted >= 0) != (torch.arange(accepted.shape[1], device=accepted.device) < counts[:, None])).any()):
         raise ValueError("accepted paths must be -1 padded at the end only")
-    from ddtree.targets.linear_attention import commit_linear_states, has_pending
-
     kv_layers = _kv_layers(cache)
-    if has_pending(cache):
-        commit_linear_states(cache, accepted)  # GDN layers: per row, from each row's own last accepted node
-    elif _has_linear_layers(cache):
-        raise ValueError(
-            "the target cache has linear-attention (GDN) layers but the verify forward left no per-node state: "
-            "transformers' own GDN forward would have mixed sibling nodes. Prepare the target with "
-            "ddtree.targets.linear_attention.prepare(model) and pass the backend's tree_forward_kwargs "
-            "(SpeculativeGenerator does)"
-        )
+    for kind in kinds_in_cache(cache):
+        kind.commit(cache, accepted)  # stateful layers: per row, from each row's own last accepted node
     # Rows that accept equally many nodes stay right-aligned when the nodes are appended after the whole
     # prefix (padding included): the cheap path, whatever each row's own length.
     if bool((counts == accepted.shape[1]).all()):
@@ -164,13 +157,6 @@ def commit_accepted(cache, prefix_len: int, accepted: torch.Tensor, lengths: tor
     index = compaction_index(prefix_len, accepted, lengths if lengths is not None else torch.full_like(counts, prefix_len))
     for keys, values, store in kv_layers:
         store(_gather_columns(keys, index), _gather_columns(values, index))
-
-
-def _has_linear_layers(cache) -> bool:
-    layers = getattr(cache, "layers", None)
-    if layers is None:
-        return any(c is not None for c in getattr(cache, "conv_states", []))
-    return any(hasattr(layer, "recurrent_states") for layer in layers)
 
 
 def _kv_layers(cache) -> list[tuple]:
@@ -192,7 +178,7 @@ def _kv_layers(cache) -> list[tuple]:
                 "ddtree.new_target_cache(model) so every layer keeps all positions"
             )
         if hasattr(layer, "recurrent_states") and not hasattr(layer, "keys"):
-            continue  # a GDN layer: committed by commit_linear_states, which needs the verify's pending inputs
+            continue  # a stateful (linear-attention) layer: committed by its kind, from the verify's pending inputs
         def store(k, v, layer=layer):
             layer.keys, layer.values = k, v
         keys = getattr(layer, "keys", None)
@@ -210,10 +196,9 @@ def _gather_columns(tensor: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
 
 def truncate(cache, length: int) -> None:
     """Back to the first ``length`` columns: drop the rest in every attention layer (``DynamicCache.crop``'s
-    meaning moved across versions) and any uncommitted tree state of linear-attention layers."""
-    from ddtree.targets.linear_attention import drop_pending
-
-    drop_pending(cache)
+    meaning moved across versions) and any uncommitted tree state of stateful layers."""
+    for kind in kinds_in_cache(cache):
+        kind.drop_pending(cache)
     for keys, values, store in _kv_layers(cache):
         store(keys[..., :length, :], values[..., :length, :])
 
@@ -226,21 +211,18 @@ def truncate_front(cache, count: int) -> None:
 
 def select_rows(cache, rows: torch.Tensor) -> None:
     """Keep only batch rows ``rows`` of every layer of ``cache`` (finished rows stop costing compute): attention
-    columns and, for a hybrid target, each GDN layer's per-row conv window and recurrent state."""
-    from ddtree.targets.linear_attention import select_linear_rows
-
+    columns and, for a hybrid target, each stateful layer's per-row state (a GDN conv window and recurrent state)."""
     for keys, values, store in _kv_layers(cache):
         index = rows.to(keys.device)
         store(keys.index_select(0, index), values.index_select(0, index))
-    select_linear_rows(cache, rows)
+    for kind in kinds_in_cache(cache):
+        kind.select_rows(cache, rows)
 
 
 def stack_rows(caches: list, lengths: list[int]):
     """One batch cache from batch-1 caches holding ``lengths[b]`` columns each: attention columns
-    right-aligned (zeros in front, which :func:`padding_mask` masks) and GDN states stacked. Reuses the
-    longest row's cache object, so its per-layer bookkeeping (initialised layers, previous-state flags) stays."""
-    from ddtree.targets.linear_attention import stack_linear_states
-
+    right-aligned (zeros in front, which :func:`padding_mask` masks) and stateful layers' states stacked. Reuses
+    the longest row's cache object, so its per-layer bookkeeping (initialised layers, previous-state flags) stays."""
     if len(caches) != len(lengths) or not caches:
         raise ValueError(f"{len(caches)} caches for {len(lengths)} lengths")
     width = max(lengths)
@@ -250,5 +232,6 @@ def stack_rows(caches: list, lengths: list[int]):
         padded = [[torch.nn.functional.pad(rows[j][part], (0, 0, width - n, 0)) for rows, n in zip(layers, lengths)]
                   for part in (0, 1)]
         store(torch.cat(padded[0]), torch.cat(padded[1]))
-    stack_linear_states(caches, base)
+    for kind in kinds_in_cache(base):
+        kind.stack_rows(caches, base)
     return base

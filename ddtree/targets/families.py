@@ -1,7 +1,8 @@
 """Which target families ddtree verifies exactly, and a clear refusal for the rest.
 
 A tree verify is exact when every layer of the target can see a tree: softmax attention
-through a mask or split attention, Gated DeltaNet through :mod:`ddtree.targets.linear_attention`.
+through a mask or split attention, a layer with state through its kind in :mod:`ddtree.targets.layer_kinds`
+(Gated DeltaNet today).
 A layer with any other recurrent state (Mamba-2 mixers, short convolutions, other linear
 attention) would run the tree as one chain and silently mix siblings, so such targets
 are refused when the generator is built, before any output exists.
@@ -9,7 +10,8 @@ are refused when the generator is built, before any output exists.
 
 from __future__ import annotations
 
-from ddtree.targets.linear_attention import GDN_MODEL_TYPES, gdn_modules
+from ddtree.targets.description import describe
+from ddtree.targets.layer_kinds import STATEFUL_KINDS
 
 ATTENTION_FAMILIES = (
     "llama", "qwen2", "qwen3", "qwen3_moe", "mistral", "mixtral", "gemma2", "gemma3_text", "cohere2", "gpt_oss",
@@ -30,28 +32,28 @@ SUPPORTED = (
     "softmax-attention decoders (full or sliding windows from layer_types, a config-level sliding_window or "
     "Qwen2's max_window_layers; attention sinks; logit softcapping; MoE blocks), e.g. "
     + ", ".join(ATTENTION_FAMILIES)
-    + "; and Gated DeltaNet hybrids: " + ", ".join(GDN_MODEL_TYPES)
+    + "".join(f"; and {kind.name} hybrids: " + ", ".join(kind.model_types) for kind in STATEFUL_KINDS)
 )
 
 
 def check_supported(model) -> None:
     """Raise ``ValueError`` naming the family when ``model`` has layers a tree verify cannot run exactly."""
-    config = model.config
-    model_type = getattr(config, "model_type", "?")
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    text_type = getattr(text, "model_type", model_type)
+    description = describe(model)
+    model_type, text_type = description.model_types
     for kind in (model_type, text_type):
         if kind in REFUSED_MODEL_TYPES:
             _refuse(model, f"a {REFUSED_MODEL_TYPES[kind]} ({kind})")
-    gdn = {id(m) for m in gdn_modules(model)}
-    if gdn and model_type not in GDN_MODEL_TYPES and text_type not in GDN_MODEL_TYPES:
-        _refuse(model, f"a Gated DeltaNet model of type {model_type!r} that ddtree has not verified")
+    handled = set()
+    for layer_kind in description.stateful:
+        if model_type not in layer_kind.model_types and text_type not in layer_kind.model_types:
+            _refuse(model, f"a {layer_kind.name} model of type {model_type!r} that ddtree has not verified")
+        handled.update(id(m) for m in layer_kind.modules(model))
     for name, module in model.named_modules():
         cls = type(module).__name__
-        if id(module) not in gdn and any(h.lower() in cls.lower() for h in _RECURRENT_HINTS) and _has_state(module):
+        if id(module) not in handled and any(h.lower() in cls.lower() for h in _RECURRENT_HINTS) and _has_state(module):
             _refuse(model, f"a model with a recurrent {cls} layer ({name}) of type {model_type!r}")
     known = {"full_attention", "sliding_attention", "linear_attention"}
-    unknown = set(getattr(text, "layer_types", None) or []) - known
+    unknown = set(description.layer_types) - known
     if unknown:
         _refuse(model, f"a model with {sorted(unknown)} layers (type {model_type!r})")
 

@@ -18,7 +18,8 @@ from typing import Any, Protocol, Sequence
 
 import torch
 
-from ddtree.targets.cache import cache_kwargs
+from ddtree.targets.cache import cache_kwargs, check_cache_length
+from ddtree.targets.description import describe
 
 
 class TargetOutput(Protocol):
@@ -63,7 +64,7 @@ def target_forward(target: TargetModel, input_ids, position_ids, cache, hidden: 
         return _logits_forward(target, call, last, False)
     if layers is None:
         return _logits_forward(target, call, last, True)
-    plan = decoder_parts(target)
+    plan = describe(target).decoder_parts
     if plan is None:  # an unrecognised layout: take them all and drop the rest at once
         out = _logits_forward(target, call, last, True)
         wanted = {int(i) + 1 for i in layers}
@@ -98,21 +99,6 @@ def target_forward(target: TargetModel, input_ids, position_ids, cache, hidden: 
     return Output(out.logits, tuple(kept))
 
 
-def decoder_parts(target):
-    """``(decoder, its layer list, whether hidden_states[-1] is the decoder's post-norm output)``,
-    or ``None`` when the target's layout is not the HF decoder's."""
-    get = getattr(target, "get_decoder", None)
-    try:
-        decoder = get() if callable(get) else None
-    except (AttributeError, NotImplementedError, ValueError):
-        return None
-    blocks = getattr(decoder, "layers", None)
-    config = getattr(target.config, "get_text_config", lambda: target.config)()
-    if not isinstance(blocks, torch.nn.ModuleList) or len(blocks) != getattr(config, "num_hidden_layers", -1):
-        return None
-    return decoder, blocks, getattr(config, "tie_last_hidden_states", True) is not False
-
-
 @functools.lru_cache(maxsize=None)
 def takes_logits_to_keep(owner: type) -> bool:
     """Whether this CausalLM class's forward takes ``logits_to_keep`` (every transformers 5 decoder does)."""
@@ -135,10 +121,11 @@ def _logits_forward(target, call: dict, last: int | None, hidden: bool):
 
 def _plain_head_decoder(target):
     """The decoder whose last hidden state the lm_head alone turns into logits, or ``None``."""
-    config = getattr(target.config, "get_text_config", lambda: target.config)()
+    description = describe(target)
+    config = description.text_config
     if getattr(config, "final_logit_softcapping", None) or getattr(config, "logit_scale", None) not in (None, 1.0):
         return None
-    parts = decoder_parts(target)
+    parts = description.decoder_parts
     return None if parts is None or parts[0] is target else parts[0]
 
 
@@ -147,31 +134,10 @@ PREFILL_CHUNK = 4096
 memory) by the chunk instead of the prompt, at the cost of a few extra forward launches on long prompts."""
 
 
-GDN_CHUNK = 64
-"""transformers' chunked gated-delta rule works in blocks of 64 tokens: a prefill split at multiples of it
-runs the same arithmetic as one forward (float64: equal bits), other splits differ in the last bits."""
-
-
 def check_prefill_chunk(chunk) -> None:
     if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
         raise ValueError(f"prefill_chunk must be an int >= 1 (prompt tokens per prefill forward) or None "
                          f"(the whole prompt in one forward), got {chunk!r}")
-
-
-def chunk_continues_state(target) -> bool:
-    """Whether a multi-token forward continues the cached state for every layer of ``target``. Attention
-    layers always do; transformers' Gated DeltaNet layers do in 5.15 and 5.24 (their chunked rule starts
-    from the cached state). Older releases are not checked (Qwen3-Next's first GDN forward restarted from
-    zero), so a hybrid target prefills in one forward there."""
-    from ddtree.targets.linear_attention import gdn_modules
-
-    if not gdn_modules(target):
-        return True
-    import re
-
-    import transformers
-
-    return tuple(int(x) for x in re.findall(r"\d+", transformers.__version__)[:2]) >= (5, 15)
 
 
 def chunked_prefill(target, ids: torch.Tensor, cache, chunk: int | None, *, positions=None, valid=None,
@@ -180,16 +146,13 @@ def chunked_prefill(target, ids: torch.Tensor, cache, chunk: int | None, *, posi
 
     ``positions``/``valid`` (``[B, T]``) for left-padded rows; ``on_chunk(start, end, out)`` sees each
     forward's output (its hidden states when ``hidden``). Equal to one forward over the prompt up to
-    floating-point summation order (the tests check tokens and acceptance); a GDN hybrid's chunk is
-    rounded up to whole GDN blocks (:data:`GDN_CHUNK`), where it is equal to the bit.
+    floating-point summation order (the tests check tokens and acceptance); a hybrid's chunk is rounded up
+    to whole blocks of its stateful layers (GDN: 64 tokens), where it is equal to the bit; a stateful kind
+    that cannot continue its state across forwards prefills in one
+    (:meth:`~ddtree.targets.description.TargetDescription.prefill_step`).
     """
-    from ddtree.targets.cache import check_cache_length
-    from ddtree.targets.linear_attention import gdn_modules
-
     width = ids.shape[1]
-    step = width if chunk is None or not chunk_continues_state(target) else max(1, int(chunk))
-    if step < width and gdn_modules(target):
-        step = -(-step // GDN_CHUNK) * GDN_CHUNK  # whole GDN chunks: bit for bit the one-shot recurrence
+    step = describe(target).prefill_step(width, chunk)
     out = None
     for start in range(0, width, step):
         end = min(start + step, width)

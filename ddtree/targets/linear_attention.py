@@ -11,20 +11,25 @@ the cached state, so on a flattened tree siblings would mix. Here each node gets
   when installed); a chain runs as one call over the whole block.
 
 The verify forward never writes the cache. It stashes each node's small recurrence
-inputs (q, k, v, g, beta) and conv inputs in a pending slot of the cache object, and
+inputs (q, k, v, g, beta) and conv inputs as pending, in ddtree's own table keyed by the
+cache object (transformers' object is left as it is), and
 :func:`commit_linear_states` (called by :func:`ddtree.targets.cache.commit_accepted`) replays
 each row's accepted path from the committed state: the last accepted node's state and
 the conv window along the path become the cache. Keeping inputs instead of per-node
 states is what makes a 64-node tree affordable on a 27B target (design.md).
 
 ``prepare(model)`` patches the GDN modules' ``forward`` on the instances (reversible with
-:func:`unprepare`); without a tree they run transformers' forward untouched.
+:func:`unprepare`); without a tree they run transformers' forward untouched. :class:`GatedDeltaNet` is this
+module behind :class:`ddtree.targets.layer_kinds.StatefulLayerKind`, the interface the rest of the target
+side calls.
 """
 
 from __future__ import annotations
 
 import functools
+import re
 import sys
+import weakref
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -39,7 +44,16 @@ LINEAR_TREE_KWARG = "ddtree_linear_tree"
 GDN_MODEL_TYPES = ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next")
 """Model types whose linear-attention layers ddtree verifies as trees."""
 
-_PENDING = "_ddtree_linear_pending"  # attribute of the cache object: {layer_idx: _Pending}
+_PENDING: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+"""cache object -> {layer_idx: _Pending}: a verify forward's uncommitted inputs, dropped with the cache."""
+
+GDN_CHUNK = 64
+"""transformers' chunked gated-delta rule works in blocks of 64 tokens: a prefill split at multiples of it
+runs the same arithmetic as one forward (float64: equal bits), other splits differ in the last bits."""
+
+
+def _pending(cache) -> dict:
+    return (_PENDING.get(cache) if cache is not None else None) or {}
 
 
 def gdn_modules(model) -> list[torch.nn.Module]:
@@ -229,9 +243,7 @@ def gdn_tree_forward(module, hidden: torch.Tensor, plan: LinearTreePlan, cache) 
     beta = b.sigmoid()
     g = -module.A_log.float().exp() * F.softplus(a.float() + module.dt_bias)
     pending = _Pending(conv_inputs, q, k, v, g, beta, _recurrent_fn(module))
-    if getattr(cache, _PENDING, None) is None:
-        setattr(cache, _PENDING, {})
-    getattr(cache, _PENDING)[module.layer_idx] = pending
+    _PENDING.setdefault(cache, {})[module.layer_idx] = pending
 
     if plan.is_chain and n >= CHUNKED_CHAIN_FROM:
         core = _run(_chunk_fn(module), q, k, v, g, beta, state, False)[0]
@@ -328,13 +340,13 @@ def _torch_step_matches(fn, dtype: torch.dtype, device: torch.device) -> bool:
 
 
 def has_pending(cache) -> bool:
-    return bool(getattr(cache, _PENDING, None))
+    return bool(_pending(cache))
 
 
 def drop_pending(cache) -> None:
     """Forget a verify forward's per-node inputs: its tree is discarded, the committed state stays."""
-    if getattr(cache, _PENDING, None):
-        setattr(cache, _PENDING, {})
+    if cache is not None:
+        _PENDING.pop(cache, None)
 
 
 def commit_linear_states(cache, accepted: torch.Tensor) -> None:
@@ -344,8 +356,7 @@ def commit_linear_states(cache, accepted: torch.Tensor) -> None:
     fewer nodes (ragged batches). Replays each row's path from its committed state with the
     inputs the verify forward stashed, then clears the pending slot.
     """
-    pending: dict[int, _Pending] = getattr(cache, _PENDING, None) or {}
-    setattr(cache, _PENDING, {})
+    pending: dict[int, _Pending] = _PENDING.pop(cache, None) or {}
     for idx, p in pending.items():
         conv_state, state = _states(cache, idx)
         rows_conv, rows_state = [], []
@@ -363,6 +374,14 @@ def commit_linear_states(cache, accepted: torch.Tensor) -> None:
 
 
 # --------------------------------------------------------------------------- batch rows
+
+
+def has_linear_layers(cache) -> bool:
+    """Whether ``cache`` has linear-attention slots (filled or not)."""
+    layers = getattr(cache, "layers", None)
+    if layers is None:
+        return any(c is not None for c in getattr(cache, "conv_states", []))
+    return any(hasattr(layer, "recurrent_states") for layer in layers)
 
 
 def _linear_layer_ids(cache) -> list[int]:
@@ -392,7 +411,7 @@ def select_linear_rows(cache, rows: torch.Tensor) -> None:
         conv, state = _states(cache, idx)
         _set_states(cache, idx, conv.index_select(0, rows.to(conv.device)),
                     state.index_select(0, rows.to(state.device)))
-    pending: dict[int, _Pending] = getattr(cache, _PENDING, None) or {}
+    pending: dict[int, _Pending] = _pending(cache)
     for idx, p in pending.items():
         pick = lambda x: x.index_select(0, rows.to(x.device))  # noqa: E731
         pending[idx] = _Pending(pick(p.conv_inputs), pick(p.q), pick(p.k), pick(p.v), pick(p.g), pick(p.beta), p.fn)
@@ -424,7 +443,7 @@ def _model_forward(self, *args, **kwargs):
     cache = next((kwargs[k] for k in ("cache", "past_key_values", "cache_params") if kwargs.get(k) is not None), None)
     if cache is None:
         raise ValueError("a tree forward through GDN layers needs the target cache (pass it with ddtree.cache_kwargs)")
-    setattr(cache, _PENDING, {})
+    _PENDING[cache] = {}
     ctx.plan = tree if isinstance(tree, LinearTreePlan) else LinearTreePlan.from_tree(tree)
     ctx.cache = cache
     try:
@@ -469,3 +488,64 @@ def unprepare(model) -> None:
     for m in [model, *gdn_modules(model)]:
         for name in ("forward", "_ddtree_original_forward", "_ddtree_context"):
             m.__dict__.pop(name, None)
+
+
+# --------------------------------------------------------------------------- the layer kind
+
+
+def chunk_continues_state() -> bool:
+    """Whether transformers' GDN forward continues the cached state over a multi-token input: it does in 5.15
+    and 5.24 (the chunked rule starts from the cached state). Older releases are not checked (Qwen3-Next's
+    first GDN forward restarted from zero), so a hybrid target prefills in one forward there."""
+    import transformers
+
+    return tuple(int(x) for x in re.findall(r"\d+", transformers.__version__)[:2]) >= (5, 15)
+
+
+class GatedDeltaNet:
+    """Gated DeltaNet layers as a :class:`ddtree.targets.layer_kinds.StatefulLayerKind`."""
+
+    name = "Gated DeltaNet"
+    model_types = GDN_MODEL_TYPES
+    padded_prefill_exact = False
+    """transformers zeroes the pad inputs of a left-padded batch, but its chunked gated-delta rule still decays
+    the state through them (float64, 57 pads: a row's last logits 2e-7 off its own prefill's)."""
+    prefill_multiple = GDN_CHUNK
+
+    def modules(self, model) -> list[torch.nn.Module]:
+        return gdn_modules(model)
+
+    def prefill_continues_state(self) -> bool:
+        return chunk_continues_state()
+
+    def new_cache(self, model):
+        return new_hybrid_cache(model)
+
+    def prepare(self, model) -> None:
+        prepare(model)
+
+    def tree_forward_kwargs(self, model, tree: DraftTree) -> dict:
+        return {LINEAR_TREE_KWARG: tree} if is_prepared(model) else {}
+
+    def holds_state(self, cache) -> bool:
+        return has_linear_layers(cache)
+
+    def commit(self, cache, accepted: torch.Tensor) -> None:
+        if has_pending(cache):
+            commit_linear_states(cache, accepted)  # per row, from each row's own last accepted node
+        elif has_linear_layers(cache):
+            raise ValueError(
+                "the target cache has linear-attention (GDN) layers but the verify forward left no per-node "
+                "state: transformers' own GDN forward would have mixed sibling nodes. Prepare the target with "
+                "ddtree.targets.linear_attention.prepare(model) and pass the backend's tree_forward_kwargs "
+                "(SpeculativeGenerator does)"
+            )
+
+    def drop_pending(self, cache) -> None:
+        drop_pending(cache)
+
+    def select_rows(self, cache, rows: torch.Tensor) -> None:
+        select_linear_rows(cache, rows)
+
+    def stack_rows(self, caches: list, into) -> None:
+        stack_linear_states(caches, into)

@@ -176,9 +176,9 @@ def _nothing() -> contextlib.nullcontext:
 def _decoder_layers(target, last_normed: bool = False):
     """The target's decoder layers as ddtree's forward finds them; ``last_normed``: only where HF's
     ``hidden_states[-1]`` is the final norm's output (else there is no pre-norm state to mix up)."""
-    from ddtree.targets.forward import decoder_parts
+    from ddtree.targets.description import describe
 
-    parts = decoder_parts(target)
+    parts = describe(target).decoder_parts
     if parts is None:
         raise Skip("ddtree does not recognise this target's decoder layout (get_decoder().layers)")
     if last_normed and not parts[2]:

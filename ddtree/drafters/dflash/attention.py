@@ -7,7 +7,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from ddtree.targets.attention import flash_attn_available
+from ddtree.targets.kernels import flash_attn_available
 
 
 def visible_keys(q_positions: torch.Tensor, k_positions: torch.Tensor, causal: bool,

@@ -1,0 +1,248 @@
+"""Attention backends for the target's tree-verify forward.
+
+A backend turns a :class:`~ddtree.core.tree.DraftTree` into the extra keyword
+arguments of one HF forward call. ``prepare(model)`` is called once per target.
+
+- ``"sdpa"``: a dense additive ``[B, 1, N, prefix + N]`` mask; any HF attention
+  implementation that accepts a 4D mask runs it.
+- ``"split"``, ``"fused"``, ``"flash_attn"``: split attention (see
+  :mod:`ddtree.targets.split_attention`). The committed prefix is attended with no mask
+  by a kernel that returns the log-sum-exp, the tree block with its small dense
+  mask, and the two are merged exactly. They differ only in the prefix kernel
+  (:mod:`ddtree.targets.kernels`): plain torch (the reference), PyTorch's fused
+  flash/memory-efficient kernels (CPU and CUDA, no extra package), or the
+  flash-attn package (CUDA). They run through attention implementations that
+  ``prepare`` registers with transformers (:mod:`ddtree.targets.registration`).
+- ``"auto"``: ``flash_attn`` on CUDA when the package imports, else ``fused``;
+  on the CPU ``fused``, but with the dense mask while the prefix is under
+  1024 tokens, where the dense mask measured faster (see docs/attention.md).
+
+Layers with per-row state (:mod:`ddtree.targets.layer_kinds`) get their own tree kwargs from their kind.
+This module is the documented home of :func:`get_backend` and :class:`TreeAttentionBackend`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from ddtree.core.masks import tree_attention_mask
+from ddtree.core.tree import DraftTree
+from ddtree.targets import families
+from ddtree.targets.description import describe
+from ddtree.targets.kernels import flash_attn_available
+from ddtree.targets.registration import (
+    IMPLEMENTATIONS,
+    TREE_KWARG,
+    TreeAttentionSpec,
+    register_attention_implementations,
+)
+
+
+def dense_tree_mask(model, tree: DraftTree, prefix_len: int, dtype: torch.dtype,
+                    prefix_valid: torch.Tensor | None = None):
+    """The dense additive tree mask for ``model``: one tensor when every attention layer has the same window,
+    else a dict keyed by the config's layer types (how HF models take per-layer-kind masks).
+    ``prefix_valid`` hides a batch's padding columns (see :func:`ddtree.core.masks.tree_attention_mask`)."""
+    description = describe(model)
+    windows = description.windows
+    kinds = set(windows.values())
+
+    def mask(window):
+        return tree_attention_mask(tree.visibility, prefix_len, dtype, sliding_window=window, depths=tree.depths,
+                                   prefix_valid=prefix_valid)
+
+    if len(kinds) <= 1:
+        return mask(next(iter(kinds), None))
+    types = description.layer_types
+    by_type: dict[str, int | None] = {}
+    for idx, window in windows.items():
+        kind = types[idx] if idx < len(types) else None
+        if kind is None or by_type.setdefault(kind, window) != window:
+            raise ValueError(
+                f"{type(model).__name__} has attention layers with different windows that its config's layer_types "
+                "do not separate, so one dense mask per layer kind cannot express them; use attention=\"split\""
+            )
+    masks = {kind: mask(window) for kind, window in by_type.items()}
+    for kind in set(types) - set(masks):
+        masks[kind] = None  # linear-attention layers take no attention mask
+    return masks
+
+
+def prepare_target(model) -> None:
+    """What every backend does to a target first: refuse families a tree cannot verify, route stateful layers."""
+    families.check_supported(model)
+    for kind in describe(model).stateful:
+        kind.prepare(model)
+
+
+def _with_stateful_kwargs(model, tree: DraftTree, kwargs: dict) -> dict:
+    """Add what the model's stateful layers need to see the tree (attention layers never read it)."""
+    for kind in describe(model).stateful:
+        kwargs.update(kind.tree_forward_kwargs(model, tree))
+    return kwargs
+
+
+_DENSE_RUNNERS = frozenset({"sdpa", "eager"} | {impl for impl, *_ in IMPLEMENTATIONS.values()})
+"""Attention implementations that apply a dense 4D tree mask as given (the split ones run it like sdpa)."""
+_SPLIT_RUNNERS = frozenset(impl for impl, *_ in IMPLEMENTATIONS.values())
+"""The registered split implementations: each reads the tree spec exactly (they differ only in kernels)."""
+
+
+def attention_implementation(model) -> str | None:
+    """The attention implementation ``model`` runs now (its text config's, for composite models)."""
+    impl = getattr(model.config, "_attn_implementation", None)
+    if impl is None:
+        impl = getattr(describe(model).text_config, "_attn_implementation", None)
+    return impl
+
+
+def check_implementation(model, backend_name: str, allowed) -> None:
+    """Refuse a verify forward whose target no longer runs an attention implementation that honours the
+    backend's kwargs: another generator (or ``set_attn_implementation``) switched it, and the tree would be
+    verified under a plain causal mask, silently wrong."""
+    impl = attention_implementation(model)
+    if impl not in allowed:
+        raise RuntimeError(
+            f"attention={backend_name!r} verifies trees through the {' / '.join(sorted(allowed))} attention "
+            f"implementation, but {type(model).__name__} now runs {impl!r} (another SpeculativeGenerator with a "
+            "different attention= on the same target, or set_attn_implementation, changed it): its tree forward "
+            "would ignore the tree mask. Give every generator on one target the same attention=, or use "
+            "attention=\"sdpa\" for all of them (it runs under every implementation ddtree sets)"
+        )
+
+
+class TreeAttentionBackend(Protocol):
+    """How a target's attention sees a tree: ``prepare`` sets the model up once (its attention
+    implementation), ``tree_forward_kwargs`` gives one verify forward's extra kwargs (a dense mask, or the
+    tree spec a registered implementation reads). ``prefix_valid`` ``[B, prefix_len]`` marks real columns of
+    rows padded in the cache."""
+
+    name: str
+
+    def prepare(self, model) -> None: ...
+
+    def tree_forward_kwargs(self, model, tree: DraftTree, prefix_len: int, dtype: torch.dtype,
+                            prefix_valid: torch.Tensor | None = None) -> dict: ...
+
+
+@dataclass
+class DenseMaskBackend:
+    """Dense additive mask; works with any HF attention implementation that accepts a 4D mask."""
+
+    name: str = "sdpa"
+
+    def prepare(self, model) -> None:
+        prepare_target(model)
+        impl = getattr(model.config, "_attn_implementation", None)
+        if impl not in ("sdpa", "eager"):
+            # sdpa where the model has it; eager for models that only run eager (gpt-oss and its sinks)
+            model.set_attn_implementation("sdpa" if getattr(model, "_supports_sdpa", True) else "eager")
+
+    def tree_forward_kwargs(self, model, tree: DraftTree, prefix_len: int, dtype: torch.dtype,
+                            prefix_valid: torch.Tensor | None = None) -> dict:
+        check_implementation(model, self.name, _DENSE_RUNNERS)
+        mask = dense_tree_mask(model, tree, prefix_len, dtype, prefix_valid)
+        return _with_stateful_kwargs(model, tree, {"attention_mask": mask})
+
+
+@dataclass
+class SplitBackend:
+    """Split prefix/tree attention through a registered transformers attention implementation.
+
+    ``dense_below``: for prefixes shorter than this the dense mask is passed
+    instead (the registered function runs it like sdpa), since on a CPU the
+    split only pays off once the prefix dominates (see docs/attention.md).
+    """
+
+    name: str = "split"
+    dense_below: int = 0
+
+    @property
+    def implementation(self) -> str:
+        return IMPLEMENTATIONS[self.name][0]
+
+    def prepare(self, model) -> None:
+        if describe(model).sinks:
+            raise ValueError(
+                f"attention={self.name!r} cannot run {type(model).__name__}: its attention sinks (s_aux) need the "
+                "model's own eager attention; use attention=\"sdpa\" (the dense tree mask through eager) or \"auto\""
+            )
+        prepare_target(model)
+        register_attention_implementations()
+        model.set_attn_implementation(self.implementation)
+
+    def tree_forward_kwargs(self, model, tree: DraftTree, prefix_len: int, dtype: torch.dtype,
+                            prefix_valid: torch.Tensor | None = None) -> dict:
+        if prefix_len < self.dense_below or prefix_valid is not None:  # the split kernels take no padding
+            return DenseMaskBackend(self.name).tree_forward_kwargs(model, tree, prefix_len, dtype, prefix_valid)
+        check_implementation(model, self.name, _SPLIT_RUNNERS)
+        return _with_stateful_kwargs(model, tree, {TREE_KWARG: TreeAttentionSpec.from_tree(tree)})
+
+
+@dataclass
+class AutoBackend:
+    """Picks the best backend for the target's device at ``prepare`` time."""
+
+    chosen: DenseMaskBackend | SplitBackend | None = None
+
+    @property
+    def name(self) -> str:
+        return self.chosen.name if self.chosen is not None else "auto"
+
+    def prepare(self, model) -> None:
+        if describe(model).sinks:
+            self.chosen = DenseMaskBackend()  # sinks run only in the model's own attention: the dense mask serves it
+        else:
+            self.chosen = get_backend("auto", device=next(model.parameters()).device)
+        self.chosen.prepare(model)
+
+    def tree_forward_kwargs(self, model, tree: DraftTree, prefix_len: int, dtype: torch.dtype,
+                            prefix_valid: torch.Tensor | None = None) -> dict:
+        if self.chosen is None:
+            self.prepare(model)
+        return self.chosen.tree_forward_kwargs(model, tree, prefix_len, dtype, prefix_valid)
+
+
+_ALIASES = {None: "sdpa", "dense": "sdpa", "torch": "split", "torch_cuda": "fused", "flash": "flash_attn"}
+
+
+BACKENDS = ("auto", "sdpa", "split", "fused", "flash_attn")
+
+
+CPU_DENSE_BELOW = 1024
+
+
+"""On a CPU, ``auto`` verifies with the dense mask below this prefix length and splits above it (measured crossover)."""
+
+
+def auto_backend_name(device: torch.device | str) -> str:
+    """``flash_attn`` > ``fused`` on CUDA; ``fused`` on CPU (dense mask below :data:`CPU_DENSE_BELOW`); else ``sdpa``."""
+    kind = torch.device(device).type
+    if kind == "cuda":
+        return "flash_attn" if flash_attn_available() else "fused"
+    return "fused" if kind == "cpu" else "sdpa"
+
+
+def get_backend(name: str | None = "sdpa", device: torch.device | str | None = None):
+    """The tree-verify attention backend called ``name``; one of :data:`BACKENDS` (aliases: ``torch_cuda`` = fused).
+
+    ``"auto"`` resolves at once when ``device`` is given, else at ``prepare(model)``.
+    """
+    name = _ALIASES.get(name, name)
+    if name == "auto":
+        if device is None:
+            return AutoBackend()
+        chosen = get_backend(auto_backend_name(device))
+        if torch.device(device).type == "cpu" and isinstance(chosen, SplitBackend):
+            chosen.dense_below = CPU_DENSE_BELOW
+        return chosen
+    if name == "sdpa":
+        return DenseMaskBackend()
+    if name == "flash_attn" and not flash_attn_available():
+        raise ValueError("attention='flash_attn' needs the flash-attn package (CUDA); use 'fused' or 'auto' instead")
+    if name in IMPLEMENTATIONS:
+        return SplitBackend(name)
+    raise ValueError(f"unknown attention backend {name!r}; available: {', '.join(BACKENDS)}")

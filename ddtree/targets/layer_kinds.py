@@ -1,0 +1,74 @@
+"""Decoder layer kinds that carry state from token to token, behind one interface.
+
+Softmax attention keeps its past as KV columns, which :mod:`ddtree.targets.cache` compacts by position.
+A layer with a recurrent state (Gated DeltaNet linear attention today) cannot see a flattened tree as one
+chain without mixing siblings, so each such kind tells the target side, through
+:class:`StatefulLayerKind`, how to run a tree through it and what to do with its state after a round.
+The cache, forward and round code ask :func:`ddtree.targets.description.describe` (a model) or
+:func:`kinds_in_cache` (a cache) for the kinds present and call this interface; none of them names a
+family. A new kind is one class here in :data:`STATEFUL_KINDS`.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from ddtree.core.tree import DraftTree
+from ddtree.targets.linear_attention import GatedDeltaNet
+
+
+class StatefulLayerKind(Protocol):
+    """One kind of layer with per-row state. ``modules`` finds its layers in a model (empty: the model has
+    none); ``prepare`` routes them through a tree-aware forward; a verify forward's extra kwargs come from
+    ``tree_forward_kwargs``; the verify keeps per-node inputs pending (never writing the committed state) until
+    ``commit`` installs each row's accepted path or ``drop_pending`` forgets them."""
+
+    name: str
+    """Human name for error messages, e.g. ``"Gated DeltaNet"``."""
+    model_types: tuple[str, ...]
+    """Model types whose layers of this kind ddtree has verified as trees (others are refused)."""
+    padded_prefill_exact: bool
+    """Whether a left-padded batch prefill gives every row exactly its own batch-1 state (if not, rows are
+    prefilled one by one and their caches stacked)."""
+    prefill_multiple: int
+    """A chunked prefill splits the prompt at multiples of this many tokens (1: anywhere)."""
+
+    def modules(self, model) -> list[torch.nn.Module]: ...
+
+    def prefill_continues_state(self) -> bool:
+        """Whether a multi-token forward continues the cached state (so a prompt may be prefilled in chunks)."""
+        ...
+
+    def new_cache(self, model): ...
+
+    def prepare(self, model) -> None: ...
+
+    def tree_forward_kwargs(self, model, tree: DraftTree) -> dict: ...
+
+    def holds_state(self, cache) -> bool:
+        """Whether ``cache`` has slots of this kind (filled or not)."""
+        ...
+
+    def commit(self, cache, accepted: torch.Tensor) -> None: ...
+
+    def drop_pending(self, cache) -> None: ...
+
+    def select_rows(self, cache, rows: torch.Tensor) -> None: ...
+
+    def stack_rows(self, caches: list, into) -> None: ...
+
+
+STATEFUL_KINDS: tuple[StatefulLayerKind, ...] = (GatedDeltaNet(),)
+"""Every stateful layer kind ddtree verifies exactly."""
+
+
+def kinds_in_model(model) -> tuple[StatefulLayerKind, ...]:
+    """The stateful kinds with layers in ``model`` (read it from the model's description, which remembers it)."""
+    return tuple(kind for kind in STATEFUL_KINDS if kind.modules(model))
+
+
+def kinds_in_cache(cache) -> tuple[StatefulLayerKind, ...]:
+    """The stateful kinds with slots in ``cache`` (for cache operations, which are given no model)."""
+    return tuple(kind for kind in STATEFUL_KINDS if kind.holds_state(cache))
