@@ -86,3 +86,55 @@ def test_a_cycle_is_caught():
     graph = import_graph()
     graph.add_edge("ddtree.core.tree", "ddtree.generation.round")
     assert list(nx.simple_cycles(graph))
+
+
+# The modules of one layer family: what a round, the cache and the forward reach only through
+# ddtree.targets.description and the layer-kind interface (ddtree.targets.layer_kinds).
+FAMILY_MODULES = {"ddtree.targets.linear_attention", "ddtree.targets.families"}
+FAMILY_FREE = ["ddtree.targets.cache", "ddtree.targets.forward", "ddtree.generation.round"]
+
+
+def test_cache_forward_and_round_name_no_layer_family():
+    mods = modules()
+    for name in FAMILY_FREE:
+        source = mods[name].read_text()
+        found = imports_of(source, name, False, set(mods)) & FAMILY_MODULES
+        assert not found, f"{name} imports the layer-family module(s) {sorted(found)}: ask describe(model) instead"
+        names = {n.id for n in ast.walk(ast.parse(source)) if isinstance(n, ast.Name)}
+        names |= {n.attr for n in ast.walk(ast.parse(source)) if isinstance(n, ast.Attribute)}
+        family_names = {n for n in names if "gdn" in n.lower() or "linear_states" in n.lower()}
+        assert not family_names, f"{name} names GDN code {sorted(family_names)}"
+
+
+def test_the_family_check_sees_a_function_level_import():
+    src = "def f():\n    from ddtree.targets.linear_attention import gdn_modules\n"
+    assert imports_of(src, "ddtree.targets.cache", False, set(modules())) & FAMILY_MODULES
+
+
+REGISTRY_PROBE = """
+import importlib, pkgutil
+import ddtree, ddtree.targets
+for info in pkgutil.iter_modules(ddtree.targets.__path__, "ddtree.targets."):
+    importlib.import_module(info.name)
+from transformers import AttentionInterface
+from transformers.masking_utils import AttentionMaskInterface
+print(sorted(n for n in {*AttentionInterface(), *AttentionMaskInterface()} if n.startswith("ddtree")))
+from transformers import LlamaConfig, LlamaForCausalLM
+model = LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                     num_attention_heads=2, num_key_value_heads=2))
+ddtree.get_backend("fused").prepare(model)
+print(sorted(n for n in AttentionInterface() if n.startswith("ddtree")), model.config._attn_implementation)
+"""
+
+
+def test_importing_ddtree_registers_nothing_until_a_backend_prepares_a_model():
+    """Registration with transformers is an explicit step of a split backend's prepare, never an import's."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PYTHONPATH": str(PACKAGE.parent)}
+    out = subprocess.run([sys.executable, "-c", REGISTRY_PROBE], capture_output=True, text=True, env=env,
+                         timeout=300, check=True).stdout.splitlines()
+    assert out[0] == "[]", f"importing ddtree registered {out[0]} with transformers"
+    assert out[1] == "['ddtree_fa', 'ddtree_fused', 'ddtree_split'] ddtree_fused"
