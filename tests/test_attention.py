@@ -526,3 +526,30 @@ def test_two_generators_with_different_attention_on_one_target_are_exact_or_refu
         else:
             run(a)
     assert len(new) == 20
+
+
+def test_the_description_is_read_once_per_model(monkeypatch):
+    """Windows, sinks and decoder parts come from one walk of the model, remembered on the model object: the
+    rounds' mask building never walks the model again."""
+    from ddtree.targets.description import describe
+
+    model = tiny_hf_target("qwen3-sliding")
+    walks = []
+    original = type(model).modules
+
+    def counted(self):
+        walks.append(self)
+        return original(self)
+
+    monkeypatch.setattr(type(model), "modules", counted)
+    description = describe(model)
+    windows = description.windows
+    assert set(windows.values()) == {None, 4} and description.sinks is False
+    decoder, blocks, post_norm_last = description.decoder_parts
+    assert blocks is model.model.layers and post_norm_last
+    walked = len(walks)
+    tree = DraftTree.from_parents(torch.tensor([[3, 4, 5]]), torch.tensor([[-1, 0, 0]]))
+    backend = get_backend("sdpa")
+    for prefix in (6, 7, 8):
+        backend.tree_forward_kwargs(model, tree, prefix, torch.float64)
+    assert describe(model) is description and len(walks) == walked

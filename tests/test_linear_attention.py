@@ -205,3 +205,48 @@ def test_a_prepared_target_still_gets_last_position_logits_from_hf_generate():
     ids = torch.tensor([PROMPT * 3])
     model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=2, do_sample=False, pad_token_id=0)
     assert rows == [1, 1]
+
+
+def test_the_pending_tree_state_lives_in_ddtree_not_in_the_cache_object():
+    """A verify forward leaves its per-node inputs in ddtree's table keyed by the cache; transformers' cache
+    object gains no attribute, the commit consumes them and a truncate drops them."""
+    from ddtree.targets import linear_attention
+    from ddtree.targets.cache import truncate
+
+    model = family_target("qwen3_5")
+    backend = get_backend("sdpa")
+    backend.prepare(model)
+    cache = _prefill(model, torch.tensor([PROMPT]))
+    attributes = set(vars(cache))
+    tree = _random_tree(6, seed=5)
+    _tree_forward(model, cache, tree, len(PROMPT), backend)
+    assert set(vars(cache)) == attributes
+    assert linear_attention.has_pending(cache) and set(linear_attention._PENDING[cache]) == {
+        m.layer_idx for m in gdn_modules(model)}
+    commit_accepted(cache, len(PROMPT), torch.tensor([_path(tree, 3)]))
+    assert not linear_attention.has_pending(cache) and cache.get_seq_length() == len(PROMPT) + len(_path(tree, 3))
+    _tree_forward(model, cache, tree, cache.get_seq_length(), backend)
+    assert linear_attention.has_pending(cache)
+    truncate(cache, cache.get_seq_length() - tree.num_nodes)
+    assert not linear_attention.has_pending(cache)
+
+
+def test_the_description_names_the_stateful_kind_and_its_prefill_rules():
+    """The hybrid's description carries the GDN kind (what the round, cache and forward ask for); an
+    attention-only target has none. Both are read once per model object."""
+    from ddtree.targets.description import describe
+    from ddtree.targets.layer_kinds import STATEFUL_KINDS, kinds_in_cache
+    from ddtree.targets.linear_attention import GatedDeltaNet, chunk_continues_state
+
+    hybrid, plain = family_target("qwen3_5"), family_target("llama")
+    gdn = describe(hybrid).stateful
+    assert len(gdn) == 1 and isinstance(gdn[0], GatedDeltaNet) and gdn[0] in STATEFUL_KINDS
+    assert describe(hybrid) is describe(hybrid) and describe(plain).stateful == ()
+    assert not describe(hybrid).padded_prefill_exact and describe(plain).padded_prefill_exact
+    assert kinds_in_cache(new_target_cache(hybrid)) == gdn and kinds_in_cache(new_target_cache(plain)) == ()
+    assert describe(plain).prefill_step(1000, 100) == 100 and describe(plain).prefill_step(1000, None) == 1000
+    # a hybrid's chunk is rounded up to whole 64-token GDN blocks where transformers continues the state
+    assert describe(hybrid).prefill_step(1000, 100) == (128 if chunk_continues_state() else 1000)
+    assert describe(hybrid).prefill_step(1000, None) == 1000
+    linear = [i for i, t in enumerate(hybrid.config.get_text_config().layer_types) if t == "linear_attention"]
+    assert linear and not set(linear) & set(describe(hybrid).windows)

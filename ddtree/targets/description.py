@@ -42,7 +42,7 @@ class TargetDescription:
         """The text config's ``layer_types`` (empty when it has none)."""
         return tuple(getattr(self.text_config, "layer_types", None) or ())
 
-    @cached_property
+    @property
     def model_types(self) -> tuple[str, str]:
         """``(model type, text model type)``: equal unless the config is composite."""
         model_type = getattr(self.model.config, "model_type", "?")
