@@ -213,8 +213,6 @@ BACKENDS = ("auto", "sdpa", "split", "fused", "flash_attn")
 
 
 CPU_DENSE_BELOW = 1024
-
-
 """On a CPU, ``auto`` verifies with the dense mask below this prefix length and splits above it (measured crossover)."""
 
 

@@ -13,7 +13,13 @@ import importlib.util
 import torch
 import torch.nn.functional as F
 
-from ddtree.targets.split_attention import attention_with_lse, compute_dtype, fold_gqa, merge_attention, unfold_gqa
+from ddtree.targets.split_attention import (
+    attention_with_lse,
+    compute_dtype,
+    fold_gqa,
+    merge_attention,
+    unfold_gqa,
+)
 
 _MASK_CHUNK_ELEMENTS = 1 << 24  # causal masks are built in query chunks of at most this many entries
 
@@ -28,7 +34,6 @@ def flash_attn_available() -> bool:
     except Exception:
         return False
     return True
-
 
 
 def fused_prefix_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float):

@@ -44,7 +44,7 @@ LINEAR_TREE_KWARG = "ddtree_linear_tree"
 GDN_MODEL_TYPES = ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next")
 """Model types whose linear-attention layers ddtree verifies as trees."""
 
-_PENDING: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_PENDING: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 """cache object -> {layer_idx: _Pending}: a verify forward's uncommitted inputs, dropped with the cache."""
 
 GDN_CHUNK = 64

@@ -21,11 +21,11 @@ import torch.nn.functional as F
 
 from ddtree.core.tree import DraftTree
 from ddtree.targets.kernels import (
-    key_padding_mask,
     causal_attention,
     flash_attn_prefix_kernel,
     fused_block_kernel,
     fused_prefix_kernel,
+    key_padding_mask,
 )
 from ddtree.targets.split_attention import (
     BlockKernel,
@@ -37,10 +37,7 @@ from ddtree.targets.split_attention import (
 )
 
 TREE_KWARG = "ddtree_tree"
-
-
 """Name of the forward kwarg that carries a :class:`TreeAttentionSpec` down to the attention function."""
-
 
 
 @dataclass(eq=False)
@@ -58,7 +55,7 @@ class TreeAttentionSpec:
     _blocks: dict = field(default_factory=dict, repr=False)
 
     @classmethod
-    def from_tree(cls, tree: DraftTree) -> "TreeAttentionSpec":
+    def from_tree(cls, tree: DraftTree) -> TreeAttentionSpec:
         return cls(tree.visibility.bool(), tree.depths, tree.max_depth)
 
     @property
@@ -75,7 +72,6 @@ class TreeAttentionSpec:
             )
             self._blocks[key] = (band_start, common_start, allowed)
         return self._blocks[key]
-
 
 
 def _make_attention_function(prefix_kernel: PrefixKernel, block_kernel: BlockKernel | None, use_flash_attn: bool):
@@ -128,8 +124,6 @@ IMPLEMENTATIONS = {
     "fused": ("ddtree_fused", fused_prefix_kernel, fused_block_kernel, False),
     "flash_attn": ("ddtree_fa", flash_attn_prefix_kernel, fused_block_kernel, True),
 }
-
-
 """backend name -> (transformers attention name, prefix kernel, block kernel, flash-attn for causal calls)."""
 
 
