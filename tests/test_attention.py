@@ -544,7 +544,7 @@ def test_the_description_is_read_once_per_model(monkeypatch):
     monkeypatch.setattr(type(model), "modules", counted)
     description = describe(model)
     windows = description.windows
-    assert set(windows.values()) == {None, 4} and description.sinks is False
+    assert set(windows.values()) == {None, 4} and description.sinks is False and description.stateful == ()
     decoder, blocks, post_norm_last = description.decoder_parts
     assert blocks is model.model.layers and post_norm_last
     walked = len(walks)
