@@ -430,10 +430,25 @@ class StreamerFeed:
         self.end()
 
 
-def streamed(chunks: Iterable[Sequence[int]], streamer, prompt=None) -> Iterator[list[int]]:
-    """Pass ``chunks`` (e.g. ``SpeculativeGenerator.stream(...)``) through, feeding ``streamer`` on the way."""
+def _is_id(x) -> bool:
+    return isinstance(x, int) or isinstance(x, torch.Tensor) and x.dim() == 0
+
+
+def streamed(chunks: Iterable[Sequence], streamer, prompt=None) -> Iterator[list]:
+    """Pass ``chunks`` through, feeding ``streamer`` on the way.
+
+    A chunk is what ``SpeculativeGenerator.stream(...)`` yields for one prompt (``[ids]``, one list per row) or
+    a flat list of ids (a loop of your own); a transformers streamer takes one sequence, so a chunk of more
+    than one row is refused.
+    """
     with StreamerFeed(streamer, prompt) as feed:
         for chunk in chunks:
             chunk = list(chunk)
-            feed.put(chunk)
+            rows = [list(r) for r in chunk if not _is_id(r)]
+            if rows and len(rows) != len(chunk):
+                raise ValueError(f"a stream chunk mixes ids and rows: {chunk!r:.80}")
+            if len(rows) > 1:
+                raise ValueError("transformers streamers take one sequence: stream a batch with stream(), which "
+                                 "yields each row's tokens per round, and feed each row its own streamer")
+            feed.put(rows[0] if rows else chunk)
             yield chunk
