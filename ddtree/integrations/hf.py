@@ -21,6 +21,7 @@ from ddtree.generation.options import GeneratorOptions, split_call_options
 
 # The only logits processors whose effect ddtree's sampler reproduces exactly.
 _WARPERS = ("TemperatureLogitsWarper", "TopKLogitsWarper", "TopPLogitsWarper")
+_UNSET = object()  # a generator setting not given to this call
 # model kwargs generate prepares that ddtree's own loop replaces.
 _PREPARED = frozenset({"attention_mask", "position_ids", "cache", "past_key_values", "logits_to_keep", "use_cache"})
 
@@ -65,14 +66,19 @@ class DDTreeDecoding:
         return gen
 
     def __call__(self, model, input_ids, logits_processor=None, stopping_criteria=None, generation_config=None,
-                 synced_gpus=False, streamer=None, **model_kwargs):
-        """``generate``'s loop; ``model_kwargs`` may carry this call's ``tree_budget``, ``builder`` and
-        ``prefill_chunk`` (the generator's settings a call can change)."""
+                 synced_gpus=False, streamer=None, tree_budget=None, builder=None, prefill_chunk=_UNSET,
+                 attention=_UNSET, cpu_linear=_UNSET, threads=_UNSET, **model_kwargs):
+        """``generate``'s loop. The generator's settings are named here because ``generate`` hands a
+        ``custom_generate`` callable only the keywords its signature names: ``tree_budget``, ``builder`` and
+        ``prefill_chunk`` apply to this call; ``attention``, ``cpu_linear`` and ``threads`` are refused with
+        where to set them."""
         if streamer is None:
             streamer = _streamer_of_caller(sys._getframe(1))
-        call = split_call_options(model_kwargs)  # before the feed: a refused setting leaves the streamer alone
+        given = dict(tree_budget=tree_budget, builder=builder, prefill_chunk=prefill_chunk, attention=attention,
+                     cpu_linear=cpu_linear, threads=threads)
         feed = StreamerFeed(streamer) if streamer is not None else None  # generate has put the prompt already
-        try:
+        try:  # a refused call ends the streamer too, so a consumer thread never waits forever
+            call = split_call_options({k: v for k, v in given.items() if v is not _UNSET})
             return self._decode(model, input_ids, logits_processor or [], stopping_criteria or [],
                                 generation_config, synced_gpus, feed, call, model_kwargs)
         finally:
