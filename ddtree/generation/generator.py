@@ -36,7 +36,7 @@ from ddtree.generation.inputs import (
     prompt_rows,
     resolve_generation,
 )
-from ddtree.generation.options import PER_CALL, GeneratorOptions, split_call_options
+from ddtree.generation.options import MODEL_SETTINGS, PER_CALL, GeneratorOptions, split_call_options
 from ddtree.generation.round import speculative_round
 from ddtree.generation.state import DecodeState
 from ddtree.runtime.distributed import Lockstep, fail_together, module_fingerprint
@@ -262,8 +262,7 @@ class SpeculativeGenerator:
             raise TypeError(f"options must be a ddtree GeneratorOptions, got {type(options).__name__}")
         current = getattr(self, "_options", None)
         if current is not None:
-            changed = [n for n in ("attention", "cpu_linear", "threads")
-                       if getattr(options, n) != getattr(current, n)]
+            changed = [n for n in MODEL_SETTINGS if getattr(options, n) != getattr(current, n)]
             if changed:
                 raise ValueError(f"{', '.join(changed)} prepared the models when this generator was built: "
                                  "build a new SpeculativeGenerator to change them")
