@@ -36,6 +36,7 @@ from ddtree.generation.inputs import (
     resolve_generation,
     streamed,
 )
+from ddtree.generation.options import GeneratorOptions
 from ddtree.generation.round import speculative_round
 from ddtree.generation.state import DecodeState, RoundRecord, RoundResult
 from ddtree.integrations.hf import DDTreeDecoding, decoding
@@ -54,6 +55,7 @@ __version__ = "0.1.0"
 __all__ = [
     "Proposal",
     "SpeculativeGenerator",
+    "GeneratorOptions",
     "decoding",
     "DDTreeDecoding",
     "prompt_rows",

@@ -149,7 +149,7 @@ def test_interleaved_states_and_threads_are_independent():
             if live[i]:
                 chunk = next(s, None)
                 live[i] = chunk is not None
-                got[i] += chunk or []
+                got[i] += chunk[0] if chunk else []
     assert got == [a.row_tokens[0] for a in alone] == refs
     # two states advanced round by round: acceptance too
     states = [gen.start(p, max_new_tokens=30) for p in prompts]

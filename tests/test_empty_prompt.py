@@ -32,9 +32,7 @@ class EmptyTokenizer:
 @pytest.fixture(scope="module")
 def gen():
     target = tiny_target("qwen3")
-    g = SpeculativeGenerator(target, tiny_drafter(target), tree_budget=4)
-    g.tokenizer = EmptyTokenizer()
-    return g
+    return SpeculativeGenerator(target, tiny_drafter(target), tokenizer=EmptyTokenizer(), tree_budget=4)
 
 
 def test_generate_and_stream(gen):

@@ -130,7 +130,9 @@ def test_stream_yields_what_generate_returns(tiny_pair):
     out = gen.generate(torch.tensor([prompt]), max_new_tokens=50, record_trees=True)
     acc = out.acceptance_lengths
     assert acc == [expected_acceptance(r, ref) for r in out.rounds] and acc[0] == 5  # the decoy's runner-up is in
-    chunks = list(gen.stream(torch.tensor([prompt]), max_new_tokens=50))
+    rows = list(gen.stream(torch.tensor([prompt]), max_new_tokens=50))
+    assert all(len(r) == 1 for r in rows)  # one list per row, for one prompt too
+    chunks = [r[0] for r in rows]
     assert len(chunks) == 1 + len(acc) and len(chunks[0]) == 1  # the prefill's token, then one chunk per round
     assert [len(c) for c in chunks[1:-1]] == acc[:-1]
     assert len(chunks[-1]) == 50 - 1 - sum(acc[:-1]) <= acc[-1]
@@ -168,3 +170,146 @@ def test_stats_cover_every_stage(tiny_pair):
     assert out.stats.new_tokens == 20
     assert out.stats.mean_acceptance == pytest.approx(sum(out.acceptance_lengths) / len(out.acceptance_lengths))
     assert out.stats.budgets == [8] * out.stats.rounds
+
+
+# --------------------------------------------------------------------- settings: GeneratorOptions, per call
+
+
+def test_options_are_checked_once_when_made_and_each_refusal_names_its_fix(tiny_pair):
+    """Every setting is checked when the options are made (before any model is touched); a generator's
+    keywords are the same settings and override ``options=``; ``replace`` checks its copy."""
+    import dataclasses
+
+    from ddtree import GeneratorOptions
+
+    target, draft = tiny_pair
+    bad = {
+        "tree_budget": (-1, ValueError, "tree_budget must be an int >= 0"),
+        "builder": ("widest", ValueError, "unknown tree builder 'widest'"),
+        "attention": ("flashy", ValueError, "unknown attention backend 'flashy'"),
+        "cpu_linear": ("yes", ValueError, "cpu_linear must be True, False or 'auto'"),
+        "threads": (0, ValueError, "threads must be 'auto', an int >= 1 or None"),
+        "prefill_chunk": (0, ValueError, "prefill_chunk must be an int >= 1"),
+    }
+    assert set(bad) == {f.name for f in dataclasses.fields(GeneratorOptions)}  # every setting has its check
+    for name, (value, error, message) in bad.items():
+        with pytest.raises(error, match=message):
+            GeneratorOptions(**{name: value})
+        with pytest.raises(error, match=message):
+            GeneratorOptions().replace(**{name: value})
+        with pytest.raises(error, match=message):
+            SpeculativeGenerator(target, draft, **{name: value})
+    with pytest.raises(TypeError, match="attention must be a backend name.*got int"):
+        GeneratorOptions(attention=3)
+    with pytest.raises(TypeError, match="unknown generator setting.*budget; the settings are tree_budget, builder, "
+                                        "attention, cpu_linear, threads, prefill_chunk"):
+        SpeculativeGenerator(target, draft, budget=4)
+    with pytest.raises(TypeError, match="options must be a ddtree GeneratorOptions, got dict"):
+        SpeculativeGenerator(target, draft, options={"tree_budget": 4})
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        GeneratorOptions().builder = "chain"
+
+    opts = GeneratorOptions(tree_budget=16, builder="chain", prefill_chunk=None)
+    gen = SpeculativeGenerator(target, draft, options=opts, tree_budget=8)
+    assert gen.options == opts.replace(tree_budget=8) and (gen.tree_budget, gen.prefill_chunk) == (8, None)
+    assert gen.builder is beam.__globals__["BUILDERS"]["chain"]
+    assert SpeculativeGenerator(target, draft).options.tree_budget == 4  # the CPU default, filled in
+
+
+def _decoy_case(target):
+    """A drafter whose depth-3 top token is wrong: best_first keeps the runner-up (acceptance 5 in the
+    first round), a chain of the top tokens stops before it (acceptance 3)."""
+    ref = reference(target, PROMPTS[1], new=40)[0]
+    return ref, ScriptedDrafter(ref, 97, decoy_at={3: 0})
+
+
+def test_builder_per_call_equals_a_generator_built_with_it_and_leaves_the_generator_alone(tiny_pair):
+    from ddtree.core.builders import BUILDERS
+
+    target, _ = tiny_pair
+    ref, drafter = _decoy_case(target)
+    gen = SpeculativeGenerator(target, drafter, tree_budget=16)
+    chain_gen = SpeculativeGenerator(target, drafter, tree_budget=16, builder="chain")
+    want = ref[len(PROMPTS[1]):len(PROMPTS[1]) + 30].tolist()
+    own = gen.generate(PROMPTS[1], max_new_tokens=30, record_trees=True)
+    call = gen.generate(PROMPTS[1], max_new_tokens=30, record_trees=True, builder="chain")
+    built = chain_gen.generate(PROMPTS[1], max_new_tokens=30, record_trees=True)
+    assert own.row_tokens[0] == call.row_tokens[0] == built.row_tokens[0] == want
+    ref_tokens = ref.tolist()
+    for out in (own, call, built):
+        assert out.acceptance_lengths == [expected_acceptance(r, ref_tokens) for r in out.rounds]
+    assert own.acceptance_lengths[0] == 5 and call.acceptance_lengths[0] == 3
+    assert call.acceptance_lengths == built.acceptance_lengths
+    for record in call.rounds:  # a chain: every node's parent is the node before it
+        parents = record.tree.parents[0].tolist()
+        assert parents[1:] == list(range(len(parents) - 1))
+    # the generator's own builder is untouched by the call
+    assert gen.builder is BUILDERS["best_first"] and gen.options.builder == "best_first"
+    again = gen.generate(PROMPTS[1], max_new_tokens=30)
+    assert again.acceptance_lengths == own.acceptance_lengths
+    # per call through stream() and start() as well, and into an auto budget's tree sizing
+    streamed_rows = list(gen.stream(PROMPTS[1], max_new_tokens=30, builder="chain"))
+    assert [t for rows in streamed_rows for t in rows[0]] == want
+    assert [len(rows[0]) for rows in streamed_rows[1:-1]] == call.acceptance_lengths[:-1]
+    state = gen.start(PROMPTS[1], max_new_tokens=4, builder="chain", tree_budget="auto")
+    assert state.generator.builder is BUILDERS["chain"] and state.policy.builder is BUILDERS["chain"]
+    assert state.generator.target is gen.target and gen.start(PROMPTS[1], max_new_tokens=4).generator is gen
+
+
+def test_per_call_settings_and_their_refusals(tiny_pair):
+    target, draft = tiny_pair
+    gen = SpeculativeGenerator(target, draft, tree_budget=8)
+    ref = reference(target, PROMPTS[2], new=12)
+    for call in (dict(tree_budget=0), dict(prefill_chunk=7), dict(prefill_chunk=None), dict(builder="beam@2x3"),
+                 dict(tree_budget=None, builder=None)):  # None for budget/builder: the generator's own
+        out = gen.generate(PROMPTS[2], max_new_tokens=12, **call)
+        assert torch.equal(out.sequences, ref), call
+        if call.get("tree_budget") == 0:
+            assert out.acceptance_lengths == [1] * 11 and out.stats.tree_budget == 0
+        else:
+            assert out.stats.tree_budget == 8
+    for name, value in (("attention", "sdpa"), ("cpu_linear", "auto"), ("threads", 1)):
+        for method in (gen.generate, gen.start, lambda *a, **k: next(gen.stream(*a, **k))):
+            with pytest.raises(ValueError, match=f"{name} prepares the models, so it is set on the generator, "
+                                                 "not per call.*per call: tree_budget, builder, prefill_chunk"):
+                method(PROMPTS[0], max_new_tokens=3, **{name: value})
+    with pytest.raises(ValueError, match="unknown tree builder 'widest'"):
+        gen.generate(PROMPTS[0], max_new_tokens=3, builder="widest")
+    with pytest.raises(ValueError, match="tree_budget must be an int >= 0"):
+        gen.generate(PROMPTS[0], max_new_tokens=3, tree_budget=-2)
+    accepted = ("max_new_tokens, max_length, do_sample, temperature, top_k, top_p, eos_token_id, stop_token_ids, "
+                "seed, tree_budget, builder, prefill_chunk, attention_mask, record_trees, streamer")
+    with pytest.raises(TypeError, match=r"unknown option\(s\) num_tokens; accepted: " + accepted):
+        gen.generate(PROMPTS[0], num_tokens=3)
+    assert gen.options.tree_budget == 8 and gen.options.prefill_chunk == 4096  # calls change nothing
+
+
+def test_generator_setters_go_through_the_options(tiny_pair):
+    """``gen.builder = ...`` and friends replace the options (checked); the per-model settings cannot change."""
+    from ddtree.core.builders import BUILDERS
+
+    target, draft = tiny_pair
+    gen = SpeculativeGenerator(target, draft, tree_budget=8)
+    gen.builder = "chain"
+    gen.tree_budget = None  # back to the device default
+    assert gen.options.builder == "chain" and gen.builder is BUILDERS["chain"] and gen.tree_budget == 4
+    with pytest.raises(ValueError, match="prefill_chunk must be an int >= 1"):
+        gen.prefill_chunk = -1
+    with pytest.raises(ValueError, match="attention prepared the models when this generator was built: build a new"):
+        gen.options = gen.options.replace(attention="sdpa")
+    assert gen.options.prefill_chunk == 4096 and gen.options.attention == "auto"
+
+
+def test_tokenizer_is_a_constructor_argument(tiny_pair):
+    from tiny import tiny_tokenizer
+
+    target, draft = tiny_pair
+    tok = tiny_tokenizer()
+    gen = SpeculativeGenerator(target, draft, tokenizer=tok, tree_budget=8)
+    assert gen.tokenizer is tok
+    out = gen.generate("w11 w5 w17 w40", max_new_tokens=6, record_trees=True)
+    ids = torch.tensor([tok("w11 w5 w17 w40")["input_ids"]])
+    ref = target.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    assert torch.equal(out.sequences, ref) and out.text == [tok.decode(ref[0, ids.shape[1]:], skip_special_tokens=True)]
+    assert out.acceptance_lengths == [expected_acceptance(r, ref[0].tolist()) for r in out.rounds]
+    assert SpeculativeGenerator(target, draft).tokenizer is None

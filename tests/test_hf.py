@@ -168,3 +168,32 @@ def test_default_pair_stops_at_end_of_turn_like_generate():
     assert out[0, -1].item() == tok.convert_tokens_to_ids("<|im_end|>") and out.shape[1] < prompt_len + 96
     ours = gen.generate(enc["input_ids"], max_new_tokens=96, tree_budget=4, stop_token_ids=[tok.eos_token_id])
     assert torch.equal(out, ours.sequences)
+
+
+def test_generator_settings_on_decoding_and_per_call(pair):
+    """``decoding`` takes the generator's settings (checked at once); ``builder``, like ``tree_budget``, can be
+    given per ``generate`` call, with the acceptance that builder gives; per-model settings are refused per call."""
+    target, _ = pair
+    ref = target.generate(PROMPT, max_new_tokens=NEW + 8, do_sample=False, pad_token_id=0)
+    drafter = ScriptedDrafter(ref[0], VOCAB, block_size=5, decoy_at={2: 0})  # depth 2's top token is wrong
+    plain = ref[:, : PROMPT.shape[1] + NEW]
+    dec = ddtree.decoding(drafter, tree_budget=8)
+    gen = dec.generator_for(target)
+    best, chain = (gen.generate(PROMPT, max_new_tokens=NEW, builder=b) for b in ("best_first", "chain"))
+    assert chain.acceptance_lengths[0] == 2 < best.acceptance_lengths[0] == 5  # the chain stops at the decoy
+    for builder, want in (("chain", chain), ("best_first", best)):
+        drafter.proposals.clear()
+        out = target.generate(PROMPT, custom_generate=dec, max_new_tokens=NEW, pad_token_id=0, builder=builder)
+        assert torch.equal(out, plain) and torch.equal(want.sequences, plain)
+        assert len(drafter.proposals) == want.stats.rounds  # one proposal per verify round: the same rounds
+    assert gen.options.builder == "best_first" and dec.generator_for(target) is gen
+    built = ddtree.decoding(drafter, options=ddtree.GeneratorOptions(builder="chain", tree_budget=8))
+    assert built.generator_for(target).generate(PROMPT, max_new_tokens=NEW).acceptance_lengths == \
+        chain.acceptance_lengths
+    with pytest.raises(ValueError, match="attention prepares the models, so it is set on the generator"):
+        target.generate(PROMPT, custom_generate=dec, max_new_tokens=5, pad_token_id=0, attention="sdpa")
+    with pytest.raises(ValueError, match="tree_budget must be an int >= 0"):
+        ddtree.decoding(drafter, tree_budget=-1)
+    with pytest.raises(TypeError, match="unknown generator setting.*budget; the settings are tree_budget, builder"):
+        ddtree.decoding(drafter, budget=4)
+    assert ddtree.decoding(drafter).options.threads is None  # torch's threads left alone

@@ -178,8 +178,11 @@ def test_options_at_their_default_are_fine_and_override_the_target():
 
 
 def test_bad_values_are_refused():
-    with pytest.raises(TypeError, match="unknown generation option.*beams"):
+    with pytest.raises(TypeError, match="unknown option.*beams; accepted: max_new_tokens, max_length, do_sample, "
+                                        "temperature, top_k, top_p, eos_token_id, stop_token_ids, seed "):
         resolve_generation(max_new_tokens=5, beams=3)
+    with pytest.raises(TypeError, match=r"unknown option\(s\) beams; accepted: .*seed, tree_budget, builder \("):
+        resolve_generation(max_new_tokens=5, beams=3, other_names=("tree_budget", "builder"))
     with pytest.raises(ValueError, match="pass max_new_tokens"):
         resolve_generation()
     with pytest.raises(ValueError, match="max_new_tokens must be an int >= 1"):
@@ -240,6 +243,20 @@ def test_text_iterator_streamer_gets_the_decoded_output():
     assert "".join(streamer) == tok.decode(sum(rounds, []))
 
 
+def test_streamed_takes_what_stream_yields_for_one_prompt_and_refuses_a_batch():
+    """``stream()`` yields one list per row; ``streamed`` feeds the one row and passes the chunks on unchanged."""
+    rec = Recorder()
+    out = list(streamed([[[4]], [[5, 6]], [[]], [[7]]], rec, prompt=[1, 2]))
+    assert out == [[[4]], [[5, 6]], [[]], [[7]]]
+    assert rec.calls == [("put", [[1, 2]]), ("put", [4]), ("put", [5, 6]), ("put", [7]), ("end",)]
+    rec = Recorder()
+    with pytest.raises(ValueError, match="streamers take one sequence"):
+        list(streamed([[[4], [5]]], rec))
+    assert rec.calls == [("end",)]
+    with pytest.raises(ValueError, match="mixes ids and rows"):
+        list(streamed([[4, [5]]], Recorder()))
+
+
 def test_raw_text_that_stops_at_its_first_token_warns_once_toward_the_chat_template():
     """HF's behaviour is kept (the one stop token is returned), with one warning naming apply_chat_template;
     a templated prompt, or a generation that runs past its first token, gives no warning."""
@@ -257,8 +274,7 @@ def test_raw_text_that_stops_at_its_first_token_warns_once_toward_the_chat_templ
     cases = {"raw": tok(raw)["input_ids"], "templated": templated["input_ids"][0].tolist()}
     for name, ids in cases.items():
         ref = target.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False, pad_token_id=2)[0]
-        gen = SpeculativeGenerator(target, ScriptedDrafter(ref, VOCAB), tree_budget=4)
-        gen.tokenizer = tok
+        gen = SpeculativeGenerator(target, ScriptedDrafter(ref, VOCAB), tokenizer=tok, tree_budget=4)
         first, later = int(ref[len(ids)]), int(ref[len(ids) + 3])
         prompt = raw if name == "raw" else templated
         with warnings.catch_warnings(record=True) as caught:
@@ -270,7 +286,7 @@ def test_raw_text_that_stops_at_its_first_token_warns_once_toward_the_chat_templ
             if later != first and first not in ref[len(ids):len(ids) + 4].tolist()[1:]:
                 past = gen.generate(prompt, max_new_tokens=8, stop_token_ids=[later])
                 assert len(past.row_tokens[0]) > 1
-        assert out.row_tokens[0] == [first] and streamed == [[first]] and batch.row_tokens == [[first], [first]]
+        assert out.row_tokens[0] == [first] and streamed == [[[first]]] and batch.row_tokens == [[first], [first]]
         hints = [w for w in caught if "apply_chat_template" in str(w.message)]
         if name == "raw":
             assert len(hints) == 3  # once per call: generate, stream, and the batch (not once per row)

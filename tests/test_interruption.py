@@ -59,7 +59,7 @@ def test_raise_inside_stream_consumer(pair, expected, error, after, drop):
     stream = gen.stream(PROMPT, max_new_tokens=NEW)
     with pytest.raises(error):
         for chunk in stream:
-            seen += chunk
+            seen += chunk[0]
             if len(seen) >= after:
                 raise error()
     assert seen == expected["prompt"][0][0, PROMPT.shape[1]:].tolist()[: len(seen)]
@@ -146,5 +146,5 @@ def test_stream_consumer_runs_in_the_callers_grad_mode(pair, expected):
     tokens = []
     for chunk in gen.stream(PROMPT, max_new_tokens=NEW):
         assert torch.is_grad_enabled() and not torch.is_inference_mode_enabled()
-        tokens += chunk
+        tokens += chunk[0]
     assert tokens == expected["prompt"][0][0, PROMPT.shape[1]:].tolist()

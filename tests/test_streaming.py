@@ -93,17 +93,19 @@ def test_one_prompt_streams_equal_generate_under_every_cut(setup):
         assert out.acceptance_lengths == [BLOCK] * len(out.acceptance_lengths), name
         assert len(out.acceptance_lengths) == -(-(len(want) - 1) // BLOCK), name
         assert out.row_acceptance == [out.acceptance_lengths] and out.row_rounds == [out.rounds], name
-        chunks = list(gen.stream(PROMPTS[0], **opts))
+        rows = list(gen.stream(PROMPTS[0], **opts))
+        assert all(len(r) == 1 for r in rows), name  # one list per row, as for a batch
+        chunks = [r[0] for r in rows]
         assert [t for c in chunks for t in c] == want, name
         assert all(chunks), name  # no empty yields for one prompt
         sink = Collector()
         gen.generate(PROMPTS[0], streamer=sink, **opts)
         assert sink.tokens == want and sink.ended == 1 and sink.puts[0] == PROMPTS[0], name
         sink = Collector()
-        assert [t for c in gen.stream(PROMPTS[0], streamer=sink, **opts) for t in c] == want, name
+        assert [t for c in gen.stream(PROMPTS[0], streamer=sink, **opts) for t in c[0]] == want, name
         assert sink.tokens == want and sink.ended == 1, name
         sink = Collector()
-        got = [t for c in streamed(gen.stream(PROMPTS[0], **opts), sink, prompt=PROMPTS[0]) for t in c]
+        got = [t for c in streamed(gen.stream(PROMPTS[0], **opts), sink, prompt=PROMPTS[0]) for t in c[0]]
         assert got == want and sink.tokens == want, name
 
 
@@ -118,7 +120,7 @@ def test_eos_from_the_target_config_cuts_streams_where_generate_stops(setup):
         want = new[: new.index(eos) + 1]
         out = gen.generate(PROMPTS[0], max_new_tokens=30)
         assert out.row_tokens[0] == want and out.acceptance_lengths == [BLOCK]
-        assert [t for c in gen.stream(PROMPTS[0], max_new_tokens=30) for t in c] == want
+        assert [t for c in gen.stream(PROMPTS[0], max_new_tokens=30) for t in c[0]] == want
         sink = Collector()
         gen.generate(PROMPTS[0], max_new_tokens=30, streamer=sink)
         assert sink.tokens == want

@@ -75,7 +75,7 @@ def test_an_explicit_count_equal_to_torchs_default_survives_the_policy(machine):
     target = tiny_target("llama")
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # warned once, when it was chosen
-        gen = SpeculativeGenerator(target, tiny_drafter(target))
+        gen = SpeculativeGenerator(target, tiny_drafter(target), threads="auto")
     assert torch.get_num_threads() == 4 and gen.threads.source == "argument"
     torch.set_num_threads(4)  # set again by hand: still the choice
     assert threads.configure_threads(warn=False).threads == 4
@@ -97,28 +97,36 @@ def test_real_topology_is_sane():
     assert 1 <= threads.physical_cores(cpus) <= len(cpus)
 
 
-def test_library_calls_apply_the_policy_with_an_opt_out(machine):
-    """A generator on a CPU target applies the demo's policy unless told not to: on the shared 4-CPU machine
-    (3 CPUs busy) torch's default of 4 threads becomes 1; ``threads=None`` leaves it; an int sets it."""
+def test_a_generator_leaves_torchs_threads_alone_unless_asked(machine):
+    """Torch's thread count is the whole process's: a generator built with the defaults (or ``threads=None``)
+    leaves it, on the shared 4-CPU machine (3 CPUs busy) as anywhere; ``threads="auto"`` applies the demo's
+    policy (torch's default of 4 threads becomes 1); an int sets it."""
     from tiny import tiny_drafter, tiny_target
 
-    from ddtree import SpeculativeGenerator
+    from ddtree import GeneratorOptions, SpeculativeGenerator
 
     target = tiny_target("llama")
     drafter = tiny_drafter(target)
     machine["load"] = 3.0
     torch.set_num_threads(4)
+    plain = SpeculativeGenerator(target, drafter)
+    assert plain.threads is None and plain.options.threads is None and torch.get_num_threads() == 4
+    assert plain.generate([5, 17, 3], max_new_tokens=3).stats.threads["threads"] == 4 == torch.get_num_threads()
+    assert SpeculativeGenerator(target, drafter, threads=None).threads is None and torch.get_num_threads() == 4
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # 1 thread + 3 busy CPUs fit: no warning
-        gen = SpeculativeGenerator(target, drafter)
+        gen = SpeculativeGenerator(target, drafter, options=GeneratorOptions(threads="auto"))
     assert torch.get_num_threads() == 1 and (gen.threads.threads, gen.threads.source) == (1, "default")
     torch.set_num_threads(4)
-    assert SpeculativeGenerator(target, drafter, threads=None).threads is None and torch.get_num_threads() == 4
     with pytest.warns(RuntimeWarning, match="looks shared"):  # 2 threads + 3 busy CPUs > 4: the measured fix
         assert SpeculativeGenerator(target, drafter, threads=2).threads.source == "argument"
     assert torch.get_num_threads() == 2
     torch.set_num_threads(4)
-    out = SpeculativeGenerator(target, drafter).generate([5, 17, 3], max_new_tokens=3)
+    out = SpeculativeGenerator(target, drafter, threads="auto").generate([5, 17, 3], max_new_tokens=3)
     assert out.stats.threads["threads"] == 1  # the stats report what ran
     with pytest.raises(ValueError, match="threads must be 'auto', an int >= 1 or None"):
         SpeculativeGenerator(target, drafter, threads=0)
+    with pytest.raises(ValueError, match="threads must be 'auto', an int >= 1 or None"):
+        GeneratorOptions(threads="all")
+    with pytest.raises(ValueError, match="threads prepares the models, so it is set on the generator"):
+        gen.generate([5, 17, 3], max_new_tokens=3, threads=2)

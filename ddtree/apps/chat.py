@@ -108,7 +108,7 @@ def run_chat(args: argparse.Namespace, stdin: TextIO, stdout: TextIO) -> int:
     if tok is None:
         raise SystemExit(f"chat needs a tokenizer in the target directory {args.target}")
     stops = stop_ids(gen, tok)
-    builder_name = args.builder
+    builder_name = args.builder  # per call, like the budget: the generator keeps its own
     stdout.write(f"{threads.describe()}\n{HELP_LINE}\n")
     messages: list[dict] = [{"role": "system", "content": args.system}] if args.system else []
     while True:
@@ -128,7 +128,7 @@ def run_chat(args: argparse.Namespace, stdin: TextIO, stdout: TextIO) -> int:
                     budget = parse_budget(value.strip())
                     stdout.write(f"budget {budget}\n")
                 elif command == "/builder":
-                    gen.builder = resolve_builder(value.strip())
+                    resolve_builder(value.strip())  # refused here, with its fix, before the next reply
                     builder_name = value.strip()
                     stdout.write(f"builder {builder_name}\n")
                 elif command == "/reset":
@@ -146,10 +146,10 @@ def run_chat(args: argparse.Namespace, stdin: TextIO, stdout: TextIO) -> int:
         t0 = time.perf_counter()
         chunks = gen.stream(ids, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                             top_k=args.top_k, top_p=args.top_p, stop_token_ids=stops, tree_budget=budget,
-                            seed=args.seed)
+                            builder=builder_name, seed=args.seed)
         reply: list[int] = []
         rounds = 0
-        for chunk in streamed(chunks, _Printer(tok, stdout), prompt=ids):
+        for (chunk,) in streamed(chunks, _Printer(tok, stdout), prompt=ids):  # one row
             reply.extend(chunk)
             rounds += 1
         seconds = time.perf_counter() - t0

@@ -92,12 +92,10 @@ def run_demo(args: argparse.Namespace) -> int:
     kwargs = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, stop_token_ids=stop, seed=args.seed)
     # Warm up every path once so first-call costs do not land on one method.
     for _, g, builder, budget in methods:
-        g.builder = _builder(builder)
-        g.generate(ids, max_new_tokens=8, tree_budget=budget)
+        g.generate(ids, max_new_tokens=8, tree_budget=budget, builder=builder)
     outs: dict[str, GenerationOutput] = {}
     for name, g, builder, budget in methods:
-        g.builder = _builder(builder)
-        outs[name] = g.generate(ids, tree_budget=budget, record_trees=name == methods[2][0], **kwargs)
+        outs[name] = g.generate(ids, tree_budget=budget, builder=builder, record_trees=name == methods[2][0], **kwargs)
     texts = {n: tok.decode(o.new_tokens[0], skip_special_tokens=True) for n, o in outs.items()}
     plain = outs["plain"]
     print("\n" + "=" * 72)
@@ -121,12 +119,6 @@ def run_demo(args: argparse.Namespace) -> int:
         print(f"\none DDTree round (the longest accepted branch, root at position {best.start}):")
         print(render_tree(best, lambda t: tok.decode([t])))
     return 0 if same else 1
-
-
-def _builder(name: str):
-    from ddtree.core.builders import resolve_builder
-
-    return resolve_builder(name)
 
 
 EXAMPLES = [

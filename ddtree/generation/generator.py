@@ -36,13 +36,13 @@ from ddtree.generation.inputs import (
     prompt_rows,
     resolve_generation,
 )
+from ddtree.generation.options import MODEL_SETTINGS, PER_CALL, GeneratorOptions, split_call_options
 from ddtree.generation.round import speculative_round
 from ddtree.generation.state import DecodeState
 from ddtree.runtime.distributed import Lockstep, fail_together, module_fingerprint
 from ddtree.runtime.threads import thread_info
 from ddtree.runtime.timing import StageTimer
 from ddtree.targets.backends import get_backend
-from ddtree.targets.forward import PREFILL_CHUNK, check_prefill_chunk
 
 
 @dataclass
@@ -106,6 +106,12 @@ class GenerationOutput:
 class SpeculativeGenerator:
     """Lossless DDTree generation for one target and one drafter, one prompt or a batch.
 
+    Its settings are one :class:`~ddtree.generation.options.GeneratorOptions` (``options=``), or the same
+    names as keywords (which override ``options``); ``self.options`` holds them, checked, with the budget's
+    device default filled in. ``tree_budget``, ``builder`` and ``prefill_chunk`` can also be given to one
+    ``generate`` / ``stream`` / ``start`` call. ``tokenizer`` (optional) lets calls take text and fills
+    ``GenerationOutput.text``.
+
     ``tree_budget`` is the number of draft nodes per round; a fixed 0 is plain
     target-only decoding (the drafter does no work), the baseline for speedups. ``None`` picks
     :func:`default_tree_budget` for the target's device (small on a CPU, where verify cost grows
@@ -116,10 +122,11 @@ class SpeculativeGenerator:
     routes a float32 CPU target's linear layers through :mod:`ddtree.targets.cpu_linear`
     (faster few-token verify forwards), and the DFlash drafter's along with it:
     ``True`` requires it, ``"auto"`` uses it where it runs, ``False`` leaves the
-    models as they are. ``threads`` (CPU targets): ``"auto"`` applies the demo's thread policy
-    (:func:`ddtree.runtime.threads.configure_threads`: a count you set, or ``OMP_NUM_THREADS``, is kept;
-    else the physical cores other processes leave free, since a small model on an oversubscribed CPU
-    runs many times slower), an int sets torch's count, ``None`` leaves torch as it is.
+    models as they are. ``threads`` (CPU targets) changes torch's thread count for the whole process, so only
+    when asked: ``None`` (the default) leaves torch as it is, an int sets its count, ``"auto"`` applies the
+    demo's thread policy (:func:`ddtree.runtime.threads.configure_threads`: a count you set, or
+    ``OMP_NUM_THREADS``, is kept; else the physical cores other processes leave free, since a small model on an
+    oversubscribed CPU runs many times slower).
     ``prefill_chunk`` (default 4096) is the prompt tokens per prefill forward, which bounds a long prompt's prefill memory; ``None`` prefills in one forward.
 
     It holds models and settings only (plus a verify-latency profile that
@@ -132,14 +139,15 @@ class SpeculativeGenerator:
         target,
         drafter: Drafter | DFlashDraftModel,
         *,
-        tree_budget: int | str | BudgetPolicy | None = None,
-        builder: str | TreeBuilder = "best_first",
-        attention: str | None = "auto",
-        cpu_linear: bool | str = False,
-        threads: int | str | None = "auto",
-        prefill_chunk: int | None = PREFILL_CHUNK,
+        tokenizer=None,
+        options: GeneratorOptions | None = None,
+        **settings,
     ):
-        self.threads = _apply_thread_policy(target, threads)
+        if options is not None and not isinstance(options, GeneratorOptions):
+            raise TypeError(f"options must be a ddtree GeneratorOptions, got {type(options).__name__}; pass the "
+                            "settings as keywords instead (SpeculativeGenerator(target, drafter, tree_budget=8))")
+        options = (options or GeneratorOptions()).replace(**settings)  # every setting checked here, once
+        self.threads = _apply_thread_policy(target, options.threads)
         self.lockstep = Lockstep.for_model(target)  # ranks of a tensor-parallel target; inactive otherwise
         if isinstance(drafter, DFlashDraftModel):
             drafter = DFlashDrafter(drafter, target)  # ranks agree on it while binding
@@ -148,21 +156,16 @@ class SpeculativeGenerator:
         elif self.lockstep.active and not isinstance(drafter, DFlashDrafter):
             self.lockstep.agree(_drafter_identity(drafter), "the drafter")
         check_drafter(drafter)
-        if tree_budget is None:
-            tree_budget = default_tree_budget(target)
-        check_budget(tree_budget)
-        check_prefill_chunk(prefill_chunk)
-        self.prefill_chunk = prefill_chunk
         self.target = target.eval()
-        self.cpu_linear = _route_cpu_linear(target, cpu_linear)
+        self.options = options
+        self.cpu_linear = _route_cpu_linear(target, options.cpu_linear)
         if self.cpu_linear and isinstance(drafter, DFlashDrafter):
             _route_cpu_linear(drafter.model, "auto")  # the draft step is a few-row forward as well
         self.drafter = drafter
-        self.tree_budget = tree_budget
-        self.builder = resolve_builder(builder)
+        attention = options.attention
         self.backend = get_backend(attention) if isinstance(attention, (str, type(None))) else attention
         self.backend.prepare(self.target)
-        self.tokenizer = None
+        self.tokenizer = tokenizer
         self._latency: ProfiledLatency | None = None  # measures the model and machine, shared by generations
 
     @classmethod
@@ -237,13 +240,61 @@ class SpeculativeGenerator:
         with Lockstep.for_model(target).fail_together(f"loading the drafter {drafter_path_or_id}"):
             drafter = DFlashDrafter.from_pretrained(drafter_dir, target, dtype=target_dtype,
                                                     device=None if placed else device, draft_vocab=draft_vocab)
-        options.setdefault("cpu_linear", "auto")
-        gen = cls(target, drafter, **options)
+        if options.get("options") is None:  # a GeneratorOptions given here is taken as it is
+            options.setdefault("cpu_linear", "auto")
         try:
-            gen.tokenizer = AutoTokenizer.from_pretrained(target_dir)
+            tokenizer = AutoTokenizer.from_pretrained(target_dir)
         except (OSError, ValueError):
-            gen.tokenizer = None
-        return gen
+            tokenizer = None
+        return cls(target, drafter, tokenizer=tokenizer, **options)
+
+    # ----------------------------------------------------------------- settings
+
+    @property
+    def options(self) -> GeneratorOptions:
+        """This generator's settings (checked; ``tree_budget`` is never ``None`` here)."""
+        return self._options
+
+    @options.setter
+    def options(self, options: GeneratorOptions) -> None:
+        """Swap the per-generation settings; the per-model ones (attention, cpu_linear, threads) stay as built."""
+        if not isinstance(options, GeneratorOptions):
+            raise TypeError(f"options must be a ddtree GeneratorOptions, got {type(options).__name__}")
+        current = getattr(self, "_options", None)
+        if current is not None:
+            changed = [n for n in MODEL_SETTINGS if getattr(options, n) != getattr(current, n)]
+            if changed:
+                raise ValueError(f"{', '.join(changed)} prepared the models when this generator was built: "
+                                 "build a new SpeculativeGenerator to change them")
+        if options.tree_budget is None:
+            options = options.replace(tree_budget=default_tree_budget(self.target))
+        self._builder = resolve_builder(options.builder)
+        self._options = options
+
+    @property
+    def tree_budget(self) -> int | str | BudgetPolicy:
+        return self._options.tree_budget
+
+    @tree_budget.setter
+    def tree_budget(self, value) -> None:
+        self.options = self._options.replace(tree_budget=value)
+
+    @property
+    def builder(self) -> TreeBuilder:
+        """The tree builder ``options.builder`` names, as a callable."""
+        return self._builder
+
+    @builder.setter
+    def builder(self, value) -> None:
+        self.options = self._options.replace(builder=value)
+
+    @property
+    def prefill_chunk(self) -> int | None:
+        return self._options.prefill_chunk
+
+    @prefill_chunk.setter
+    def prefill_chunk(self, value) -> None:
+        self.options = self._options.replace(prefill_chunk=value)
 
     # ----------------------------------------------------------------- public API
 
@@ -253,9 +304,7 @@ class SpeculativeGenerator:
         generation_config=None,
         *,
         attention_mask=None,
-        tree_budget: int | str | BudgetPolicy | None = None,
         record_trees: bool = False,
-        prefill_chunk: int | None | str = "default",
         **options,
     ) -> DecodeState:
         """A fresh :class:`~ddtree.generation.state.DecodeState` for these prompts; advance it with ``speculative_round``.
@@ -263,17 +312,18 @@ class SpeculativeGenerator:
         ``input_ids``: anything :func:`ddtree.generation.inputs.prompt_rows` reads: ``[T]`` or
         ``[B, T]`` ids (with ``attention_mask`` for left padding, as HF pads), a
         list of ids, a list of prompts of any lengths, what a tokenizer returns, or
-        text when the generator has a tokenizer. ``generation_config`` and
-        ``options`` (``max_new_tokens``, ``temperature``, ``top_k``, ``top_p``,
-        ``do_sample``, ``eos_token_id`` / ``stop_token_ids``, ``seed``) are resolved by
-        :func:`ddtree.generation.inputs.resolve_generation`: stop tokens default to the
+        text when the generator has a tokenizer. ``options`` may hold this call's
+        ``tree_budget``, ``builder`` and ``prefill_chunk`` (overriding the generator's
+        :attr:`options`); the rest (``max_new_tokens``, ``temperature``, ``top_k``, ``top_p``,
+        ``do_sample``, ``eos_token_id`` / ``stop_token_ids``, ``seed``), with ``generation_config``,
+        are resolved by :func:`ddtree.generation.inputs.resolve_generation`: stop tokens default to the
         target's EOS ids (``stop_token_ids=()`` turns that off), and options that
-        cannot be honoured exactly are refused by name. ``prefill_chunk`` overrides the
-        generator's. Everything is checked before any state exists, so a bad call leaves
-        nothing behind.
+        cannot be honoured exactly are refused by name. Everything is checked before any state exists,
+        so a bad call leaves nothing behind.
         """
         embed = self.target.get_input_embeddings().weight
         with self.lockstep.fail_together("checking generate's inputs"):
+            call = self.call_options(options)
             rows = prompt_rows(input_ids, attention_mask, self.tokenizer, vocab_size=embed.shape[0])
             limit = getattr(self.target.config, "max_position_embeddings", None)
             for b, row in enumerate(rows):
@@ -281,13 +331,15 @@ class SpeculativeGenerator:
                     raise ValueError(f"prompt {b} has {row.numel()} tokens, more than the target's "
                                      f"max_position_embeddings ({limit}): shorten it")
             settings = resolve_generation(generation_config, target_generation_config=getattr(
-                self.target, "generation_config", None), prompt_length=max(len(r) for r in rows), **options)
+                self.target, "generation_config", None), prompt_length=max(len(r) for r in rows),
+                other_names=CALL_NAMES, **options)
             if settings.max_new_tokens is None or settings.max_new_tokens < 1:
                 raise ValueError(f"max_new_tokens must be an int >= 1, got {settings.max_new_tokens!r}")
-            budget = self.tree_budget if tree_budget is None else tree_budget
-            check_budget(budget)
-            chunk = self.prefill_chunk if prefill_chunk == "default" else prefill_chunk
-            check_prefill_chunk(chunk)
+        budget, builder = call.tree_budget, self.builder
+        engine = self
+        if call.builder != self._options.builder:
+            builder = resolve_builder(call.builder)
+            engine = _CallEngine(self, builder)
         seed = settings.seed
         if self.lockstep.active:
             self.lockstep.agree(([r.tolist() for r in rows], settings.max_new_tokens, settings.sampling,
@@ -298,10 +350,20 @@ class SpeculativeGenerator:
         seed = self.lockstep.share(seed if seed is not None else int(torch.randint(0, 2**62, (1,)).item()))
         rng.manual_seed(seed)
         return DecodeState(
-            generator=self, prompts=[r.to(embed.device) for r in rows], max_new_tokens=settings.max_new_tokens,
-            sampling=settings.sampling, stops=frozenset(settings.stop_token_ids), policy=self.budget_policy(budget),
-            rng=rng, timer=StageTimer(embed.device), record=record_trees, prefill_chunk=chunk,
+            generator=engine, prompts=[r.to(embed.device) for r in rows], max_new_tokens=settings.max_new_tokens,
+            sampling=settings.sampling, stops=frozenset(settings.stop_token_ids),
+            policy=self.budget_policy(budget, builder=builder), rng=rng, timer=StageTimer(embed.device),
+            record=record_trees, prefill_chunk=call.prefill_chunk,
         )
+
+    def call_options(self, options: dict) -> GeneratorOptions:
+        """This generator's :attr:`options` with the per-call settings in ``options`` (taken out of it) applied.
+
+        ``tree_budget``, ``builder`` and ``prefill_chunk`` may change per call; ``attention``, ``cpu_linear``
+        and ``threads`` are refused (they prepared the models).
+        """
+        given = split_call_options(options)
+        return self._options.replace(**given) if given else self._options
 
     def generate(self, input_ids=None, generation_config=None, *, streamer=None, **options) -> GenerationOutput:
         """Generate after each prompt, like HF ``generate``; inputs and options as in :meth:`start`.
@@ -323,8 +385,9 @@ class SpeculativeGenerator:
         self._hint(state)
         return self._output(state, elapsed, options.get("tree_budget"))
 
-    def stream(self, input_ids=None, generation_config=None, *, streamer=None, **options) -> Iterator[list]:
-        """Yield what each round commits: a list of ids for one prompt, a list of per-row lists for a batch.
+    def stream(self, input_ids=None, generation_config=None, *, streamer=None, **options) -> Iterator[list[list[int]]]:
+        """Yield what each round commits as one list of ids per row, for any batch size (``chunk[0]`` for
+        one prompt), as ``GenerationOutput.row_tokens`` holds them; a finished row's list is empty.
 
         The first yield is the prefill's token(s). Inputs and options as in :meth:`generate`.
         """
@@ -335,10 +398,8 @@ class SpeculativeGenerator:
                 tokens = speculative_round(state).tokens
                 if feed is not None and tokens[0]:
                     feed.put(tokens[0])
-                if state.batch_size > 1:
+                if any(tokens):
                     yield tokens
-                elif tokens[0]:
-                    yield tokens[0]
             self._hint(state)
         finally:
             if feed is not None:
@@ -359,17 +420,18 @@ class SpeculativeGenerator:
                              "each row's tokens per round")
         return StreamerFeed(streamer, state.prompts[0][None])
 
-    def budget_policy(self, budget) -> BudgetPolicy | None:
+    def budget_policy(self, budget, *, builder: TreeBuilder | None = None) -> BudgetPolicy | None:
         """A per-generation policy for ``budget``: ``None`` for 0 (plain decoding, no drafter work),
         :class:`FixedBudget` for an int, a new :class:`AutoBudget` for ``"auto"`` (sharing this
-        generator's verify-latency profile), or the given policy object."""
+        generator's verify-latency profile; it sizes trees with ``builder``, default the generator's),
+        or the given policy object."""
         check_budget(budget)
         if isinstance(budget, int):
             return None if budget == 0 else FixedBudget(budget)
         if budget == "auto":
             if self._latency is None:
                 self._latency = ProfiledLatency(self, [1] + [c + 1 for c in DEFAULT_CANDIDATES])
-            return AutoBudget.for_generator(self, latency=self._latency)
+            return AutoBudget(self._latency, builder=builder or self.builder, candidates=DEFAULT_CANDIDATES)
         return budget
 
     @property
@@ -428,6 +490,24 @@ class SpeculativeGenerator:
         )
 
 
+CALL_NAMES = PER_CALL + ("attention_mask", "record_trees", "streamer")
+"""What ``generate`` / ``stream`` take besides the generation options (``streamer``: not ``start``)."""
+
+
+class _CallEngine:
+    """The generator as one call with its own ``builder`` sees it: the round reads ``state.generator.builder``,
+    and every other model and setting is the generator's."""
+
+    def __init__(self, generator: SpeculativeGenerator, builder: TreeBuilder):
+        self._generator = generator
+        self.builder = builder
+
+    def __getattr__(self, name):
+        if name == "_generator":  # not set yet (copy, pickle): no recursion
+            raise AttributeError(name)
+        return getattr(self._generator, name)
+
+
 DEFAULT_TREE_BUDGET = {"cpu": 4}
 """Default draft nodes per round by device type: on a CPU the verify forward's cost grows with every node, and
 budget 4 measured fastest on the default pair (docs/benchmarks.md); other devices verify wide trees nearly
@@ -443,13 +523,11 @@ def default_tree_budget(target) -> int:
 
 
 def _apply_thread_policy(target, threads):
-    """Apply ``threads`` (see :class:`SpeculativeGenerator`) to torch for a CPU target; returns what runs."""
+    """Apply ``threads`` (checked by :class:`GeneratorOptions`) to torch for a CPU target; returns what runs."""
     from ddtree.runtime.threads import configure_threads
 
     if threads is None:
         return None
-    if threads != "auto" and (not isinstance(threads, int) or isinstance(threads, bool) or threads < 1):
-        raise ValueError(f"threads must be 'auto', an int >= 1 or None (leave torch as it is), got {threads!r}")
     param = next(target.parameters(), None)
     if param is not None and param.device.type != "cpu":
         return None  # the CPU threads only feed the host side of a GPU target
@@ -457,11 +535,10 @@ def _apply_thread_policy(target, threads):
 
 
 def _route_cpu_linear(target, mode) -> int:
-    """Install :mod:`ddtree.targets.cpu_linear` on ``target`` as ``mode`` asks; returns the routed layer count."""
+    """Install :mod:`ddtree.targets.cpu_linear` on ``target`` as ``mode`` (checked by :class:`GeneratorOptions`)
+    asks; returns the routed layer count."""
     from ddtree.targets import cpu_linear
 
-    if mode not in (True, False, "auto"):
-        raise ValueError(f"cpu_linear must be True, False or 'auto', got {mode!r}")
     if not mode:
         return cpu_linear.installed(target)
     param = next(target.parameters())

@@ -218,6 +218,7 @@ def resolve_generation(
     stop_token_ids: int | Sequence[int] | None = UNSET,
     seed: int | None = None,
     prompt_length: int | None = None,
+    other_names: Sequence[str] = (),
     **options,
 ) -> GenerationSettings:
     """Resolve ``generate``-style options into :class:`GenerationSettings`, exactly or not at all.
@@ -243,7 +244,8 @@ def resolve_generation(
     ``max_new_tokens`` may come from a config; a config's ``max_length`` counts
     the prompt, so it needs ``prompt_length``. Any other option (``num_beams``,
     ``repetition_penalty``, ``min_new_tokens``, ``typical_p``, ...) that is not
-    at HF's default changes the output distribution and is refused by name.
+    at HF's default changes the output distribution and is refused by name; an unknown name is refused
+    with every accepted name, ``other_names`` (what the caller takes besides these) included.
     """
     hf_mode = do_sample is not None or generation_config is not None
     defaults = _hf_defaults()
@@ -261,7 +263,7 @@ def resolve_generation(
                 return layer[name]
         return defaults.get(name, fallback)
 
-    _refuse_options(options, layers if hf_mode else [options], defaults)
+    _refuse_options(options, layers if hf_mode else [options], defaults, other_names)
 
     if hf_mode:
         sample = bool(value("do_sample"))
@@ -305,16 +307,21 @@ def _config_dict(cfg) -> dict:
     raise TypeError(f"generation_config must be a transformers GenerationConfig or a dict, got {type(cfg).__name__}")
 
 
-def _refuse_options(options: dict, layers: list[dict], defaults: dict) -> None:
+ACCEPTED_OPTIONS = ("max_new_tokens", "max_length", "do_sample", "temperature", "top_k", "top_p", "eos_token_id",
+                    "stop_token_ids", "seed")
+"""The generation options :func:`resolve_generation` honours (other GenerationConfig names only at HF's default)."""
+
+
+def _refuse_options(options: dict, layers: list[dict], defaults: dict, other_names: Sequence[str] = ()) -> None:
     """Refuse unknown names, and known options whose effective value (first layer that sets it) is not HF's default."""
     from transformers import GenerationConfig
 
     known = set(GenerationConfig().to_dict()) | set(defaults)
     unknown = sorted(k for k in options if k not in known)
     if unknown:
-        raise TypeError(f"unknown generation option(s) {', '.join(unknown)}: ddtree takes the names of "
-                        "transformers' GenerationConfig (do_sample, temperature, top_k, top_p, max_new_tokens, "
-                        "eos_token_id) and seed / stop_token_ids")
+        raise TypeError(f"unknown option(s) {', '.join(unknown)}; accepted: "
+                        f"{', '.join(dict.fromkeys([*ACCEPTED_OPTIONS, *other_names]))} (any other name of "
+                        "transformers' GenerationConfig is accepted at its default value only)")
     names = {n for layer in layers for n in layer if n in known and n not in _HANDLED and n not in _INERT}
     for name in sorted(names):
         v = next((layer[name] for layer in layers if layer.get(name) is not None), None)
@@ -423,10 +430,25 @@ class StreamerFeed:
         self.end()
 
 
-def streamed(chunks: Iterable[Sequence[int]], streamer, prompt=None) -> Iterator[list[int]]:
-    """Pass ``chunks`` (e.g. ``SpeculativeGenerator.stream(...)``) through, feeding ``streamer`` on the way."""
+def _is_id(x) -> bool:
+    return isinstance(x, int) or isinstance(x, torch.Tensor) and x.dim() == 0
+
+
+def streamed(chunks: Iterable[Sequence], streamer, prompt=None) -> Iterator[list]:
+    """Pass ``chunks`` through, feeding ``streamer`` on the way.
+
+    A chunk is what ``SpeculativeGenerator.stream(...)`` yields for one prompt (``[ids]``, one list per row) or
+    a flat list of ids (a loop of your own); a transformers streamer takes one sequence, so a chunk of more
+    than one row is refused.
+    """
     with StreamerFeed(streamer, prompt) as feed:
         for chunk in chunks:
             chunk = list(chunk)
-            feed.put(chunk)
+            rows = [list(r) for r in chunk if not _is_id(r)]
+            if rows and len(rows) != len(chunk):
+                raise ValueError(f"a stream chunk mixes ids and rows: {chunk!r:.80}")
+            if len(rows) > 1:
+                raise ValueError("transformers streamers take one sequence: stream a batch with stream(), which "
+                                 "yields each row's tokens per round, and feed each row its own streamer")
+            feed.put(rows[0] if rows else chunk)
             yield chunk

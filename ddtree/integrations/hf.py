@@ -17,37 +17,42 @@ from typing import Any
 import torch
 
 from ddtree.generation.inputs import StreamerFeed, prompt_rows
+from ddtree.generation.options import GeneratorOptions, split_call_options
 
 # The only logits processors whose effect ddtree's sampler reproduces exactly.
 _WARPERS = ("TemperatureLogitsWarper", "TopKLogitsWarper", "TopPLogitsWarper")
+_UNSET = object()  # a generator setting not given to this call
 # model kwargs generate prepares that ddtree's own loop replaces.
 _PREPARED = frozenset({"attention_mask", "position_ids", "cache", "past_key_values", "logits_to_keep", "use_cache"})
 
 
-def decoding(drafter, tree_budget: int | str | None = None, builder: Any = "best_first", *, seed: int | None = None,
-             **generator_options) -> "DDTreeDecoding":
+def decoding(drafter, tree_budget: int | str | None = None, builder: Any = None, *, seed: int | None = None,
+             options: GeneratorOptions | None = None, **settings) -> "DDTreeDecoding":
     """A ``custom_generate`` callable running DDTree with ``drafter`` (a DFlash model or any ``Drafter``).
 
     ``target.generate(**inputs, custom_generate=ddtree.decoding(drafter), max_new_tokens=128)``
-    returns what ``generate`` returns. ``tree_budget`` (default: the generator's, by device) can also be
-    given per call (``generate(..., tree_budget=8)``). Sampling is lossless but draws its random
-    numbers in another order than HF's sampler, so for a seed the tokens differ
+    returns what ``generate`` returns. The generator's settings are those of :class:`SpeculativeGenerator`:
+    ``options`` (a :class:`~ddtree.generation.options.GeneratorOptions`) and/or the same names as keywords
+    (``tree_budget``, ``builder``, ``attention``, ...), checked here. ``tree_budget``, ``builder`` and
+    ``prefill_chunk`` can also be given per call (``generate(..., tree_budget=8)``). Sampling is lossless
+    but draws its random numbers in another order than HF's sampler, so for a seed the tokens differ
     from plain ``generate``: ``seed`` fixes ddtree's own generator; without it, one
     number drawn from torch's global RNG seeds it, so ``torch.manual_seed`` makes
-    a call reproducible. ``generator_options`` go to :class:`SpeculativeGenerator`.
+    a call reproducible.
     """
-    return DDTreeDecoding(drafter, tree_budget, builder, seed, generator_options)
+    if options is not None and not isinstance(options, GeneratorOptions):
+        raise TypeError(f"options must be a ddtree GeneratorOptions, got {type(options).__name__}")
+    given = {k: v for k, v in (("tree_budget", tree_budget), ("builder", builder)) if v is not None}
+    return DDTreeDecoding(drafter, (options or GeneratorOptions()).replace(**given, **settings), seed)
 
 
 class DDTreeDecoding:
     """The callable behind :func:`decoding`; keeps one ``SpeculativeGenerator`` per target model."""
 
-    def __init__(self, drafter, tree_budget, builder, seed, generator_options):
+    def __init__(self, drafter, options: GeneratorOptions, seed: int | None = None):
         self.drafter = drafter
-        self.tree_budget = tree_budget
-        self.builder = builder
+        self.options = options
         self.seed = seed
-        self.generator_options = dict(generator_options)
         self._generators: "weakref.WeakKeyDictionary[Any, Any]" = weakref.WeakKeyDictionary()
 
     def generator_for(self, model):
@@ -56,24 +61,31 @@ class DDTreeDecoding:
 
         gen = self._generators.get(model)
         if gen is None:
-            gen = SpeculativeGenerator(model, self.drafter, tree_budget=self.tree_budget, builder=self.builder,
-                                       **self.generator_options)
+            gen = SpeculativeGenerator(model, self.drafter, options=self.options)
             self._generators[model] = gen
         return gen
 
     def __call__(self, model, input_ids, logits_processor=None, stopping_criteria=None, generation_config=None,
-                 synced_gpus=False, streamer=None, tree_budget=None, **model_kwargs):
+                 synced_gpus=False, streamer=None, tree_budget=None, builder=None, prefill_chunk=_UNSET,
+                 attention=_UNSET, cpu_linear=_UNSET, threads=_UNSET, **model_kwargs):
+        """``generate``'s loop. The generator's settings are named here because ``generate`` hands a
+        ``custom_generate`` callable only the keywords its signature names: ``tree_budget``, ``builder`` and
+        ``prefill_chunk`` apply to this call; ``attention``, ``cpu_linear`` and ``threads`` are refused with
+        where to set them."""
         if streamer is None:
             streamer = _streamer_of_caller(sys._getframe(1))
+        given = dict(tree_budget=tree_budget, builder=builder, prefill_chunk=prefill_chunk, attention=attention,
+                     cpu_linear=cpu_linear, threads=threads)
         feed = StreamerFeed(streamer) if streamer is not None else None  # generate has put the prompt already
-        try:
+        try:  # a refused call ends the streamer too, so a consumer thread never waits forever
+            call = split_call_options({k: v for k, v in given.items() if v is not _UNSET})
             return self._decode(model, input_ids, logits_processor or [], stopping_criteria or [],
-                                generation_config, synced_gpus, feed, tree_budget, model_kwargs)
+                                generation_config, synced_gpus, feed, call, model_kwargs)
         finally:
             if feed is not None:
                 feed.end()
 
-    def _decode(self, model, input_ids, processors, criteria, cfg, synced_gpus, feed, tree_budget, model_kwargs):
+    def _decode(self, model, input_ids, processors, criteria, cfg, synced_gpus, feed, call, model_kwargs):
         if cfg is None:
             raise ValueError("ddtree.decoding is a custom_generate callable: call it through model.generate(...)")
         _refuse_unsupported(cfg, processors, input_ids, synced_gpus, model_kwargs)
@@ -90,9 +102,9 @@ class DDTreeDecoding:
         ids = input_ids
         if limit > 0:
             chunks = gen.stream(prompt[None], max_new_tokens=limit, temperature=temperature, top_k=top_k, top_p=top_p,
-                                stop_token_ids=(), tree_budget=tree_budget, seed=seed)
+                                stop_token_ids=(), seed=seed, **call)
             try:
-                for chunk in chunks:
+                for (chunk,) in chunks:  # one row
                     ids, kept, stop = _apply_criteria(ids, chunk, criteria)
                     if feed is not None:
                         feed.put(chunk[:kept])

@@ -1,0 +1,102 @@
+"""``GeneratorOptions``: every setting of a :class:`~ddtree.generation.generator.SpeculativeGenerator`, checked once.
+
+One frozen dataclass (nanoGPT's config style), so that a generator's settings can be read, printed, copied
+and overridden in one place: ``options.replace(builder="chain")`` is a new, checked copy. The checks stay
+with the code they guard (the budget, the prefill, the builders, the attention backends); this module calls
+them all when an options object is made, so a bad setting fails before any model is touched.
+
+Two kinds of setting:
+
+- per generation (:data:`PER_CALL`): ``tree_budget``, ``builder``, ``prefill_chunk``; also accepted by
+  ``generate`` / ``stream`` / ``start`` for one call;
+- per model (:data:`MODEL_SETTINGS`): ``attention``, ``cpu_linear``, ``threads``; they prepare or change
+  the models (or the process), so they are set on the generator only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from ddtree.budget.policy import BudgetPolicy, check_budget
+from ddtree.core.builders import TreeBuilder, resolve_builder
+from ddtree.targets.backends import get_backend
+from ddtree.targets.forward import PREFILL_CHUNK, check_prefill_chunk
+
+PER_CALL = ("tree_budget", "builder", "prefill_chunk")
+"""Settings a single ``generate`` / ``stream`` / ``start`` call may override."""
+MODEL_SETTINGS = ("attention", "cpu_linear", "threads")
+"""Settings that prepare the models or the process: set on the generator, refused per call."""
+
+
+@dataclass(frozen=True)
+class GeneratorOptions:
+    """The settings of a ``SpeculativeGenerator``; see its docstring for what each one does.
+
+    ``tree_budget=None`` means the default for the target's device (the generator fills it in);
+    ``threads=None`` leaves torch's thread count as it is.
+    """
+
+    tree_budget: int | str | BudgetPolicy | None = None
+    builder: str | TreeBuilder = "best_first"
+    attention: Any = "auto"  # a backend name, None, or a TreeAttentionBackend object
+    cpu_linear: bool | str = False
+    threads: int | str | None = None
+    prefill_chunk: int | None = PREFILL_CHUNK
+
+    def __post_init__(self) -> None:
+        if self.tree_budget is not None:
+            check_budget(self.tree_budget)
+        resolve_builder(self.builder)
+        check_attention(self.attention)
+        check_cpu_linear(self.cpu_linear)
+        check_threads(self.threads)
+        check_prefill_chunk(self.prefill_chunk)
+
+    def replace(self, **changes) -> "GeneratorOptions":
+        """A checked copy with ``changes``; an unknown name is refused with the list of settings."""
+        unknown = sorted(set(changes) - set(NAMES))
+        if unknown:
+            raise TypeError(f"unknown generator setting(s) {', '.join(unknown)}; the settings are "
+                            f"{', '.join(NAMES)}")
+        return dataclasses.replace(self, **changes)
+
+
+NAMES = tuple(f.name for f in dataclasses.fields(GeneratorOptions))
+"""Every generator setting, in declaration order."""
+
+
+def check_attention(attention) -> None:
+    """A backend name (resolved now, so a typo or a missing package fails here), ``None``, or a backend object."""
+    if attention is None or isinstance(attention, str):
+        get_backend(attention)
+    elif not hasattr(attention, "prepare") or not hasattr(attention, "tree_forward_kwargs"):
+        raise TypeError(f"attention must be a backend name (e.g. 'auto', 'sdpa') or a tree-attention backend "
+                        f"object with prepare and tree_forward_kwargs, got {type(attention).__name__}")
+
+
+def check_cpu_linear(mode) -> None:
+    if not (isinstance(mode, bool) or mode == "auto"):
+        raise ValueError(f"cpu_linear must be True, False or 'auto', got {mode!r}")
+
+
+def check_threads(threads) -> None:
+    if threads is None or threads == "auto":
+        return
+    if not isinstance(threads, int) or isinstance(threads, bool) or threads < 1:
+        raise ValueError(f"threads must be 'auto', an int >= 1 or None (leave torch as it is), got {threads!r}")
+
+
+def split_call_options(options: dict) -> dict:
+    """Take this call's generator settings out of ``options`` (``generate``'s keywords) and return them.
+
+    A per-model setting is refused with where to set it; ``tree_budget=None`` or ``builder=None`` means the
+    generator's own (as if not given); ``prefill_chunk=None`` is a real value (the whole prompt at once).
+    """
+    for name in MODEL_SETTINGS:
+        if name in options:
+            raise ValueError(f"{name} prepares the models, so it is set on the generator, not per call: "
+                             f"SpeculativeGenerator(target, drafter, {name}=...) (per call: {', '.join(PER_CALL)})")
+    taken = {name: options.pop(name) for name in PER_CALL if name in options}
+    return {k: v for k, v in taken.items() if v is not None or k == "prefill_chunk"}
