@@ -36,6 +36,7 @@ from ddtree.generation.inputs import (
     resolve_generation,
     streamed,
 )
+from ddtree.generation.prefill import Prefilled, prefill
 from ddtree.generation.round import speculative_round
 from ddtree.generation.state import DecodeState, RoundRecord, RoundResult
 from ddtree.integrations.hf import DDTreeDecoding, decoding
@@ -46,6 +47,8 @@ from ddtree.targets.cache import (
     commit_accepted,
     keep_positions,
     new_target_cache,
+    padding_mask,
+    select_rows,
 )
 from ddtree.targets.forward import target_forward
 
@@ -70,6 +73,8 @@ __all__ = [
     "DecodeState",
     "RoundResult",
     "speculative_round",
+    "prefill",
+    "Prefilled",
     "target_forward",
     "DFlashConfig",
     "DFlashDraftModel",
@@ -105,4 +110,6 @@ __all__ = [
     "commit_accepted",
     "keep_positions",
     "new_target_cache",
+    "padding_mask",
+    "select_rows",
 ]
