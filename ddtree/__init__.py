@@ -37,6 +37,7 @@ from ddtree.generation.inputs import (
     streamed,
 )
 from ddtree.generation.options import GeneratorOptions
+from ddtree.generation.prefill import Prefilled, prefill
 from ddtree.generation.round import speculative_round
 from ddtree.generation.state import DecodeState, RoundRecord, RoundResult
 from ddtree.integrations.hf import DDTreeDecoding, decoding
@@ -47,6 +48,8 @@ from ddtree.targets.cache import (
     commit_accepted,
     keep_positions,
     new_target_cache,
+    padding_mask,
+    select_rows,
 )
 from ddtree.targets.forward import target_forward
 
@@ -72,6 +75,8 @@ __all__ = [
     "DecodeState",
     "RoundResult",
     "speculative_round",
+    "prefill",
+    "Prefilled",
     "target_forward",
     "DFlashConfig",
     "DFlashDraftModel",
@@ -107,4 +112,6 @@ __all__ = [
     "commit_accepted",
     "keep_positions",
     "new_target_cache",
+    "padding_mask",
+    "select_rows",
 ]

@@ -288,3 +288,90 @@ def test_memory_bench_measures_both_methods_side_by_side(tmp_path):
     assert dd["drafter_after_first_s"] > 0  # the last one after it
     per_token = 2 * 2 * 16 * 8  # K and V of one drafter layer: 2 KV heads x 16 dims, float64
     assert 300 * per_token <= dd["drafter_context_bytes"] <= (2 * 300 + 64) * per_token  # the prompt, grown capacity
+
+
+def test_results_md_has_per_depth_and_category_tables_recomputed_from_the_trees(tmp_path):
+    """Per depth: P(reach d), acceptance at d and mean nodes at d; tau per category. The nodes are recounted
+    from the saved trees and the reach from the acceptance lengths (float64 tiny pair, scripted drafter)."""
+    from ddtree.bench.report import category_table, depth_tables
+
+    target = tiny_target("qwen3")
+    prompts = [Prompt("p0", list(range(3, 14)), "code"), Prompt("p1", [40, 41, 42, 7], "chat")]
+    gen = scripted_generator(target, [p.input_ids for p in prompts], 8)
+    methods = parse_methods("chain,best_first@8,beam@2x2")
+    bench = Bench(gen, methods, max_new_tokens=8, seed=1)
+    runs = bench.run(prompts, repeats=1, warmup=False, progress=False, trees_path=tmp_path / "trees.jsonl")
+    rows = {r["method"]: r for r in summarize(runs, methods, bench.depth, greedy=True)}
+    saved = load_rounds(tmp_path / "trees.jsonl")
+    assert rows["ar"]["depth_acceptance"] == [] and rows["ar"]["nodes_per_depth"] == []
+    for name in ("chain", "best_first@8", "beam@2x2"):
+        row = rows[name]
+        trees = [s["tree"] for s in saved if s["method"] == name]
+        depths = [t.depths[0].tolist() for t in trees]
+        want = [sum(ds.count(d) for ds in depths) / len(trees) for d in range(1, bench.depth + 1)]
+        assert row["nodes_per_depth"] == pytest.approx(want), name
+        acc = [a for r in runs if r.method == name for a in r.acceptance]
+        assert len(acc) == len(trees) and row["rounds"] == len(trees)
+        reach = [sum(a - 1 >= d for a in acc) / len(acc) for d in range(1, bench.depth + 1)]
+        assert row["depth_acceptance"] == pytest.approx(reach)
+        above = [1.0] + reach
+        assert row["acceptance_at_depth"] == [None if above[d] == 0 else pytest.approx(reach[d] / above[d])
+                                              for d in range(bench.depth)]
+        cats = {c: [a for r in runs if r.method == name and r.category == c for a in r.acceptance]
+                for c in ("code", "chat")}
+        assert row["tau_by_category"] == {c: pytest.approx(sum(a) / len(a), abs=1e-3) for c, a in cats.items()}
+    assert rows["chain"]["nodes_per_depth"] == [1.0] * bench.depth  # a chain: one node per depth
+    assert rows["beam@2x2"]["nodes_per_depth"][2:] == [0.0] * (bench.depth - 2)  # two levels deep
+    md = depth_tables(list(rows.values()))
+    assert "P(round reaches depth d)" in md and "Mean draft nodes at depth d" in md
+    assert "| chain | " + " | ".join(["1.0"] * bench.depth) + " |" in md
+    assert "| beam@2x2 | 1.00 | 1.00 | 0.00 | – |" in md  # depth 3 is never accepted; depth 4 never tried
+    cat = category_table(list(rows.values()))
+    assert "| category | chain | best_first@8 | beam@2x2 |" in cat
+    assert f"| code | {rows['chain']['tau_by_category']['code']:.2f} |" in cat
+
+
+def test_depth_plot_has_whole_ticks_and_the_stage_legend_sits_beside_the_bars():
+    pytest.importorskip("matplotlib")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from ddtree.bench.methods import STAGES
+    from ddtree.bench.report import depth_figure, stage_figure
+
+    rows = [{"method": f"m{i}", "depth_acceptance": [0.9, 0.6, 0.3][: i + 1],
+             "stage_ms_per_round": {s: 1.0 + i for s in STAGES}} for i in range(3)]
+    ax = depth_figure(rows).axes[0]
+    ticks = [t for t in ax.get_xticks() if ax.get_xlim()[0] <= t <= ax.get_xlim()[1]]
+    assert ticks and all(float(t).is_integer() for t in ticks)
+    fig = stage_figure(rows)
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    legend, axes = fig.axes[0].get_legend().get_window_extent(renderer), fig.axes[0].get_window_extent(renderer)
+    assert legend.x0 >= axes.x1  # wholly right of the plotting area: it covers no bar
+    assert [t.get_text() for t in fig.axes[0].get_legend().get_texts()] == list(STAGES)
+
+
+def test_bench_default_attention_is_the_generators_and_is_recorded(tmp_path):
+    import inspect
+
+    from ddtree.bench.main import build_parser
+
+    default = inspect.signature(SpeculativeGenerator.__init__).parameters["attention"].default
+    assert build_parser().parse_args([]).attention == default == "auto"
+    target = tiny_target("llama", dtype=torch.float32)
+    target.save_pretrained(tmp_path / "target")
+    tiny_drafter(target).save_pretrained(tmp_path / "drafter")
+    (tmp_path / "prompts.jsonl").write_text('{"id": "y", "input_ids": [4, 9, 2, 30], "category": "misc"}\n')
+    out = tmp_path / "out"
+    assert run_main_bench(["--target", str(tmp_path / "target"), "--drafter", str(tmp_path / "drafter"),
+                           "--prompts", str(tmp_path / "prompts.jsonl"), "--methods", "best_first@4",
+                           "--max-new-tokens", "6", "--repeats", "1", "--out", str(out), "--no-plots",
+                           "--no-warmup", "--no-progress"]) == 0
+    meta = json.loads((out / "results.json").read_text())["meta"]
+    from ddtree.targets.attention import get_backend
+
+    assert meta["attention_requested"] == "auto" and meta["attention"] == get_backend("auto", device="cpu").name
+    md = (out / "results.md").read_text()
+    assert f"tree attention {meta['attention']}" in md and "| best_first@4 | " in md
+    assert "P(round reaches depth d)" in md and "| misc |" in md

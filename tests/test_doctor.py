@@ -571,3 +571,56 @@ def test_cli_refuses_a_log_without_metrics_before_loading_anything(tmp_path, cap
     assert "no speculative-decoding metrics line" in capsys.readouterr().err
     assert doctor_main(["--engine-log", str(log), "--engine-mean", "1.2"]) == 2
     assert "not both" in capsys.readouterr().err
+
+
+def _thin_report(drafts: int, prompts: int, tokens: int, engine) -> DoctorReport:
+    from ddtree.apps.doctor.config_check import ConfigReport
+
+    ref = Profile("reference", "correct", mean=1.8, per_position=[0.5, 0.2, 0.1], drafts=drafts)
+    a = Profile("no_offset", "no offset", mean=1.05, per_position=[0.04, 0.01, 0.0], drafts=drafts)
+    b = Profile("one_late", "one layer late", mean=1.05, per_position=[0.05, 0.0, 0.0], drafts=drafts)
+    rep = DoctorReport("t", "d", 4, prompts, tokens, ConfigReport(), ref, [], [a, b], engine)
+    rep.ranking = rank(engine, [ref, a, b])
+    rep.verdict = verdict(rep)
+    return rep
+
+
+def test_a_thin_run_says_so_and_how_much_to_enlarge_it():
+    """13 reference drafts on 2 prompts and two look-alike faults 0.002 apart: the verdict names a fault, and
+    caveats that the reference is thin and that the two cannot be told apart, with the run that would."""
+    rep = _thin_report(13, 2, 32, profile_from_figures(1.045, [0.04, 0.005, 0.0]))
+    first, second = rep.ranking[0], rep.ranking[1]
+    assert {first.name, second.name} == {"no_offset", "one_late"} and second.distance - first.distance < 0.01
+    assert len(rep.caveats) == 2 and all(f"Caveat: {c}" in rep.verdict for c in rep.caveats)
+    thin, alike = rep.caveats
+    assert "rests on 13 drafts (2 prompts x 32 new tokens)" in thin
+    assert f"--num-prompts {math.ceil(2 * 100 / 13)}" in thin and f"--max-new-tokens {math.ceil(32 * 100 / 13)}" in thin
+    gap = second.distance - first.distance
+    se = math.hypot(*(math.sqrt(sum(p * (1 - p) / 13 for p in x.per_position) / 3)
+                      for x in (rep.signature(first.name), rep.signature(second.name))))
+    more = (2 * se / gap) ** 2
+    assert f"{first.name} and {second.name} are {gap:.3f} apart" in alike and f"({se:.3f})" in alike
+    assert f"--num-prompts {math.ceil(2 * more)}" in alike
+    assert "Caveat:" in "\n".join(render(rep).splitlines()[-6:])  # printed under the verdict
+    # the same figures on 2000x the drafts: the gap is as small but the noise ~45x smaller
+    big = _thin_report(26000, 4000, 32, profile_from_figures(1.045, [0.04, 0.005, 0.0]))
+    assert big.caveats == [] and "Caveat" not in big.verdict
+
+
+def test_a_contradictory_metrics_line_is_flagged_in_the_verdict():
+    """Mean 1.05 with 50 accepted of 1000 drafted tokens and rates summing to 0.25 (k = 5): the 1000 drafted
+    tokens at 5 per draft and the rates say 200 drafts, the mean says 1000. The profile keeps the counts, the
+    verdict says the line contradicts itself, and the output explains the recovered draft count."""
+    line = ("INFO 12-01 10:00:00 [metrics.py:96] SpecDecoding metrics: Mean acceptance length: 1.05, "
+            "Accepted throughput: 1.00 tokens/s, Drafted throughput: 20.00 tokens/s, Accepted: 50 tokens, "
+            "Drafted: 1000 tokens, Per-position acceptance rate: 0.200, 0.050, 0.000, 0.000, 0.000, "
+            "Avg Draft acceptance rate: 5.0%")
+    engine = parse_engine_log(line)
+    assert engine.num_drafts == 200 and engine.mean_acceptance_length == pytest.approx(1.25)
+    assert len(engine.contradictions) == 1 and "about 1000 drafts" in engine.contradictions[0]
+    rep = _thin_report(26000, 4000, 64, engine)
+    assert len(rep.caveats) == 1 and "line 1: mean acceptance length 1.05" in rep.caveats[0]
+    assert "mean 1.25" in rep.caveats[0] and "Caveat: the engine log's line 1" in rep.verdict
+    text = render(rep)
+    assert "engine figures: vLLM does not print its number of drafts; the 200 here are recovered" in text
+    assert "an estimate: no count reproduces the printed figures" in text

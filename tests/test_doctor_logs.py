@@ -253,3 +253,16 @@ def test_figures_from_neighbouring_runs_are_kept_with_a_note():
     p = profile_from_figures(1.04, "0.045, 0.004, 0, 0, 0")
     assert p.mean_acceptance_length == 1.04 and p.per_position == [0.045, 0.004, 0, 0, 0]
     assert any("differ by more than print rounding" in n for n in p.notes)
+
+
+def test_contradictions_between_a_lines_counts_are_found_and_consistent_lines_pass():
+    from ddtree.apps.doctor.engine_logs import contradiction
+
+    assert contradiction(262, 295, 5.44, [0.983, 0.949, 0.915, 0.881, 0.712], 59) is None  # a real line
+    assert "about 1000 drafts" in contradiction(50, 1000, 1.05, [0.2, 0.05, 0, 0, 0], 200)
+    assert "the per-position rates sum to 0.500, not accepted / drafts = 0.250" in contradiction(
+        50, 1000, 1.25, [0.4, 0.1, 0, 0, 0], 200)
+    assert "1200 drafted tokens are more than k = 5 per draft" in contradiction(50, 1200, 1.25, [0.2, 0.05, 0, 0, 0], 200)
+    assert "60 accepted of 50 drafted tokens" in contradiction(60, 50, None, None, 10)
+    p = parse_engine_log(load("vllm_v1_suffix_variable_drafts.log"))
+    assert p.contradictions == []  # rounding-consistent lines are not contradictions

@@ -34,6 +34,8 @@ from ddtree.bench.prompts import DEFAULT_PROMPTS, load_prompts
 from ddtree.bench.report import (
     _md_header,
     _meta,
+    category_table,
+    depth_tables,
     markdown_table,
     summarize,
     write_plots,
@@ -82,7 +84,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ignore-eos", action="store_true", help="always generate max-new-tokens")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="torch device")
     p.add_argument("--dtype", default=None, help="float32 (CPU default), bfloat16 (CUDA default), float16")
-    p.add_argument("--attention", default="sdpa", help="tree-verify attention backend (see ddtree.targets.backends)")
+    p.add_argument("--attention", default="auto",
+                   help="tree-verify attention backend, as SpeculativeGenerator's attention= (default: auto, the "
+                        "generator's default; the one used is recorded in the results; see ddtree.targets.backends)")
     p.add_argument("--draft-vocab", default="auto",
                    help="drafter proposal vocabulary: 'auto' (the drafter's draft_vocab file), 'full', or N top-ranked ids")
     p.add_argument("--cpu-linear", default="auto", choices=["auto", "on", "off"],
@@ -166,7 +170,7 @@ def _run_bench(args, argv) -> int:
     table = markdown_table(rows)
     (args.out / "results.json").write_text(json.dumps({"meta": meta, "methods": rows, "runs": [
         {k: v for k, v in asdict(r).items() if k != "tokens"} for r in runs]}, indent=1))
-    (args.out / "results.md").write_text(_md_header(meta) + table)
+    (args.out / "results.md").write_text(_md_header(meta) + table + depth_tables(rows) + category_table(rows))
     plots = [] if args.no_plots else write_plots(rows, args.out, bench.depth)
     print(table)
     print(f"wrote {args.out / 'results.json'}, {args.out / 'results.md'}"

@@ -41,6 +41,8 @@ def summarize(runs: list[Run], methods: list[Method], depth: int, greedy: bool) 
             for k, v in r.stage_seconds.items():
                 stage_totals[k] = stage_totals.get(k, 0.0) + v
         rounds = len(acc)
+        reach = [sum(a - 1 >= d for a in acc) / rounds for d in range(1, depth + 1)] if acc else []
+        nodes = [sum(col) for col in zip(*(_padded(r.nodes_per_depth, depth) for r in rs))] if acc else []
         row = {
             "method": m.name,
             "builder": m.builder or None,
@@ -48,7 +50,9 @@ def summarize(runs: list[Run], methods: list[Method], depth: int, greedy: bool) 
             "tau": statistics.fmean(acc) if acc else 1.0,
             "tau_std": statistics.pstdev(acc) if len(acc) > 1 else 0.0,
             "tau_p10_p90": _quantiles(acc) if acc else [1, 1],
-            "depth_acceptance": [sum(a - 1 >= d for a in acc) / rounds for d in range(1, depth + 1)] if acc else [],
+            "depth_acceptance": reach,
+            "acceptance_at_depth": [None if above == 0 else here / above for above, here in zip([1.0] + reach, reach)],
+            "nodes_per_depth": [n / rounds for n in nodes] if any(nodes) else [],
             "tokens_per_second": statistics.median(per_rep),
             "tokens_per_second_per_repeat": per_rep,
             "speedup": statistics.median(speedups),
@@ -67,6 +71,10 @@ def summarize(runs: list[Run], methods: list[Method], depth: int, greedy: bool) 
             row["budget_histogram"] = _histogram(b for r in rs for b in r.budgets) if m.budget == "auto" else None
         rows.append(row)
     return rows
+
+
+def _padded(xs: list[int], n: int) -> list[int]:
+    return list(xs) + [0] * (n - len(xs))
 
 
 def _tau_by_category(rs: list[Run]) -> dict[str, float]:
@@ -117,6 +125,44 @@ def markdown_table(rows: list[dict]) -> str:
     return head + "\n".join(lines) + "\n" + note
 
 
+def depth_tables(rows: list[dict]) -> str:
+    """Per depth d, one column each: P(a round reaches d), the acceptance at d (P(reach d) / P(reach d - 1)),
+    and the mean draft nodes at d per round (the trees' shape), one row per tree method."""
+    rows = [r for r in rows if r["depth_acceptance"]]
+    if not rows:
+        return ""
+    depth = max(max(len(r["depth_acceptance"]), len(r["nodes_per_depth"])) for r in rows)
+    cols = " | ".join(f"d={d}" for d in range(1, depth + 1))
+    rule = "|---|" + "---:|" * depth
+
+    def table(title: str, key: str, fmt) -> str:
+        lines = [f"| {r['method']} | " + " | ".join(fmt(v) for v in _padded_values(r[key], depth)) + " |" for r in rows]
+        return f"\n{title}\n\n| method | {cols} |\n{rule}\n" + "\n".join(lines) + "\n"
+
+    return (table("P(round reaches depth d), accepted draft tokens >= d:", "depth_acceptance", _cell(".2f"))
+            + table("Acceptance at depth d, P(reach d) / P(reach d - 1):", "acceptance_at_depth", _cell(".2f"))
+            + table("Mean draft nodes at depth d per round (the trees' shape):", "nodes_per_depth", _cell(".1f")))
+
+
+def _padded_values(xs: list, n: int) -> list:
+    return list(xs) + [None] * (n - len(xs))
+
+
+def _cell(spec: str):
+    return lambda v: "–" if v is None else format(v, spec)
+
+
+def category_table(rows: list[dict]) -> str:
+    """tau per prompt category (rows) and method (columns); empty when the prompts carry no categories."""
+    rows = [r for r in rows if r["tau_by_category"]]
+    cats = sorted({c for r in rows for c in r["tau_by_category"]})
+    if not rows or cats == ["-"]:
+        return ""
+    head = "| category | " + " | ".join(r["method"] for r in rows) + " |\n|---|" + "---:|" * len(rows) + "\n"
+    lines = [f"| {c} | " + " | ".join(_cell(".2f")(r["tau_by_category"].get(c)) for r in rows) + " |" for c in cats]
+    return "\ntau by prompt category:\n\n" + head + "\n".join(lines) + "\n"
+
+
 def write_plots(rows: list[dict], out_dir: Path, depth: int) -> list[Path]:
     """tau and speedup vs budget, per-depth acceptance, stage breakdown; none without matplotlib."""
     try:
@@ -153,19 +199,37 @@ def write_plots(rows: list[dict], out_dir: Path, depth: int) -> list[Path]:
         paths.append(out_dir / fname)
         fig.savefig(paths[-1], dpi=110)
         plt.close(fig)
+    for figure, name in ((depth_figure, "depth_acceptance.png"), (stage_figure, "stage_breakdown.png")):
+        fig = figure(tree_rows)
+        paths.append(out_dir / name)
+        fig.savefig(paths[-1], dpi=110, bbox_inches="tight")
+        plt.close(fig)
+    return paths
+
+
+def depth_figure(tree_rows: list[dict]):
+    """P(round reaches depth d) per method, on whole-number depth ticks."""
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
+
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
     for r in tree_rows:
         if r["depth_acceptance"]:
             ax.plot(range(1, len(r["depth_acceptance"]) + 1), r["depth_acceptance"], marker=".", label=r["method"])
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel("depth d")
     ax.set_ylabel("P(round reaches depth d)")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=6, ncol=2)
     fig.tight_layout()
-    paths.append(out_dir / "depth_acceptance.png")
-    fig.savefig(paths[-1], dpi=110)
-    plt.close(fig)
-    fig, ax = plt.subplots(figsize=(6.4, 0.8 + 0.28 * len(tree_rows)))
+    return fig
+
+
+def stage_figure(tree_rows: list[dict]):
+    """Milliseconds per verify round by stage, one stacked bar per method, the legend beside the bars."""
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 0.8 + 0.28 * max(len(tree_rows), len(STAGES))))
     left = [0.0] * len(tree_rows)
     for i, stage in enumerate(STAGES):
         vals = [r["stage_ms_per_round"].get(stage, 0.0) for r in tree_rows]
@@ -173,12 +237,9 @@ def write_plots(rows: list[dict], out_dir: Path, depth: int) -> list[Path]:
         left = [a + b for a, b in zip(left, vals)]
     ax.set_xlabel("ms per verify round")
     ax.invert_yaxis()
-    ax.legend(fontsize=7, ncol=5, loc="lower right")
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
     fig.tight_layout()
-    paths.append(out_dir / "stage_breakdown.png")
-    fig.savefig(paths[-1], dpi=110)
-    plt.close(fig)
-    return paths
+    return fig
 
 
 def _meta(args, gen, prompts, seconds, argv) -> dict:
@@ -194,6 +255,8 @@ def _meta(args, gen, prompts, seconds, argv) -> dict:
         "threads": thread_info().as_dict(),
         "device": str(args.device),
         "dtype": str(next(gen.target.parameters()).dtype).replace("torch.", ""),
+        "attention": gen.backend.name,
+        "attention_requested": args.attention,
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "target": args.target or f"default ({getattr(cfg, '_name_or_path', '')})",
@@ -219,7 +282,7 @@ def _md_header(meta: dict) -> str:
     return (
         f"`{meta['command']}`\n\n{meta['machine']}, {meta['processor']}, {meta['device']} {meta['dtype']}, "
         f"torch {meta['torch']} ({meta['torch_threads']} threads), transformers {meta['transformers']}, "
-        f"{linears}; "
+        f"{linears}, tree attention {meta.get('attention', 'sdpa')}; "
         f"{meta['num_prompts']} prompts x {meta['max_new_tokens']} new tokens, temperature {meta['temperature']}, "
         f"{meta['repeats']} interleaved repeats, {meta['wall_seconds']} s.\n\n"
     )

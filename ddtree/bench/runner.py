@@ -44,6 +44,7 @@ class Run:
     category: str = ""
     accepted_by_source: dict[str, int] | None = None
     rank: int = 0  # the data-parallel rank that ran it: tokens/s add up over ranks
+    nodes_per_depth: list[int] = field(default_factory=list)  # draft nodes at depth 1, 2, ... summed over rounds
 
 
 class Bench:
@@ -93,18 +94,20 @@ class Bench:
             return Run(m.name, prompt.id, repeat, len(tokens), time.perf_counter() - t0, [], {}, [], tokens,
                        prompt.category), []
         gen = self.generators[(m.builder, m.proposer)]
-        out = gen.generate(
+        out = gen.generate(  # every round's tree is kept, for the per-depth node counts
             ids, max_new_tokens=n, temperature=self.sampling.temperature, top_k=self.sampling.top_k,
             top_p=self.sampling.top_p, stop_token_ids=self.stops, tree_budget=self.budget(m), seed=seed,
-            record_trees=record_trees,
+            record_trees=True,
         )
         s = out.stats
         if s.budget_policy is not None:
             self.policies[m.name] = s.budget_policy
         stages = {k: v for k, v in s.seconds.items() if k in STAGES or k == "prefill"}
+        rounds = out.row_rounds[0]
         run = Run(m.name, prompt.id, repeat, s.new_tokens, s.total_seconds, list(out.row_acceptance[0]),
-                  stages, list(s.budgets), out.new_tokens[0].tolist(), prompt.category, s.accepted_by_source)
-        return run, out.row_rounds[0]
+                  stages, list(s.budgets), out.new_tokens[0].tolist(), prompt.category, s.accepted_by_source,
+                  nodes_per_depth=nodes_per_depth(rounds, self.depth))
+        return run, rounds if record_trees else []
 
     def run(self, prompts: list[Prompt], repeats: int = 3, warmup: bool = True, progress: bool = True,
             trees_path: Path | None = None) -> list[Run]:
@@ -138,6 +141,17 @@ class Bench:
         for m in self.methods:
             full = m.budget == "auto"
             self.run_one(m, longest if full else prompts[0], 0, None if full else min(16, self.max_new_tokens))
+
+
+def nodes_per_depth(rounds, depth: int) -> list[int]:
+    """Draft nodes at depth 1, 2, ... (at least ``depth`` entries) summed over ``rounds`` (round records)."""
+    counts = [0] * depth
+    for rec in rounds:
+        per_depth = torch.bincount(rec.tree.depths[0].cpu()).tolist()[1:]  # depth 0 is the root
+        counts += [0] * (len(per_depth) - len(counts))
+        for d, c in enumerate(per_depth):
+            counts[d] += c
+    return counts
 
 
 def write_rounds(f, method: str, prompt: str, rounds) -> None:

@@ -25,6 +25,7 @@ from ddtree.core.pairwise import pairwise_builder
 from ddtree.core.sampling import choose_tokens
 from ddtree.core.tree import SOURCE_NAMES, graft_paths, root_only
 from ddtree.core.verify import verify_tree
+from ddtree.generation.prefill import prefill_padded
 from ddtree.generation.state import DecodeState, RoundRecord, RoundResult
 from ddtree.targets.cache import (
     cache_length,
@@ -71,43 +72,15 @@ def _prefill(state: DecodeState) -> RoundResult:
         if padded and not describe(target).padded_prefill_exact:
             last = _prefill_each_row(state, hidden, width)
         else:
-            last = _prefill_batch(state, ids, lengths, hidden)
+            append = None if plain else lambda *chunk: _to_context(state, chunk[-1], *chunk[:-1])
+            last = prefill_padded(target, ids, lengths, state.cache, drafter=gen.drafter, append=append,
+                                  chunk_size=state.prefill_chunk)
         roots = gen.lockstep.share(choose_tokens(last.to(device), state.sampling, state.rng))
     state.lengths, state.roots, state.prefilled = lengths, roots, True
     tokens = [[] for _ in state.prompts]
     for i, row in enumerate(state.active):
         tokens[row] = state.emit(row, [int(roots[i])])
     return _finish_round(state, tokens, [None] * len(state.prompts))
-
-
-def _prefill_batch(state: DecodeState, ids: torch.Tensor, lengths: torch.Tensor, hidden: bool) -> torch.Tensor:
-    """Prefill every row in one batch, ``state.prefill_chunk`` columns per forward; each chunk's features
-    (left-aligned: a row's pads are dropped) go to the drafter context at once, so nothing prompt-long but
-    the cache is ever held. Returns the last logits ``[B, V]``."""
-    gen = state.generator
-    width = ids.shape[1]
-    padded = not bool((lengths == width).all())
-    valid = padding_mask(lengths, width) if padded else None
-    positions = (valid.long().cumsum(-1) - 1).clamp(min=0) if padded else None
-    pads = width - lengths
-
-    def to_drafter(start: int, end: int, out) -> None:
-        if state.draft is None:
-            return
-        features = gen.drafter.context_features(out.hidden_states) if hidden else None
-        chunk, counts = ids[:, start:end], None
-        if padded:  # left-align each row's real columns of this chunk
-            first = pads.clamp(min=start)
-            counts = (end - first).clamp(min=0)
-            take = (torch.arange(end - start, device=ids.device) + (first - start)[:, None]).clamp(max=end - start - 1)
-            chunk = chunk.gather(1, take)
-            if features is not None:
-                features = features.gather(1, take.to(features.device)[..., None].expand(-1, -1, features.shape[-1]))
-        _to_context(state, end == width, features, chunk, counts)
-
-    return chunked_prefill(gen.target, ids, state.cache, state.prefill_chunk, positions=positions, valid=valid,
-                           hidden=hidden, layers=gen.drafter.target_layer_ids if hidden else None,
-                           on_chunk=to_drafter)
 
 
 def _to_context(state: DecodeState, last: bool, *args) -> None:

@@ -30,6 +30,7 @@ from ddtree.apps.doctor.profile import (
 )
 
 PAIRED_Z = 3.0  # a paired loss this many standard errors above zero is a clear signature
+MIN_DRAFTS = 100  # fewer drafts behind a profile: its per-position rates are uncertain by more than ~0.05
 
 REFERENCE = "reference"
 
@@ -58,6 +59,7 @@ class DoctorReport:
     engine: EngineProfile | None = None
     ranking: list[Ranked] = field(default_factory=list)
     verdict: str = ""
+    caveats: list[str] = field(default_factory=list)  # where the evidence behind the verdict is thin
     seconds: float = 0.0
     replay_tokens: int = 0  # tokens per prompt of the reference run the paired comparisons replay
 
@@ -137,7 +139,48 @@ def rank(engine: EngineProfile, profiles: Sequence[Profile]) -> list[Ranked]:
 
 
 def verdict(report: DoctorReport) -> str:
-    """The finding in plain words: the closest signature and what a correct integration gives."""
+    """The finding in plain words: the closest signature and what a correct integration gives, then a caveat
+    for each way its evidence is thin (also kept in ``report.caveats``)."""
+    finding = _finding(report)
+    report.caveats = caveats(report) if report.engine is not None else []
+    return "\n".join([finding, *(f"Caveat: {c}" for c in report.caveats)]) if finding else finding
+
+
+def caveats(report: DoctorReport) -> list[str]:
+    """Why the ranking may not hold, each with how much to enlarge the run: a reference (or engine) profile on
+    few drafts, the two closest profiles apart by less than the standard error of their gap, and engine log
+    lines whose printed counts contradict each other."""
+    out = []
+    ref, eng = report.reference, report.engine
+    if ref.mean is not None and ref.drafts < MIN_DRAFTS:
+        more = MIN_DRAFTS / max(ref.drafts, 1)
+        out.append(f"the correct integration's profile rests on {ref.drafts} drafts ({report.prompts} prompts x "
+                   f"{report.max_new_tokens} new tokens), so its per-position rates are uncertain by about "
+                   f"{noise(ref):.3f}; {MIN_DRAFTS} drafts or more need about {more:.1f}x the run "
+                   f"(--num-prompts {math.ceil(report.prompts * more)}, or --max-new-tokens "
+                   f"{math.ceil(report.max_new_tokens * more)}).")
+    if eng is not None and eng.num_drafts is not None and eng.num_drafts < MIN_DRAFTS:
+        out.append(f"the engine's figures rest on {eng.num_drafts} drafts: log a longer engine run "
+                   f"({MIN_DRAFTS} drafts or more).")
+    if len(report.ranking) > 1:
+        first, second = report.ranking[0], report.ranking[1]
+        se = math.hypot(noise(report.signature(first.name)), noise(report.signature(second.name)))
+        gap = second.distance - first.distance
+        if se > 0 and gap < se:
+            more = (2 * se / gap) ** 2 if gap > 0 else math.inf
+            size = ("no run size separates them: their profiles are the same here" if not math.isfinite(more) else
+                    f"about {more:.0f}x the drafts (--num-prompts {math.ceil(report.prompts * more)}, or "
+                    f"--max-new-tokens {math.ceil(report.max_new_tokens * more)}) would put the gap at 2 standard "
+                    "errors")
+            out.append(f"{first.name} and {second.name} are {gap:.3f} apart in distance to the engine, less than "
+                       f"the standard error of that gap ({se:.3f}): these prompts cannot tell them apart; {size}.")
+    for line in eng.contradictions if eng is not None else []:
+        out.append(f"the engine log's {line} (these cannot all hold: the profile uses the counts, mean "
+                   f"{eng.mean_acceptance_length:.2f}); check that the line is whole and from one run.")
+    return out
+
+
+def _finding(report: DoctorReport) -> str:
     eng, ref = report.engine, report.reference
     if eng is None:
         return ""
@@ -359,6 +402,7 @@ def render(report: DoctorReport) -> str:
         e = report.engine
         out.append(row(f"ENGINE ({e.engine})", mean=e.mean_acceptance_length, rates=e.per_position,
                        drafts=e.num_drafts if e.num_drafts is not None else ""))
+        out += [f"  engine figures: {note}" for note in e.notes]
         out += ["", "== verdict", *("  " + line for line in report.verdict.splitlines())]
     else:
         out += ["", "no engine figures given (--engine-log, or --engine-mean / --engine-rates): nothing to compare"]

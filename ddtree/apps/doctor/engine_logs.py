@@ -78,6 +78,7 @@ class EngineProfile:
     lines_aggregated: int
     source_format: str  # "vllm-v1", "vllm-v0", "sglang" or "figures"
     notes: list[str] = field(default_factory=list)
+    contradictions: list[str] = field(default_factory=list)  # lines whose printed figures disagree with each other
 
     @property
     def num_spec_tokens(self) -> int | None:
@@ -200,6 +201,40 @@ class _V1Line:
     rates: list[float] | None
     drafts: int
     how: str
+    contradiction: str | None = None
+    lineno: int = 0
+
+
+# how each line's draft count was recovered, in words (the tags are recover_num_drafts')
+RECOVERED = {
+    "exact-full-drafts": "drafted tokens / k (every draft full length), which reproduces the printed mean and rates",
+    "rounding-consistent": "the count that reproduces the printed mean (and per-position rates, where printed) "
+                           "after rounding (drafts of varying length, so drafted tokens / k does not)",
+    "estimate": "accepted / sum(rates), an estimate: no count reproduces the printed figures",
+    "assumed-full-drafts": "drafted tokens / k, assumed: nothing was accepted, so the mean and rates say nothing",
+}
+
+
+def contradiction(accepted: int, drafted: int, mean: float | None, rates: Sequence[float] | None,
+                  drafts: int) -> str | None:
+    """Why one line's printed counts cannot all be true at once (None when they agree within print rounding):
+    accepted <= drafted tokens, drafts <= drafted <= k x drafts, mean = 1 + accepted / drafts (``%.2f``) and
+    sum(rates) = accepted / drafts (``%.3f`` each)."""
+    reasons = []
+    k = len(rates) if rates else 0
+    if accepted > drafted:
+        reasons.append(f"{accepted} accepted of {drafted} drafted tokens")
+    if drafts > 0 and mean is not None and math.isfinite(mean) and abs(1 + accepted / drafts - mean) > 0.005 + 1e-9:
+        by_mean = f"about {accepted / (mean - 1):.0f} drafts" if mean > 1 else "nothing accepted"
+        reasons.append(f"mean acceptance length {mean:.2f} means {by_mean}, while the {accepted} accepted tokens "
+                       f"give {1 + accepted / drafts:.2f} over the {drafts} drafts that the "
+                       + (f"{drafted} drafted tokens at k = {k} and the rates" if k else "drafted tokens") + " imply")
+    if drafts > 0 and rates and abs(sum(rates) - accepted / drafts) > 0.0005 * k + 1e-9:
+        reasons.append(f"the per-position rates sum to {sum(rates):.3f}, not accepted / drafts = "
+                       f"{accepted / drafts:.3f}")
+    if drafts > 0 and k and drafted > k * drafts:
+        reasons.append(f"{drafted} drafted tokens are more than k = {k} per draft over {drafts} drafts")
+    return "; ".join(reasons) or None
 
 
 @dataclass
@@ -234,7 +269,8 @@ def _parse_v1(body: str) -> _V1Line | None | str:
     drafts, how = recover_num_drafts(
         accepted, drafted, mean if math.isfinite(mean) else None, rates
     )
-    return _V1Line(accepted, drafted, mean, rates, drafts, how)
+    return _V1Line(accepted, drafted, mean, rates, drafts, how,
+                   contradiction(accepted, drafted, mean if math.isfinite(mean) else None, rates, drafts))
 
 
 def _parse_speculative(body: str) -> _V0Line | None | str:
@@ -269,9 +305,11 @@ def _aggregate_v1(recs: list[_V1Line], notes: list[str]) -> EngineProfile:
         notes.append(f"{skipped} vLLM line(s) with no drafts in their interval were skipped")
     if not used:
         raise ValueError("vLLM 'SpecDecoding metrics' lines found, but every one reports 0 drafted tokens")
-    hows = sorted({r.how for r in used})
-    notes.append("num_drafts recovered per line: " + ", ".join(hows))
     drafts = sum(r.drafts for r in used)
+    hows = sorted({r.how for r in used})
+    notes.append(f"vLLM does not print its number of drafts; the {drafts} here are recovered per line, as "
+                 + "; ".join(f"{RECOVERED.get(h, h)} ({sum(r.how == h for r in used)} line(s), {h})" for h in hows))
+    contradictions = [f"line {r.lineno}: {r.contradiction}" for r in used if r.contradiction]
     accepted = sum(r.accepted for r in used)
     drafted = sum(r.drafted for r in used)
 
@@ -302,6 +340,7 @@ def _aggregate_v1(recs: list[_V1Line], notes: list[str]) -> EngineProfile:
         lines_aggregated=len(used),
         source_format="vllm-v1",
         notes=notes,
+        contradictions=contradictions,
     )
 
 
@@ -391,11 +430,12 @@ def parse_engine_log(text: str | Iterable[str]) -> EngineProfile:
     v0: list[_V0Line] = []
     sgl: list[_SglLine] = []
     no_drafts = 0
-    for line in lines:
+    for lineno, line in enumerate(lines, 1):
         m = _V1_MARK.search(line)
         if m:
             rec = _parse_v1(m.group("body"))
             if isinstance(rec, _V1Line):
+                rec.lineno = lineno
                 v1.append(rec)
             elif rec == "no-drafts-logged":
                 no_drafts += 1

@@ -1,0 +1,99 @@
+"""The batched prefill: prompts of any lengths in, a target cache and a filled drafter context out.
+
+Rows are left-padded to the longest prompt, each with its own positions (``0 .. len - 1`` on its real
+columns) and a padding mask, so a row's cache and logits are its own batch-1 prefill's. The drafter
+context gets each chunk's target features and tokens left-aligned (a row's pad columns dropped), the
+layout :meth:`DraftContext.append` takes, so nothing prompt-long but the cache is held at once.
+``speculative_round`` prefills with :func:`prefill_padded`; :func:`prefill` is the same for a custom loop.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+
+from ddtree.drafters.base import DraftContext, Drafter
+from ddtree.targets.cache import new_target_cache, padding_mask
+from ddtree.targets.forward import chunked_prefill
+
+Append = Callable[[torch.Tensor | None, torch.Tensor, torch.Tensor | None, bool], None]
+
+
+@dataclass
+class Prefilled:
+    """What :func:`prefill` leaves: the target ``cache`` (rows left-padded to the longest prompt), each row's
+    last ``logits`` ``[B, V]`` (the first token comes from them), the prompt ``lengths`` ``[B]`` (the rows'
+    committed columns: pass them to ``padding_mask``, ``tree_position_ids`` and ``commit_accepted``) and the
+    drafter ``context`` that has taken in every prompt (``None`` without a drafter)."""
+
+    cache: object
+    logits: torch.Tensor
+    lengths: torch.Tensor
+    context: DraftContext | None
+
+
+def left_pad(prompts: Sequence, pad_token_id: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``prompts`` (token-id lists or 1-D tensors, any lengths) as left-padded ids ``[B, T]`` and lengths ``[B]``."""
+    rows = [torch.as_tensor(p, dtype=torch.long).view(-1) for p in prompts]
+    if not rows or any(len(r) == 0 for r in rows):
+        raise ValueError("prefill needs at least one prompt, each with at least one token "
+                         "(start an empty prompt with the tokenizer's BOS token)")
+    device = rows[0].device if device is None else device
+    lengths = torch.tensor([len(r) for r in rows], dtype=torch.long, device=device)
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), pad_token_id, dtype=torch.long, device=device)
+    for b, r in enumerate(rows):
+        ids[b, width - len(r):] = r.to(device)
+    return ids, lengths
+
+
+def prefill(target, prompts: Sequence, drafter: Drafter | None = None, *, pad_token_id: int = 0,
+            chunk_size: int | None = None) -> Prefilled:
+    """Prefill ``prompts`` (any lengths) in one batch into a new cache, and a new ``drafter`` context with them.
+
+    ``chunk_size`` prompt columns per forward (``None``: one forward). Pads are masked, so
+    ``pad_token_id`` only has to be a valid id. Call under ``torch.inference_mode()``.
+    """
+    device = target.get_input_embeddings().weight.device
+    ids, lengths = left_pad(prompts, pad_token_id, device)
+    cache = new_target_cache(target)
+    context = None if drafter is None else drafter.new_context(len(ids))
+    append = None if context is None else (lambda features, tokens, counts, last: context.append(features, tokens,
+                                                                                                  counts))
+    logits = prefill_padded(target, ids, lengths, cache, drafter=drafter, append=append, chunk_size=chunk_size)
+    return Prefilled(cache, logits, lengths, context)
+
+
+def prefill_padded(target, ids: torch.Tensor, lengths: torch.Tensor, cache, *, drafter: Drafter | None = None,
+                   append: Append | None = None, chunk_size: int | None = None) -> torch.Tensor:
+    """Prefill left-padded ``ids`` ``[B, T]`` (row ``b``'s prompt is its last ``lengths[b]`` columns) into ``cache``.
+
+    Each chunk's left-aligned drafter input goes to ``append(features, tokens, counts, last)``: ``features``
+    ``[B, t, F]`` (``None`` unless ``drafter.needs_hidden_states``), ``tokens`` ``[B, t]``, ``counts`` ``[B]``
+    real columns per row (``None`` when no row is padded) and ``last`` for the prompt's last chunk (the round
+    defers that one until the first token is out). Returns the last logits ``[B, V]``.
+    """
+    width = ids.shape[1]
+    padded = not bool((lengths == width).all())
+    valid = padding_mask(lengths, width) if padded else None
+    positions = (valid.long().cumsum(-1) - 1).clamp(min=0) if padded else None
+    hidden = append is not None and drafter is not None and drafter.needs_hidden_states
+    pads = width - lengths
+
+    def to_drafter(start: int, end: int, out) -> None:
+        features = drafter.context_features(out.hidden_states) if hidden else None
+        chunk, counts = ids[:, start:end], None
+        if padded:  # left-align each row's real columns of this chunk
+            first = pads.clamp(min=start)
+            counts = (end - first).clamp(min=0)
+            take = (torch.arange(end - start, device=ids.device) + (first - start)[:, None]).clamp(max=end - start - 1)
+            chunk = chunk.gather(1, take)
+            if features is not None:
+                features = features.gather(1, take.to(features.device)[..., None].expand(-1, -1, features.shape[-1]))
+        append(features, chunk, counts, end == width)
+
+    return chunked_prefill(target, ids, cache, chunk_size, positions=positions, valid=valid, hidden=hidden,
+                           layers=drafter.target_layer_ids if hidden else None,
+                           on_chunk=None if append is None else to_drafter)

