@@ -369,7 +369,7 @@ def test_bench_default_attention_is_the_generators_and_is_recorded(tmp_path):
                            "--max-new-tokens", "6", "--repeats", "1", "--out", str(out), "--no-plots",
                            "--no-warmup", "--no-progress"]) == 0
     meta = json.loads((out / "results.json").read_text())["meta"]
-    from ddtree.targets.attention import get_backend
+    from ddtree.targets.backends import get_backend
 
     assert meta["attention_requested"] == "auto" and meta["attention"] == get_backend("auto", device="cpu").name
     md = (out / "results.md").read_text()
