@@ -17,6 +17,7 @@ from ddtree.core.pairwise import best_first_pairwise, chain_pairwise
 from ddtree.drafters.dflash.drafter import DFlashDrafter
 from ddtree.drafters.dflash2.drafter import DFlash2Drafter
 from ddtree.drafters.dflash2.model import DFlash2DraftModel
+from ddtree.loading.drafter import load_drafter
 
 BLOCK = 6
 
@@ -92,7 +93,7 @@ def target():
 # loading
 # ------------------------------------------------------------------------------------------------------------
 
-def test_a_dflash2_directory_loads_through_the_dflash_loader_and_round_trips(target, tmp_path):
+def test_a_dflash2_directory_loads_through_the_registry_and_round_trips(target, tmp_path):
     path = ddtree_checkpoint(target, tmp_path / "d2")
     from safetensors import safe_open
 
@@ -100,8 +101,13 @@ def test_a_dflash2_directory_loads_through_the_dflash_loader_and_round_trips(tar
         keys = set(f.keys())
     assert "candidate_selector.predecessor_codebook" in keys and "layers.0.attention_conv.base_kernel" in keys
     assert not any(k.endswith("codebook.weight") for k in keys)  # the published (bare) form
-    drafter = DFlashDrafter.from_pretrained(path, target)
+    drafter = load_drafter(path, target)  # the class from config.json's architectures
     assert isinstance(drafter, DFlash2Drafter) and drafter.block_size == BLOCK  # dflash_config.block_size wins
+    with pytest.raises(ValueError, match=r"is a DFlash2DraftModel checkpoint, which DFlashDrafter does not load.*"
+                                         r"load_drafter\(path, target\).*DFlash2Drafter"):
+        DFlashDrafter.from_pretrained(path, target)
+    with pytest.raises(ValueError, match="full vocabulary"):
+        load_drafter(path, target, draft_vocab=8)
     again = DFlash2DraftModel.from_pretrained(path)
     for (k, a), (_, b) in zip(drafter.model.state_dict().items(), again.state_dict().items()):
         assert torch.equal(a, b), k
@@ -127,7 +133,7 @@ def test_malformed_dflash2_checkpoints_are_refused_by_name(target, tmp_path, cha
     change(cfg, state)
     write(tmp_path / "bad", cfg, state)
     with pytest.raises(ValueError, match=message):
-        DFlashDrafter.from_pretrained(tmp_path / "bad", target)
+        load_drafter(tmp_path / "bad", target)
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -264,7 +270,7 @@ def test_chain_drafts_equal_the_authors_round_by_round(target, tmp_path, float64
     prompt = torch.tensor([[11, 4, 27, 80, 3, 19, 52]])
     new = 48 if kind == "random" else 160
     their_tokens, drafts = authors_rounds(theirs, target, prompt, new)
-    gen = SpeculativeGenerator(target, DFlashDrafter.from_pretrained(path, target), tree_budget=BLOCK - 1,
+    gen = SpeculativeGenerator(target, DFlash2Drafter.from_pretrained(path, target), tree_budget=BLOCK - 1,
                                builder="chain")
     out = gen.generate(prompt, max_new_tokens=new, record_trees=True)
     ours = out.new_tokens[0].tolist()
@@ -301,7 +307,7 @@ def selector_logprob(model, hidden_slot, logits_slot, prev: int) -> dict[int, fl
 
 def test_pairwise_tree_scores_each_child_given_its_own_parent(target, tmp_path):
     path = ddtree_checkpoint(target, tmp_path / "d2", seed=7, top_k=3, block_size=5)
-    drafter = DFlashDrafter.from_pretrained(path, target)
+    drafter = DFlash2Drafter.from_pretrained(path, target)
     model = drafter.model
     prompt = torch.tensor([[5, 17, 3, 44, 9, 61]])
     with torch.no_grad():
@@ -346,7 +352,7 @@ def test_pairwise_tree_scores_each_child_given_its_own_parent(target, tmp_path):
 def test_greedy_generation_is_lossless_and_acceptance_matches_a_walk_of_each_tree(target, tmp_path, builder,
                                                                                      budget):
     path = ddtree_checkpoint(target, tmp_path / "d2", seed=2)
-    gen = SpeculativeGenerator(target, DFlashDrafter.from_pretrained(path, target), tree_budget=budget,
+    gen = SpeculativeGenerator(target, DFlash2Drafter.from_pretrained(path, target), tree_budget=budget,
                                builder=builder)
     prompts = [[5, 17, 3, 44, 9, 61, 2], [8, 40, 13]]
     refs = [reference(target, p, 40)[0].tolist() for p in prompts]
@@ -374,7 +380,7 @@ def test_sampling_keeps_the_target_distribution(tmp_path):
 
     small = tiny_target("qwen3", vocab=8)
     path = ddtree_checkpoint(small, tmp_path / "d2", seed=4, block_size=4, top_k=4, mask_token_id=7)
-    gen = SpeculativeGenerator(small, DFlashDrafter.from_pretrained(path, small), tree_budget=6)
+    gen = SpeculativeGenerator(small, DFlash2Drafter.from_pretrained(path, small), tree_budget=6)
     cfg, samples, rows = SamplingConfig(temperature=0.9, top_k=4), 1200, 200
     exact = exact_distribution(small, cfg)
     counts, acc, expected, by_first = {}, [], [], {}
