@@ -115,6 +115,22 @@ def test_a_dflash2_directory_loads_through_the_registry_and_round_trips(target, 
     assert isinstance(gen.drafter, DFlash2Drafter)
 
 
+def test_a_dflash2_directory_given_to_the_generator_drafts_as_the_bound_object(target, tmp_path):
+    path = ddtree_checkpoint(target, tmp_path / "d2", seed=2)
+    prompts = [[5, 17, 3, 44, 9, 61, 2], [8, 40, 13]]
+    runs = [SpeculativeGenerator(target, drafter, tree_budget=8).generate(
+        [torch.tensor(p) for p in prompts], max_new_tokens=30, record_trees=True)
+        for drafter in (DFlash2Drafter.from_pretrained(path, target), str(path), path)]
+    for row, prompt in enumerate(prompts):
+        ref = reference(target, prompt, 30)[0].tolist()
+        assert runs[0].acceptance_lengths[row] == [expected_acceptance(r, ref) for r in runs[0].rounds[row]]
+        for out in runs:
+            assert out.row_tokens[row] == ref[len(prompt):]
+            assert out.acceptance_lengths[row] == runs[0].acceptance_lengths[row]
+            assert all(torch.equal(a.tree.tokens, b.tree.tokens) for a, b in zip(out.rounds[row], runs[0].rounds[row]))
+    assert max(max(a) for a in runs[0].acceptance_lengths) > 1
+
+
 @pytest.mark.parametrize("change,message", [
     (lambda c, s: c["dflash_config"].pop("selector_top_k"), "lacks selector_top_k"),
     (lambda c, s: c["dflash_config"].update(conv_group_size=24), "does not divide hidden_size"),
@@ -423,3 +439,70 @@ def test_pairwise_builders_agree_with_their_plain_forms_when_scores_are_not_pair
     a, b = chain_pairwise(roots, scores, 4), chain(roots, logprobs, 4)
     assert torch.equal(a.tokens, b.tokens) and torch.allclose(a.scores, b.scores)
     assert list(itertools.islice(iter(a.parents[0].tolist()), 3)) == [-1, 0, 1]
+
+
+# ------------------------------------------------------------------------------------------------------------
+# combinators
+# ------------------------------------------------------------------------------------------------------------
+
+def test_lookup_over_dflash2_keeps_the_pairwise_tree_and_grafts_the_lookup_branch(target, tmp_path):
+    """``WithLookup`` keeps every field of the DFlash2 proposal: each round's tree is the pairwise tree (each child
+    scored given its own parent) with the lookup branch grafted in, and acceptance follows a walk of it."""
+    from ddtree.core.builders import best_first
+    from ddtree.core.tree import LOOKUP, graft_paths
+    from ddtree.drafters.lookup import PromptLookup, WithLookup
+
+    drafter = load_drafter(ddtree_checkpoint(target, tmp_path / "d2", seed=2), target)
+    lookup = PromptLookup.for_target(target, block_size=drafter.block_size)
+    prompt = torch.tensor([[5, 17, 3, 44, 9, 61, 5, 17, 3, 44]])
+    # One proposal, field by field: the DFlash2 context's own, plus the lookup's paths.
+    with torch.no_grad():
+        out = target(prompt, output_hidden_states=True)
+    root = out.logits[0, -1].argmax().view(1)
+    merged, own, alone = (c.new_context(1) for c in (WithLookup(drafter, lookup), drafter, lookup))
+    for ctx in (merged, own):
+        ctx.append(drafter.context_features(out.hidden_states), prompt)
+    alone.append(None, prompt)
+    got, want = merged.propose(root), own.propose(root)
+    assert torch.equal(got.logprobs, want.logprobs)
+    for name in ("candidates", "first", "table"):
+        assert torch.equal(getattr(got.pairwise, name), getattr(want.pairwise, name)), name
+    assert got.paths == alone.paths(root)
+    # Generation: record what each round proposed, and rebuild its tree from scratch.
+    seen = []
+
+    class Recorded(WithLookup):
+        def new_context(self, batch_size: int = 1):
+            ctx = super().new_context(batch_size)
+            propose = ctx.propose
+
+            def recorded(roots):
+                proposal = propose(roots)
+                seen.append((roots.clone(), proposal))
+                return proposal
+
+            ctx.propose = recorded
+            return ctx
+
+    gen = SpeculativeGenerator(target, Recorded(drafter, lookup), tree_budget=8)
+    new = 60
+    result = gen.generate(prompt, max_new_tokens=new, record_trees=True)
+    ref = reference(target, prompt[0].tolist(), new)[0].tolist()
+    assert result.sequences[0].tolist() == ref  # lossless
+    assert result.acceptance_lengths == [expected_acceptance(r, ref) for r in result.rounds]
+    assert len(seen) == len(result.rounds)
+    differs = 0
+    for (roots, proposal), record, size in zip(seen, result.rounds, result.stats.budgets):
+        assert proposal.pairwise is not None
+        tree = best_first_pairwise(roots, proposal.pairwise, size)
+        if proposal.has_paths:
+            tree = graft_paths(tree, proposal.paths, size)
+        for name in ("tokens", "parents", "scores"):
+            assert torch.equal(getattr(record.tree, name), getattr(tree, name)), name
+        plain = best_first(roots, proposal.logprobs, size)  # what the round built when the merge dropped pairwise
+        plain = graft_paths(plain, proposal.paths, size) if proposal.has_paths else plain
+        differs += not torch.equal(plain.tokens, tree.tokens)
+    assert differs > 0  # the pairwise scores changed some trees
+    lookup_nodes = sum(int((r.tree.sources & LOOKUP).bool().sum()) for r in result.rounds if r.tree.sources is not None)
+    assert lookup_nodes > 0 and sum(p.has_paths for _, p in seen) > 0
+    assert result.stats.accepted_by_source is not None
