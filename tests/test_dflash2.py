@@ -17,6 +17,7 @@ from ddtree.core.pairwise import best_first_pairwise, chain_pairwise
 from ddtree.drafters.dflash.drafter import DFlashDrafter
 from ddtree.drafters.dflash2.drafter import DFlash2Drafter
 from ddtree.drafters.dflash2.model import DFlash2DraftModel
+from ddtree.loading.drafter import load_drafter
 
 BLOCK = 6
 
@@ -92,7 +93,7 @@ def target():
 # loading
 # ------------------------------------------------------------------------------------------------------------
 
-def test_a_dflash2_directory_loads_through_the_dflash_loader_and_round_trips(target, tmp_path):
+def test_a_dflash2_directory_loads_through_the_registry_and_round_trips(target, tmp_path):
     path = ddtree_checkpoint(target, tmp_path / "d2")
     from safetensors import safe_open
 
@@ -100,13 +101,34 @@ def test_a_dflash2_directory_loads_through_the_dflash_loader_and_round_trips(tar
         keys = set(f.keys())
     assert "candidate_selector.predecessor_codebook" in keys and "layers.0.attention_conv.base_kernel" in keys
     assert not any(k.endswith("codebook.weight") for k in keys)  # the published (bare) form
-    drafter = DFlashDrafter.from_pretrained(path, target)
+    drafter = load_drafter(path, target)  # the class from config.json's architectures
     assert isinstance(drafter, DFlash2Drafter) and drafter.block_size == BLOCK  # dflash_config.block_size wins
+    with pytest.raises(ValueError, match=r"is a DFlash2DraftModel checkpoint, which DFlashDrafter does not load.*"
+                                         r"load_drafter\(path, target\).*DFlash2Drafter"):
+        DFlashDrafter.from_pretrained(path, target)
+    with pytest.raises(ValueError, match="full vocabulary"):
+        load_drafter(path, target, draft_vocab=8)
     again = DFlash2DraftModel.from_pretrained(path)
     for (k, a), (_, b) in zip(drafter.model.state_dict().items(), again.state_dict().items()):
         assert torch.equal(a, b), k
     gen = SpeculativeGenerator(target, again, tree_budget=8)  # a bare DFlash2 model binds too
     assert isinstance(gen.drafter, DFlash2Drafter)
+
+
+def test_a_dflash2_directory_given_to_the_generator_drafts_as_the_bound_object(target, tmp_path):
+    path = ddtree_checkpoint(target, tmp_path / "d2", seed=2)
+    prompts = [[5, 17, 3, 44, 9, 61, 2], [8, 40, 13]]
+    runs = [SpeculativeGenerator(target, drafter, tree_budget=8).generate(
+        [torch.tensor(p) for p in prompts], max_new_tokens=30, record_trees=True)
+        for drafter in (DFlash2Drafter.from_pretrained(path, target), str(path), path)]
+    for row, prompt in enumerate(prompts):
+        ref = reference(target, prompt, 30)[0].tolist()
+        assert runs[0].acceptance_lengths[row] == [expected_acceptance(r, ref) for r in runs[0].rounds[row]]
+        for out in runs:
+            assert out.row_tokens[row] == ref[len(prompt):]
+            assert out.acceptance_lengths[row] == runs[0].acceptance_lengths[row]
+            assert all(torch.equal(a.tree.tokens, b.tree.tokens) for a, b in zip(out.rounds[row], runs[0].rounds[row]))
+    assert max(max(a) for a in runs[0].acceptance_lengths) > 1
 
 
 @pytest.mark.parametrize("change,message", [
@@ -127,7 +149,7 @@ def test_malformed_dflash2_checkpoints_are_refused_by_name(target, tmp_path, cha
     change(cfg, state)
     write(tmp_path / "bad", cfg, state)
     with pytest.raises(ValueError, match=message):
-        DFlashDrafter.from_pretrained(tmp_path / "bad", target)
+        load_drafter(tmp_path / "bad", target)
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -264,7 +286,7 @@ def test_chain_drafts_equal_the_authors_round_by_round(target, tmp_path, float64
     prompt = torch.tensor([[11, 4, 27, 80, 3, 19, 52]])
     new = 48 if kind == "random" else 160
     their_tokens, drafts = authors_rounds(theirs, target, prompt, new)
-    gen = SpeculativeGenerator(target, DFlashDrafter.from_pretrained(path, target), tree_budget=BLOCK - 1,
+    gen = SpeculativeGenerator(target, DFlash2Drafter.from_pretrained(path, target), tree_budget=BLOCK - 1,
                                builder="chain")
     out = gen.generate(prompt, max_new_tokens=new, record_trees=True)
     ours = out.new_tokens[0].tolist()
@@ -301,7 +323,7 @@ def selector_logprob(model, hidden_slot, logits_slot, prev: int) -> dict[int, fl
 
 def test_pairwise_tree_scores_each_child_given_its_own_parent(target, tmp_path):
     path = ddtree_checkpoint(target, tmp_path / "d2", seed=7, top_k=3, block_size=5)
-    drafter = DFlashDrafter.from_pretrained(path, target)
+    drafter = DFlash2Drafter.from_pretrained(path, target)
     model = drafter.model
     prompt = torch.tensor([[5, 17, 3, 44, 9, 61]])
     with torch.no_grad():
@@ -346,7 +368,7 @@ def test_pairwise_tree_scores_each_child_given_its_own_parent(target, tmp_path):
 def test_greedy_generation_is_lossless_and_acceptance_matches_a_walk_of_each_tree(target, tmp_path, builder,
                                                                                      budget):
     path = ddtree_checkpoint(target, tmp_path / "d2", seed=2)
-    gen = SpeculativeGenerator(target, DFlashDrafter.from_pretrained(path, target), tree_budget=budget,
+    gen = SpeculativeGenerator(target, DFlash2Drafter.from_pretrained(path, target), tree_budget=budget,
                                builder=builder)
     prompts = [[5, 17, 3, 44, 9, 61, 2], [8, 40, 13]]
     refs = [reference(target, p, 40)[0].tolist() for p in prompts]
@@ -374,7 +396,7 @@ def test_sampling_keeps_the_target_distribution(tmp_path):
 
     small = tiny_target("qwen3", vocab=8)
     path = ddtree_checkpoint(small, tmp_path / "d2", seed=4, block_size=4, top_k=4, mask_token_id=7)
-    gen = SpeculativeGenerator(small, DFlashDrafter.from_pretrained(path, small), tree_budget=6)
+    gen = SpeculativeGenerator(small, DFlash2Drafter.from_pretrained(path, small), tree_budget=6)
     cfg, samples, rows = SamplingConfig(temperature=0.9, top_k=4), 1200, 200
     exact = exact_distribution(small, cfg)
     counts, acc, expected, by_first = {}, [], [], {}
@@ -417,3 +439,70 @@ def test_pairwise_builders_agree_with_their_plain_forms_when_scores_are_not_pair
     a, b = chain_pairwise(roots, scores, 4), chain(roots, logprobs, 4)
     assert torch.equal(a.tokens, b.tokens) and torch.allclose(a.scores, b.scores)
     assert list(itertools.islice(iter(a.parents[0].tolist()), 3)) == [-1, 0, 1]
+
+
+# ------------------------------------------------------------------------------------------------------------
+# combinators
+# ------------------------------------------------------------------------------------------------------------
+
+def test_lookup_over_dflash2_keeps_the_pairwise_tree_and_grafts_the_lookup_branch(target, tmp_path):
+    """``WithLookup`` keeps every field of the DFlash2 proposal: each round's tree is the pairwise tree (each child
+    scored given its own parent) with the lookup branch grafted in, and acceptance follows a walk of it."""
+    from ddtree.core.builders import best_first
+    from ddtree.core.tree import LOOKUP, graft_paths
+    from ddtree.drafters.lookup import PromptLookup, WithLookup
+
+    drafter = load_drafter(ddtree_checkpoint(target, tmp_path / "d2", seed=2), target)
+    lookup = PromptLookup.for_target(target, block_size=drafter.block_size)
+    prompt = torch.tensor([[5, 17, 3, 44, 9, 61, 5, 17, 3, 44]])
+    # One proposal, field by field: the DFlash2 context's own, plus the lookup's paths.
+    with torch.no_grad():
+        out = target(prompt, output_hidden_states=True)
+    root = out.logits[0, -1].argmax().view(1)
+    merged, own, alone = (c.new_context(1) for c in (WithLookup(drafter, lookup), drafter, lookup))
+    for ctx in (merged, own):
+        ctx.append(drafter.context_features(out.hidden_states), prompt)
+    alone.append(None, prompt)
+    got, want = merged.propose(root), own.propose(root)
+    assert torch.equal(got.logprobs, want.logprobs)
+    for name in ("candidates", "first", "table"):
+        assert torch.equal(getattr(got.pairwise, name), getattr(want.pairwise, name)), name
+    assert got.paths == alone.paths(root)
+    # Generation: record what each round proposed, and rebuild its tree from scratch.
+    seen = []
+
+    class Recorded(WithLookup):
+        def new_context(self, batch_size: int = 1):
+            ctx = super().new_context(batch_size)
+            propose = ctx.propose
+
+            def recorded(roots):
+                proposal = propose(roots)
+                seen.append((roots.clone(), proposal))
+                return proposal
+
+            ctx.propose = recorded
+            return ctx
+
+    gen = SpeculativeGenerator(target, Recorded(drafter, lookup), tree_budget=8)
+    new = 60
+    result = gen.generate(prompt, max_new_tokens=new, record_trees=True)
+    ref = reference(target, prompt[0].tolist(), new)[0].tolist()
+    assert result.sequences[0].tolist() == ref  # lossless
+    assert result.acceptance_lengths == [expected_acceptance(r, ref) for r in result.rounds]
+    assert len(seen) == len(result.rounds)
+    differs = 0
+    for (roots, proposal), record, size in zip(seen, result.rounds, result.stats.budgets):
+        assert proposal.pairwise is not None
+        tree = best_first_pairwise(roots, proposal.pairwise, size)
+        if proposal.has_paths:
+            tree = graft_paths(tree, proposal.paths, size)
+        for name in ("tokens", "parents", "scores"):
+            assert torch.equal(getattr(record.tree, name), getattr(tree, name)), name
+        plain = best_first(roots, proposal.logprobs, size)  # what the round built when the merge dropped pairwise
+        plain = graft_paths(plain, proposal.paths, size) if proposal.has_paths else plain
+        differs += not torch.equal(plain.tokens, tree.tokens)
+    assert differs > 0  # the pairwise scores changed some trees
+    lookup_nodes = sum(int((r.tree.sources & LOOKUP).bool().sum()) for r in result.rounds if r.tree.sources is not None)
+    assert lookup_nodes > 0 and sum(p.has_paths for _, p in seen) > 0
+    assert result.stats.accepted_by_source is not None

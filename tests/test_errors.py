@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import copy
+import math
 
 import pytest
 import torch
 
 from tiny import MASK_ID, VOCAB, ScriptedDrafter, tiny_drafter, tiny_config, tiny_target  # noqa: F401
 from ddtree import SamplingConfig, SpeculativeGenerator
+from ddtree.drafters.base import DraftContext, Drafter, Proposal, check_proposal
 from ddtree.drafters.dflash.config import DFlashConfig
 from ddtree.drafters.dflash.drafter import DFlashDrafter, check_compatible
 from ddtree.drafters.features import build_target_layer_ids
@@ -119,6 +121,86 @@ def test_no_mask_token_id():
         DFlashConfig.from_dict(published(dflash_config=None))
     with pytest.raises(ValueError, match=r"no mask token id"):
         DFlashConfig.for_target(tiny_config("qwen3"), mask_token_id=None)
+
+
+def test_a_config_without_dflash_config_is_not_a_dflash_drafter_config():
+    from ddtree.drafters.registry import drafter_class
+
+    target_like = {k: v for k, v in PUBLISHED.items() if k not in ("dflash_config", "architectures", "block_size")}
+    with pytest.raises(ValueError, match=r"this is not a DFlash drafter config: it has no dflash_config.*"
+                                         r"pass the drafter's directory, not the target's"):
+        DFlashConfig.from_dict(target_like)
+    with pytest.raises(ValueError, match=r"this is not a DFlash drafter config.*registered: DFlash2DraftModel, "
+                                         r"DFlashDraftModel"):
+        drafter_class(target_like)
+    # A top-level mask_token_id without dflash_config still reads (the published precedence), ids by formula.
+    cfg = DFlashConfig.from_dict({**target_like, "block_size": 16, "mask_token_id": 5})
+    assert cfg.mask_token_id == 5 and cfg.target_layer_ids == [1, 9, 17, 25, 33]
+
+
+def test_unknown_architectures_list_the_registered_ones(saved_tiny_pair, tmp_path):
+    import json
+    import shutil
+
+    from ddtree.drafters.registry import drafter_class, register_drafter, registered_architectures
+    from ddtree.loading.drafter import load_drafter
+
+    assert registered_architectures() == ["DFlash2DraftModel", "DFlashDraftModel"]
+    with pytest.raises(ValueError, match=r"names the architecture\(s\) LlamaForCausalLM, which no ddtree drafter "
+                                         r"serves; registered: DFlash2DraftModel, DFlashDraftModel"):
+        drafter_class({**PUBLISHED, "architectures": ["LlamaForCausalLM"]})
+    assert drafter_class({**PUBLISHED, "architectures": None}) is DFlashDrafter  # older exports name none
+    bad = tmp_path / "drafter"
+    shutil.copytree(saved_tiny_pair[1], bad)
+    cfg = json.loads((bad / "config.json").read_text())
+    (bad / "config.json").write_text(json.dumps({**cfg, "architectures": ["EagleDraftModel"]}))
+    target = tiny_target("llama", dtype=torch.float32)
+    with pytest.raises(ValueError, match=r"EagleDraftModel, which no ddtree drafter serves; registered: "
+                                         r"DFlash2DraftModel, DFlashDraftModel"):
+        load_drafter(bad, target)
+    with pytest.raises(TypeError, match=r"int cannot serve checkpoints: it lacks from_pretrained, check_config, "
+                                        r"model_class"):
+        register_drafter("EagleDraftModel", int)
+    assert "EagleDraftModel" not in registered_architectures()
+
+
+class _BareContext(DraftContext):
+    """Returns uniform log-probs unwrapped: the mistake a custom proposer makes first."""
+
+    def __init__(self, rows: int):
+        self.rows = rows
+
+    def append(self, features, tokens, counts=None):
+        pass
+
+    def select_rows(self, rows):
+        self.rows = len(rows)
+
+    def propose(self, root_tokens):
+        return torch.full((self.rows, 3, VOCAB), -math.log(VOCAB))
+
+
+class _BareDrafter(Drafter):
+    block_size = 4
+    target_layer_ids: list[int] = []
+    needs_hidden_states = False
+
+    def context_features(self, hidden_states):
+        return None
+
+    def new_context(self, batch_size: int = 1):
+        return _BareContext(batch_size)
+
+
+def test_a_propose_that_returns_a_bare_tensor_is_refused_by_name():
+    gen = SpeculativeGenerator(tiny_target("qwen3"), _BareDrafter(), tree_budget=4)
+    with pytest.raises(TypeError, match=r"_BareContext.propose returned a Tensor, not a ddtree Proposal: wrap the "
+                                        r"log-probs: return Proposal\(logprobs=logprobs\)"):
+        gen.generate([3, 4, 5], max_new_tokens=8)
+    with pytest.raises(TypeError, match=r"propose returned a dict, not a ddtree Proposal"):
+        check_proposal({"logprobs": torch.zeros(1, 3, VOCAB)})
+    proposal = Proposal(torch.zeros(1, 3, VOCAB))
+    assert check_proposal(proposal) is proposal
 
 
 def test_no_num_target_layers():

@@ -120,3 +120,59 @@ def test_looks_like_path():
     assert not hub.looks_like_path("owner/name") and not hub.looks_like_path("gpt2")
     target = tiny_target("llama")
     assert tiny_drafter(target).config.hidden_size == 64  # the pair the checks above compare against
+
+
+def test_a_drafter_directory_or_hub_id_serves_as_the_bound_object_does(offline, saved_tiny_pair):
+    """``SpeculativeGenerator(target, drafter)`` and ``ddtree.decoding(drafter)`` take the drafter as a bound object,
+    a directory (str or Path) or a cached hub id, and draft the same trees from each: same tokens, same acceptance."""
+    import ddtree
+    from test_generator import expected_acceptance
+    from transformers import AutoModelForCausalLM
+
+    from ddtree.drafters.dflash.drafter import DFlashDrafter
+
+    target_dir, drafter_dir = saved_tiny_pair
+    _cache(offline, "someone/tiny-dflash", drafter_dir)
+    target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32)
+    prompt, new = [5, 17, 3, 9, 44], 24
+    ref = target.generate(torch.tensor([prompt]), max_new_tokens=new, do_sample=False, pad_token_id=2)
+    bound = DFlashDrafter.from_pretrained(drafter_dir, target)
+    runs = {}
+    for name, drafter in (("object", bound), ("str", str(drafter_dir)), ("path", drafter_dir),
+                          ("hub id", "someone/tiny-dflash")):
+        gen = SpeculativeGenerator(target, drafter, tree_budget=4, threads=None)
+        assert isinstance(gen.drafter, DFlashDrafter) and gen.drafter.model.fc.weight.dtype == torch.float32
+        runs[name] = gen.generate(prompt, max_new_tokens=new, record_trees=True)
+    want = runs["object"]
+    assert torch.equal(want.sequences, ref)  # lossless
+    assert want.acceptance_lengths == [expected_acceptance(r, ref[0].tolist()) for r in want.rounds]
+    assert max(want.acceptance_lengths) > 1  # some round accepted a draft token, so equal acceptance says something
+    for name, out in runs.items():
+        assert torch.equal(out.sequences, ref), name
+        assert out.acceptance_lengths == want.acceptance_lengths, name
+        assert all(torch.equal(a.tree.tokens, b.tree.tokens) and torch.equal(a.tree.scores, b.tree.scores)
+                   for a, b in zip(out.rounds, want.rounds)), name
+    # Inside transformers: the directory is loaded against the target on first use, then reused.
+    dec = ddtree.decoding(str(drafter_dir), tree_budget=4, threads=None)
+    assert dec.drafter == str(drafter_dir)  # nothing loaded yet: the target is not known
+    out = target.generate(torch.tensor([prompt]), custom_generate=dec, max_new_tokens=new, pad_token_id=2)
+    assert torch.equal(out, ref)
+    gen = dec.generator_for(target)
+    assert isinstance(gen.drafter, DFlashDrafter) and dec.generator_for(target) is gen
+    again = gen.generate(prompt, max_new_tokens=new, record_trees=True)
+    assert again.acceptance_lengths == want.acceptance_lengths
+
+
+def test_a_drafter_hub_id_not_in_the_offline_cache_says_what_to_do(offline):
+    target = tiny_target("llama", dtype=torch.float32)
+    with pytest.raises(OSError, match=r"the drafter 'someone/no-such-dflash' is not a local directory, and its "
+                                      r"config.json is not available: HF_HUB_OFFLINE is set.*"
+                                      r"hf download someone/no-such-dflash"):
+        SpeculativeGenerator(target, "someone/no-such-dflash")
+    import ddtree
+
+    dec = ddtree.decoding("someone/no-such-dflash", tree_budget=4)
+    with pytest.raises(OSError, match=r"the drafter 'someone/no-such-dflash'.*HF_HUB_OFFLINE is set"):
+        target.generate(torch.tensor([[5, 17, 3]]), custom_generate=dec, max_new_tokens=4, pad_token_id=2)
+    with pytest.raises(FileNotFoundError, match=r"the drafter directory .*no-such-dir does not exist"):
+        SpeculativeGenerator(target, "./no-such-dir")

@@ -138,3 +138,25 @@ def test_importing_ddtree_registers_nothing_until_a_backend_prepares_a_model():
                          timeout=300, check=True).stdout.splitlines()
     assert out[0] == "[]", f"importing ddtree registered {out[0]} with transformers"
     assert out[1] == "['ddtree_fa', 'ddtree_fused', 'ddtree_split'] ddtree_fused"
+
+
+
+def concrete_proposer_imports(graph: nx.DiGraph) -> list[tuple[str, str]]:
+    """Imports from ``ddtree.generation`` of any proposer module but the protocols (``ddtree.drafters.base``)."""
+    return [(a, b) for a, b in graph.edges if a.startswith("ddtree.generation") and b.startswith("ddtree.drafters")
+            and b not in ("ddtree.drafters", "ddtree.drafters.base")]
+
+
+def test_generation_imports_no_concrete_proposer():
+    """The loop sees proposers only through the protocols: a new drafter is a new class (registered in
+    ``ddtree.drafters.registry``, loaded by ``ddtree.loading``), never an edit of generation."""
+    concrete = concrete_proposer_imports(import_graph())
+    assert not concrete, "generation imports concrete proposers: " + ", ".join(f"{a} -> {b}" for a, b in concrete)
+
+
+def test_a_concrete_proposer_import_is_caught():
+    graph = import_graph()
+    graph.add_edge("ddtree.generation.round", "ddtree.drafters.lookup")
+    graph.add_edge("ddtree.generation.generator", "ddtree.drafters.dflash2.model")
+    assert set(concrete_proposer_imports(graph)) == {("ddtree.generation.round", "ddtree.drafters.lookup"),
+                                                     ("ddtree.generation.generator", "ddtree.drafters.dflash2.model")}

@@ -1,4 +1,5 @@
-"""What a proposer is: the ``Drafter`` and ``DraftContext`` protocols, and the ``Proposal`` every context returns.
+"""What a proposer is: the ``Drafter`` and ``DraftContext`` protocols, the ``Proposal`` every context returns,
+and the one way a proposal becomes a tree (:func:`proposal_tree`).
 
 A drafter holds weights and settings only; each generation asks it for a fresh
 context (``new_context``), so one drafter serves any number of interleaved
@@ -13,7 +14,8 @@ from typing import Protocol, Sequence
 
 import torch
 
-from ddtree.core.pairwise import PairwiseScores
+from ddtree.core.pairwise import PairwiseScores, pairwise_builder
+from ddtree.core.tree import DraftTree, graft_paths
 
 
 @dataclass
@@ -69,11 +71,14 @@ class Drafter(Protocol):
     gets HF's ``hidden_states`` layout (``num_layers + 1`` entries, layer ``i`` at
     ``i + 1``, the last one after the final norm) with only those entries set,
     the others ``None``, so the prefill and verify never hold every layer.
+    ``cpu_linear_model`` (default ``None``): a module of the drafter's whose linear layers the generator's
+    ``cpu_linear`` routes along with the target's (its forward is a few-row forward too).
     """
 
     block_size: int
     target_layer_ids: list[int]
     needs_hidden_states: bool = True
+    cpu_linear_model: torch.nn.Module | None = None
 
     def context_features(self, hidden_states: Sequence[torch.Tensor]) -> torch.Tensor | None:
         """The target features this drafter reads, ``[B, T, F]``, from a forward's ``hidden_states``
@@ -93,3 +98,29 @@ def check_drafter(drafter) -> None:
     if missing:
         raise TypeError(f"{type(drafter).__name__} is not a ddtree Drafter: it lacks {', '.join(missing)}; "
                         "subclass ddtree.Drafter (which gives needs_hidden_states=True) or define them")
+
+
+def check_proposal(proposal, context=None) -> Proposal:
+    """``proposal`` when it is a :class:`Proposal`; else a TypeError that says how to wrap what was returned
+    (at once, not as an AttributeError inside the round)."""
+    if isinstance(proposal, Proposal):
+        return proposal
+    who = f"{type(context).__name__}.propose" if context is not None else "propose"
+    what = type(proposal).__name__
+    hint = ("wrap the log-probs: return Proposal(logprobs=logprobs) ([B, D, V], one distribution per depth after "
+            "the root; from ddtree import Proposal)")
+    raise TypeError(f"{who} returned a {what}, not a ddtree Proposal: {hint}")
+
+
+def proposal_tree(proposal: Proposal, root_tokens: torch.Tensor, builder, budget: int) -> DraftTree:
+    """The tree a proposal asks for under ``budget`` draft nodes: ``builder``'s pairwise form over
+    ``proposal.pairwise`` when both exist (each child scored given its own parent), else ``builder`` over the
+    per-depth ``logprobs``; then ``proposal.paths`` grafted in under the same budget."""
+    pairwise = None if proposal.pairwise is None else pairwise_builder(builder)
+    if pairwise is not None:
+        tree = pairwise(root_tokens, proposal.pairwise, budget)
+    else:
+        tree = builder(root_tokens, proposal.logprobs, budget)
+    if proposal.has_paths:
+        tree = graft_paths(tree, proposal.paths, budget)
+    return tree

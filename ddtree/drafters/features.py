@@ -82,3 +82,15 @@ class FeatureDrafter(Drafter):
     def context_features(self, hidden_states: Sequence[torch.Tensor]) -> torch.Tensor:
         """The target layers' features on the drafter's device (a layer-split target's layers sit on several)."""
         return extract_context_feature(hidden_states, self.target_layer_ids, device=self.model.fc.weight.device)
+
+
+def refuse_other_architecture(config: dict, architecture: str, class_name: str, where) -> None:
+    """Refuse a checkpoint whose ``architectures`` name another drafter than ``architecture`` (none named: kept)."""
+    names = config.get("architectures") if isinstance(config, dict) else None
+    names = [names] if isinstance(names, str) else list(names or [])
+    if names and architecture not in names:
+        raise ValueError(
+            f"{where} is a {', '.join(map(str, names))} checkpoint, which {class_name} does not load (it loads "
+            f"{architecture}): load any drafter with ddtree.loading.drafter.load_drafter(path, target), which picks "
+            "the class from config.json's architectures (DFlashDraftModel: DFlashDrafter, DFlash2DraftModel: "
+            "DFlash2Drafter)")

@@ -17,12 +17,13 @@ These scores rank the branch against the model drafter's path log-probs.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Sequence
 
 import numpy as np
 import torch
 
-from ddtree.drafters.base import DraftContext, Drafter, Proposal
+from ddtree.drafters.base import DraftContext, Drafter, Proposal, check_proposal
 
 """Bit flags of :attr:`DraftTree.sources`: which proposer put a node in the tree (3: both)."""
 
@@ -163,6 +164,7 @@ class WithLookup(Drafter):
         self.block_size = drafter.block_size
         self.target_layer_ids = drafter.target_layer_ids
         self.needs_hidden_states = drafter.needs_hidden_states
+        self.cpu_linear_model = getattr(drafter, "cpu_linear_model", None)
 
     def context_features(self, hidden_states):
         return self.drafter.context_features(hidden_states)
@@ -172,6 +174,9 @@ class WithLookup(Drafter):
 
 
 class MergedContext(DraftContext):
+    """The model drafter's context and the lookup's, fed the same tokens; proposals keep every field of the
+    model's (its pairwise scores, its own paths) and add the lookup branch to its paths."""
+
     def __init__(self, model_context, lookup_context: LookupContext):
         self.model, self.lookup = model_context, lookup_context
 
@@ -184,4 +189,7 @@ class MergedContext(DraftContext):
         self.lookup.select_rows(rows)
 
     def propose(self, root_tokens: torch.Tensor) -> Proposal:
-        return Proposal(self.model.propose(root_tokens).logprobs, self.lookup.paths(root_tokens))
+        proposal = check_proposal(self.model.propose(root_tokens), self.model)
+        lookup = self.lookup.paths(root_tokens)
+        paths = lookup if proposal.paths is None else [own + extra for own, extra in zip(proposal.paths, lookup)]
+        return dataclasses.replace(proposal, paths=paths)

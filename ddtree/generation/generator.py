@@ -25,11 +25,7 @@ from ddtree.budget.policy import (
     check_budget,
 )
 from ddtree.core.builders import TreeBuilder, resolve_builder
-from ddtree.drafters.base import Drafter, check_drafter
-from ddtree.drafters.dflash.drafter import DFlashDrafter
-from ddtree.drafters.dflash.model import DFlashDraftModel
-from ddtree.drafters.dflash2.drafter import DFlash2Drafter
-from ddtree.drafters.dflash2.model import DFlash2DraftModel
+from ddtree.drafters.base import Drafter
 from ddtree.generation.inputs import (
     StreamerFeed,
     chat_template_warning,
@@ -39,7 +35,9 @@ from ddtree.generation.inputs import (
 from ddtree.generation.options import MODEL_SETTINGS, PER_CALL, GeneratorOptions, split_call_options
 from ddtree.generation.round import speculative_round
 from ddtree.generation.state import DecodeState
-from ddtree.runtime.distributed import Lockstep, fail_together, module_fingerprint
+from ddtree.loading.drafter import resolve_drafter
+from ddtree.loading.pair import load_pair
+from ddtree.runtime.distributed import Lockstep, module_fingerprint
 from ddtree.runtime.threads import thread_info
 from ddtree.runtime.timing import StageTimer
 from ddtree.targets.backends import get_backend
@@ -137,7 +135,7 @@ class SpeculativeGenerator:
     def __init__(
         self,
         target,
-        drafter: Drafter | DFlashDraftModel,
+        drafter: Drafter | torch.nn.Module | str | os.PathLike,
         *,
         tokenizer=None,
         options: GeneratorOptions | None = None,
@@ -149,18 +147,14 @@ class SpeculativeGenerator:
         options = (options or GeneratorOptions()).replace(**settings)  # every setting checked here, once
         self.threads = _apply_thread_policy(target, options.threads)
         self.lockstep = Lockstep.for_model(target)  # ranks of a tensor-parallel target; inactive otherwise
-        if isinstance(drafter, DFlashDraftModel):
-            drafter = DFlashDrafter(drafter, target)  # ranks agree on it while binding
-        elif isinstance(drafter, DFlash2DraftModel):
-            drafter = DFlash2Drafter(drafter, target)
-        elif self.lockstep.active and not isinstance(drafter, DFlashDrafter):
+        drafter = resolve_drafter(drafter, target)  # a directory, hub id or raw model becomes a drafter for target
+        if self.lockstep.active:
             self.lockstep.agree(_drafter_identity(drafter), "the drafter")
-        check_drafter(drafter)
         self.target = target.eval()
         self.options = options
         self.cpu_linear = _route_cpu_linear(target, options.cpu_linear)
-        if self.cpu_linear and isinstance(drafter, DFlashDrafter):
-            _route_cpu_linear(drafter.model, "auto")  # the draft step is a few-row forward as well
+        if self.cpu_linear and getattr(drafter, "cpu_linear_model", None) is not None:
+            _route_cpu_linear(drafter.cpu_linear_model, "auto")  # the draft step is a few-row forward as well
         self.drafter = drafter
         attention = options.attention
         self.backend = get_backend(attention) if isinstance(attention, (str, type(None))) else attention
@@ -181,7 +175,8 @@ class SpeculativeGenerator:
         device_map: str | dict | None = None,
         **options,
     ) -> "SpeculativeGenerator":
-        """Load a target (any HF causal LM) and a DFlash drafter, each a local directory or a hub repo id.
+        """Load a target (any HF causal LM) and a drafter, each a local directory or a hub repo id
+        (:func:`ddtree.loading.pair.load_pair`; the drafter's class comes from its ``architectures``).
 
         Hub ids come from the local hub cache, or are downloaded unless ``HF_HUB_OFFLINE`` is set
         (:mod:`ddtree.loading.hub`); the drafter's config is checked against the target's (hidden size,
@@ -202,51 +197,11 @@ class SpeculativeGenerator:
         drafter goes to the device of the target's input embedding, whole on
         every rank (see the guide's "Scaling out").
         """
-        from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-
-        from ddtree.drafters.dflash.config import DFlashConfig
-        from ddtree.drafters.dflash.drafter import check_compatible_config
-        from ddtree.drafters.dflash2.config import is_dflash2
-        from ddtree.loading.hub import config_file, model_dir
-
-        if isinstance(dtype, str):
-            dtype = getattr(torch, dtype)
-        if target_path_or_id is None:
-            from ddtree.loading.pretrained import default_drafter_dir, smollm2_path
-
-            target_path_or_id = str(smollm2_path())
-            drafter_path_or_id = drafter_path_or_id or str(default_drafter_dir())
-            dtype = dtype or torch.float32
-        if drafter_path_or_id is None:
-            raise ValueError("give a drafter directory along with the target (or neither, for the default pair)")
-        # Both configs first (one small file each): a wrong pair fails before any weight is downloaded or read,
-        # on every rank at once when ranks already share a process group (a rank failing alone would leave the
-        # others in the target's sharded load).
-        with fail_together(f"checking the drafter {drafter_path_or_id} against the target"):
-            target_config = AutoConfig.from_pretrained(config_file(target_path_or_id, "target").parent)
-            drafter_file = config_file(drafter_path_or_id, "drafter")
-            if not is_dflash2(drafter_file.parent):  # a DFlash2 drafter checks its own config before its weights
-                check_compatible_config(DFlashConfig.from_pretrained(drafter_file), target_config)
-            target_dir, drafter_dir = model_dir(target_path_or_id, "target"), model_dir(drafter_path_or_id, "drafter")
-        placed = {k: v for k, v in (("tp_plan", tp_plan), ("device_map", device_map)) if v is not None}
-        if tp_plan is not None:
-            from ddtree.runtime.distributed import check_tp_divides
-
-            check_tp_divides(target_config, int(os.environ.get("WORLD_SIZE", "1")))
-        target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=dtype or "auto", **placed)
-        if not placed:
-            target = target.to(device)
-        target_dtype = next(target.parameters()).dtype
-        with Lockstep.for_model(target).fail_together(f"loading the drafter {drafter_path_or_id}"):
-            drafter = DFlashDrafter.from_pretrained(drafter_dir, target, dtype=target_dtype,
-                                                    device=None if placed else device, draft_vocab=draft_vocab)
+        pair = load_pair(target_path_or_id, drafter_path_or_id, device=device, dtype=dtype, draft_vocab=draft_vocab,
+                         tp_plan=tp_plan, device_map=device_map)
         if options.get("options") is None:  # a GeneratorOptions given here is taken as it is
             options.setdefault("cpu_linear", "auto")
-        try:
-            tokenizer = AutoTokenizer.from_pretrained(target_dir)
-        except (OSError, ValueError):
-            tokenizer = None
-        return cls(target, drafter, tokenizer=tokenizer, **options)
+        return cls(pair.target, pair.drafter, tokenizer=pair.tokenizer, **options)
 
     # ----------------------------------------------------------------- settings
 

@@ -5,8 +5,8 @@ prompt's last chunk at the start of the next round, so the token does not wait f
 later call runs one round for the active rows:
 
 1. ``draft.propose(roots)``: per-depth log-probs after each row's root;
-2. ``policy.choose`` and ``builder(roots, logprobs, budget)``: one tree per row (its pairwise
-   form when the proposal carries pairwise scores, see :mod:`ddtree.core.pairwise`);
+2. ``policy.choose`` and :func:`~ddtree.drafters.base.proposal_tree`: one tree per row (the
+   builder's pairwise form when the proposal carries pairwise scores, grafted paths added);
 3. the backend's tree-attention kwargs (rows padded in the cache get a dense mask);
 4. one target forward over every row's tree, at positions ``length + depth``;
 5. ``verify_tree``: each row's accepted path and bonus token;
@@ -21,10 +21,10 @@ from __future__ import annotations
 import torch
 
 from ddtree.core.masks import tree_position_ids
-from ddtree.core.pairwise import pairwise_builder
 from ddtree.core.sampling import choose_tokens
-from ddtree.core.tree import SOURCE_NAMES, graft_paths, root_only
+from ddtree.core.tree import SOURCE_NAMES, root_only
 from ddtree.core.verify import verify_tree
+from ddtree.drafters.base import check_proposal, proposal_tree
 from ddtree.generation.prefill import prefill_padded
 from ddtree.generation.state import DecodeState, RoundRecord, RoundResult
 from ddtree.targets.cache import (
@@ -175,16 +175,10 @@ def _draft_tree(state: DecodeState, context: int):
         state.budgets.append(0)
         return root_only(roots)
     with state.timer.stage("draft"):
-        proposal = state.draft.propose(roots)
+        proposal = check_proposal(state.draft.propose(roots), state.draft)
     with state.timer.stage("tree_build"):
         size = gen.lockstep.share(state.policy.choose(proposal.logprobs, context))  # each rank's clock differs
-        pairwise = None if proposal.pairwise is None else pairwise_builder(gen.builder)
-        if pairwise is not None:  # scores given each node's own parent (a DFlash2 selector)
-            tree = pairwise(roots, proposal.pairwise, size)
-        else:
-            tree = gen.builder(roots, proposal.logprobs, size)
-        if proposal.has_paths:
-            tree = graft_paths(tree, proposal.paths, size)
+        tree = proposal_tree(proposal, roots, gen.builder, size)
     state.budgets.append(size)
     return tree
 

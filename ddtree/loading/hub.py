@@ -27,7 +27,8 @@ def looks_like_path(name: str) -> bool:
             or name.endswith("/"))
 
 
-def _local(name, role: str) -> Path | None:
+def local_dir(name, role: str = "model") -> Path | None:
+    """``name`` as an existing local directory, ``None`` for a hub repo id; a missing or file path is refused."""
     path = Path(os.path.expanduser(str(name)))
     if path.is_dir():
         return path
@@ -54,7 +55,7 @@ def _hub_error(repo_id: str, role: str, what: str, exc: Exception) -> OSError:
 
 def config_file(name, role: str = "model") -> Path:
     """The ``config.json`` of a local directory or a hub repo (only that file is fetched)."""
-    local = _local(name, role)
+    local = local_dir(name, role)
     if local is not None:
         return local / "config.json"
     from huggingface_hub import hf_hub_download
@@ -67,7 +68,7 @@ def config_file(name, role: str = "model") -> Path:
 
 def model_dir(name, role: str = "model") -> Path:
     """A local directory, or a hub repo's snapshot directory (from the cache, downloaded when allowed)."""
-    local = _local(name, role)
+    local = local_dir(name, role)
     if local is not None:
         return local
     from huggingface_hub import snapshot_download

@@ -204,6 +204,12 @@ class DFlashConfig:
     def from_dict(cls, d: dict) -> "DFlashConfig":
         if not isinstance(d, dict):
             raise ValueError(f"a drafter config is a JSON object (a dict), got {type(d).__name__}")
+        if d.get("dflash_config") is None and d.get("mask_token_id") is None:
+            raise ValueError(
+                "this is not a DFlash drafter config: it has no dflash_config, so no mask token id (the token whose "
+                "embedding fills the slots to predict) and no target layers; pass the drafter's directory, not the "
+                f"target's (architectures: {d.get('architectures')})"
+            )
         dflash_block = (d.get("dflash_config") or {}).get("block_size") if isinstance(d.get("dflash_config"), dict) else None
         missing = [k for k in REQUIRED_FIELDS if d.get(k) is None and not (k == "block_size" and dflash_block)]
         if missing:

@@ -7,12 +7,14 @@ import torch.nn.functional as F
 
 from ddtree.core.sampling import log_softmax_inplace
 from ddtree.drafters.dflash.checkpoint import DRAFT_VOCAB_FILE, check_draft_vocab
-from ddtree.drafters.dflash.config import DFlashConfig
+from ddtree.drafters.dflash.config import DFlashConfig, read_config_json
 from ddtree.drafters.dflash.context import DFlashContext
 from ddtree.drafters.dflash.model import DFlashDraftModel
-from ddtree.drafters.features import FeatureDrafter, check_target_layer_ids
+from ddtree.drafters.features import FeatureDrafter, check_target_layer_ids, refuse_other_architecture
 from ddtree.runtime.distributed import Lockstep, full_tensor, module_fingerprint
 from ddtree.targets import cpu_linear
+
+ARCHITECTURE = "DFlashDraftModel"
 
 
 def target_vocab_size(target) -> int:
@@ -59,6 +61,8 @@ class DFlashDrafter(FeatureDrafter):
     ``ctx.propose(roots)`` for the block after each row's committed context, then
     ``ctx.append(features, tokens, counts)`` for the tokens the target accepted.
     """
+
+    model_class = DFlashDraftModel
 
     def __init__(self, model: DFlashDraftModel, target, draft_vocab: "str | int | torch.Tensor | None" = "auto"):
         self._lockstep = Lockstep.for_model(target)  # a tensor-parallel target's ranks bind together
@@ -125,20 +129,24 @@ class DFlashDrafter(FeatureDrafter):
 
     @classmethod
     def from_pretrained(cls, path, target, *, dtype=None, device=None, draft_vocab="auto") -> "DFlashDrafter":
-        """Bind a published drafter directory to ``target``; a DFlash2 one (``architectures``) gives a
-        :class:`~ddtree.drafters.dflash2.drafter.DFlash2Drafter`, which proposes over the full vocabulary."""
-        from ddtree.drafters.dflash2.config import is_dflash2
-
-        if is_dflash2(path):
-            from ddtree.drafters.dflash2.drafter import DFlash2Drafter
-
-            if not (draft_vocab is None or draft_vocab == "auto" or (isinstance(draft_vocab, int) and draft_vocab == 0)):
-                raise ValueError("a DFlash2 drafter proposes over the full vocabulary (its selector reads every "
-                                 "logit): pass draft_vocab='auto' or None")
-            return DFlash2Drafter.from_pretrained(path, target, dtype=dtype, device=device)
-        check_compatible(DFlashConfig.from_pretrained(path), target)  # before any weight is read
+        """Bind a published DFlash drafter directory to ``target`` (``dtype``: the file's unless given; ``device``:
+        the target's input embedding's). A checkpoint of another architecture is refused: load any drafter with
+        :func:`ddtree.loading.drafter.load_drafter`, which picks the class from ``architectures``."""
+        file, data = read_config_json(path, "DFlash")
+        refuse_other_architecture(data, ARCHITECTURE, cls.__name__, file)
+        cls.check_config(file, target.config, vocab_size=target_vocab_size(target))  # before any weight is read
         dev = device if device is not None else target.get_input_embeddings().weight.device
         return cls(DFlashDraftModel.from_pretrained(path, dtype=dtype, device=dev), target, draft_vocab=draft_vocab)
+
+    @staticmethod
+    def check_config(config_file, target_config, vocab_size: int | None = None) -> None:
+        """Refuse, from the two configs alone, a drafter that cannot serve the target (before any weight is read)."""
+        check_compatible_config(DFlashConfig.from_pretrained(config_file), target_config, vocab_size=vocab_size)
+
+    @property
+    def cpu_linear_model(self) -> DFlashDraftModel:
+        """The draft step is a few-row forward as well: ``cpu_linear`` routes this model along with the target."""
+        return self.model
 
     def new_context(self, batch_size: int = 1) -> "DFlashContext":
         return DFlashContext(self, batch_size)
