@@ -29,7 +29,8 @@ def tiny_cfg(tmp_path, **kw):
     base = dict(target="tiny", out_dir=str(tmp_path / "run"), num_prompts=48, max_new_tokens=40, gen_batch=16,
                 topk=8, heldout_frac=0.25, num_layers=1, block_size=4, mask_token_id=127, steps=80,
                 seqs_per_step=8, anchors_per_seq=8, lr=3e-3, min_lr=3e-4, warmup=10, eval_every=40,
-                eval_blocks=256, save_every=40, log_every=20, vocab_subset=0, autocast="none", threads=0)
+                eval_blocks=256, save_every=40, log_every=20, vocab_subset=0, autocast="none", threads=0,
+                num_feature_layers=1, device="cpu", accept_prompts=0)
     base.update(kw)
     return TrainConfig(**base)
 
