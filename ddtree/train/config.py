@@ -122,8 +122,6 @@ class TrainConfig:
 
 
 EXAMPLES = [
-    "python -m ddtree.train --target path/to/hf-causal-lm --out-dir runs/mine --num-prompts 2000 --max-minutes 60",
-    "torchrun --nproc_per_node 2 -m ddtree.train --target path/to/hf-causal-lm --out-dir runs/mine --device cuda",
     "python -m ddtree.train --target smollm2 --out-dir runs/smollm2 --num-prompts 2000 --steps 3000",
     "python -m ddtree.train --target smollm2 --out-dir runs/smollm2-data --num-prompts 200 --data-only true",
 ]
