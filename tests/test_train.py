@@ -29,7 +29,8 @@ def tiny_cfg(tmp_path, **kw):
     base = dict(target="tiny", out_dir=str(tmp_path / "run"), num_prompts=48, max_new_tokens=40, gen_batch=16,
                 topk=8, heldout_frac=0.25, num_layers=1, block_size=4, mask_token_id=127, steps=80,
                 seqs_per_step=8, anchors_per_seq=8, lr=3e-3, min_lr=3e-4, warmup=10, eval_every=40,
-                eval_blocks=256, save_every=40, log_every=20, vocab_subset=0, autocast="none", threads=0)
+                eval_blocks=256, save_every=40, log_every=20, vocab_subset=0, autocast="none", threads=0,
+                num_feature_layers=1, device="cpu", accept_prompts=0)
     base.update(kw)
     return TrainConfig(**base)
 
@@ -218,3 +219,133 @@ def test_text_caches_only_train(tmp_path):
     assert len(ho) >= 5  # the self-distilled cache still gives a held-out set
     # without a text cache the split is the plain hash split
     assert split_for_run(load_dataset(str(own)), str(own), cfg) == split_train_heldout(load_dataset(str(own)), 0.3)
+
+
+def test_defaults_are_the_shipped_recipe():
+    """With no options, the run is the recipe of models/smollm2-135m-dflash (its config and model card)."""
+    from pathlib import Path
+
+    from transformers import LlamaConfig
+
+    from ddtree.drafters.features import build_target_layer_ids
+    from ddtree.train import parse_args
+    from ddtree.train.__main__ import layer_ids_for
+
+    cfg = parse_args([])
+    shipped = json.loads((Path(__file__).parent.parent / "models" / "smollm2-135m-dflash" / "config.json").read_text())
+    assert cfg.block_size == shipped["block_size"] == 6
+    assert cfg.num_layers == shipped["num_hidden_layers"] == 1
+    assert cfg.num_feature_layers == len(shipped["dflash_config"]["target_layer_ids"]) == 4
+    # the card's training settings
+    assert (cfg.loss_gamma, cfg.soft_weight, cfg.vocab_subset, cfg.vocab_negatives) == (2.5, 0.5, 2048, 512)
+    assert (cfg.seqs_per_step, cfg.anchors_per_seq, cfg.topk, cfg.max_new_tokens) == (8, 24, 16, 160)
+    assert (cfg.lr, cfg.min_lr, cfg.draft_vocab, cfg.eval_blocks) == (2e-3, 1e-4, 8192, 1536)
+    # the layer ids: the published formula over the target's layers, never its last one (SmolLM2 has 30)
+    smollm2 = type("T", (), {"config": LlamaConfig(num_hidden_layers=shipped["num_target_layers"])})()
+    ids, cache = layer_ids_for(cfg, smollm2)
+    assert ids == cache == build_target_layer_ids(30, 4) == [1, 10, 18, 27]
+    for layers in (8, 16, 24, 28, 32, 36, 48, 64):
+        big = type("T", (), {"config": LlamaConfig(num_hidden_layers=layers)})()
+        ids, _ = layer_ids_for(cfg, big)
+        assert len(ids) == 4 and layers - 1 not in ids and ids == sorted(set(ids)), (layers, ids)
+    # a target with few layers reads each layer once
+    tiny = type("T", (), {"config": LlamaConfig(num_hidden_layers=4)})()
+    assert layer_ids_for(cfg, tiny)[0] == [1]
+    # the help says where the export goes, and that is where it goes (see test_training_beats_untrained_and_exports)
+    from ddtree.train.config import build_parser
+
+    helps = {a.dest: a.help for a in build_parser()._actions}
+    assert "out_dir/best" in helps["out_dir"] and "export" not in helps["out_dir"].replace("exported", "")
+    assert "cuda" in helps["device"] and "float32 on cpu" in helps["target_dtype"]
+
+
+def test_device_and_dtype_options_on_the_cpu(tmp_path):
+    """--device / --target-dtype / --autocast resolve per device; the target is loaded there in that dtype."""
+    from ddtree.train import parse_args
+    from ddtree.train.__main__ import load_target
+
+    cfg = parse_args(["--device", "cpu"])
+    assert cfg.resolved_device() == "cpu" and cfg.resolved_target_dtype("cpu") == torch.float32
+    assert cfg.resolved_target_dtype("cuda:0") == torch.bfloat16
+    assert not cfg.use_autocast("cpu")  # bf16 autocast is slow on CPUs without avx512_bf16: only where asked
+    assert parse_args(["--autocast", "bfloat16"]).use_autocast("cpu")
+    auto = parse_args([]).resolved_device()
+    assert auto == ("cuda" if torch.cuda.is_available() else "cpu")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="sees no CUDA device; use --device cpu"):
+            parse_args(["--device", "cuda"]).resolved_device()
+    with pytest.raises(ValueError, match="use auto, cpu, cuda or cuda:N"):
+        parse_args(["--device", "tpu"]).resolved_device()
+    with pytest.raises(ValueError, match="--target-dtype 'float33'"):
+        parse_args(["--target-dtype", "float33"]).resolved_target_dtype("cpu")
+    with pytest.raises(ValueError, match="--autocast 'fp8'"):
+        parse_args(["--autocast", "fp8"]).use_autocast("cpu")
+    from tiny import tiny_tokenizer
+
+    tiny_target().save_pretrained(tmp_path / "target")
+    tiny_tokenizer().save_pretrained(tmp_path / "target")
+    for name, want in (("auto", torch.float32), ("bfloat16", torch.bfloat16), ("float64", torch.float64)):
+        model, _ = load_target(parse_args(["--target", str(tmp_path / "target"), "--target-dtype", name]), "cpu")
+        assert {p.dtype for p in model.parameters()} == {want} and {p.device.type for p in model.parameters()} == {"cpu"}
+
+
+def test_realised_acceptance_of_the_export_is_ddtrees(tmp_path):
+    """After training, the export runs through ddtree's generation; what the run reports is what ddtree measures."""
+    from ddtree import SpeculativeGenerator
+    from ddtree.drafters.dflash.drafter import DFlashDrafter
+    from ddtree.train.acceptance import acceptance_gap
+
+    target = tiny_target()
+    # Prompts the tiny drafter has learnt (on new ones its answers are degenerate and nothing is accepted): the
+    # point is that the figure the run reports is the one ddtree's generation measures.
+    held_out = tiny_prompts(48)[:3]
+    cfg = tiny_cfg(tmp_path, accept_prompts=3, accept_new_tokens=24, accept_tree_budget=5, accept_gap=0.5)
+    lines = []
+    best = run(cfg, target=target, tokenizer=None, prompts=tiny_prompts(48), log_fn=lines.append,
+               eval_prompts=held_out)
+    got = best["inference"]
+    assert got["prompts"] == 3 and got["chain_len"] == 3 and got["estimate"] == best["acceptance"]
+    # independently: the exported directory through SpeculativeGenerator, prompt by prompt, greedy
+    drafter = DFlashDrafter.from_pretrained(tmp_path / "run" / "best", target, dtype=torch.float32)
+    for name, builder, budget in (("chain", "chain", 3), ("tree", "best_first", 5)):
+        gen = SpeculativeGenerator(target, drafter, builder=builder, tree_budget=budget, threads=None)
+        accepted, rounds = 0, 0
+        for ids in held_out:
+            out = gen.generate(torch.tensor([ids]), max_new_tokens=24, do_sample=False, stop_token_ids=())
+            plain = target.generate(torch.tensor([ids]), max_new_tokens=24, do_sample=False, eos_token_id=None)
+            assert out.sequences[0].tolist() == plain[0].tolist()  # lossless
+            assert out.stats.mean_acceptance == pytest.approx(sum(out.acceptance_lengths) / len(out.acceptance_lengths))
+            accepted += sum(out.acceptance_lengths)
+            rounds += len(out.acceptance_lengths)
+        assert got[name] == pytest.approx(accepted / rounds, abs=1e-12), name
+        assert got[f"{name}_rounds"] == rounds
+    assert got["chain"] > 2.0  # the trained drafter gets tokens accepted
+    assert got["tree"] > 1.5
+    # written beside the log, reported, and checked by the doctor's config check
+    saved = json.loads((tmp_path / "run" / "acceptance.json").read_text())
+    assert saved["chain"] == got["chain"] and isinstance(saved["config_problems"], list)
+    assert any(m.startswith("[accept]") and f"chain {got['chain']:.3f}" in m for m in lines)
+    from ddtree.train.report import read_inference, summary
+
+    assert read_inference(tmp_path / "run")[-1]["tree"] == got["tree"]
+    assert "Through ddtree's generation" in summary(tmp_path / "run")
+    # the gap flag: realised gains below the fraction of the estimate's gain
+    assert acceptance_gap(2.8, 1.67, 0.5) is not None and "doctor" in acceptance_gap(2.8, 1.67, 0.5)
+    assert acceptance_gap(2.0, 1.6, 0.5) is None and acceptance_gap(1.0, 1.0, 0.5) is None
+    assert (got["gap"] is None) == (got["chain"] - 1 >= 0.5 * (got["estimate"] - 1))
+
+
+def test_config_check_of_the_export_flags_a_bad_field(tmp_path):
+    """The doctor's config check runs on the export: a drafter reading the target's last layer is reported."""
+    from ddtree.train.acceptance import config_problems
+
+    target = tiny_target()
+    run(tiny_cfg(tmp_path, num_prompts=16, steps=5, eval_every=5), target=target, prompts=tiny_prompts(16),
+        log_fn=lambda m: None)
+    best = tmp_path / "run" / "best"
+    assert config_problems(best, target) == []
+    raw = json.loads((best / "config.json").read_text())
+    raw["vocab_size"] = 100
+    (best / "config.json").write_text(json.dumps(raw))
+    problems = config_problems(best, target)
+    assert len(problems) == 1 and "vocab_size" in problems[0] and problems[0].startswith("error")

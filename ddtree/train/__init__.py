@@ -2,7 +2,9 @@
 
 See :mod:`ddtree.train.config` for the knobs, :mod:`ddtree.train.data` for the
 self-distillation / plain-text data and the feature cache, and
-:mod:`ddtree.train.loop` for the training loop.
+:mod:`ddtree.train.loop` for the training loop, :mod:`ddtree.train.parallel` for data-parallel
+training under ``torchrun``, and :mod:`ddtree.train.acceptance` for the export's acceptance measured
+through ddtree's own generation. The guide is ``docs/train.md``.
 """
 
 from ddtree.train.config import TrainConfig, parse_args

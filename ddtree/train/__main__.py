@@ -27,21 +27,24 @@ from ddtree.train.data import (
     split_train_heldout,
 )
 from ddtree.train.loop import train
+from ddtree.train.parallel import DataParallel
 
 
 def log(msg: str) -> None:
     print(f"{time.strftime('%H:%M:%S')} {msg}", flush=True)
 
 
-def load_target(cfg: TrainConfig):
-    dtype = getattr(torch, cfg.target_dtype)
+def load_target(cfg: TrainConfig, device: str = "cpu"):
+    """The frozen target and its tokenizer, in ``--target-dtype`` on ``device``."""
+    dtype = cfg.resolved_target_dtype(device)
     if cfg.target == "smollm2":
         from ddtree.loading.pretrained import load_default_target
 
-        return load_default_target(dtype=dtype)
+        model, tokenizer = load_default_target(dtype=dtype)
+        return model.to(device).eval(), tokenizer
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    model = AutoModelForCausalLM.from_pretrained(cfg.target, dtype=dtype).eval()
+    model = AutoModelForCausalLM.from_pretrained(cfg.target, dtype=dtype).to(device).eval()
     return model, AutoTokenizer.from_pretrained(cfg.target)
 
 
@@ -63,7 +66,10 @@ def pick_mask_token(tokenizer, vocab_size: int, used: torch.Tensor | None = None
 
 def layer_ids_for(cfg: TrainConfig, target) -> tuple[list[int], list[int]]:
     tc = target.config.get_text_config() if hasattr(target.config, "get_text_config") else target.config
-    ids = cfg.target_layer_ids or build_target_layer_ids(tc.num_hidden_layers, cfg.num_layers)
+    if cfg.num_feature_layers < 1:
+        raise ValueError(f"--num-feature-layers {cfg.num_feature_layers}: the drafter reads at least one target layer")
+    # the published spread, each layer once (a target with few layers gives repeats)
+    ids = cfg.target_layer_ids or sorted(set(build_target_layer_ids(tc.num_hidden_layers, cfg.num_feature_layers)))
     if tc.num_hidden_layers - 1 in ids:
         import warnings
 
@@ -78,10 +84,28 @@ def layer_ids_for(cfg: TrainConfig, target) -> tuple[list[int], list[int]]:
 
 
 def prepare_data(cfg: TrainConfig, target, tokenizer, prompts=None, cache_ids=None, worker: int = 0,
-                 num_workers: int = 1) -> Path:
-    """Build the feature cache in ``data_dir`` (resumes a partial build)."""
+                 num_workers: int = 1, dp: DataParallel | None = None) -> Path:
+    """Build the feature cache in ``data_dir`` (resumes a partial build).
+
+    Under ``torchrun`` (``dp`` active) the ranks are the workers: each builds its shards, rank 0 writes
+    the cache's metadata, and all return once the cache is complete.
+    """
+    if dp is not None and dp.active:
+        if worker < 0:
+            return Path(cfg.resolved_data_dir())
+        if num_workers > 1:
+            raise ValueError("--data-workers splits the cache between separate commands; under torchrun the ranks "
+                             "split it: leave --data-workers at 1")
+        data_dir = _prepare_ranked(cfg, target, tokenizer, prompts, cache_ids, dp)
+        return data_dir
     if worker < 0:  # use the cache as it is (shards may still be arriving from data workers)
         return Path(cfg.resolved_data_dir())
+    return _build_cache(cfg, target, tokenizer, prompts, cache_ids, worker, num_workers)
+
+
+def _build_cache(cfg, target, tokenizer, prompts, cache_ids, worker: int, num_workers: int, *, write_meta=True,
+                 sync=None, log=log) -> Path:
+    """Check the cache's metadata against the run, then build this worker's missing shards."""
     data_dir = Path(cfg.resolved_data_dir())
     meta_path = data_dir / "meta.json"
     meta = {"source": cfg.source, "target": cfg.target, "layer_ids": cache_ids, "topk": cfg.topk,
@@ -116,26 +140,66 @@ def prepare_data(cfg: TrainConfig, target, tokenizer, prompts=None, cache_ids=No
     else:
         raise ValueError(f"unknown --source {cfg.source!r}: use self-distill or text")
     data_dir.mkdir(parents=True, exist_ok=True)
-    meta_path.write_text(json.dumps(meta, indent=2))
+    if write_meta:
+        _write_json(meta_path, meta)
+    if sync is not None:
+        sync()  # the metadata is checked and written before any rank adds a shard
     log(f"[data] building the feature cache in {data_dir}: {len(jobs)} shards, layers {cache_ids}")
     build_dataset(data_dir, jobs, cache_ids, cfg.topk, log=log, worker=worker, num_workers=num_workers)
-    if num_workers > 1 and len(list(data_dir.glob("shard_*.pt"))) < len(jobs):
+    if sync is not None:
+        sync()  # every rank's shards are on disk
+    elif num_workers > 1 and len(list(data_dir.glob("shard_*.pt"))) < len(jobs):
         return data_dir  # other workers are still building
-    meta_path.write_text(json.dumps({**meta, "complete": True}, indent=2))
+    if write_meta:
+        _write_json(meta_path, {**meta, "complete": True})
     return data_dir
 
 
-def run(cfg: TrainConfig, target=None, tokenizer=None, prompts=None, log_fn=log) -> dict:
-    """Data (cached) + training; returns the best held-out eval. The drafter is written to ``out_dir/best``."""
+def _write_json(path: Path, obj) -> None:
+    """Written whole or not at all (other ranks may be reading it)."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(obj, indent=2))
+    tmp.replace(path)
+
+
+def _prepare_ranked(cfg, target, tokenizer, prompts, cache_ids, dp: DataParallel) -> Path:
+    """The cache built by the torchrun ranks together (shard i on rank i % world)."""
+    data_dir = _build_cache(cfg, target, tokenizer, prompts, cache_ids, dp.rank, dp.world, write_meta=dp.main,
+                            sync=dp.barrier, log=log if dp.main else _quiet)
+    dp.barrier()  # rank 0 has marked the cache complete
+    return data_dir
+
+
+def _quiet(msg: str) -> None:
+    """Ranks other than 0 log nothing."""
+
+
+def run(cfg: TrainConfig, target=None, tokenizer=None, prompts=None, log_fn=log, eval_prompts=None) -> dict:
+    """Data (cached) + training + the export's acceptance through ddtree's generation.
+
+    Returns the best held-out eval; on rank 0, with ``"inference"``: what :func:`final_acceptance` measured.
+    The drafter is written to ``out_dir/best``. Under ``torchrun`` every rank calls this (see
+    :mod:`ddtree.train.parallel`). ``prompts`` replace the generated training prompts, ``eval_prompts`` the
+    held-out ones (token-id lists, text or message lists).
+    """
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
+    dp = DataParallel.from_env()
+    device = cfg.resolved_device(dp.local_rank if dp.active else None)
+    dp.start(device)
+    result = _run(cfg, target, tokenizer, prompts, log_fn if dp.main else _quiet, eval_prompts, device, dp)
+    dp.stop()
+    return result
+
+
+def _run(cfg: TrainConfig, target, tokenizer, prompts, log_fn, eval_prompts, device: str, dp: DataParallel) -> dict:
     if target is None:
-        target, tokenizer = load_target(cfg)
-    target.eval()
+        target, tokenizer = load_target(cfg, device)
+    target.to(device).eval()
     ids, cache_ids = layer_ids_for(cfg, target)
-    data_dir = prepare_data(cfg, target, tokenizer, prompts, cache_ids, cfg.data_worker, cfg.data_workers)
+    data_dir = prepare_data(cfg, target, tokenizer, prompts, cache_ids, cfg.data_worker, cfg.data_workers, dp=dp)
     if cfg.data_only:
-        log(f"[data] feature cache ready in {data_dir}")
+        log_fn(f"[data] feature cache ready in {data_dir}")
         return {}
     data = load_dataset(data_dir)
     tr, ho = split_for_run(data, data_dir, cfg)
@@ -143,8 +207,9 @@ def run(cfg: TrainConfig, target=None, tokenizer=None, prompts=None, log_fn=log)
     heldout_ds = FeatureDataset(data, ho, feature_layers=ids)
     vocab = target.get_output_embeddings().weight.shape[0]
     mask_id = cfg.mask_token_id if cfg.mask_token_id >= 0 else pick_mask_token(tokenizer, vocab, data["input_ids"])
-    (Path(cfg.out_dir)).mkdir(parents=True, exist_ok=True)
-    (Path(cfg.out_dir) / "train_config.json").write_text(json.dumps(vars(cfg), indent=2))
+    if dp.main:
+        (Path(cfg.out_dir)).mkdir(parents=True, exist_ok=True)
+        (Path(cfg.out_dir) / "train_config.json").write_text(json.dumps(vars(cfg), indent=2))
     state = {"n": len(list(_shard_files(data_dir)))}
 
     def reload():
@@ -156,7 +221,38 @@ def run(cfg: TrainConfig, target=None, tokenizer=None, prompts=None, log_fn=log)
         tr_, ho_ = split_for_run(d, data_dir, cfg)
         return FeatureDataset(d, tr_, feature_layers=ids), FeatureDataset(d, ho_, feature_layers=ids)
 
-    return train(cfg, target, train_ds, heldout_ds, mask_id, log=log_fn, reload=reload)
+    best = train(cfg, target, train_ds, heldout_ds, mask_id, log=log_fn, reload=reload, device=device, dp=dp)
+    if dp.main and cfg.accept_prompts > 0:
+        best["inference"] = final_acceptance(cfg, target, tokenizer, best, eval_prompts, log_fn)
+    return best
+
+
+def final_acceptance(cfg: TrainConfig, target, tokenizer, best: dict, eval_prompts=None, log_fn=log) -> dict:
+    """Run the exported drafter (``out_dir/best``) through ddtree's generation on held-out prompts, beside the
+    training estimate; written to ``out_dir/acceptance.json`` and ``log.jsonl``."""
+    from ddtree.train.acceptance import check_export
+    from ddtree.train.prompts import load_eval_prompts
+
+    out = Path(cfg.out_dir)
+    prompts = list(eval_prompts) if eval_prompts is not None else load_eval_prompts()
+    prompts = prompts[:cfg.accept_prompts]
+    res = check_export(out / "best", target, tokenizer, prompts, estimate=best["acceptance"],
+                       max_new_tokens=cfg.accept_new_tokens, tree_budget=cfg.accept_tree_budget,
+                       gap_fraction=cfg.accept_gap)
+    res["step"] = best.get("step")
+    (out / "acceptance.json").write_text(json.dumps(res, indent=2))
+    with open(out / "log.jsonl", "a") as f:
+        f.write(json.dumps({"step": best.get("step"), "inference": res}) + "\n")
+    log_fn(f"[accept] {out / 'best'} in ddtree's generation, {res['prompts']} held-out prompts x "
+           f"{res['max_new_tokens']} tokens: chain {res['chain']:.3f} (held-out estimate {res['estimate']:.3f}), "
+           f"best_first@{res['tree_budget']} {res['tree']:.3f}")
+    if res["gap"]:
+        log_fn(f"[accept] GAP: {res['gap']}")
+    for line in res["config_problems"]:
+        log_fn(f"[accept] config check: {line}")
+    if not res["config_problems"]:
+        log_fn("[accept] config check: no warnings or errors")
+    return res
 
 
 def split_for_run(data: dict, data_dir, cfg: TrainConfig) -> tuple[list[int], list[int]]:
@@ -190,7 +286,7 @@ def main(argv=None) -> int:
     cfg = parse_args(argv)
     log(f"[ddtree.train] {json.dumps(vars(cfg))}")
     best = run(cfg)
-    if cfg.data_only:
+    if cfg.data_only or not best:
         return 0
     log(f"[ddtree.train] best drafter: {Path(cfg.out_dir) / 'best'} (held-out acceptance {best['acceptance']:.3f})")
     return 0

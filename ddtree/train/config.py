@@ -13,17 +13,18 @@ from dataclasses import MISSING, dataclass, field, fields
 class TrainConfig:
     # --- target and output -------------------------------------------------
     target: str = "smollm2"            # "smollm2" (the packaged default) or an HF model directory
-    out_dir: str = "runs/drafter"      # checkpoints, log and the exported drafter (out_dir/export)
+    out_dir: str = "runs/drafter"      # checkpoints (ckpt.pt), log.jsonl, and the best drafter exported in the published format to out_dir/best
     data_dir: str = ""                 # feature cache; default: <out_dir>/data (several: comma-separated)
-    target_dtype: str = "bfloat16"     # dtype the frozen target runs in for data generation
+    device: str = "auto"               # where the target and the drafter run: "auto" (cuda when available, else cpu), "cpu", "cuda", "cuda:N"; under torchrun each rank takes cuda:LOCAL_RANK
+    target_dtype: str = "auto"         # dtype of the frozen target (data generation, final acceptance): "auto" is float32 on cpu, bfloat16 on cuda
 
     # --- data ----------------------------------------------------------------
     source: str = "self-distill"       # "self-distill" (target's own responses) or "text"
     num_prompts: int = 2000            # self-distill: number of generated training prompts
     prompt_offset: int = 0             # self-distill: skip the first N generated prompts (to extend a cache)
     prompt_set: str = "templates"      # self-distill: "templates" (training_prompts) or "natural" (natural_prompts)
-    max_new_tokens: int = 256          # self-distill: response length cap
-    gen_batch: int = 32                # self-distill: prompts per generation batch
+    max_new_tokens: int = 160          # self-distill: response length cap
+    gen_batch: int = 64                # self-distill: prompts per generation batch (one batched decode on the device)
     temperature: float = 0.0           # self-distill: 0 = greedy responses (matches greedy decoding)
     text_paths: list[str] = field(default_factory=list)  # text: files or folders of .py/.txt
     seq_len: int = 512                 # text: window length
@@ -37,8 +38,9 @@ class TrainConfig:
 
     # --- drafter -------------------------------------------------------------
     num_layers: int = 1                # drafter decoder layers
-    block_size: int = 8                # root + (block_size - 1) predicted slots
-    target_layer_ids: list[int] = field(default_factory=list)  # target layers whose features feed the drafter; default: the published formula
+    block_size: int = 6                # root + (block_size - 1) predicted slots
+    num_feature_layers: int = 4        # target layers the drafter reads when target_layer_ids is not given, spread by the published formula (never the target's last layer)
+    target_layer_ids: list[int] = field(default_factory=list)  # target layers whose features feed the drafter; default: num_feature_layers spread by the published formula
     mask_token_id: int = -1            # -1: pick an unused special token of the tokenizer
     intermediate_size: int = 0         # 0: the target's
     init_from_target: int = -1         # copy this target decoder layer into every drafter layer (-1: random init)
@@ -47,33 +49,76 @@ class TrainConfig:
 
     # --- optimisation --------------------------------------------------------
     steps: int = 2000                  # optimiser steps
-    seqs_per_step: int = 16            # sequences per step (their features are shared by all their blocks)
-    anchors_per_seq: int = 32          # random anchor blocks drawn from each sequence's response
-    lr: float = 1e-3                   # peak learning rate (AdamW, cosine schedule)
+    seqs_per_step: int = 8             # sequences per step, all ranks together (their features are shared by all their blocks)
+    anchors_per_seq: int = 24          # random anchor blocks drawn from each sequence's response
+    lr: float = 2e-3                   # peak learning rate (AdamW, cosine schedule); 3e-4 to 5e-4 for a warm start
     min_lr: float = 1e-4               # learning rate at the end of the cosine schedule
-    warmup: int = 100                  # linear warm-up steps
+    warmup: int = 20                   # linear warm-up steps
     weight_decay: float = 0.01         # AdamW weight decay
     grad_clip: float = 1.0             # gradient norm clip
-    loss_gamma: float = 3.0            # slot k (1-based) weighs exp(-(k-1)/gamma)
+    loss_gamma: float = 2.5            # slot k (1-based) weighs exp(-(k-1)/gamma)
     soft_weight: float = 0.5           # mix of soft (teacher top-k) and hard (actual token) cross-entropy
-    vocab_subset: int = 4096           # loss over the N most frequent target tokens (+ the batch's labels); 0 = full vocab
+    vocab_subset: int = 2048           # loss over the N most frequent target tokens (+ the batch's labels); 0 = full vocab
     vocab_negatives: int = 512         # with vocab_subset: random extra tokens per step, to keep the tail suppressed
-    autocast: str = "none"             # "bfloat16" or "none"; master weights stay fp32 (bf16 is slow on CPUs without avx512_bf16)
+    autocast: str = "auto"             # "auto" (bfloat16 on a cuda device that supports it, else none), "bfloat16" or "none"; master weights stay fp32 (bf16 is slow on CPUs without avx512_bf16)
     seed: int = 0                      # seeds prompts, data split, init and sampling
     max_minutes: float = 0.0           # stop (and save) after this wall-clock time; 0 = no limit. The cosine
                                        # schedule then follows whichever budget (steps or minutes) runs out first
     reload_data: bool = True           # at each eval, pick up shards added to the cache since the start
 
     # --- logging / checkpoints ----------------------------------------------
-    log_every: int = 10                # steps between log lines
-    eval_every: int = 200              # steps between held-out evaluations (the best one is kept)
-    eval_blocks: int = 2048            # held-out anchor blocks per evaluation
-    save_every: int = 200              # steps between checkpoints (<out_dir>/ckpt.pt)
+    log_every: int = 25                # steps between log lines
+    eval_every: int = 250              # steps between held-out evaluations (the best one is kept)
+    eval_blocks: int = 1536            # held-out anchor blocks per evaluation
+    save_every: int = 50               # steps between checkpoints (<out_dir>/ckpt.pt)
     resume: bool = True                # continue from <out_dir>/ckpt.pt when present
     threads: int = 0                   # torch.set_num_threads; 0 = leave as is
 
+    # --- acceptance through the inference path (after training) ----------
+    accept_prompts: int = 13           # held-out prompts (ddtree/data/prompts.jsonl, never trained on) that ddtree's generation runs with the exported drafter; 0: skip
+    accept_new_tokens: int = 64        # new tokens per held-out prompt in that run
+    accept_tree_budget: int = 4        # draft nodes per round of the tree (best_first) in that run; the chain uses block_size - 1
+    accept_gap: float = 0.5            # flag a gap when the realised chain's gain (acceptance - 1) is below this fraction of the held-out estimate's
+
     def resolved_data_dir(self) -> str:
         return self.data_dir or f"{self.out_dir.rstrip('/')}/data"
+
+    def resolved_device(self, local_rank: int | None = None) -> str:
+        """``device`` with "auto" resolved; a bare "cuda" under torchrun is this rank's GPU."""
+        import torch
+
+        dev = self.device
+        if dev == "auto":
+            dev = "cuda" if torch.cuda.is_available() else "cpu"
+        if dev == "cuda" and local_rank is not None:
+            dev = f"cuda:{local_rank}"
+        if dev.startswith("cuda") and not torch.cuda.is_available():
+            raise ValueError(f"--device {self.device}: this torch build sees no CUDA device; use --device cpu")
+        if dev.split(":")[0] not in ("cpu", "cuda"):
+            raise ValueError(f"--device {self.device!r}: use auto, cpu, cuda or cuda:N")
+        return dev
+
+    def resolved_target_dtype(self, device: str):
+        """The target's torch dtype: "auto" is float32 on the cpu and bfloat16 on cuda."""
+        import torch
+
+        name = self.target_dtype
+        if name == "auto":
+            name = "bfloat16" if device.startswith("cuda") else "float32"
+        dtype = getattr(torch, name, None)
+        if not isinstance(dtype, torch.dtype):
+            raise ValueError(f"--target-dtype {self.target_dtype!r}: use auto, float32, bfloat16 or float16")
+        return dtype
+
+    def use_autocast(self, device: str) -> bool:
+        """bf16 autocast for training: "auto" turns it on on a cuda device with bf16 support only."""
+        import torch
+
+        if self.autocast not in ("auto", "bfloat16", "none"):
+            raise ValueError(f"--autocast {self.autocast!r}: use auto, bfloat16 or none")
+        if self.autocast == "auto":
+            return device.startswith("cuda") and torch.cuda.is_bf16_supported()
+        return self.autocast == "bfloat16"
 
 
 EXAMPLES = [

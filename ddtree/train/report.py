@@ -21,11 +21,21 @@ from ddtree.drafters.dflash.checkpoint import (
 
 
 def read_log(out_dir: str | Path) -> tuple[list[dict], list[dict]]:
+    """``(training steps, held-out evaluations)`` of a run's log.jsonl (see :func:`read_inference` for the rest)."""
     train, evals = [], []
     for line in (Path(out_dir) / "log.jsonl").read_text().splitlines():
         rec = json.loads(line)
-        (evals if "eval" in rec else train).append(rec)
+        if "eval" in rec:
+            evals.append(rec)
+        elif "loss" in rec:
+            train.append(rec)
     return train, evals
+
+
+def read_inference(out_dir: str | Path) -> list[dict]:
+    """The exported drafter's acceptance measured through ddtree's generation, one record per measurement."""
+    lines = (Path(out_dir) / "log.jsonl").read_text().splitlines()
+    return [rec["inference"] for rec in map(json.loads, lines) if "inference" in rec]
 
 
 def loss_table(train: list[dict], rows: int = 16) -> str:
@@ -65,6 +75,16 @@ def summary(out_dir: str | Path) -> str:
             f"\nBest: step {best['step']}, expected chain acceptance {e['acceptance']:.3f}; per-depth accuracy "
             f"{e['per_depth']}; P(first d slots all correct) {e.get('reach')}; "
             f"conditional acceptance per depth {e.get('cond')}.\n")
+    for res in read_inference(out_dir)[-1:]:
+        parts.append(
+            f"\n## Through ddtree's generation\n\nThe export of step {res.get('step')} on {res['prompts']} held-out "
+            f"prompts x {res['max_new_tokens']} tokens: chain ({res['chain_len']} tokens) **{res['chain']:.3f}**, "
+            f"best_first@{res['tree_budget']} **{res['tree']:.3f}**, against the held-out estimate "
+            f"{res['estimate']:.3f}.\n")
+        if res.get("gap"):
+            parts.append(f"\nGap: {res['gap']}.\n")
+        for line in res.get("config_problems", []):
+            parts.append(f"\nConfig check: {line}\n")
     return "".join(parts)
 
 
