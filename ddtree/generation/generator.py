@@ -32,7 +32,12 @@ from ddtree.generation.inputs import (
     prompt_rows,
     resolve_generation,
 )
-from ddtree.generation.options import MODEL_SETTINGS, PER_CALL, GeneratorOptions, split_call_options
+from ddtree.generation.options import (
+    MODEL_SETTINGS,
+    PER_CALL,
+    GeneratorOptions,
+    split_call_options,
+)
 from ddtree.generation.round import speculative_round
 from ddtree.generation.state import DecodeState
 from ddtree.loading.drafter import resolve_drafter

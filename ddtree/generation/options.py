@@ -54,7 +54,7 @@ class GeneratorOptions:
         check_threads(self.threads)
         check_prefill_chunk(self.prefill_chunk)
 
-    def replace(self, **changes) -> "GeneratorOptions":
+    def replace(self, **changes) -> GeneratorOptions:
         """A checked copy with ``changes``; an unknown name is refused with the list of settings."""
         unknown = sorted(set(changes) - set(NAMES))
         if unknown:
