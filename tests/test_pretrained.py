@@ -171,3 +171,30 @@ def test_shipped_drafter_directory_has_one_safetensors_file():
     from ddtree.drafters.dflash.checkpoint import load_draft_vocab
 
     assert load_draft_vocab(d, 49152).numel() == 8192
+
+
+@pytest.mark.smollm
+@smollm
+def test_readme_custom_generate_snippet_runs_as_written(capsys):
+    """The README's ``custom_generate`` snippet, run as written: the drafter given as a directory is loaded on first
+    use, the output is plain greedy ``generate``'s, and the directory drafts as the bound object does."""
+    import torch
+
+    from ddtree import DFlashDrafter, SpeculativeGenerator
+
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    snippet = readme.split("Inside `transformers`", 1)[1].split("```python", 1)[1].split("```", 1)[0]
+    scope: dict = {}
+    exec(compile(snippet, "README.md", "exec"), scope)
+    target, inputs, out = scope["target"], scope["inputs"], scope["out"]
+    plain = target.generate(**inputs, max_new_tokens=32, do_sample=False)
+    assert torch.equal(out, plain)
+    assert scope["tokenizer"].decode(out[0]) in capsys.readouterr().out
+    ours = SpeculativeGenerator(target, scope["drafter"], tree_budget=4, threads=None).generate(
+        inputs["input_ids"], max_new_tokens=32, stop_token_ids=())
+    new = out[0, inputs["input_ids"].shape[1]:].tolist()
+    assert ours.row_tokens[0][: len(new)] == new
+    bound = DFlashDrafter.from_pretrained(scope["drafter"], target)
+    same = SpeculativeGenerator(target, bound, tree_budget=4, threads=None).generate(
+        inputs["input_ids"], max_new_tokens=32, stop_token_ids=())
+    assert ours.acceptance_lengths == same.acceptance_lengths and max(ours.acceptance_lengths) > 1

@@ -1,1 +1,2 @@
-"""Finding and loading checkpoints: the shipped default pair (SmolLM2-135M and its DFlash drafter)."""
+"""Finding and loading checkpoints: directories and hub ids (``hub``), a drafter by its ``architectures``
+(``drafter``), a target with its drafter (``pair``) and the shipped default pair (``pretrained``)."""
