@@ -16,9 +16,8 @@ from typing import Iterator
 
 import torch
 
-from ddtree.budget.latency import ProfiledLatency
+from ddtree.budget.costs import RoundCosts
 from ddtree.budget.policy import (
-    DEFAULT_CANDIDATES,
     AutoBudget,
     BudgetPolicy,
     FixedBudget,
@@ -49,8 +48,9 @@ from ddtree.targets.forward import PREFILL_CHUNK, check_prefill_chunk
 class GenerationStats:
     """Counts and seconds for one ``generate`` call; ``seconds`` is keyed by stage.
 
-    ``seconds["calibration"]`` is the auto budget's verify profiling, outside
-    the rounds. ``mean_acceptance`` pools every row's rounds.
+    ``seconds["calibration"]`` is the budget policy's ``prepare`` before each round (where an
+    explicit :class:`~ddtree.budget.latency.ProfiledLatency` profiles). ``mean_acceptance`` pools
+    every row's rounds.
     ``accepted_by_source`` counts accepted draft tokens by the proposer that put
     them in the tree (set when the drafter merges sources, see :mod:`ddtree.drafters.lookup`).
     """
@@ -163,7 +163,7 @@ class SpeculativeGenerator:
         self.backend = get_backend(attention) if isinstance(attention, (str, type(None))) else attention
         self.backend.prepare(self.target)
         self.tokenizer = None
-        self._latency: ProfiledLatency | None = None  # measures the model and machine, shared by generations
+        self._costs = RoundCosts()  # round costs of this model on this machine, learned by every "auto" call
 
     @classmethod
     def from_pretrained(
@@ -361,15 +361,13 @@ class SpeculativeGenerator:
 
     def budget_policy(self, budget) -> BudgetPolicy | None:
         """A per-generation policy for ``budget``: ``None`` for 0 (plain decoding, no drafter work),
-        :class:`FixedBudget` for an int, a new :class:`AutoBudget` for ``"auto"`` (sharing this
-        generator's verify-latency profile), or the given policy object."""
+        :class:`FixedBudget` for an int, a new :class:`AutoBudget` for ``"auto"`` (sharing the round
+        costs this generator's earlier calls learned), or the given policy object."""
         check_budget(budget)
         if isinstance(budget, int):
             return None if budget == 0 else FixedBudget(budget)
         if budget == "auto":
-            if self._latency is None:
-                self._latency = ProfiledLatency(self, [1] + [c + 1 for c in DEFAULT_CANDIDATES])
-            return AutoBudget.for_generator(self, latency=self._latency)
+            return AutoBudget.for_generator(self, costs=self._costs)
         return budget
 
     @property
