@@ -52,12 +52,12 @@ class Estimate:
         self.value += self.weight * (seconds - self.value)
 
     def to_dict(self) -> dict:
-        return {"value": self.value, "count": self.count}
+        return {"value": self.value, "count": self.count, "stamp": self.stamp}
 
     @classmethod
     def from_dict(cls, data: dict, **options) -> "Estimate":
         e = cls(**options)
-        e.value, e.count = float(data["value"]), int(data["count"])
+        e.value, e.count, e.stamp = float(data["value"]), int(data["count"]), int(data.get("stamp", -1))
         return e
 
 
@@ -76,6 +76,7 @@ class RoundCosts:
         self.verify: dict[Key, dict[int, Estimate]] = {}
         self.overhead: dict[Key, Estimate] = {}
         self.plain: dict[Key, Estimate] = {}
+        self.rounds = 0  # rounds recorded: each entry's stamp says how long ago it was measured
 
     @staticmethod
     def key(batch: int, context: int) -> Key:
@@ -83,40 +84,47 @@ class RoundCosts:
 
     # ------------------------------------------------------------------ recording
 
-    def record_tree(self, nodes: int, batch: int, context: int, round_seconds: float, verify_seconds: float,
-                    stamp: int) -> None:
+    def record_tree(self, nodes: int, batch: int, context: int, round_seconds: float, verify_seconds: float) -> None:
         """A drafting round over ``nodes`` nodes per row: its verify forward and the rest of the round."""
+        self.rounds += 1
+        stamp = self.rounds
         key = self.key(batch, context)
         table = self.verify.setdefault(key, {})
         table.setdefault(int(nodes), Estimate(**self.options)).update(verify_seconds, stamp)
         rest = max(0.0, round_seconds - verify_seconds)
         self.overhead.setdefault(key, Estimate(**self.options)).update(rest, stamp)
 
-    def record_plain(self, batch: int, context: int, round_seconds: float, stamp: int) -> None:
-        self.plain.setdefault(self.key(batch, context), Estimate(**self.options)).update(round_seconds, stamp)
+    def record_plain(self, batch: int, context: int, round_seconds: float) -> None:
+        """A round that did not draft."""
+        self.rounds += 1
+        self.plain.setdefault(self.key(batch, context), Estimate(**self.options)).update(round_seconds, self.rounds)
 
     # ------------------------------------------------------------------ reading
 
-    def verify_table(self, batch: int, context: int) -> tuple[dict[int, float], dict[int, int]]:
-        """``{nodes: seconds}`` for this batch and context (from the nearest measured key, node counts
-        rescaled to the same total), and ``{nodes: stamp}`` of when each was measured."""
+    def verify_table(self, batch: int, context: int) -> tuple[dict[int, float], float]:
+        """``{nodes: seconds}`` measured at this batch and context, else at the nearest measured key, and the
+        factor that maps a node count here to the same total node count there (``batch / its batch``)."""
         key = self.key(batch, context)
         near = self._nearest(self.verify, key)
         if near is None:
-            return {}, {}
-        table = self.verify[near]
-        scale = near[1] / key[1]
-        seconds, stamps = {}, {}
-        for n, e in table.items():
-            m = max(1, round(n * scale))
-            seconds[m], stamps[m] = e.value, e.stamp if near == key else -1
-        return seconds, stamps
+            return {}, 1.0
+        table = {n: e.value for n, e in self.verify[near].items() if e.value is not None}
+        return table, key[1] / near[1]
+
+    def verify_stamps(self, batch: int, context: int) -> dict[int, int]:
+        """``{nodes: round}`` of the verify forwards measured at exactly this batch and context bucket."""
+        return {n: e.stamp for n, e in self.verify.get(self.key(batch, context), {}).items()}
 
     def verify_seconds(self, nodes: int, batch: int, context: int) -> float | None:
         """Interpolated in the node count; below the smallest measured count, its seconds; above the largest,
         extrapolated from the last two (never decreasing), or proportionally from a single one."""
-        table, _ = self.verify_table(batch, context)
-        return interpolate(table, nodes)
+        table, scale = self.verify_table(batch, context)
+        return interpolate(table, nodes * scale)
+
+    def verify_known(self, nodes: int, batch: int, context: int) -> bool:
+        """Whether ``nodes`` lies within the measured node counts (interpolated, not extrapolated)."""
+        table, scale = self.verify_table(batch, context)
+        return bool(table) and min(table) <= nodes * scale <= max(table)
 
     def overhead_seconds(self, batch: int, context: int) -> float | None:
         near = self._nearest(self.overhead, self.key(batch, context))
@@ -153,6 +161,7 @@ class RoundCosts:
             "verify": {name(k): {str(n): e.to_dict() for n, e in sorted(t.items())} for k, t in sorted(self.verify.items())},
             "overhead": {name(k): e.to_dict() for k, e in sorted(self.overhead.items())},
             "plain": {name(k): e.to_dict() for k, e in sorted(self.plain.items())},
+            "rounds": self.rounds,
         }
 
     @classmethod
@@ -168,6 +177,7 @@ class RoundCosts:
         for part in ("overhead", "plain"):
             for k, e in data.get(part, {}).items():
                 getattr(costs, part)[key(k)] = Estimate.from_dict(e, **costs.options)
+        costs.rounds = int(data.get("rounds", 0))
         return costs
 
     def save(self, path: str | Path) -> None:
@@ -195,6 +205,7 @@ class RoundCosts:
 
         return {
             "kind": "learned",
+            "rounds": self.rounds,
             "verify_seconds": {name(k): {str(n): secs(e) for n, e in sorted(t.items())}
                                for k, t in sorted(self.verify.items())},
             "overhead_seconds": {name(k): secs(e) for k, e in sorted(self.overhead.items())},

@@ -12,7 +12,7 @@ from typing import Callable, Protocol, Sequence
 
 import torch
 
-from ddtree.budget.costs import RoundCosts, interpolate
+from ddtree.budget.costs import RoundCosts
 from ddtree.budget.latency import COST_MODEL, LatencyModel
 from ddtree.core.builders import TreeBuilder, best_first
 
@@ -98,7 +98,7 @@ class AutoBudget(BudgetPolicy):
         builder: TreeBuilder = best_first,
         candidates: Sequence[int] = DEFAULT_CANDIDATES,
         overhead_seconds: float | None = None,
-        prior_rounds: float = 4.0,
+        prior_rounds: float = 1.0,
         forget: float = 0.97,
         ema: float = 0.2,
         costs: RoundCosts | None = None,
@@ -195,8 +195,8 @@ class AutoBudget(BudgetPolicy):
             measured = getattr(self.latency, "measured", None)
             known = measured is None or n + 1 in measured(context, batch)
         else:
-            table, _ = self.costs.verify_table(batch, context)
-            verify, known = interpolate(table, n + 1), n + 1 in table
+            verify = self.costs.verify_seconds(n + 1, batch, context)
+            known = self.costs.verify_known(n + 1, batch, context)
         overhead = self._overhead(batch, context)
         if verify is None or overhead is None:
             return None, False
@@ -274,29 +274,34 @@ class AutoBudget(BudgetPolicy):
             self._pending = {"plain": True, "batch": batch, "context": context_len}
 
     def _explore_target(self, rates: dict, batch: int, context: int) -> int:
-        """What an exploration round tries: from a plain best, the best tree; from a tree, a plain step or
-        a neighbouring budget, never measured here first, else the one measured longest ago."""
-        if self.best in (0, None):
-            return self.best_tree(rates)
-        i = self.candidates.index(self.best)
-        near = [self.candidates[j] for j in (i + 1, i - 1) if 0 <= j < len(self.candidates)]
-        if i == 0:
-            near.append(0)
-        _, stamps = self.costs.verify_table(batch, context)
+        """What an exploration round tries (0: a plain step): a hill-climbing step around the best tree (the
+        best measured one while plain wins), in the order plain, budgets. A neighbour never measured here
+        comes first (downwards while plain wins, upwards otherwise); else the option measured longest ago
+        (the best tree itself included while plain wins, so its cost and the drafter stay current)."""
+        plain_best = self.best in (0, None)
+        anchor = self.best_tree(rates) if plain_best else self.best
+        order = [0] + self.candidates
+        i = order.index(anchor)
+        up = [order[i + 1]] if i + 1 < len(order) else []
+        down = [order[i - 1]] if i >= 1 else []
+        near = down + up if plain_best else up + down
+        stamps = self.costs.verify_stamps(batch, context)
         plain = self.costs.plain_estimate(batch, context)
-        plain_stamp = plain.stamp if plain is not None else -1
 
         def stamp(n: int) -> int:
-            return plain_stamp if n == 0 else stamps.get(n + 1, -1)
+            if n == 0:
+                return plain.stamp if plain is not None else -1
+            return stamps.get(n + 1, -1)
 
-        unmeasured = [n for n in near if n != 0 and (self.latency is None and n + 1 not in stamps)]
-        options = [(stamp(0), 0)] + [(stamp(n), n) for n in near if n != 0]
-        target = unmeasured[0] if unmeasured else min(options)[1]
+        unmeasured = [n for n in near if n != 0 and self.latency is None and n + 1 not in stamps]
+        options = near + ([anchor] if plain_best else [])
+        target = unmeasured[0] if unmeasured else min(options, key=lambda n: (stamp(n), n))
         if target != 0:
             self._explore_tree = target
         return target
 
     def best_tree(self, rates: dict) -> int:
+        """The tree budget of highest measured rate (the start budget before any is measured)."""
         trees = {n: v for n, v in rates.items() if n != 0}
         best = self._argmax(trees)
         return self.start if best is None else best
@@ -371,10 +376,10 @@ class AutoBudget(BudgetPolicy):
             return
         seconds = now - self._round_start
         if pending["plain"]:
-            self.costs.record_plain(pending["batch"], pending["context"], seconds, self.rounds)
+            self.costs.record_plain(pending["batch"], pending["context"], seconds)
         else:
             self.costs.record_tree(pending["nodes"], pending["batch"], pending["context"], seconds,
-                                   pending["verify"], self.rounds)
+                                   pending["verify"])
 
     def describe(self) -> dict:
         depth = self.reached.numel() if self.reached is not None else 0
