@@ -26,18 +26,22 @@ from ddtree.budget.latency import context_bucket
 class Estimate:
     """Seconds of one kind of round, robust to outliers, following drift."""
 
-    def __init__(self, weight: float = 0.3, outlier: float = 1.6, drift_after: int = 3):
-        self.weight, self.outlier, self.drift_after = weight, outlier, drift_after
+    def __init__(self, weight: float = 0.3, outlier: float = 1.6, drift_after: int = 3, stale_after: int = 8):
+        self.weight, self.outlier, self.drift_after, self.stale_after = weight, outlier, drift_after, stale_after
         self.value: float | None = None
         self.count = 0
         self.stamp = -1  # the round it was last measured in
         self._surprises: list[float] = []
 
     def update(self, seconds: float, stamp: int) -> None:
+        """``stamp`` counts rounds: a value last measured over ``stale_after`` rounds ago is replaced outright
+        (what it measured may be gone: an entry tried only on the exploration schedule must follow load)."""
+        stale = stamp - self.stamp > self.stale_after
         self.stamp = stamp
         self.count += 1
-        if self.value is None:
+        if self.value is None or stale:
             self.value = seconds
+            self._surprises.clear()
             return
         ratio = seconds / max(self.value, 1e-12)
         if ratio > self.outlier or ratio * self.outlier < 1.0:
@@ -71,8 +75,8 @@ class RoundCosts:
     shares what was learned (``AutoBudget`` holds the per-generation choices).
     """
 
-    def __init__(self, weight: float = 0.3, outlier: float = 1.6, drift_after: int = 3):
-        self.options = {"weight": weight, "outlier": outlier, "drift_after": drift_after}
+    def __init__(self, weight: float = 0.3, outlier: float = 1.6, drift_after: int = 3, stale_after: int = 8):
+        self.options = {"weight": weight, "outlier": outlier, "drift_after": drift_after, "stale_after": stale_after}
         self.verify: dict[Key, dict[int, Estimate]] = {}
         self.overhead: dict[Key, Estimate] = {}
         self.plain: dict[Key, Estimate] = {}
@@ -108,7 +112,15 @@ class RoundCosts:
         near = self._nearest(self.verify, key)
         if near is None:
             return {}, 1.0
-        table = {n: e.value for n, e in self.verify[near].items() if e.value is not None}
+        table = _values(self.verify[near])
+        others = {k: v for k, v in self.verify.items() if k != near and k[1] == near[1]}
+        other = self._nearest(others, near)
+        if other is not None:  # node counts not measured in this bucket: the nearest bucket's, rescaled
+            theirs = _values(self.verify[other])
+            common = sorted(table[n] / theirs[n] for n in set(table) & set(theirs))
+            ratio = common[len(common) // 2] if common else 1.0
+            for n, v in theirs.items():
+                table.setdefault(n, v * ratio)
         return table, key[1] / near[1]
 
     def verify_stamps(self, batch: int, context: int) -> dict[int, int]:
@@ -211,6 +223,10 @@ class RoundCosts:
             "overhead_seconds": {name(k): secs(e) for k, e in sorted(self.overhead.items())},
             "plain_seconds": {name(k): secs(e) for k, e in sorted(self.plain.items())},
         }
+
+
+def _values(table: dict[int, Estimate]) -> dict[int, float]:
+    return {n: e.value for n, e in table.items() if e.value is not None}
 
 
 def _has_value(entry) -> bool:
