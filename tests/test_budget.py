@@ -181,9 +181,9 @@ class Modelled(AutoBudget):
 
 def test_auto_decodes_plainly_while_no_tree_pays_and_stays_exact():
     """Verify cost proportional to the node count (a compute-bound batch), a plain round of 10 ms on a fake clock
-    and a drafter that is never right: after a first tree and one measured plain step the policy decodes plainly,
-    retrying a tree after 2, 4, 8 then 16 plain rounds. No wall-clock time enters the choice: the sequence of
-    budgets is exact."""
+    and a drafter that is never right: after the start tree and one exploration the policy decodes plainly,
+    retrying a tree (a neighbour of the best one, measured longest ago) after 1, 3, 7 then 15 plain rounds (the
+    exploration intervals 2, 4, 8, 16). No wall-clock time enters the choice: the sequence of budgets is exact."""
     target = tiny_target("qwen3")
     prompt = [5, 17, 3, 9]
     ids = torch.tensor([prompt])
@@ -200,21 +200,19 @@ def test_auto_decodes_plainly_while_no_tree_pays_and_stays_exact():
     assert out.acceptance_lengths == [1] * 39  # the drafter is never right
     budgets = out.stats.budgets
     trees = [i for i, b in enumerate(budgets) if b > 0]
-    # the start tree, a plain step to measure it, then trees on the exploration schedule (intervals 2, 4, 8, 16):
-    # the budget-4 tree until the calibration learns that depth 1 fails, then a 1-node tree
-    assert budgets == [4, 0, 0, 4] + [0] * 3 + [4] + [0] * 7 + [1] + [0] * 15 + [1] + [0] * 7
+    assert budgets == [4, 2, 0, 1] + [0] * 3 + [2] + [0] * 7 + [1] + [0] * 15 + [2] + [0] * 7
     assert desc_calibration_falls(out.stats.budget_policy)
     assert len(drafter.proposals) == len(trees)  # skipped rounds did not draft
     desc = out.stats.budget_policy
     assert desc["plain_rounds"] == budgets.count(0) and desc["plain_round_seconds"] == pytest.approx(0.01)
     assert desc["verify_scale"] == 1.0 and clock.reads >= len(budgets)
-    # cheap trees and a drafter that is always right: every round drafts the full budget-4 chain, except the
-    # measured plain steps and one unmeasured neighbour (2) on the exploration schedule
+    # cheap trees and a drafter that is always right: every round drafts, the full budget-4 chain but for the
+    # neighbour (2) on the exploration schedule
     right = ScriptedDrafter(torch.tensor(prompt + ref + [0] * 8), 97)
     cheap = Modelled(FunctionLatency(lambda n, c, b=1: 0.01 + 0.0001 * n), candidates=(1, 2, 4),
                      overhead_seconds=0.001, clock=TickClock(0.01))
     out = SpeculativeGenerator(target, right).generate(prompt, max_new_tokens=40, tree_budget=cheap)
-    assert out.row_tokens[0] == ref and out.stats.budgets == [4, 0, 4, 2, 4, 4, 4, 0, 4, 4]
+    assert out.row_tokens[0] == ref and out.stats.budgets == [4, 2, 4, 2, 4, 4, 4, 2, 4]
     assert out.acceptance_lengths[:-1] == [min(b, 4) + 1 for b in out.stats.budgets][:-1]  # every draft accepted
 
 
