@@ -240,3 +240,30 @@ def test_profiled_latency_times_forwards_on_its_clock():
     assert lat.seconds(65, 40) == pytest.approx(0.034 + 0.001 * 32)  # extrapolated from the last two
     # the prefill of 64 tokens, one untimed warm-up forward, then 2 repeats of every timed count
     assert lat.profile_seconds == pytest.approx(0.065 + 0.002 + 2 * (0.002 + 0.003 + 0.006 + 0.010 + 0.018 + 0.034))
+
+
+def test_auto_at_batch_three_is_lossless_and_accepts_what_each_budget_allows():
+    """Ragged rows, learned costs on the real clock (choices vary run to run), a drafter that is always right:
+    every row's output is its own greedy continuation, and every round each row accepts exactly what the
+    round's budget allows (a full chain to depth 4, or the root alone on a plain step)."""
+    target = tiny_target("qwen3")
+    prompts = [[5, 17, 3, 9], [8, 2, 44, 61, 7, 30], [71, 12]]
+    refs = []
+    for p in prompts:
+        ids = torch.tensor([p])
+        refs.append(target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=40, do_sample=False,
+                                    pad_token_id=0)[0].tolist())
+    drafter = ScriptedDrafter([torch.tensor(r + [0] * 8) for r in refs], 97)
+    out = SpeculativeGenerator(target, drafter).generate(prompts, max_new_tokens=30, tree_budget="auto")
+    for row, (p, ref) in enumerate(zip(prompts, refs)):
+        assert out.row_tokens[row] == ref[len(p): len(p) + 30]
+    budgets = out.stats.budgets
+    assert budgets[:2] == [4, 0] and set(budgets) <= {0} | set(desc_candidates(out))  # start tree, plain measured
+    desc = out.stats.budget_policy
+    assert desc["last_round"]["batch"] == 3 and list(desc["costs"]["verify_seconds"]) == ["64x3"]
+    allowed = [min(b, 4) + 1 for b in budgets]
+    assert out.row_acceptance == [allowed] * 3
+
+
+def desc_candidates(out) -> list[int]:
+    return out.stats.budget_policy["candidates"]
