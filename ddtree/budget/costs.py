@@ -59,7 +59,7 @@ class Estimate:
         return {"value": self.value, "count": self.count, "stamp": self.stamp}
 
     @classmethod
-    def from_dict(cls, data: dict, **options) -> "Estimate":
+    def from_dict(cls, data: dict, **options) -> Estimate:
         e = cls(**options)
         e.value, e.count, e.stamp = float(data["value"]), int(data["count"]), int(data.get("stamp", -1))
         return e
@@ -177,7 +177,7 @@ class RoundCosts:
         }
 
     @classmethod
-    def from_dict(cls, data: dict, **options) -> "RoundCosts":
+    def from_dict(cls, data: dict, **options) -> RoundCosts:
         costs = cls(**options)
 
         def key(text: str) -> Key:
@@ -199,7 +199,7 @@ class RoundCosts:
         path.write_text(json.dumps(self.to_dict(), indent=1))
 
     @classmethod
-    def load(cls, path: str | Path, **options) -> "RoundCosts":
+    def load(cls, path: str | Path, **options) -> RoundCosts:
         path = Path(path)
         try:
             data = json.loads(path.read_text())

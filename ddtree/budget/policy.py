@@ -8,7 +8,8 @@ is highest, from round costs it measures as it goes (:mod:`ddtree.budget.costs`)
 from __future__ import annotations
 
 import time
-from typing import Callable, Protocol, Sequence
+from collections.abc import Callable, Sequence
+from typing import Protocol
 
 import torch
 
@@ -115,7 +116,7 @@ class AutoBudget(BudgetPolicy):
         self.costs = costs if costs is not None else RoundCosts()
         self.clock = clock
         self.builder = builder
-        self.candidates = sorted(set(int(c) for c in candidates))
+        self.candidates = sorted({int(c) for c in candidates})
         self.start = min(self.candidates, key=lambda c: (abs(c - start), c))
         self.fixed_overhead = overhead_seconds
         self.prior_rounds = prior_rounds
@@ -143,7 +144,7 @@ class AutoBudget(BudgetPolicy):
         self._predicted_rows: torch.Tensor | None = None  # [B, D] p_d of the chosen tree per row
 
     @classmethod
-    def for_generator(cls, generator, costs: RoundCosts | None = None, **options) -> "AutoBudget":
+    def for_generator(cls, generator, costs: RoundCosts | None = None, **options) -> AutoBudget:
         """A policy for one generation on ``generator``: its builder, and the round costs ``costs``
         (pass the generator's shared table so each generation starts from what the last one learned)."""
         return cls(builder=generator.builder, costs=costs, **options)
