@@ -375,3 +375,25 @@ def test_bench_default_attention_is_the_generators_and_is_recorded(tmp_path):
     md = (out / "results.md").read_text()
     assert f"tree attention {meta['attention']}" in md and "| best_first@4 | " in md
     assert "P(round reaches depth d)" in md and "| misc |" in md
+
+
+def test_batch_bench_runs_auto_beside_plain_and_fixed_budgets():
+    """The side-by-side that issue 33 asks for, as a smoke run on the tiny pair (float64): auto at batch 1 and 3,
+    interleaved with plain, chain and best_first@2; its output equals plain decoding's for every row, and every
+    round accepts what a budget allows with a drafter that is always right (a full chain to depth 4, or the root
+    alone on a plain step); the first round of each call drafts."""
+    from ddtree.bench.batch import run_batches, summarize_batches
+
+    target = tiny_target("qwen3")
+    methods = parse_methods("chain,best_first@2,auto")
+    prompts = [Prompt("p0", list(range(3, 14))), Prompt("p1", [40, 41, 42, 7]), Prompt("p2", [9, 8, 7, 6, 5, 4])]
+    gen = scripted_generator(target, [p.input_ids for p in prompts], 12)
+    runs = run_batches(gen, methods, prompts, [1, 3], max_new_tokens=12, repeats=1, stops=[], depth=4)
+    rows = {(r["batch_size"], r["method"]): r for r in summarize_batches(runs)}
+    for size in (1, 3):
+        assert rows[size, "auto"]["rows_equal_to_batch_1_plain"] == (3, 3)
+        assert rows[size, "auto"]["tokens_per_second"] > 0
+    allowed = {min(b, 4) + 1 for b in (0, 1, 2, 4, 8, 16, 32, 64, 128, 256)}
+    for run in (r for r in runs if r.method == "auto"):
+        for acc in run.acceptance:
+            assert set(acc) <= allowed and acc[0] > 1

@@ -76,9 +76,8 @@ def test_calibration_learns_that_deep_drafts_fail():
     policy = linear_policy(0.01, 0.001)
     lp = certain_logprobs(6)
     assert policy.choose(lp, 10) == 8
-    tree = best_first(torch.zeros(1, dtype=torch.long), lp, 8)
     for i in range(30):  # the drafter is sure, yet the target never goes past depth 1
-        policy.observe(tree, _result(2), verify_seconds=0.019, context_len=10 + i)
+        policy.observe([2], verify_seconds=0.019, context_len=10 + i)
     c = policy.calibration(6)
     assert c[0] > 0.95 and bool((c[1:] < 0.2).all())
     assert policy.choose(lp, 50) < 8  # the deep half of the tree no longer pays for itself
@@ -88,11 +87,19 @@ def test_calibration_learns_that_deep_drafts_fail():
 
 
 def test_scale_follows_observed_verify_time():
-    policy = linear_policy(0.01, 0.001)
-    tree = chain(torch.zeros(1, dtype=torch.long), certain_logprobs(6), 4)
+    policy = linear_policy(0.01, 0.001, candidates=(4,))
     for i in range(40):
-        policy.observe(tree, _result(5), verify_seconds=2 * (0.01 + 0.001 * 5), context_len=10 + i)
+        assert policy.choose(certain_logprobs(6), 10 + i) == 4
+        policy.observe([5], verify_seconds=2 * (0.01 + 0.001 * 5), context_len=10 + i)
     assert policy.scale == pytest.approx(2.0, rel=0.01)
+
+
+def test_observe_names_a_row_count_mismatch():
+    policy = AutoBudget(FunctionLatency(lambda nodes, ctx, batch=1: 0.01 + 0.001 * nodes * batch),
+                        candidates=(1, 2, 4), overhead_seconds=0.01)
+    policy.choose(certain_logprobs(6).expand(2, -1, -1), 10)
+    with pytest.raises(ValueError, match="one count per active row"):
+        policy.observe([3], verify_seconds=0.01, context_len=10)
 
 
 def test_context_bucket():
@@ -104,7 +111,7 @@ def test_auto_on_tiny_pair_is_lossless_and_described():
     target = tiny_target("qwen3")
     drafter = tiny_drafter(target)
     gen = SpeculativeGenerator(target, drafter)
-    policy = AutoBudget.for_generator(gen, candidates=(1, 4, 16), repeats=1)
+    policy = AutoBudget.for_generator(gen, latency=ProfiledLatency(gen, [1, 2, 5, 17], repeats=1), candidates=(1, 4, 16))
     ids = torch.randint(0, 90, (1, 12))
     out = gen.generate(ids, max_new_tokens=20, tree_budget=policy)
     ref = gen.generate(ids, max_new_tokens=20, tree_budget=0)
@@ -129,19 +136,27 @@ def test_profiled_latency_interpolates():
     assert lat.seconds(14, 5) == pytest.approx(4.0)
 
 
-def test_auto_on_a_fresh_generator_picks_only_measured_budgets_and_reports_calibration_apart():
+def test_auto_learns_from_its_rounds_without_a_profiling_stall():
+    """No forward runs outside the rounds (one prefill forward, then one per round); the costs the first call
+    learned are the generator's, so a second call chooses from them at once instead of starting blind."""
     torch.manual_seed(0)
     target = tiny_target("llama")
     gen = SpeculativeGenerator(target, tiny_drafter(target))
+    forwards = []
+    target.register_forward_pre_hook(lambda module, args: forwards.append(1))
     out = gen.generate(torch.randint(0, 90, (1, 20)), max_new_tokens=24, tree_budget="auto")
     desc = out.stats.budget_policy
-    measured = {int(n) for table in desc["latency"]["verify_seconds"].values() for n in table}
-    assert out.stats.budgets and all(b + 1 in measured for b in out.stats.budgets)
-    # profiling ran inside the calibration stage, before the rounds, not inside tree building
-    assert out.stats.seconds["calibration"] >= desc["latency"]["profile_seconds"] > 0
-    # a second call on the same generator reuses the profile: no calibration time to speak of
+    assert len(forwards) == 1 + out.stats.rounds and "latency" not in desc
+    budgets = out.stats.budgets
+    assert budgets[:2] == [4, 0]  # a first tree at the start budget, then a plain step to measure it
+    assert set(budgets) <= {0} | set(desc["candidates"])
+    learned = desc["costs"]["verify_seconds"]
+    assert any(str(b + 1) in table for b in budgets if b for table in learned.values())
+    assert desc["plain_round_seconds"] is not None and desc["rounds"] == len(budgets)
     again = gen.generate(torch.randint(0, 90, (1, 20)), max_new_tokens=24, tree_budget="auto")
-    assert again.stats.budget_policy["latency"]["profile_seconds"] == desc["latency"]["profile_seconds"]
+    first = again.stats.budgets[0]
+    assert first in {int(n) - 1 for table in learned.values() for n in table}  # a budget measured by the first call
+    assert again.stats.budget_policy["costs"]["plain_seconds"]  # shared with the first call
 
 
 class TickClock:
@@ -159,14 +174,16 @@ class TickClock:
 class Modelled(AutoBudget):
     """An AutoBudget whose verify forwards take exactly what its latency model says (not what the machine did)."""
 
-    def observe(self, tree, result, verify_seconds, context_len):
-        super().observe(tree, result, self.latency.seconds(tree.num_nodes, context_len, tree.batch_size), context_len)
+    def observe(self, accepted, verify_seconds, context_len):
+        nodes = 1 if self._pending["plain"] else self._pending["nodes"]
+        super().observe(accepted, self.latency.seconds(nodes, context_len, len(accepted)), context_len)
 
 
 def test_auto_decodes_plainly_while_no_tree_pays_and_stays_exact():
     """Verify cost proportional to the node count (a compute-bound batch), a plain round of 10 ms on a fake clock
-    and a drafter that is never right: after a few trees the policy decodes plainly, trying a tree again after
-    every PLAIN_STREAK plain rounds. No wall-clock time enters the choice: the sequence of budgets is exact."""
+    and a drafter that is never right: after the start tree and one exploration the policy decodes plainly,
+    retrying a tree (a neighbour of the best one, measured longest ago) after 1, 3, 7 then 15 plain rounds (the
+    exploration intervals 2, 4, 8, 16). No wall-clock time enters the choice: the sequence of budgets is exact."""
     target = tiny_target("qwen3")
     prompt = [5, 17, 3, 9]
     ids = torch.tensor([prompt])
@@ -182,21 +199,26 @@ def test_auto_decodes_plainly_while_no_tree_pays_and_stays_exact():
     assert out.row_tokens[0] == ref
     assert out.acceptance_lengths == [1] * 39  # the drafter is never right
     budgets = out.stats.budgets
-    streak = AutoBudget.PLAIN_STREAK
     trees = [i for i, b in enumerate(budgets) if b > 0]
-    # trees until calibration learns depth 1 fails, then a 1-node tree after every PLAIN_STREAK plain rounds
-    assert budgets == [4, 4, 4, 1] + ([0] * streak + [1]) * 3 + [0] * streak
+    assert budgets == [4, 2, 0, 1] + [0] * 3 + [2] + [0] * 7 + [1] + [0] * 15 + [2] + [0] * 7
+    assert desc_calibration_falls(out.stats.budget_policy)
     assert len(drafter.proposals) == len(trees)  # skipped rounds did not draft
     desc = out.stats.budget_policy
     assert desc["plain_rounds"] == budgets.count(0) and desc["plain_round_seconds"] == pytest.approx(0.01)
     assert desc["verify_scale"] == 1.0 and clock.reads >= len(budgets)
-    # cheap trees and a drafter that is always right: every round drafts
+    # cheap trees and a drafter that is always right: every round drafts, the full budget-4 chain but for the
+    # neighbour (2) on the exploration schedule
     right = ScriptedDrafter(torch.tensor(prompt + ref + [0] * 8), 97)
     cheap = Modelled(FunctionLatency(lambda n, c, b=1: 0.01 + 0.0001 * n), candidates=(1, 2, 4),
                      overhead_seconds=0.001, clock=TickClock(0.01))
     out = SpeculativeGenerator(target, right).generate(prompt, max_new_tokens=40, tree_budget=cheap)
-    assert out.row_tokens[0] == ref and 0 not in out.stats.budgets
-    assert out.acceptance_lengths[:-1] == [5] * (len(out.acceptance_lengths) - 1)  # budget 4: a full chain
+    assert out.row_tokens[0] == ref and out.stats.budgets == [4, 2, 4, 2, 4, 4, 4, 2, 4]
+    assert out.acceptance_lengths[:-1] == [min(b, 4) + 1 for b in out.stats.budgets][:-1]  # every draft accepted
+
+
+def desc_calibration_falls(desc: dict) -> bool:
+    """The drafter's depth-1 calibration fell well below 1 (it was never right)."""
+    return desc["depth_calibration"][0] < 0.5
 
 
 def test_profiled_latency_times_forwards_on_its_clock():
@@ -218,3 +240,30 @@ def test_profiled_latency_times_forwards_on_its_clock():
     assert lat.seconds(65, 40) == pytest.approx(0.034 + 0.001 * 32)  # extrapolated from the last two
     # the prefill of 64 tokens, one untimed warm-up forward, then 2 repeats of every timed count
     assert lat.profile_seconds == pytest.approx(0.065 + 0.002 + 2 * (0.002 + 0.003 + 0.006 + 0.010 + 0.018 + 0.034))
+
+
+def test_auto_at_batch_three_is_lossless_and_accepts_what_each_budget_allows():
+    """Ragged rows, learned costs on the real clock (choices vary run to run), a drafter that is always right:
+    every row's output is its own greedy continuation, and every round each row accepts exactly what the
+    round's budget allows (a full chain to depth 4, or the root alone on a plain step)."""
+    target = tiny_target("qwen3")
+    prompts = [[5, 17, 3, 9], [8, 2, 44, 61, 7, 30], [71, 12]]
+    refs = []
+    for p in prompts:
+        ids = torch.tensor([p])
+        refs.append(target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=40, do_sample=False,
+                                    pad_token_id=0)[0].tolist())
+    drafter = ScriptedDrafter([torch.tensor(r + [0] * 8) for r in refs], 97)
+    out = SpeculativeGenerator(target, drafter).generate(prompts, max_new_tokens=30, tree_budget="auto")
+    for row, (p, ref) in enumerate(zip(prompts, refs)):
+        assert out.row_tokens[row] == ref[len(p): len(p) + 30]
+    budgets = out.stats.budgets
+    assert budgets[:2] == [4, 0] and set(budgets) <= {0} | set(desc_candidates(out))  # start tree, plain measured
+    desc = out.stats.budget_policy
+    assert desc["last_round"]["batch"] == 3 and list(desc["costs"]["verify_seconds"]) == ["64x3"]
+    allowed = [min(b, 4) + 1 for b in budgets]
+    assert out.row_acceptance == [allowed] * 3
+
+
+def desc_candidates(out) -> list[int]:
+    return out.stats.budget_policy["candidates"]

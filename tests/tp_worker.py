@@ -79,8 +79,8 @@ class Recording(BudgetPolicy):
         self.local.append(self.policy.choose(logprobs, context_len))
         return self.local[-1]
 
-    def observe(self, tree, result, verify_seconds, context_len):
-        self.policy.observe(tree, result, verify_seconds, context_len)
+    def observe(self, accepted, verify_seconds, context_len):
+        self.policy.observe(accepted, verify_seconds, context_len)
 
 
 def tp_only(gen: SpeculativeGenerator, rank: int) -> dict:

@@ -76,7 +76,7 @@ def run_batches(gen, methods: list[Method], prompts: list[Prompt], batch_sizes: 
     with torch.inference_mode():
         for size in batch_sizes:
             batches = _batches(prompts, size)
-            for name in names:  # warm-up, untimed: one batch each (auto profiles this batch size here)
+            for name in names:  # warm-up, untimed: one batch each (auto learns this batch size's costs here)
                 _one(gens, name, by_name.get(name), batches[0], size, 0, max_new_tokens if name == "auto" else 8,
                      stops, depth)
             for r in range(repeats):

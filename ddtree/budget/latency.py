@@ -1,42 +1,41 @@
-"""``tree_budget="auto"``: each round, the budget that maximises expected tokens per second.
+"""``tree_budget="auto"``: each round, a plain step or the budget that maximises expected tokens per second.
 
 A bigger tree accepts more tokens but costs a longer verify forward; where the
-two cross depends on the device, the model and the context length, so the
-choice is made from measurements, not constants. The cost model, all of whose
-terms :meth:`AutoBudget.describe` reports (``out.stats.budget_policy``)::
+two cross depends on the device, the model, the batch, the context length and
+the load on the machine, so the choice is made from measurements, not constants.
+The cost model, all of whose terms :meth:`AutoBudget.describe` reports
+(``out.stats.budget_policy``)::
 
-    tokens_per_second(n) = E[tokens | n] / (overhead + scale * verify(n + 1, bucket(context)))
+    tokens_per_second(n) = sum_rows E[tokens | n] / (overhead(B, ctx) + verify(B rows x n+1 nodes, ctx))
+    tokens_per_second(plain) = B / plain(B, ctx)
 
-``verify(nodes, ctx)``
-    Seconds of one target forward over a tree of ``nodes`` nodes on top of a
-    cache of ``ctx`` tokens, profiled on the real target, device, dtype and
-    attention backend (:class:`ProfiledLatency`). Profiled once per context
-    bucket (powers of two, at least 64) and cached; a new bucket is profiled
-    when the context grows into it. Linear in between profiled node counts.
-``scale``
-    Observed verify seconds over profiled ones, an exponential moving average:
-    folds in the bucket's rounding and machine drift.
-``overhead``
-    The per-round seconds outside verify (draft, tree build, mask, commit and
-    this policy): wall time between two ``choose`` calls minus that round's
-    verify, averaged. Before the first round it is taken as ``verify(1)``.
+``verify``, ``overhead``, ``plain``
+    Seconds learned from the rounds themselves (:mod:`ddtree.budget.costs`): each
+    round's wall time (the policy's clock, read once per round) and its verify
+    forward's seconds, by context bucket, batch and node count, as outlier-robust
+    moving averages that follow lasting load changes. A budget is chosen only once
+    its verify was measured at this batch and context (or lies between measured
+    ones); others, and plain steps, are tried on an exploration schedule. A
+    :class:`LatencyModel` given to :class:`AutoBudget` prices verify instead
+    (``scale * verify``, ``scale`` the observed over modelled ratio).
 ``E[tokens | n] = 1 + sum_d r_d(n)``
-    ``r_d(n) = min(1, c_d * p_d(n))``, made non-increasing in ``d``; ``p_d(n)`` is
+    Per row: ``r_d(n) = min(1, c_d * p_d(n))``, made non-increasing in ``d``; ``p_d(n)`` is
     the drafter's probability that the target's path reaches depth ``d`` in the
     budget-``n`` tree (the sum of ``exp(path log-prob)`` over its depth-``d``
-    nodes: the paths are disjoint). ``c_d`` calibrates the drafter online:
-    reached-depth counts over predicted ones, with a prior of ``prior_rounds``
-    rounds at ratio 1 and exponential forgetting, so a depth that has not been
-    tried for a while drifts back to the prior and gets explored again.
+    nodes: the paths are disjoint). ``c_d`` calibrates the drafter online from the
+    rows' accepted counts: reached-depth counts over predicted ones, with a prior of
+    ``prior_rounds`` rounds at ratio 1 and exponential forgetting.
 
-Before drafting, ``prepare`` compares one plain round (the roots alone: one token per
-``plain_seconds``, observed once such rounds have run, else ``overhead + scale * verify(1)``)
-with the best tree rate of the last choice; when plain wins, the round skips the draft
-(``skip_draft``), and a tree is tried again after ``PLAIN_STREAK`` such rounds.
+Before drafting, ``prepare`` compares the plain rate with the best tree's (from
+the last drafted round's expected tokens and the current costs); when plain wins
+the round skips the draft (``skip_draft``).
 
 The trees of all candidate budgets come from one builder call at the largest
-candidate: the budget-``n`` tree is taken as its first ``n`` nodes, which is
+measured candidate: the budget-``n`` tree is taken as its first ``n`` nodes, which is
 exact for ``best_first``, ``chain`` and ``beam`` (their nodes are in key order).
+
+:class:`ProfiledLatency` is an opt-in verify profile (a stall before the rounds
+that need it) for a policy that should start from measured verify seconds.
 """
 
 from __future__ import annotations
@@ -51,9 +50,10 @@ from ddtree.core.builders import best_first
 from ddtree.core.tree import DraftTree
 
 COST_MODEL = (
-    "tokens_per_second(n) = E[tokens|n] / (overhead + scale * verify(n+1 nodes, bucket(context))); "
-    "E[tokens|n] = 1 + sum_d min(1, c_d * p_d(n)) (non-increasing in d), p_d(n) = sum of exp(path log-prob) "
-    "over the depth-d nodes of the budget-n tree"
+    "tokens_per_second(n) = sum_rows E[tokens|n] / (overhead(B, ctx) + verify(B x n+1 nodes, ctx)); "
+    "tokens_per_second(plain) = B / plain(B, ctx); seconds learned from the rounds by context bucket, batch and "
+    "node count; E[tokens|n] = 1 + sum_d min(1, c_d * p_d(n)) (non-increasing in d), p_d(n) = sum of "
+    "exp(path log-prob) over the depth-d nodes of the budget-n tree"
 )
 
 

@@ -16,9 +16,8 @@ from typing import Iterator
 
 import torch
 
-from ddtree.budget.latency import ProfiledLatency
+from ddtree.budget.costs import RoundCosts
 from ddtree.budget.policy import (
-    DEFAULT_CANDIDATES,
     AutoBudget,
     BudgetPolicy,
     FixedBudget,
@@ -52,8 +51,9 @@ from ddtree.targets.backends import get_backend
 class GenerationStats:
     """Counts and seconds for one ``generate`` call; ``seconds`` is keyed by stage.
 
-    ``seconds["calibration"]`` is the auto budget's verify profiling, outside
-    the rounds. ``mean_acceptance`` pools every row's rounds.
+    ``seconds["calibration"]`` is the budget policy's ``prepare`` before each round (where an
+    explicit :class:`~ddtree.budget.latency.ProfiledLatency` profiles). ``mean_acceptance`` pools
+    every row's rounds.
     ``accepted_by_source`` counts accepted draft tokens by the proposer that put
     them in the tree (set when the drafter merges sources, see :mod:`ddtree.drafters.lookup`).
     """
@@ -165,7 +165,7 @@ class SpeculativeGenerator:
         self.backend = get_backend(attention) if isinstance(attention, (str, type(None))) else attention
         self.backend.prepare(self.target)
         self.tokenizer = tokenizer
-        self._latency: ProfiledLatency | None = None  # measures the model and machine, shared by generations
+        self._costs = RoundCosts()  # round costs of this model on this machine, learned by every "auto" call
 
     @classmethod
     def from_pretrained(
@@ -382,16 +382,14 @@ class SpeculativeGenerator:
 
     def budget_policy(self, budget, *, builder: TreeBuilder | None = None) -> BudgetPolicy | None:
         """A per-generation policy for ``budget``: ``None`` for 0 (plain decoding, no drafter work),
-        :class:`FixedBudget` for an int, a new :class:`AutoBudget` for ``"auto"`` (sharing this
-        generator's verify-latency profile; it sizes trees with ``builder``, default the generator's),
-        or the given policy object."""
+        :class:`FixedBudget` for an int, a new :class:`AutoBudget` for ``"auto"`` (sharing the round
+        costs this generator's earlier calls learned; it sizes trees with ``builder``, default the
+        generator's), or the given policy object."""
         check_budget(budget)
         if isinstance(budget, int):
             return None if budget == 0 else FixedBudget(budget)
         if budget == "auto":
-            if self._latency is None:
-                self._latency = ProfiledLatency(self, [1] + [c + 1 for c in DEFAULT_CANDIDATES])
-            return AutoBudget(self._latency, builder=builder or self.builder, candidates=DEFAULT_CANDIDATES)
+            return AutoBudget(builder=builder or self.builder, costs=self._costs)
         return budget
 
     @property

@@ -160,11 +160,12 @@ def _tree_round(state: DecodeState) -> RoundResult:
         state.policy.prepare(context, len(state.active))
     tree = _draft_tree(state, context)
     out, result, verify_seconds = _verify(state, tree)
-    state.policy.observe(tree, result, verify_seconds, context)
     with state.timer.stage("commit"):
         path = _commit(state, tree, out, result)
     _count_sources(state, tree, path, result.num_accepted)
-    return _emit_accepted(state, tree, path, result)
+    emitted = _emit_accepted(state, tree, path, result)
+    state.policy.observe([a for a in emitted.acceptance if a is not None], verify_seconds, context)
+    return emitted
 
 
 def _draft_tree(state: DecodeState, context: int):

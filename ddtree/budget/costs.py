@@ -1,0 +1,256 @@
+"""Round costs learned from the rounds themselves: no profiling stall, and they follow load that changes.
+
+Every round's own seconds feed one table (:class:`RoundCosts`), keyed by the context bucket
+(powers of two, see :func:`~ddtree.budget.latency.context_bucket`) and the batch:
+
+- ``verify[nodes]``: the target forward over a tree of ``nodes`` nodes per row;
+- ``overhead``: the rest of a drafting round (draft, tree build, mask, commit, emit);
+- ``plain``: a whole round that does not draft (one token per row).
+
+Each entry is an :class:`Estimate`: an exponentially weighted mean that skips a lone outlier
+(a paused consumer, a page fault) but moves to a lasting change (a competing process starts or
+stops) after ``drift_after`` surprises on the same side. A key never measured is read from the
+nearest measured one (context bucket and batch, at the same total node count ``batch * nodes``).
+A table can be saved and loaded as JSON to seed a later run on the same machine and model.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+from ddtree.budget.latency import context_bucket
+
+
+class Estimate:
+    """Seconds of one kind of round, robust to outliers, following drift."""
+
+    def __init__(self, weight: float = 0.3, outlier: float = 1.6, drift_after: int = 3, stale_after: int = 8):
+        self.weight, self.outlier, self.drift_after, self.stale_after = weight, outlier, drift_after, stale_after
+        self.value: float | None = None
+        self.count = 0
+        self.stamp = -1  # the round it was last measured in
+        self._surprises: list[float] = []
+
+    def update(self, seconds: float, stamp: int) -> None:
+        """``stamp`` counts rounds: a value last measured over ``stale_after`` rounds ago is replaced outright
+        (what it measured may be gone: an entry tried only on the exploration schedule must follow load)."""
+        stale = stamp - self.stamp > self.stale_after
+        self.stamp = stamp
+        self.count += 1
+        if self.value is None or stale:
+            self.value = seconds
+            self._surprises.clear()
+            return
+        ratio = seconds / max(self.value, 1e-12)
+        if ratio > self.outlier or ratio * self.outlier < 1.0:
+            if self._surprises and (self._surprises[-1] > self.value) != (seconds > self.value):
+                self._surprises.clear()  # a surprise on the other side: the run of one side is broken
+            self._surprises.append(seconds)
+            if len(self._surprises) >= self.drift_after:  # a lasting change, not an outlier
+                self.value = sorted(self._surprises)[len(self._surprises) // 2]
+                self._surprises.clear()
+            return
+        self._surprises.clear()
+        self.value += self.weight * (seconds - self.value)
+
+    def to_dict(self) -> dict:
+        return {"value": self.value, "count": self.count, "stamp": self.stamp}
+
+    @classmethod
+    def from_dict(cls, data: dict, **options) -> Estimate:
+        e = cls(**options)
+        e.value, e.count, e.stamp = float(data["value"]), int(data["count"]), int(data.get("stamp", -1))
+        return e
+
+
+Key = tuple  # (context bucket, batch)
+
+
+class RoundCosts:
+    """Learned seconds of verify, overhead and plain rounds by context bucket, batch and node count.
+
+    One table describes a model on a machine, so a generator keeps one and every generation on it
+    shares what was learned (``AutoBudget`` holds the per-generation choices).
+    """
+
+    def __init__(self, weight: float = 0.3, outlier: float = 1.6, drift_after: int = 3, stale_after: int = 8):
+        self.options = {"weight": weight, "outlier": outlier, "drift_after": drift_after, "stale_after": stale_after}
+        self.verify: dict[Key, dict[int, Estimate]] = {}
+        self.overhead: dict[Key, Estimate] = {}
+        self.plain: dict[Key, Estimate] = {}
+        self.rounds = 0  # rounds recorded: each entry's stamp says how long ago it was measured
+
+    @staticmethod
+    def key(batch: int, context: int) -> Key:
+        return (context_bucket(context), int(batch))
+
+    # ------------------------------------------------------------------ recording
+
+    def record_tree(self, nodes: int, batch: int, context: int, round_seconds: float, verify_seconds: float) -> None:
+        """A drafting round over ``nodes`` nodes per row: its verify forward and the rest of the round."""
+        self.rounds += 1
+        stamp = self.rounds
+        key = self.key(batch, context)
+        table = self.verify.setdefault(key, {})
+        table.setdefault(int(nodes), Estimate(**self.options)).update(verify_seconds, stamp)
+        rest = max(0.0, round_seconds - verify_seconds)
+        self.overhead.setdefault(key, Estimate(**self.options)).update(rest, stamp)
+
+    def record_plain(self, batch: int, context: int, round_seconds: float) -> None:
+        """A round that did not draft."""
+        self.rounds += 1
+        self.plain.setdefault(self.key(batch, context), Estimate(**self.options)).update(round_seconds, self.rounds)
+
+    # ------------------------------------------------------------------ reading
+
+    def verify_table(self, batch: int, context: int) -> tuple[dict[int, float], float]:
+        """``{nodes: seconds}`` measured at this batch and context, else at the nearest measured key, and the
+        factor that maps a node count here to the same total node count there (``batch / its batch``)."""
+        key = self.key(batch, context)
+        near = self._nearest(self.verify, key)
+        if near is None:
+            return {}, 1.0
+        table = _values(self.verify[near])
+        others = {k: v for k, v in self.verify.items() if k != near and k[1] == near[1]}
+        other = self._nearest(others, near)
+        if other is not None:  # node counts not measured in this bucket: the nearest bucket's, rescaled
+            theirs = _values(self.verify[other])
+            common = sorted(table[n] / theirs[n] for n in set(table) & set(theirs))
+            ratio = common[len(common) // 2] if common else 1.0
+            for n, v in theirs.items():
+                table.setdefault(n, v * ratio)
+        return table, key[1] / near[1]
+
+    def verify_stamps(self, batch: int, context: int) -> dict[int, int]:
+        """``{nodes: round}`` of the verify forwards measured at exactly this batch and context bucket."""
+        return {n: e.stamp for n, e in self.verify.get(self.key(batch, context), {}).items()}
+
+    def verify_seconds(self, nodes: int, batch: int, context: int) -> float | None:
+        """Interpolated in the node count; below the smallest measured count, its seconds; above the largest,
+        extrapolated from the last two (never decreasing), or proportionally from a single one."""
+        table, scale = self.verify_table(batch, context)
+        return interpolate(table, nodes * scale)
+
+    def verify_known(self, nodes: int, batch: int, context: int) -> bool:
+        """Whether ``nodes`` lies within the measured node counts (interpolated, not extrapolated)."""
+        table, scale = self.verify_table(batch, context)
+        return bool(table) and min(table) <= nodes * scale <= max(table)
+
+    def overhead_seconds(self, batch: int, context: int) -> float | None:
+        near = self._nearest(self.overhead, self.key(batch, context))
+        return None if near is None else self.overhead[near].value
+
+    def plain_estimate(self, batch: int, context: int) -> Estimate | None:
+        """The plain-round estimate at this exact key (``None`` when never measured here)."""
+        return self.plain.get(self.key(batch, context))
+
+    def plain_seconds(self, batch: int, context: int) -> float | None:
+        key = self.key(batch, context)
+        near = self._nearest(self.plain, key)
+        if near is None:
+            return None
+        return self.plain[near].value * (key[1] / near[1] if near[1] != key[1] else 1.0)
+
+    @staticmethod
+    def _nearest(entries: dict, key: Key) -> Key | None:
+        """``key`` if measured, else the measured key closest in log2 context bucket and log2 batch."""
+        if key in entries and _has_value(entries[key]):
+            return key
+        known = [k for k, v in entries.items() if _has_value(v)]
+        if not known:
+            return None
+        return min(known, key=lambda k: (abs(math.log2(k[0] / key[0])) + abs(math.log2(k[1] / key[1])), k))
+
+    # ------------------------------------------------------------------ seeding
+
+    def to_dict(self) -> dict:
+        def name(k: Key) -> str:
+            return f"{k[0]}x{k[1]}"
+
+        return {
+            "verify": {name(k): {str(n): e.to_dict() for n, e in sorted(t.items())} for k, t in sorted(self.verify.items())},
+            "overhead": {name(k): e.to_dict() for k, e in sorted(self.overhead.items())},
+            "plain": {name(k): e.to_dict() for k, e in sorted(self.plain.items())},
+            "rounds": self.rounds,
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict, **options) -> RoundCosts:
+        costs = cls(**options)
+
+        def key(text: str) -> Key:
+            bucket, batch = text.split("x")
+            return (int(bucket), int(batch))
+
+        for k, table in data.get("verify", {}).items():
+            costs.verify[key(k)] = {int(n): Estimate.from_dict(e, **costs.options) for n, e in table.items()}
+        for part in ("overhead", "plain"):
+            for k, e in data.get(part, {}).items():
+                getattr(costs, part)[key(k)] = Estimate.from_dict(e, **costs.options)
+        costs.rounds = int(data.get("rounds", 0))
+        return costs
+
+    def save(self, path: str | Path) -> None:
+        """Write the table as JSON (a seed for a later run of the same model on the same machine)."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(self.to_dict(), indent=1))
+
+    @classmethod
+    def load(cls, path: str | Path, **options) -> RoundCosts:
+        path = Path(path)
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"cannot read a round-cost table from {path}: {exc}; delete the file or save a new "
+                             "one with RoundCosts.save") from exc
+        return cls.from_dict(data, **options)
+
+    def describe(self) -> dict:
+        def name(k: Key) -> str:
+            return f"{k[0]}x{k[1]}"
+
+        def secs(e: Estimate) -> float | None:
+            return None if e.value is None else round(e.value, 6)
+
+        return {
+            "kind": "learned",
+            "rounds": self.rounds,
+            "verify_seconds": {name(k): {str(n): secs(e) for n, e in sorted(t.items())}
+                               for k, t in sorted(self.verify.items())},
+            "overhead_seconds": {name(k): secs(e) for k, e in sorted(self.overhead.items())},
+            "plain_seconds": {name(k): secs(e) for k, e in sorted(self.plain.items())},
+        }
+
+
+def _values(table: dict[int, Estimate]) -> dict[int, float]:
+    return {n: e.value for n, e in table.items() if e.value is not None}
+
+
+def _has_value(entry) -> bool:
+    if isinstance(entry, dict):
+        return any(e.value is not None for e in entry.values())
+    return entry.value is not None
+
+
+def interpolate(table: dict[int, float], nodes: int) -> float | None:
+    """Seconds at ``nodes`` from measured ``{nodes: seconds}``: linear between points, flat below the
+    smallest, the last two points' slope (at least 0) above the largest, proportional from a single point."""
+    if not table:
+        return None
+    xs = sorted(table)
+    if nodes in table:
+        return table[nodes]
+    if nodes < xs[0]:
+        return table[xs[0]]
+    if nodes > xs[-1]:
+        if len(xs) == 1:
+            return table[xs[0]] * nodes / xs[0]
+        a, b = xs[-2], xs[-1]
+        slope = max(0.0, (table[b] - table[a]) / (b - a))
+        return table[b] + slope * (nodes - b)
+    i = next(i for i, x in enumerate(xs) if x > nodes)
+    a, b = xs[i - 1], xs[i]
+    return table[a] + (table[b] - table[a]) * (nodes - a) / (b - a)

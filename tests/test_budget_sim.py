@@ -1,0 +1,282 @@
+"""AutoBudget on simulated machines: the choices it makes, never wall time.
+
+A simulator feeds the policy what a round would: synthetic drafter log-probs, the acceptance a target
+following a known distribution realises on the tree the policy chose, and the seconds a modelled machine
+takes (a fake clock the policy reads). Fixed methods run through the same simulator (same seeds) give the
+best fixed choice to compare with.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import pytest
+import torch
+
+from ddtree.budget.costs import Estimate, RoundCosts, interpolate
+from ddtree.budget.policy import AutoBudget
+from ddtree.core.builders import best_first
+
+CANDIDATES = (1, 2, 4, 8, 16, 32, 64)
+VOCAB, DEPTH = 24, 8
+
+
+class FakeClock:
+    """Seconds the simulator sets; the policy only reads it."""
+
+    def __init__(self):
+        self.now, self.reads = 0.0, 0
+
+    def __call__(self) -> float:
+        self.reads += 1
+        return self.now
+
+
+@dataclass
+class Machine:
+    """Round seconds: ``verify(batch, nodes, context, round)`` plus drafting overhead and a plain step's extra."""
+
+    verify: Callable[[int, int, int, int], float]
+    draft: float = 0.003
+    plain_extra: float = 0.001
+
+    def tree_round(self, batch: int, nodes: int, context: int, r: int) -> tuple[float, float]:
+        v = self.verify(batch, nodes, context, r)
+        return v + self.draft * (1 + 0.1 * batch), v
+
+    def plain_round(self, batch: int, context: int, r: int) -> float:
+        return self.verify(batch, 1, context, r) + self.plain_extra
+
+
+def cpu_like(load: Callable[[int], float] = lambda r: 1.0, attention: float = 0.0) -> Machine:
+    """Every verified node costs: a compute-bound forward. ``load(round)`` multiplies the per-node cost (a
+    competing process); ``attention`` is how many times the per-node cost each 32k tokens of context add."""
+    return Machine(lambda b, n, c, r: 0.02 + load(r) * b * n * 0.003 * (1 + attention * c / 32768))
+
+
+def gpu_like() -> Machine:
+    """A memory-bound forward: flat up to 64 nodes in the batch, then each node costs."""
+    return Machine(lambda b, n, c, r: 0.015 + 0.0004 * max(0, b * n - 64))
+
+
+@dataclass
+class Drafter:
+    """Per-depth distributions with a confident head; ``honest`` is how often the target follows them (a
+    strong drafter 1.0: its probabilities are the truth; a weak one near 0: the target picks uniformly)."""
+
+    top: float
+    honest: float
+    seed: int = 0
+    rng: torch.Generator = field(init=False)
+
+    def __post_init__(self):
+        self.rng = torch.Generator().manual_seed(self.seed)
+
+    def propose(self, batch: int) -> torch.Tensor:
+        fade = torch.linspace(1.0, 0.6, DEPTH).view(1, DEPTH, 1)
+        rest = torch.rand(batch, DEPTH, VOCAB, generator=self.rng) + 0.05
+        head = torch.zeros(batch, DEPTH, VOCAB)
+        ids = torch.randint(0, VOCAB, (batch, DEPTH, 1), generator=self.rng)
+        head.scatter_(2, ids, 1.0)
+        top = self.top * fade
+        probs = head * top + (1 - head) * rest / (rest * (1 - head)).sum(-1, keepdim=True) * (1 - top)
+        return probs.log()
+
+    def target_path(self, logprobs: torch.Tensor) -> torch.Tensor:
+        """The target's token at each depth ``[B, D]``."""
+        follow = torch.rand(logprobs.shape[:2], generator=self.rng) < self.honest
+        drafted = torch.multinomial(logprobs.exp().flatten(0, 1), 1, generator=self.rng).view(logprobs.shape[:2])
+        uniform = torch.randint(0, VOCAB, logprobs.shape[:2], generator=self.rng)
+        return torch.where(follow, drafted, uniform)
+
+
+def accepted_counts(tree, path: torch.Tensor) -> list[int]:
+    """Nodes on each row's accepted path, root included (the target's path walked down the tree)."""
+    out = []
+    for b in range(tree.batch_size):
+        parents, tokens = tree.parents[b].tolist(), tree.tokens[b].tolist()
+        child = {(parents[i], tokens[i]): i for i in range(1, len(parents))}
+        node, count = 0, 1
+        for token in path[b].tolist():
+            node = child.get((node, token))
+            if node is None:
+                break
+            count += 1
+        out.append(count)
+    return out
+
+
+@dataclass
+class Run:
+    tokens: int
+    seconds: float
+    choices: list[int]
+
+    @property
+    def rate(self) -> float:
+        return self.tokens / self.seconds
+
+
+def simulate(choice, machine: Machine, drafter: Drafter, batch: int, rounds: int, context: int = 256) -> Run:
+    """``choice``: an :class:`AutoBudget` (on a :class:`FakeClock`) or a fixed budget (0: plain decoding)."""
+    policy = choice if isinstance(choice, AutoBudget) else None
+    clock = policy.clock if policy is not None else FakeClock()
+    tokens, seconds, choices = 0, 0.0, []
+    roots = torch.zeros(batch, dtype=torch.long)
+    for r in range(rounds):
+        lp = drafter.propose(batch)  # drawn every round, so fixed and auto runs see the same drafts
+        path = drafter.target_path(lp)
+        if policy is not None:
+            policy.prepare(context, batch)
+            plain = policy.skip_draft
+        else:
+            plain = choice == 0
+        if plain:
+            n, accepted = 0, [1] * batch
+            spent = machine.plain_round(batch, context, r) if policy is None else machine.tree_round(batch, 1, context, r)[0] - machine.draft * (1 + 0.1 * batch) + machine.plain_extra
+            verify = machine.verify(batch, 1, context, r)
+        else:
+            n = policy.choose(lp, context) if policy is not None else choice
+            accepted = accepted_counts(best_first(roots, lp, n), path)
+            spent, verify = machine.tree_round(batch, n + 1, context, r)
+        if policy is not None:
+            policy.observe(accepted, verify, context)
+        clock.now += spent
+        tokens += sum(accepted)
+        seconds += spent
+        choices.append(n)
+        context += max(accepted)
+    return Run(tokens, seconds, choices)
+
+
+def auto(**options) -> AutoBudget:
+    return AutoBudget(candidates=CANDIDATES, clock=FakeClock(), **options)
+
+
+def best_fixed(machine: Machine, drafter_args: dict, batch: int, rounds: int, context: int = 256,
+               budgets=(0,) + CANDIDATES) -> tuple[int, dict]:
+    rates = {n: simulate(n, machine, Drafter(**drafter_args), batch, rounds, context).rate for n in budgets}
+    return max(rates, key=rates.get), rates
+
+
+def mode(xs: list[int]) -> int:
+    return max(sorted(set(xs)), key=xs.count)
+
+
+STRONG = {"top": 0.7, "honest": 1.0}
+WEAK = {"top": 0.8, "honest": 0.0}
+
+
+@pytest.mark.parametrize("machine_name, batch, budgets", [
+    ("cpu", 1, (0, 1, 2, 4, 8, 16)), ("cpu", 4, (0, 1, 2, 4, 8)), ("cpu", 16, (0, 1, 2, 4)),
+    ("gpu", 1, (0, 4, 16, 32, 64)), ("gpu", 16, (0, 1, 2, 4, 8))])
+def test_auto_tracks_the_best_fixed_choice(machine_name, batch, budgets):
+    """Strong drafter: auto settles on the best fixed budget (or a neighbour) and loses at most 10% to it, and
+    at most 5% to plain decoding (the exploration schedule's price)."""
+    machine = cpu_like() if machine_name == "cpu" else gpu_like()
+    best, rates = best_fixed(machine, STRONG, batch, 80, budgets=budgets)
+    run = simulate(auto(), machine, Drafter(**STRONG), batch, 80)
+    settled = mode(run.choices[20:])
+    order = (0,) + CANDIDATES
+    assert abs(order.index(settled) - order.index(best)) <= 1, (settled, rates)
+    assert run.rate >= 0.9 * rates[best] and run.rate >= 0.95 * rates[0], (run.rate, rates)
+
+
+def test_batch_moves_the_choice_on_both_machines():
+    """The cost model knows the batch: bigger batches settle on smaller trees on both machines; on the CPU
+    at batch 16 a plain step wins, on the GPU a budget-64 tree at batch 1 (flat verify)."""
+    settled = {}
+    for name, machine in (("cpu", cpu_like()), ("gpu", gpu_like())):
+        for batch in (1, 4, 16):
+            run = simulate(auto(), machine, Drafter(**STRONG), batch, 60)
+            settled[name, batch] = mode(run.choices[20:])
+    for name in ("cpu", "gpu"):
+        assert settled[name, 1] >= settled[name, 4] >= settled[name, 16], settled
+    assert settled["cpu", 16] == 0 and settled["gpu", 1] >= 32 and settled["gpu", 1] > settled["cpu", 1], settled
+
+
+def test_weak_drafter_decodes_plainly_and_strong_one_drafts():
+    weak = simulate(auto(), cpu_like(), Drafter(**WEAK), 1, 120)
+    strong = simulate(auto(), cpu_like(), Drafter(**STRONG), 1, 120)
+    assert weak.choices[20:].count(0) >= 0.85 * 100  # plain, but for the scheduled retries of a tree
+    assert strong.choices[20:].count(0) <= 0.1 * 100
+    _, rates = best_fixed(cpu_like(), WEAK, 1, 120, budgets=(0, 1))
+    assert weak.rate >= 0.9 * rates[0], (weak.rate, rates)
+
+
+def test_load_spike_moves_to_smaller_trees_and_back():
+    """A competing process makes each node 4x as costly from round 60 to 140: the policy moves to a smaller tree
+    or plain steps during the spike (once the drift rule accepts it) and back to its former choice after."""
+    load = lambda r: 4.0 if 60 <= r < 140 else 1.0  # noqa: E731
+    run = simulate(auto(), cpu_like(load), Drafter(**STRONG), 1, 190)
+    before, during, after = mode(run.choices[20:60]), mode(run.choices[75:140]), mode(run.choices[150:190])
+    assert during < before and after > during and abs(CANDIDATES.index(after) - CANDIDATES.index(before)) <= 1, (
+        before, during, after)
+    quiet, _ = best_fixed(cpu_like(), STRONG, 1, 60, budgets=(0, 1, 2, 4, 8))
+    spiked, _ = best_fixed(cpu_like(lambda r: 4.0), STRONG, 1, 60, budgets=(0, 1, 2, 4, 8))
+    assert spiked < quiet and abs(CANDIDATES.index(before) - CANDIDATES.index(quiet)) <= 1
+
+
+def test_long_context_costs_shrink_the_tree():
+    """Attention over a long context makes every node cost more: the policy settles on a smaller tree at 32k
+    context than at 256 (each learned in its own context bucket)."""
+    machine = cpu_like(attention=3.0)
+    short = simulate(auto(), machine, Drafter(**STRONG), 1, 80, context=256)
+    long = simulate(auto(), machine, Drafter(**STRONG), 1, 80, context=32768)
+    assert mode(long.choices[20:]) < mode(short.choices[20:])
+
+
+def test_costs_seed_a_later_generation_and_round_trip_through_json(tmp_path):
+    """A second generation on the first one's costs chooses the learned best at once (no start budget, no
+    plain measurement round); saved and loaded, the table gives the same choice."""
+    first = auto()
+    run = simulate(first, cpu_like(), Drafter(**STRONG), 1, 80)
+    settled = mode(run.choices[20:])
+    first.costs.save(tmp_path / "costs.json")
+    loaded = RoundCosts.load(tmp_path / "costs.json")
+    assert loaded.to_dict() == first.costs.to_dict()
+    second = simulate(auto(costs=first.costs), cpu_like(), Drafter(**STRONG, seed=1), 1, 3)
+    assert second.choices[0] == settled and 0 not in second.choices[:2]
+    third = simulate(auto(costs=loaded), cpu_like(), Drafter(**STRONG, seed=1), 1, 3)
+    assert third.choices == second.choices
+    (tmp_path / "bad.json").write_text("{not json")
+    with pytest.raises(ValueError, match="RoundCosts.save"):
+        RoundCosts.load(tmp_path / "bad.json")
+
+
+def test_policy_reads_its_clock_once_per_round():
+    policy = auto()
+    simulate(policy, cpu_like(), Drafter(**STRONG), 2, 30)
+    assert policy.clock.reads == 30
+
+
+def test_estimate_skips_outliers_and_follows_drift():
+    e = Estimate(weight=0.5, outlier=1.6, drift_after=3)
+    for i in range(5):
+        e.update(1.0, i)
+    e.update(10.0, 5)  # a paused consumer: ignored
+    assert e.value == 1.0
+    e.update(1.0, 6)
+    for i in range(3):  # load doubles and stays
+        e.update(2.0, 7 + i)
+    assert e.value == 2.0
+    e.update(2.2, 10)
+    assert e.value == pytest.approx(2.1)
+
+
+def test_costs_fall_back_to_the_nearest_measured_key():
+    costs = RoundCosts()
+    costs.record_tree(5, 1, 100, round_seconds=0.05, verify_seconds=0.04)
+    costs.record_tree(9, 1, 100, round_seconds=0.07, verify_seconds=0.06)
+    costs.record_tree(5, 1, 3000, round_seconds=0.09, verify_seconds=0.08)
+    # context bucket 4096 measured 5 nodes only (twice bucket 128's): 9 nodes from bucket 128, rescaled
+    assert costs.verify_seconds(9, 1, 3000) == pytest.approx(0.12) and costs.verify_known(9, 1, 3000)
+    assert not costs.verify_known(17, 1, 3000)
+    assert costs.verify_seconds(7, 1, 100) == pytest.approx(0.05)
+    assert costs.verify_seconds(13, 1, 100) == pytest.approx(0.08)  # the last two's slope
+    assert costs.verify_seconds(2, 1, 100) == pytest.approx(0.04)  # never cheaper than the smallest measured
+    # batch 2 never measured: batch 1's table at the same total node count (2 x 5 nodes = 10 -> 10 at batch 1)
+    assert costs.verify_seconds(5, 2, 100) == pytest.approx(0.06 + 0.005 * 1)
+    assert costs.overhead_seconds(1, 5000) == pytest.approx(0.01)  # another context bucket: the nearest
+    assert interpolate({4: 1.0}, 8) == 2.0 and interpolate({}, 3) is None
