@@ -28,7 +28,7 @@ _PREPARED = frozenset({"attention_mask", "position_ids", "cache", "past_key_valu
 
 def decoding(drafter, tree_budget: int | str | None = None, builder: Any = None, *, seed: int | None = None,
              options: GeneratorOptions | None = None, **settings) -> "DDTreeDecoding":
-    """A ``custom_generate`` callable running DDTree with ``drafter`` : a drafter directory or hub id (loaded
+    """A ``custom_generate`` callable running DDTree with ``drafter``: a drafter directory or hub id (loaded
     against the target on first use, the class from its ``architectures``), a raw drafter model or any ``Drafter``.
 
     ``target.generate(**inputs, custom_generate=ddtree.decoding(drafter), max_new_tokens=128)``
