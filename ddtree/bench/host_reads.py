@@ -26,7 +26,7 @@ from ddtree.generation.round import speculative_round
 from ddtree.runtime.host_reads import count_host_reads
 
 METHODS = ("chain", "best_first@4", "best_first@16", "lookup", "best_first@4+lookup", "dflash2@4")
-BUILDER_SITES = ("ddtree.core.builders", "ddtree.core.pairwise")
+BUILDER_SITES = ("ddtree.core.builders", "ddtree.core.pairwise", "ddtree.core.tree")
 LOOKUP_SITES = ("ddtree.drafters.lookup",)
 
 
