@@ -68,3 +68,21 @@ def test_the_block_ends_the_count():
         int(t)
     int(t)
     assert reads.count == 1
+
+
+def test_the_bench_separates_the_rounds_one_read_from_the_builders(tmp_path):
+    import json
+
+    from ddtree.bench.host_reads import main
+
+    out = tmp_path / "reads.json"
+    assert main(["--methods", "best_first@4", "--batches", "2", "--rounds", "2", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())
+    assert [(r["method"], r["batch"], r["sampled"]) for r in rows] == [("best_first@4", 2, False),
+                                                                       ("best_first@4", 2, True)]
+    for r in rows:
+        assert r["round"] == 1  # the numpy best_first still reads (its own column), the round once
+        assert r["builder"] >= 1 and r["total"] == r["round"] + r["builder"] + r["lookup"]
+        in_round = {s: n for s, n in r["sites"].items() if s.startswith("ddtree.generation.round.")}
+        assert list(in_round.values()) == [1] and next(iter(in_round)).startswith(
+            "ddtree.generation.round._read_accepted:")
