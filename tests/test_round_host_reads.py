@@ -66,11 +66,10 @@ def drafter(kind: str, target):
 
 
 def run_counted(gen, prompts, sampled: bool):
-    """Every round of one generation, and the host reads of each steady round (after the prefill and the
-    first round, which takes in the prompt's deferred last chunk; rounds where a row finishes are apart)."""
+    """Every round of one generation, and the host reads of each round after the prefill (the first of them
+    takes in the prompt's deferred last chunk too; rounds where a row finishes are apart)."""
     options = dict(do_sample=True, temperature=0.8, seed=3) if sampled else dict(do_sample=False)
     state = gen.start(prompts, max_new_tokens=NEW, stop_token_ids=(), record_trees=True, **options)
-    speculative_round(state)
     speculative_round(state)
     steady, finishing = [], []
     while not state.done:

@@ -68,6 +68,7 @@ def _prefill(state: DecodeState) -> RoundResult:
     for b, p in enumerate(state.prompts):
         ids[b, width - len(p):] = p.to(device)
     state.cache = new_target_cache(target)
+    state.host_lengths = host_lengths
     plain = state.policy is None
     hidden = not plain and gen.drafter.needs_hidden_states
     with timer.stage("prefill"):
@@ -78,7 +79,7 @@ def _prefill(state: DecodeState) -> RoundResult:
         else:
             last = _prefill_batch(state, ids, lengths, hidden, padded)
         roots = gen.lockstep.share(choose_tokens(last.to(device), state.sampling, state.rng))
-    state.lengths, state.host_lengths, state.roots, state.prefilled = lengths, host_lengths, roots, True
+    state.lengths, state.roots, state.prefilled = lengths, roots, True
     first = roots.tolist()
     tokens = [[] for _ in state.prompts]
     for i, row in enumerate(state.active):
@@ -101,15 +102,16 @@ def _prefill_batch(state: DecodeState, ids: torch.Tensor, lengths: torch.Tensor,
         if state.draft is None:
             return
         features = gen.drafter.context_features(out.hidden_states) if hidden else None
-        chunk, counts = ids[:, start:end], None
+        chunk, counts, host_counts = ids[:, start:end], None, None
         if padded:  # left-align each row's real columns of this chunk
             first = pads.clamp(min=start)
             counts = (end - first).clamp(min=0)
+            host_counts = [max(0, end - max(width - n, start)) for n in state.host_lengths]
             take = (torch.arange(end - start, device=ids.device) + (first - start)[:, None]).clamp(max=end - start - 1)
             chunk = chunk.gather(1, take)
             if features is not None:
                 features = features.gather(1, take.to(features.device)[..., None].expand(-1, -1, features.shape[-1]))
-        _to_context(state, end == width, features, chunk, counts)
+        _to_context(state, end == width, features, chunk, counts, host_counts)
 
     return chunked_prefill(gen.target, ids, state.cache, state.prefill_chunk, positions=positions, valid=valid,
                            hidden=hidden, layers=gen.drafter.target_layer_ids if hidden else None,
@@ -122,7 +124,7 @@ def _to_context(state: DecodeState, last: bool, *args) -> None:
     if last:
         state.deferred.append(args)
     else:
-        state.draft.append(*args)
+        state.draft.append(*args[:3], host_counts=args[3])
 
 
 def _prefill_each_row(state: DecodeState, hidden: bool, width: int) -> torch.Tensor:
@@ -145,12 +147,14 @@ def _prefill_each_row(state: DecodeState, hidden: bool, width: int) -> torch.Ten
             tokens[b] = prompt[start:end]
             counts = torch.zeros(rows, dtype=torch.long, device=prompt.device)
             counts[b] = t
+            host_counts = [0] * rows
+            host_counts[b] = t
             features = None
             if hidden:
                 own = gen.drafter.context_features(out.hidden_states)
                 features = own.new_zeros((rows, *own.shape[1:]))
                 features[b] = own[0]
-            _to_context(state, end == len(prompt), features, tokens, counts)
+            _to_context(state, end == len(prompt), features, tokens, counts, host_counts)
 
         cache = new_target_cache(target)
         logits = chunked_prefill(target, prompt.view(1, -1), cache, state.prefill_chunk, hidden=hidden,

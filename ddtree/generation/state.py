@@ -100,7 +100,8 @@ class DecodeState:
     active: list[int] = field(default_factory=list)
     cache: Any = None
     draft: DraftContext | None = None
-    deferred: list[tuple] = field(default_factory=list)  # drafter-context appends held back (see catch_up_draft)
+    deferred: list[tuple] = field(default_factory=list)  # drafter-context appends held back (see catch_up_draft):
+    # (features, tokens, counts, host_counts)
     lengths: torch.Tensor | None = None  # [A] committed tokens per active row, in the cache
     host_lengths: list[int] = field(default_factory=list)  # the same on the host, kept from the round's one read
     roots: torch.Tensor | None = None  # [A] each active row's last emitted token, not yet in the cache
@@ -133,8 +134,8 @@ class DecodeState:
         the prefill calls this too."""
         if self.deferred:
             with torch.inference_mode(), self.timer.stage("prefill"):
-                for args in self.deferred:
-                    self.draft.append(*args)
+                for features, tokens, counts, host_counts in self.deferred:
+                    self.draft.append(features, tokens, counts, host_counts=host_counts)
             self.deferred.clear()
         return self.draft
 
