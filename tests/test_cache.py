@@ -99,3 +99,40 @@ def test_commit_refuses_paths_that_skip_the_root_or_have_inner_padding():
         commit_accepted(cache, 3, torch.tensor([[1, 2]]))
     with pytest.raises(ValueError, match="padded at the end only"):
         commit_accepted(cache, 3, torch.tensor([[0, -1, 2]]))
+
+
+def _filled_cache(rows: int, columns: int, seed: int):
+    from transformers import DynamicCache
+
+    g = torch.Generator().manual_seed(seed)
+    cache = DynamicCache()
+    for layer in range(2):
+        k, v = (torch.randn(rows, 2, columns, 4, generator=g, dtype=torch.float64) for _ in range(2))
+        cache.update(k, v, layer)
+    return cache
+
+
+@pytest.mark.parametrize("accepted,lengths", [
+    ([[0, 1, 2], [0, 1, 2]], None),  # a chain's leading run: a slice
+    ([[0, 2, 5], [0, 1, 3]], None),  # equal counts off the leading run: one gather
+    ([[0, 2, 5], [0, -1, -1]], [6, 4]),  # ragged counts and ragged rows: the whole cache re-packed
+    ([[0, 1, -1], [0, 3, 4]], None),
+])
+def test_commit_from_host_paths_equals_the_device_checked_commit_and_reads_nothing(accepted, lengths):
+    from ddtree.runtime.host_reads import count_host_reads
+
+    prefix, nodes = 6, 6
+    accepted_t = torch.tensor(accepted)
+    paths = [[i for i in row if i >= 0] for row in accepted]
+    lengths_t = None if lengths is None else torch.tensor(lengths)
+    checked, host = _filled_cache(2, prefix + nodes, 0), _filled_cache(2, prefix + nodes, 0)
+    commit_accepted(checked, prefix, accepted_t, lengths_t)
+    with count_host_reads() as reads:
+        commit_accepted(host, prefix, accepted_t, lengths_t, paths=paths, host_lengths=lengths)
+    assert reads.count == 0
+    for a, b in zip(checked.layers, host.layers):
+        assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+    assert checked.get_seq_length() == host.get_seq_length()
+    with pytest.raises(ValueError, match="starts at the root"):
+        commit_accepted(_filled_cache(2, prefix + nodes, 0), prefix, accepted_t, lengths_t,
+                        paths=[p[1:] for p in paths], host_lengths=lengths)

@@ -66,7 +66,7 @@ class _FuzzContext(DraftContext):
         self.rng = random.Random(drafter.seed)
         self.gen = torch.Generator().manual_seed(drafter.seed)
 
-    def append(self, features, tokens, counts=None):
+    def append(self, features, tokens, counts=None, host_counts=None):
         self.context_len += int(counts[0]) if counts is not None else tokens.shape[1]
 
     def select_rows(self, rows):

@@ -184,9 +184,9 @@ class _ScriptedContext(DraftContext):
         self.rows = list(range(batch_size))  # which reference each active row follows
         self.lengths = [0] * batch_size
 
-    def append(self, features, tokens, counts=None):
+    def append(self, features, tokens, counts=None, host_counts=None):
         t = tokens.shape[1]
-        counts = [t] * len(self.rows) if counts is None else [int(c) for c in counts]
+        counts = [t] * len(self.rows) if counts is None else host_counts or [int(c) for c in counts]
         if self.drafter.match_prompt and not any(self.lengths):  # the prefill: each row's prompt, left-aligned
             refs = self.drafter.references
             self.rows = [next(j for j, r in enumerate(refs) if r[:c].tolist() == tokens[i, :c].tolist())

@@ -8,5 +8,6 @@ SUBCOMMANDS = {
     "long-run": ("ddtree.bench.long_run", "one long generation: exactness and memory per committed token"),
     "linear": ("ddtree.bench.linear", "hybrid GDN verify: tree against chain"),
     "dflash2": ("ddtree.bench.dflash2", "DDTree over a DFlash2 selector's pairwise scores against its chain"),
+    "hostreads": ("ddtree.bench.host_reads", "host reads per round (each a device wait on a GPU) by method and batch"),
     "memory": ("ddtree.bench.memory", "long prompts: peak memory and time to first token against HF generate"),
 }

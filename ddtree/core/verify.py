@@ -35,8 +35,11 @@ class VerifyResult:
         return self.num_accepted.tolist()
 
 
-def accept_longest_branch(tree: DraftTree, choices: torch.Tensor) -> VerifyResult:
-    """Vectorised walk: a node is accepted when it and all its ancestors match their parent's choice."""
+def accept_longest_branch(tree: DraftTree, choices: torch.Tensor, length: int | None = None) -> VerifyResult:
+    """Vectorised walk: a node is accepted when it and all its ancestors match their parent's choice.
+
+    ``accepted`` gets ``length`` columns when given (at least the longest path: ``tree.num_nodes`` always is),
+    so the walk reads nothing back from the device; by default as many as the longest path, which it reads."""
     bsz, n = tree.tokens.shape
     parent_choice = choices.gather(1, tree.parents.clamp(min=0))
     matched = tree.tokens == parent_choice
@@ -46,7 +49,8 @@ def accept_longest_branch(tree: DraftTree, choices: torch.Tensor) -> VerifyResul
     rows = torch.arange(bsz, device=choices.device)
     on_path = tree.visibility[rows, deepest]  # ancestors-or-self of the deepest accepted node, [B, N]
     num = on_path.sum(dim=1)
-    length = int(num.max())
+    if length is None:
+        length = int(num.max())
     # Ancestors have smaller indices than descendants, so index order is path order.
     order = torch.sort(torch.where(on_path, torch.arange(n, device=choices.device), n), dim=1).values[:, :length]
     accepted = torch.where(order < n, order, torch.full_like(order, -1))
@@ -59,10 +63,12 @@ def verify_tree(
     logits: torch.Tensor,
     sampling: SamplingConfig = SamplingConfig(),
     generator: torch.Generator | None = None,
+    length: int | None = None,
 ) -> VerifyResult:
-    """Verify ``tree`` given the target's ``logits`` ``[B, N, V]`` at every node."""
+    """Verify ``tree`` given the target's ``logits`` ``[B, N, V]`` at every node (``length``: see
+    :func:`accept_longest_branch`)."""
     if logits.shape[:2] != tree.tokens.shape:
         raise ValueError(
             f"logits {tuple(logits.shape)} do not cover the tree's {tree.num_nodes} nodes"
         )
-    return accept_longest_branch(tree, choose_tokens(logits, sampling, generator))
+    return accept_longest_branch(tree, choose_tokens(logits, sampling, generator), length)

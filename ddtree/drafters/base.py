@@ -47,10 +47,13 @@ class DraftContext(Protocol):
     Rows are the active rows of a batch. ``append`` takes left-aligned
     ``features`` ``[B, T, F]`` (``None`` for a drafter that reads none) and
     ``tokens`` ``[B, T]`` of the tokens each row just committed, of which row
-    ``b`` has ``counts[b]`` (default all ``T``).
+    ``b`` has ``counts[b]`` (default all ``T``). The round also passes the counts as Python ints,
+    ``host_counts``, which it has read anyway: a context sizes and slices with those instead of reading
+    ``counts`` back from the device (on a GPU every such read waits for the device).
     """
 
-    def append(self, features: torch.Tensor | None, tokens: torch.Tensor, counts: torch.Tensor | None = None) -> None:
+    def append(self, features: torch.Tensor | None, tokens: torch.Tensor, counts: torch.Tensor | None = None,
+               host_counts: Sequence[int] | None = None) -> None:
         ...
 
     def propose(self, root_tokens: torch.Tensor) -> Proposal:

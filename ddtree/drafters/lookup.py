@@ -103,9 +103,13 @@ class LookupContext(DraftContext):
         self.buffers = [np.zeros(64, dtype=np.int64) for _ in range(batch_size)]
         self.lengths = [0] * batch_size
 
-    def append(self, features, tokens: torch.Tensor, counts: torch.Tensor | None = None) -> None:
+    def append(self, features, tokens: torch.Tensor, counts: torch.Tensor | None = None,
+               host_counts: Sequence[int] | None = None) -> None:
         rows = tokens.detach().cpu().numpy()
-        counts = [rows.shape[1]] * rows.shape[0] if counts is None else [int(c) for c in counts]
+        if counts is None:
+            counts = [rows.shape[1]] * rows.shape[0]
+        else:
+            counts = list(host_counts) if host_counts is not None else counts.tolist()
         for b, (row, count) in enumerate(zip(rows, counts)):
             need = self.lengths[b] + count
             if need > self.buffers[b].shape[0]:
@@ -180,9 +184,9 @@ class MergedContext(DraftContext):
     def __init__(self, model_context, lookup_context: LookupContext):
         self.model, self.lookup = model_context, lookup_context
 
-    def append(self, features, tokens, counts=None) -> None:
-        self.model.append(features, tokens, counts)
-        self.lookup.append(None, tokens, counts)
+    def append(self, features, tokens, counts=None, host_counts=None) -> None:
+        self.model.append(features, tokens, counts, host_counts=host_counts)
+        self.lookup.append(None, tokens, counts, host_counts=host_counts)
 
     def select_rows(self, rows) -> None:
         self.model.select_rows(rows)

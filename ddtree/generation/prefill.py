@@ -18,7 +18,7 @@ from ddtree.drafters.base import DraftContext, Drafter
 from ddtree.targets.cache import new_target_cache, padding_mask
 from ddtree.targets.forward import chunked_prefill
 
-Append = Callable[[torch.Tensor | None, torch.Tensor, torch.Tensor | None, bool], None]
+Append = Callable[[torch.Tensor | None, torch.Tensor, torch.Tensor | None, bool, list[int] | None], None]
 
 
 @dataclass
@@ -60,23 +60,29 @@ def prefill(target, prompts: Sequence, drafter: Drafter | None = None, *, pad_to
     ids, lengths = left_pad(prompts, pad_token_id, device)
     cache = new_target_cache(target)
     context = None if drafter is None else drafter.new_context(len(ids))
-    append = None if context is None else (lambda features, tokens, counts, last: context.append(features, tokens,
-                                                                                                  counts))
-    logits = prefill_padded(target, ids, lengths, cache, drafter=drafter, append=append, chunk_size=chunk_size)
+    append = None if context is None else (lambda features, tokens, counts, last, host_counts:
+                                            context.append(features, tokens, counts, host_counts))
+    host_lengths = [len(p) for p in prompts]
+    logits = prefill_padded(target, ids, lengths, cache, drafter=drafter, append=append, chunk_size=chunk_size,
+                            host_lengths=host_lengths)
     return Prefilled(cache, logits, lengths, context)
 
 
 def prefill_padded(target, ids: torch.Tensor, lengths: torch.Tensor, cache, *, drafter: Drafter | None = None,
-                   append: Append | None = None, chunk_size: int | None = None) -> torch.Tensor:
+                   append: Append | None = None, chunk_size: int | None = None,
+                   host_lengths: Sequence[int] | None = None) -> torch.Tensor:
     """Prefill left-padded ``ids`` ``[B, T]`` (row ``b``'s prompt is its last ``lengths[b]`` columns) into ``cache``.
 
-    Each chunk's left-aligned drafter input goes to ``append(features, tokens, counts, last)``: ``features``
-    ``[B, t, F]`` (``None`` unless ``drafter.needs_hidden_states``), ``tokens`` ``[B, t]``, ``counts`` ``[B]``
-    real columns per row (``None`` when no row is padded) and ``last`` for the prompt's last chunk (the round
-    defers that one until the first token is out). Returns the last logits ``[B, V]``.
+    Each chunk's left-aligned drafter input goes to ``append(features, tokens, counts, last, host_counts)``:
+    ``features`` ``[B, t, F]`` (``None`` unless ``drafter.needs_hidden_states``), ``tokens`` ``[B, t]``,
+    ``counts`` ``[B]`` real columns per row (``None`` when no row is padded), ``last`` for the prompt's last
+    chunk (the round defers that one until the first token is out) and ``host_counts``, the counts as Python
+    ints when ``host_lengths`` (the prompt lengths, known on the host) is given, else ``None``. Returns the
+    last logits ``[B, V]``.
     """
     width = ids.shape[1]
-    padded = not bool((lengths == width).all())
+    padded = (any(n != width for n in host_lengths) if host_lengths is not None
+              else not bool((lengths == width).all()))
     valid = padding_mask(lengths, width) if padded else None
     positions = (valid.long().cumsum(-1) - 1).clamp(min=0) if padded else None
     hidden = append is not None and drafter is not None and drafter.needs_hidden_states
@@ -84,15 +90,17 @@ def prefill_padded(target, ids: torch.Tensor, lengths: torch.Tensor, cache, *, d
 
     def to_drafter(start: int, end: int, out) -> None:
         features = drafter.context_features(out.hidden_states) if hidden else None
-        chunk, counts = ids[:, start:end], None
+        chunk, counts, host_counts = ids[:, start:end], None, None
         if padded:  # left-align each row's real columns of this chunk
             first = pads.clamp(min=start)
             counts = (end - first).clamp(min=0)
+            if host_lengths is not None:
+                host_counts = [max(0, end - max(width - n, start)) for n in host_lengths]
             take = (torch.arange(end - start, device=ids.device) + (first - start)[:, None]).clamp(max=end - start - 1)
             chunk = chunk.gather(1, take)
             if features is not None:
                 features = features.gather(1, take.to(features.device)[..., None].expand(-1, -1, features.shape[-1]))
-        append(features, chunk, counts, end == width)
+        append(features, chunk, counts, end == width, host_counts)
 
     return chunked_prefill(target, ids, cache, chunk_size, positions=positions, valid=valid, hidden=hidden,
                            layers=drafter.target_layer_ids if hidden else None,

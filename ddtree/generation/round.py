@@ -10,13 +10,17 @@ later call runs one round for the active rows:
 3. the backend's tree-attention kwargs (rows padded in the cache get a dense mask);
 4. one target forward over every row's tree, at positions ``length + depth``;
 5. ``verify_tree``: each row's accepted path and bonus token;
-6. ``commit_accepted``: compact the cache per row; the drafter context gets
+6. one host read: each row's accepted count, bonus, path and path tokens (one packed tensor), from which
+   the host knows every row's new length; nothing else in a round waits for the device;
+7. ``commit_accepted``: compact the cache per row; the drafter context gets
    the accepted nodes' features.
 
 With budget 0 (no policy) a round is one plain decode step per row.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -57,13 +61,15 @@ def _prefill(state: DecodeState) -> RoundResult:
     gen, timer = state.generator, state.timer
     target = gen.target
     device = target.get_input_embeddings().weight.device
-    lengths = torch.tensor([len(p) for p in state.prompts], dtype=torch.long, device=device)
-    width = int(lengths.max())
-    padded = not bool((lengths == width).all())
+    host_lengths = [len(p) for p in state.prompts]
+    lengths = torch.tensor(host_lengths, dtype=torch.long, device=device)
+    width = max(host_lengths)
+    padded = len(set(host_lengths)) > 1
     ids = torch.full((len(state.prompts), width), gen.pad_token_id, dtype=torch.long, device=device)
     for b, p in enumerate(state.prompts):
         ids[b, width - len(p):] = p.to(device)
     state.cache = new_target_cache(target)
+    state.host_lengths = host_lengths
     plain = state.policy is None
     hidden = not plain and gen.drafter.needs_hidden_states
     with timer.stage("prefill"):
@@ -72,14 +78,16 @@ def _prefill(state: DecodeState) -> RoundResult:
         if padded and not describe(target).padded_prefill_exact:
             last = _prefill_each_row(state, hidden, width)
         else:
-            append = None if plain else lambda *chunk: _to_context(state, chunk[-1], *chunk[:-1])
+            append = None if plain else (lambda features, tokens, counts, last_chunk, host_counts:
+                                         _to_context(state, last_chunk, features, tokens, counts, host_counts))
             last = prefill_padded(target, ids, lengths, state.cache, drafter=gen.drafter, append=append,
-                                  chunk_size=state.prefill_chunk)
+                                  chunk_size=state.prefill_chunk, host_lengths=host_lengths)
         roots = gen.lockstep.share(choose_tokens(last.to(device), state.sampling, state.rng))
     state.lengths, state.roots, state.prefilled = lengths, roots, True
+    first = roots.tolist()
     tokens = [[] for _ in state.prompts]
     for i, row in enumerate(state.active):
-        tokens[row] = state.emit(row, [int(roots[i])])
+        tokens[row] = state.emit(row, [first[i]])
     return _finish_round(state, tokens, [None] * len(state.prompts))
 
 
@@ -89,7 +97,7 @@ def _to_context(state: DecodeState, last: bool, *args) -> None:
     if last:
         state.deferred.append(args)
     else:
-        state.draft.append(*args)
+        state.draft.append(*args[:3], host_counts=args[3])
 
 
 def _prefill_each_row(state: DecodeState, hidden: bool, width: int) -> torch.Tensor:
@@ -111,12 +119,14 @@ def _prefill_each_row(state: DecodeState, hidden: bool, width: int) -> torch.Ten
             tokens[b] = prompt[start:end]
             counts = torch.zeros(rows, dtype=torch.long, device=prompt.device)
             counts[b] = t
+            host_counts = [0] * rows
+            host_counts[b] = t
             features = None
             if hidden:
                 own = gen.drafter.context_features(out.hidden_states)
                 features = own.new_zeros((rows, *own.shape[1:]))
                 features[b] = own[0]
-            _to_context(state, end == len(prompt), features, tokens, counts)
+            _to_context(state, end == len(prompt), features, tokens, counts, host_counts)
 
         cache = new_target_cache(target)
         logits = chunked_prefill(target, prompt.view(1, -1), cache, state.prefill_chunk, hidden=hidden,
@@ -132,7 +142,7 @@ def _plain_step(state: DecodeState) -> RoundResult:
     target, cache, lengths = state.generator.target, state.cache, state.lengths
     width = cache_length(cache)
     with state.timer.stage("verify"):
-        if bool((lengths == width).all()):
+        if all(n == width for n in state.host_lengths):
             out = target_forward(target, state.roots.view(-1, 1), None, cache, hidden=False, last=1)
         else:
             valid = torch.cat([padding_mask(lengths, width), torch.ones_like(lengths[:, None], dtype=torch.bool)], 1)
@@ -142,28 +152,31 @@ def _plain_step(state: DecodeState) -> RoundResult:
         logits = out.logits[:, -1].to(state.roots.device)
         state.roots = state.generator.lockstep.share(choose_tokens(logits, state.sampling, state.rng))
     state.lengths = lengths + 1
+    state.host_lengths = [n + 1 for n in state.host_lengths]
     state.rounds += 1
+    chosen = state.roots.tolist()  # the step's one host read
     tokens = [[] for _ in state.prompts]
     acceptance: list[int | None] = [None] * len(state.prompts)
     for i, row in enumerate(state.active):
         acceptance[row] = 1
         state.acceptance[row].append(1)
-        tokens[row] = state.emit(row, [int(state.roots[i])])
+        tokens[row] = state.emit(row, [chosen[i]])
     return _finish_round(state, tokens, acceptance)
 
 
 def _tree_round(state: DecodeState) -> RoundResult:
     """Draft, build, verify and commit one tree per active row."""
     state.catch_up_draft()
-    context = int(state.lengths.max())
+    context = max(state.host_lengths)
     with state.timer.stage("calibration"):
         state.policy.prepare(context, len(state.active))
     tree = _draft_tree(state, context)
     out, result, verify_seconds = _verify(state, tree)
     with state.timer.stage("commit"):
-        path = _commit(state, tree, out, result)
-    _count_sources(state, tree, path, result.num_accepted)
-    emitted = _emit_accepted(state, tree, path, result)
+        accepted = _read_accepted(tree, result)
+        _commit(state, tree, out, result, accepted)
+    _count_sources(state, accepted)
+    emitted = _emit_accepted(state, tree, accepted, result)
     state.policy.observe([a for a in emitted.acceptance if a is not None], verify_seconds, context)
     return emitted
 
@@ -190,7 +203,7 @@ def _verify(state: DecodeState, tree):
     gen, cache, lengths = state.generator, state.cache, state.lengths
     width = cache_length(cache)
     with state.timer.stage("mask"):
-        uniform = bool((lengths == width).all())  # rows padded in the cache need a dense mask
+        uniform = all(n == width for n in state.host_lengths)  # rows padded in the cache need a dense mask
         extra = {} if uniform else {"prefix_valid": padding_mask(lengths, width)}
         kwargs = gen.backend.tree_forward_kwargs(gen.target, tree, width, gen.dtype, **extra)
         positions = tree_position_ids(tree.depths, width if uniform else lengths)
@@ -205,49 +218,80 @@ def _verify(state: DecodeState, tree):
             raise
         check_cache_length(cache, width + tree.num_nodes, "verify forward")
         logits = out.logits.to(tree.tokens.device)
-        result = gen.lockstep.share(verify_tree(tree, logits, state.sampling, state.rng))
+        # accepted padded to the tree's nodes, so the walk needs no read: the round reads once, after it
+        result = gen.lockstep.share(verify_tree(tree, logits, state.sampling, state.rng, length=tree.num_nodes))
     return out, result, state.timer.seconds["verify"] - before
 
 
-def _commit(state: DecodeState, tree, out, result) -> torch.Tensor:
-    """Keep each row's accepted nodes in the target cache and give their features to the drafter context.
-    Returns the accepted node indices ``[A, L]`` (rows past their count repeat node 0, never read)."""
-    gen, lengths = state.generator, state.lengths
-    width = cache_length(state.cache) - tree.num_nodes
-    uniform = bool((lengths == width).all())
-    commit_accepted(state.cache, width, result.accepted, None if uniform else lengths)
+@dataclass
+class AcceptedOnHost:
+    """A round's one host read: per active row, the accepted count (root included), the bonus token, the
+    accepted node indices and their tokens (root first), and their proposers' flags when the tree has them."""
+
+    counts: list[int]
+    bonus: list[int]
+    paths: list[list[int]]
+    tokens: list[list[int]]
+    sources: list[list[int]] | None
+
+
+def _read_accepted(tree, result) -> AcceptedOnHost:
+    """Read each row's accepted count, bonus, path and path tokens back in one packed tensor."""
+    n = tree.num_nodes
+    device = tree.tokens.device
     path = result.accepted.clamp(min=0)
+    parts = [result.num_accepted[:, None], result.bonus[:, None], result.accepted, tree.tokens.gather(1, path)]
+    if tree.sources is not None:
+        parts.append(tree.sources.gather(1, path))
+    rows = torch.cat([p.to(device=device, dtype=torch.long) for p in parts], dim=1).tolist()
+    counts = [r[0] for r in rows]
+    return AcceptedOnHost(
+        counts=counts,
+        bonus=[r[1] for r in rows],
+        paths=[r[2 : 2 + c] for r, c in zip(rows, counts)],
+        tokens=[r[2 + n : 2 + n + c] for r, c in zip(rows, counts)],
+        sources=None if tree.sources is None else [r[2 + 2 * n : 2 + 2 * n + c] for r, c in zip(rows, counts)],
+    )
+
+
+def _commit(state: DecodeState, tree, out, result, host: AcceptedOnHost) -> None:
+    """Keep each row's accepted nodes in the target cache and give their features to the drafter context
+    (everything sized and branched from ``host``: no read)."""
+    gen = state.generator
+    width = cache_length(state.cache) - tree.num_nodes
+    accepted = result.accepted[:, : max(host.counts)]  # [A, L]: rows past their count hold -1
+    uniform = all(n == width for n in state.host_lengths)
+    commit_accepted(state.cache, width, accepted, None if uniform else state.lengths, paths=host.paths,
+                    host_lengths=state.host_lengths)
+    path = accepted.clamp(min=0)
     features = gen.drafter.context_features(out.hidden_states) if gen.drafter.needs_hidden_states else None
     if features is not None:
         features = features.gather(1, path[..., None].expand(-1, -1, features.shape[-1]))
-    state.draft.append(features, tree.tokens.gather(1, path), result.num_accepted)
-    return path
+    state.draft.append(features, tree.tokens.gather(1, path), result.num_accepted, host_counts=host.counts)
 
 
-def _count_sources(state: DecodeState, tree, path: torch.Tensor, num_accepted: torch.Tensor) -> None:
+def _count_sources(state: DecodeState, host: AcceptedOnHost) -> None:
     """Accepted draft tokens by the proposer that put them in the tree (when the tree says)."""
-    if tree.sources is None:
+    if host.sources is None:
         return
-    accepted = tree.sources.gather(1, path).tolist()
-    for flags, count in zip(accepted, num_accepted.tolist()):
-        for flag in flags[1:count]:
+    for flags in host.sources:
+        for flag in flags[1:]:
             state.accepted_by_source[SOURCE_NAMES[flag]] += 1
 
 
-def _emit_accepted(state: DecodeState, tree, path: torch.Tensor, result) -> RoundResult:
+def _emit_accepted(state: DecodeState, tree, host: AcceptedOnHost, result) -> RoundResult:
     """Emit each row's accepted tokens and bonus token, record the round, and advance the row tensors."""
-    counts, bonus = result.num_accepted.tolist(), result.bonus.tolist()
-    path_tokens = tree.tokens.gather(1, path).tolist()
     tokens: list[list[int]] = [[] for _ in state.prompts]
     acceptance: list[int | None] = [None] * len(state.prompts)
     for i, row in enumerate(state.active):
-        acceptance[row] = counts[i]
-        state.acceptance[row].append(counts[i])
+        count = host.counts[i]
+        acceptance[row] = count
+        state.acceptance[row].append(count)
         if state.record:
-            state.records[row].append(RoundRecord(int(state.lengths[i]), tree.row(i), path[i, : counts[i]].tolist(),
-                                                  bonus[i]))
-        tokens[row] = state.emit(row, path_tokens[i][1 : counts[i]] + [bonus[i]])
+            state.records[row].append(RoundRecord(state.host_lengths[i], tree.row(i), host.paths[i], host.bonus[i]))
+        tokens[row] = state.emit(row, host.tokens[i][1:] + [host.bonus[i]])
     state.lengths = state.lengths + result.num_accepted.to(state.lengths.device)
+    state.host_lengths = [n + c for n, c in zip(state.host_lengths, host.counts)]
     state.roots = result.bonus
     state.rounds += 1
     return _finish_round(state, tokens, acceptance)
@@ -265,6 +309,7 @@ def _finish_round(state: DecodeState, tokens, acceptance) -> RoundResult:
             if state.draft is not None:
                 state.catch_up_draft().select_rows(index)
             state.lengths = state.lengths.index_select(0, index)
+            state.host_lengths = [state.host_lengths[i] for i in keep]
             state.roots = state.roots.index_select(0, index.to(state.roots.device))
             _trim_leading_padding(state)
         else:
@@ -275,6 +320,6 @@ def _finish_round(state: DecodeState, tokens, acceptance) -> RoundResult:
 
 def _trim_leading_padding(state: DecodeState) -> None:
     """Drop cache columns that are padding in every remaining row."""
-    extra = cache_length(state.cache) - int(state.lengths.max())
+    extra = cache_length(state.cache) - max(state.host_lengths)
     if extra > 0:
         truncate_front(state.cache, extra)

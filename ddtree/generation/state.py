@@ -9,7 +9,9 @@ one after the other.
 Rows are the prompts of a batch. Rows still generating are *active*; they are
 the rows of the target cache and of the drafter context, in ``active`` order.
 Each active row's committed tokens sit right-aligned in the cache (left
-padding, as HF pads), ``lengths[i]`` of them.
+padding, as HF pads), ``lengths[i]`` of them. ``host_lengths`` mirrors ``lengths`` as Python ints, kept up
+to date from what a round reads anyway (its accepted counts, once), so that widths, raggedness and slices are
+decided on the host without waiting for the device.
 """
 
 from __future__ import annotations
@@ -98,8 +100,10 @@ class DecodeState:
     active: list[int] = field(default_factory=list)
     cache: Any = None
     draft: DraftContext | None = None
-    deferred: list[tuple] = field(default_factory=list)  # drafter-context appends held back (see catch_up_draft)
+    deferred: list[tuple] = field(default_factory=list)  # drafter-context appends held back (see catch_up_draft):
+    # (features, tokens, counts, host_counts)
     lengths: torch.Tensor | None = None  # [A] committed tokens per active row, in the cache
+    host_lengths: list[int] = field(default_factory=list)  # the same on the host, kept from the round's one read
     roots: torch.Tensor | None = None  # [A] each active row's last emitted token, not yet in the cache
     prefilled: bool = False
     rounds: int = 0  # verify rounds (or plain decode steps) after the prefill
@@ -130,8 +134,8 @@ class DecodeState:
         the prefill calls this too."""
         if self.deferred:
             with torch.inference_mode(), self.timer.stage("prefill"):
-                for args in self.deferred:
-                    self.draft.append(*args)
+                for features, tokens, counts, host_counts in self.deferred:
+                    self.draft.append(features, tokens, counts, host_counts=host_counts)
             self.deferred.clear()
         return self.draft
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+from collections.abc import Sequence
 
 import torch
 
@@ -96,19 +97,22 @@ def _is_leading_run(accepted: torch.Tensor) -> bool:
     return bool((accepted == torch.arange(accepted.shape[1], device=accepted.device)).all())
 
 
-def compaction_index(prefix_len: int, accepted: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+def compaction_index(prefix_len: int, accepted: torch.Tensor, lengths: torch.Tensor, width: int | None = None
+                     ) -> torch.Tensor:
     """Source columns ``[B, W]`` of the compacted cache, rows right-aligned (left padding, as HF pads).
 
     Row ``b`` keeps its ``lengths[b]`` committed columns (the last ones of the
     prefix) and its accepted tree nodes (``accepted[b]``, ``-1`` padded), in
-    that order, at the right end; ``W`` is the longest row. Pad columns point at
+    that order, at the right end; ``W`` is the longest row (``width`` when the
+    caller knows it, else read from the device). Pad columns point at
     column 0 and are masked by :func:`padding_mask`.
     """
     bsz, length = accepted.shape
     device = accepted.device
     counts = (accepted >= 0).sum(dim=1)  # [B]
     kept = lengths.to(device) + counts
-    width = int(kept.max())
+    if width is None:
+        width = int(kept.max())
     col = torch.arange(width, device=device)[None]  # [1, W]
     offset = (width - kept)[:, None]  # pads in front of each row
     rel = col - offset  # index into [committed ; accepted] per row, < 0 for pads
@@ -125,7 +129,8 @@ def padding_mask(lengths: torch.Tensor, width: int) -> torch.Tensor:
     return col >= (width - lengths)[:, None]
 
 
-def commit_accepted(cache, prefix_len: int, accepted: torch.Tensor, lengths: torch.Tensor | None = None) -> None:
+def commit_accepted(cache, prefix_len: int, accepted: torch.Tensor, lengths: torch.Tensor | None = None, *,
+                    paths: Sequence[Sequence[int]] | None = None, host_lengths: Sequence[int] | None = None) -> None:
     """Keep each row's committed columns plus its accepted tree nodes in every layer of ``cache``, in place.
 
     ``accepted`` is ``[B, L]``: node indices along each row's accepted path,
@@ -135,28 +140,56 @@ def commit_accepted(cache, prefix_len: int, accepted: torch.Tensor, lengths: tor
     right-aligned (see :func:`compaction_index`). Rows that accept equally many
     nodes keep the cheap path: a slice for a chain, one gather of the tree block
     otherwise; only ragged acceptance re-packs the whole cache.
+
+    A caller that already holds the paths on the host (a round reads them once to emit) passes them as
+    ``paths`` (each row's node indices, no ``-1``) and ``lengths`` as ``host_lengths`` too: the commit then
+    decides everything from them and reads nothing back from the device.
     """
     if accepted.dim() != 2:
         raise ValueError(f"accepted must be [batch, length], got shape {tuple(accepted.shape)}")
-    if accepted.shape[1] == 0 or bool((accepted[:, 0] != 0).any()):
-        raise ValueError("every row's accepted path starts at the root (node 0)")
-    counts = (accepted >= 0).sum(dim=1)
-    if bool(((accepted >= 0) != (torch.arange(accepted.shape[1], device=accepted.device) < counts[:, None])).any()):
-        raise ValueError("accepted paths must be -1 padded at the end only")
+    if paths is not None:
+        _check_paths(paths, accepted)
+        uniform = all(len(p) == accepted.shape[1] for p in paths)
+        contiguous = all(list(p) == list(range(len(p))) for p in paths)
+        width = None
+        if lengths is not None and host_lengths is not None:
+            width = max(n + len(p) for n, p in zip(host_lengths, paths))
+        elif lengths is None:
+            width = prefix_len + max(len(p) for p in paths)
+    else:
+        if accepted.shape[1] == 0 or bool((accepted[:, 0] != 0).any()):
+            raise ValueError("every row's accepted path starts at the root (node 0)")
+        counts = (accepted >= 0).sum(dim=1)
+        if bool(((accepted >= 0) != (torch.arange(accepted.shape[1], device=accepted.device) < counts[:, None])).any()):
+            raise ValueError("accepted paths must be -1 padded at the end only")
+        uniform = bool((counts == accepted.shape[1]).all())
+        contiguous = _is_leading_run(accepted) if uniform else False
+        width = None
     kv_layers = _kv_layers(cache)
     for kind in kinds_in_cache(cache):
         kind.commit(cache, accepted)  # stateful layers: per row, from each row's own last accepted node
     # Rows that accept equally many nodes stay right-aligned when the nodes are appended after the whole
     # prefix (padding included): the cheap path, whatever each row's own length.
-    if bool((counts == accepted.shape[1]).all()):
-        contiguous = _is_leading_run(accepted)  # once per round, not once per layer
-        for keys, values, store in kv_layers:
+    if uniform:
+        for keys, values, store in kv_layers:  # contiguous decided once per round, not once per layer
             store(keep_positions(keys, prefix_len, accepted, contiguous),
                   keep_positions(values, prefix_len, accepted, contiguous))
         return
-    index = compaction_index(prefix_len, accepted, lengths if lengths is not None else torch.full_like(counts, prefix_len))
+    if lengths is None:
+        lengths = torch.full((accepted.shape[0],), prefix_len, dtype=torch.long, device=accepted.device)
+    index = compaction_index(prefix_len, accepted, lengths, width)
     for keys, values, store in kv_layers:
         store(_gather_columns(keys, index), _gather_columns(values, index))
+
+
+def _check_paths(paths: Sequence[Sequence[int]], accepted: torch.Tensor) -> None:
+    """The host paths' invariants (checked on the host: no device read)."""
+    if len(paths) != accepted.shape[0]:
+        raise ValueError(f"{len(paths)} paths for {accepted.shape[0]} accepted rows")
+    if any(not p or p[0] != 0 for p in paths):
+        raise ValueError("every row's accepted path starts at the root (node 0)")
+    if any(len(p) > accepted.shape[1] for p in paths):
+        raise ValueError(f"a path is longer than accepted's {accepted.shape[1]} columns")
 
 
 def _kv_layers(cache) -> list[tuple]:

@@ -107,7 +107,7 @@ class _RowsContext(DraftContext):
         self.kept: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * batch_size  # ([T, F], [T]) per row
         self.inner = None
 
-    def append(self, features, tokens, counts=None):
+    def append(self, features, tokens, counts=None, host_counts=None):
         for b in range(tokens.shape[0]):
             n = tokens.shape[1] if counts is None else int(counts[b])
             if n:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from ddtree.drafters.base import DraftContext, Proposal
@@ -29,6 +31,7 @@ class DFlashContext(DraftContext):
         self.drafter = drafter
         self.kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # [B, Hkv, capacity + 1, d]; the last is scratch
         self.lengths = torch.zeros(batch_size, dtype=torch.long)
+        self.host_lengths = [0] * batch_size  # the same, on the host: buffers are sized and sliced from these
         config = drafter.config
         windowed = [a for a in config.resolve_attention() if a.window is not None]
         self.sliding = [a.index for a in windowed]  # layers whose window hides old context keys
@@ -53,7 +56,9 @@ class DFlashContext(DraftContext):
 
     @torch.no_grad()
     def append(self, features: torch.Tensor | None, tokens: torch.Tensor | None = None,
-               counts: torch.Tensor | None = None) -> None:
+               counts: torch.Tensor | None = None, host_counts: Sequence[int] | None = None) -> None:
+        """Take in the target features of each row's committed tokens (``counts[b]`` of row ``b``; give them as
+        ``host_counts`` too when known on the host, and the append reads nothing back from the device)."""
         if features is None:
             raise ValueError("the DFlash drafter needs target features for every committed token")
         bsz, t, _ = features.shape
@@ -64,15 +69,19 @@ class DFlashContext(DraftContext):
         model = self.drafter.model
         device = features.device
         self.lengths = self.lengths.to(device)
-        counts = torch.full((bsz,), t, dtype=torch.long, device=device) if counts is None else counts.to(device)
+        if counts is None:
+            counts, host_counts = torch.full((bsz,), t, dtype=torch.long, device=device), [t] * bsz
+        else:
+            counts = counts.to(device)
+            host_counts = counts.tolist() if host_counts is None else list(host_counts)
         positions = self.lengths[:, None] + torch.arange(t, device=device)  # [B, T]
         new = model.context_kv(model.project_context(features), positions)
-        need = int((self.lengths + counts).max())
-        self._reserve(need, new)
-        uniform = bool((counts == t).all()) and bool((self.lengths == self.lengths[0]).all())
+        ends = [n + c for n, c in zip(self.host_lengths, host_counts)]
+        self._reserve(max(ends), new)
+        uniform = all(c == t for c in host_counts) and len(set(self.host_lengths)) == 1
         for (kb, vb), (k, v), off in zip(self.kv, new, self._offsets()):
             if uniform:
-                at = int(self.lengths[0]) - off
+                at = self.host_lengths[0] - off
                 kb[:, :, at : at + t] = k
                 vb[:, :, at : at + t] = v
                 continue
@@ -82,6 +91,7 @@ class DFlashContext(DraftContext):
             kb.scatter_(2, idx, k)
             vb.scatter_(2, idx, v)
         self.lengths = self.lengths + counts
+        self.host_lengths = ends
         self._trim()
 
     def _reserve(self, need: int, like: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
@@ -107,7 +117,7 @@ class DFlashContext(DraftContext):
         """Drop the sliding layers' keys no block can see any more (once a window's worth has piled up)."""
         if not self.sliding or not self.trim_sliding or self.kv is None:
             return
-        front = max(0, int(self.lengths.min()) - self.window + 1)
+        front = max(0, min(self.host_lengths) - self.window + 1)
         drop = front - self.front
         if drop < max(self.window, 64):
             return
@@ -123,6 +133,7 @@ class DFlashContext(DraftContext):
         self.front = front
 
     def select_rows(self, rows: torch.Tensor) -> None:
+        self.host_lengths = [self.host_lengths[i] for i in rows.tolist()]
         self.lengths = self.lengths.index_select(0, rows.to(self.lengths.device))
         if self.kv is not None:
             self.kv = [(k.index_select(0, rows.to(k.device)), v.index_select(0, rows.to(v.device))) for k, v in self.kv]
@@ -130,7 +141,7 @@ class DFlashContext(DraftContext):
     @torch.no_grad()
     def propose(self, root_tokens: torch.Tensor) -> Proposal:
         """Log-probs ``[B, block_size - 1, V]`` for positions ``lengths + 1 ..``, in float32."""
-        if self.kv is None or bool((self.lengths == 0).any()):
+        if self.kv is None or 0 in self.host_lengths:
             raise RuntimeError("the drafter has no context yet: append the prompt's target features first")
         drafter = self.drafter
         model = drafter.model
@@ -142,14 +153,15 @@ class DFlashContext(DraftContext):
         lengths = self.lengths.to(device)
         block = torch.cat([root_tokens, root_tokens.new_full((bsz, size - 1), drafter.mask_token_id)], dim=1)
         block_pos = lengths[:, None] + torch.arange(size, device=device)
-        width = int(lengths.max())
+        width = max(self.host_lengths)
+        ragged = len(set(self.host_lengths)) > 1
         offsets = self._offsets()
         kv = [(k[:, :, : width - off], v[:, :, : width - off]) for (k, v), off in zip(self.kv, offsets)]
         key_mask = None
-        if not bool((lengths == width).all()):  # ragged rows: hide each row's unused columns from every layer
+        if ragged:  # ragged rows: hide each row's unused columns from every layer
             col = torch.arange(width, device=device)
             key_mask = torch.cat([col[None] < lengths[:, None], torch.ones_like(block_pos, dtype=torch.bool)], dim=1)
             key_mask = key_mask[:, None, None]  # [B, 1, 1, S]; each layer adds its own rule by position
         hidden = model(model.embed_block(block, embed), block_pos, context_kv=kv, key_mask=key_mask,
-                       context_offsets=offsets)[:, 1:]
+                       context_offsets=offsets, contiguous=not ragged)[:, 1:]
         return Proposal(drafter.block_logprobs(hidden))

@@ -267,6 +267,7 @@ class DFlashDraftModel(nn.Module):
         key_mask: torch.Tensor | None = None,
         context_kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
         context_offsets: Sequence[int] | None = None,
+        contiguous: bool | None = None,
     ) -> torch.Tensor:
         """Final-normed hidden states ``[B, Q, H]`` of the block.
 
@@ -276,7 +277,8 @@ class DFlashDraftModel(nn.Module):
         later, see :class:`DFlashContext`). ``key_mask`` (bool, or additive,
         broadcastable to ``[B, 1, Q, C + Q]`` over positions ``0 ..``) hides keys from
         every layer (padding, other blocks); each layer adds its own rule
-        (:meth:`DFlashConfig.resolve_attention`) by key position on top.
+        (:meth:`DFlashConfig.resolve_attention`) by key position on top. ``contiguous``: whether keys sit at
+        ``0 .. C+Q-1`` with the block last, when the caller knows (else compared on the device and read back).
         """
         x = block_embeds.to(self.fc.weight.dtype)
         if context_kv is None:
@@ -287,7 +289,8 @@ class DFlashDraftModel(nn.Module):
         lens = [kv[0].shape[2] for kv in context_kv]
         ctx_len = lens[0]
         kernel_rule = (key_mask is None and not any(offsets) and len(set(lens)) == 1
-                       and _contiguous(context_positions, block_positions, ctx_len))
+                       and (contiguous if contiguous is not None
+                            else _contiguous(context_positions, block_positions, ctx_len)))
         masks: dict[tuple, torch.Tensor | None] = {}
         if key_mask is not None and key_mask.dtype == torch.bool:
             key_mask = additive(key_mask, x.dtype)

@@ -19,7 +19,7 @@ class DFlash2Context(DFlashContext):
         """``Proposal.pairwise``: the selector's log-probs for slots ``1 ..`` given each slot's previous
         token; ``Proposal.logprobs`` ``[B, block_size - 1, V]``: those along the greedy path (``-inf`` off
         each slot's candidates), so ``chain`` on either is the selector's greedy chain."""
-        if self.kv is None or bool((self.lengths == 0).any()):
+        if self.kv is None or 0 in self.host_lengths:
             raise RuntimeError("the drafter has no context yet: append the prompt's target features first")
         drafter = self.drafter
         model = drafter.model
@@ -29,10 +29,10 @@ class DFlash2Context(DFlashContext):
         lengths = self.lengths.to(device)
         block = torch.cat([root_tokens[:, None], root_tokens.new_full((bsz, size - 1), drafter.mask_token_id)], 1)
         positions = lengths[:, None] + torch.arange(size, device=device)
-        width = int(lengths.max())
+        width = max(self.host_lengths)
         kv = [(k[:, :, :width], v[:, :, :width]) for k, v in self.kv]
         embeds = F.embedding(block, embed.weight) * model.config.input_embedding_scale  # the raw rows, as published
-        ragged = None if bool((lengths == width).all()) else lengths
+        ragged = None if len(set(self.host_lengths)) == 1 else lengths
         hidden = model(embeds, positions, kv, ragged)[:, 1:]
         scores = model.candidate_selector.pairwise(hidden, model.logits(hidden, lm_head), root_tokens)
         return Proposal(scores.along(scores.greedy_indices(), lm_head.weight.shape[0]), pairwise=scores)

@@ -1,0 +1,122 @@
+"""A round reads the device once: its accepted counts and tokens, in one packed tensor.
+
+Counted with :func:`ddtree.runtime.host_reads.count_host_reads` on tiny float64 pairs, for DFlash and DFlash2
+proposals, chain-shaped and wider trees, batch 1 and a ragged batch, greedy and sampled. The tree builders of
+``ddtree.core.builders`` still build on the host (they read the top-k back), so these rounds build their trees
+with a fixed-shape torch builder written here; the output and acceptance are checked alongside.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_dflash2 import dflash2_config, fill
+from test_generator import expected_acceptance, reference
+from tiny import tiny_drafter, tiny_target
+
+from ddtree import SpeculativeGenerator
+from ddtree.core.tree import DraftTree
+from ddtree.drafters.dflash2.config import DFlash2Config
+from ddtree.drafters.dflash2.model import DFlash2DraftModel
+from ddtree.generation.round import speculative_round
+from ddtree.runtime.host_reads import count_host_reads
+
+PROMPTS = [[5, 17, 42, 8, 9, 33], [7, 7, 21, 60, 12, 5, 44, 3, 19], [11, 4], [90, 2, 36, 51, 8, 14, 27]]
+NEW = 24
+
+
+def spine_tree(width: int, from_parents: bool = False):
+    """A builder of a spine (each depth's top token) with ``width - 1`` siblings per depth, every shape fixed by
+    the budget: ``width`` 1 is a chain. Structure from Python ints, tokens and scores by tensor ops only."""
+
+    def build(roots: torch.Tensor, logprobs: torch.Tensor, budget: int) -> DraftTree:
+        bsz, depth, _ = logprobs.shape
+        d = max(1, min(depth, budget // width))
+        top = logprobs[:, :d].topk(width, dim=-1)  # [B, d, width]
+        parents = [-1] + [0 if k == 0 else 1 + (k - 1) * width for k in range(d) for _ in range(width)]
+        depths = [0] + [k + 1 for k in range(d) for _ in range(width)]
+        n = len(parents)
+        tokens = torch.cat([roots.view(bsz, 1).long(), top.indices.reshape(bsz, d * width)], dim=1)
+        spine = top.values[..., 0].cumsum(1)
+        before = torch.cat([spine.new_zeros(bsz, 1), spine[:, :-1]], dim=1)
+        scores = torch.cat([spine.new_zeros(bsz, 1), (before[..., None] + top.values).reshape(bsz, -1)], 1).float()
+        parent_t = torch.tensor(parents, device=roots.device).expand(bsz, n).contiguous()
+        if from_parents:  # the library's own construction of depths and visibility (it reads the device)
+            return DraftTree.from_parents(tokens, parent_t, scores)
+        vis = torch.eye(n, dtype=torch.bool)
+        for i in range(1, n):
+            vis[i] |= vis[parents[i]]
+        return DraftTree(tokens, parent_t, torch.tensor(depths, device=roots.device).expand(bsz, n).contiguous(),
+                         scores, vis.to(roots.device).expand(bsz, n, n).contiguous())
+
+    return build
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_target("qwen3")
+
+
+def drafter(kind: str, target):
+    if kind == "dflash":
+        return tiny_drafter(target, block_size=5)
+    model = DFlash2DraftModel(DFlash2Config.from_dict(dflash2_config(target))).double()
+    fill(model, 0)
+    return model.eval()
+
+
+def run_counted(gen, prompts, sampled: bool):
+    """Every round of one generation, and the host reads of each round after the prefill (the first of them
+    takes in the prompt's deferred last chunk too; rounds where a row finishes are apart)."""
+    options = dict(do_sample=True, temperature=0.8, seed=3) if sampled else dict(do_sample=False)
+    state = gen.start(prompts, max_new_tokens=NEW, stop_token_ids=(), record_trees=True, **options)
+    speculative_round(state)
+    steady, finishing = [], []
+    while not state.done:
+        with count_host_reads() as reads:
+            result = speculative_round(state)
+        (finishing if result.finished else steady).append(reads)
+    return state, steady, finishing
+
+
+@pytest.mark.parametrize("kind", ["dflash", "dflash2"])
+@pytest.mark.parametrize("width", [1, 3])
+@pytest.mark.parametrize("rows", [1, 4])
+def test_greedy_rounds_read_once_and_accept_what_the_target_would(target, kind, width, rows):
+    prompts = PROMPTS[:rows]
+    gen = SpeculativeGenerator(target, drafter(kind, target), tree_budget=4 * width, builder=spine_tree(width))
+    state, steady, _ = run_counted(gen, prompts, sampled=False)
+    assert len(steady) >= 3
+    assert [r.count for r in steady] == [1] * len(steady), [dict(r.by_site) for r in steady if r.count != 1]
+    assert all(r.by_kind == {"tolist": 1} for r in steady)
+    for b, prompt in enumerate(prompts):
+        ref = reference(target, prompt, new=NEW)[0].tolist()
+        assert state.new_tokens[b] == ref[len(prompt):]
+        assert state.acceptance[b] == [expected_acceptance(rec, ref) for rec in state.records[b]]
+        assert all(1 <= a <= 4 + 1 for a in state.acceptance[b])
+
+
+@pytest.mark.parametrize("kind", ["dflash", "dflash2"])
+@pytest.mark.parametrize("width", [1, 3])
+@pytest.mark.parametrize("rows", [1, 4])
+def test_sampled_rounds_read_once_and_equal_the_library_built_trees(target, kind, width, rows):
+    prompts = PROMPTS[:rows]
+    model = drafter(kind, target)
+    gen = SpeculativeGenerator(target, model, tree_budget=4 * width, builder=spine_tree(width))
+    state, steady, _ = run_counted(gen, prompts, sampled=True)
+    assert len(steady) >= 3
+    assert [r.count for r in steady] == [1] * len(steady), [dict(r.by_site) for r in steady if r.count != 1]
+    same = SpeculativeGenerator(target, model, tree_budget=4 * width, builder=spine_tree(width, from_parents=True))
+    again = same.generate(prompts, max_new_tokens=NEW, stop_token_ids=(), do_sample=True, temperature=0.8, seed=3)
+    assert state.new_tokens == again.row_tokens
+    assert state.acceptance == again.row_acceptance
+    for b in range(rows):  # each round emitted its accepted path's tokens and its bonus, the path a root path
+        emitted = []
+        for rec in state.records[b]:
+            tree = rec.tree
+            parents = tree.parents[0].tolist()
+            assert rec.accepted[0] == 0
+            assert all(parents[c] == p for p, c in zip(rec.accepted, rec.accepted[1:]))
+            emitted += [tree.tokens[0, i].item() for i in rec.accepted[1:]] + [rec.bonus]
+        assert emitted[: len(state.new_tokens[b]) - 1] == state.new_tokens[b][1:]
+        assert [len(rec.accepted) for rec in state.records[b]] == state.acceptance[b]
