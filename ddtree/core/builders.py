@@ -46,6 +46,8 @@ def ranked_topk(logprobs: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Ten
     """
     vocab = logprobs.shape[-1]
     if 0 < k < vocab:
+        if vocab > 2**24:
+            raise ValueError(f"ranked_topk ranks token ids as float32, exact up to 2**24; got a vocabulary of {vocab}")
         kth = logprobs.topk(k, dim=-1).values[..., k - 1:k]
         key = torch.where(logprobs > kth, 1.0, _negative_ids(vocab, logprobs.device))
         toks = key.masked_fill_(logprobs < kth, float("-inf")).topk(k, dim=-1).indices
@@ -60,8 +62,6 @@ def ranked_topk(logprobs: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Ten
 
 @lru_cache(maxsize=16)
 def _negative_ids(vocab: int, device: torch.device) -> torch.Tensor:
-    if vocab > 2**24:
-        raise ValueError(f"ranked_topk ranks token ids as float32, exact up to 2**24; got a vocabulary of {vocab}")
     return -torch.arange(vocab, dtype=torch.float32, device=device)
 
 
