@@ -130,9 +130,39 @@ def test_ranked_topk_ties_straddling_the_kth_place_take_the_lowest_ids():
     assert toks.tolist() == [[[3, 0, 1, 2]]] and vals.tolist() == [[[-0.5, -1.0, -2.0, -2.0]]]
 
 
-def test_ranked_topk_refuses_a_vocabulary_beyond_float32_ids():
-    with pytest.raises(ValueError, match="2\\*\\*24"):
-        ranked_topk(torch.empty(1, 1, 2**24 + 1, device="meta"), 4)
+def test_ranked_topk_ties_across_chunks_of_the_vocabulary():
+    """Ties spread over several of the search's vocabulary chunks, with a vocabulary that is not a multiple of
+    the chunk: the lowest tied ids still win, whatever the count of values above the tie."""
+    gen = torch.Generator().manual_seed(9)
+    lp = torch.full((2, 3, 1000), -5.0)
+    lp[..., torch.randperm(1000, generator=gen)[:40]] = -1.0  # 40 ties, scattered
+    lp[0, :, 999] = lp[1, 0, 700] = -0.5  # one value above the tie in some rows, high ids
+    for k in (1, 2, 5, 39, 40, 41, 64, 999):
+        got, want = ranked_topk(lp, k), ref.ranked_topk(lp, k)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), k
+    tied = torch.nonzero(lp[1, 1] == -1.0).flatten()
+    assert ranked_topk(lp, 5)[1][1, 1].tolist() == tied[:5].tolist()
+
+
+def test_ranked_topk_values_above_the_tie_each_in_their_own_chunk():
+    """The values above the tie fill the first chunks the search looks at (up to ``k - 1`` of them), and the
+    tied values come later: the search must still reach the first tied ids."""
+    lp = torch.full((1, 1, 4000), -9.0)
+    lp[0, 0, [0, 130, 260, 390]] = torch.tensor([-0.1, -0.2, -0.3, -0.4])
+    lp[0, 0, [3999, 3000, 2000, 1000, 800, 700]] = -1.0
+    vals, toks = ranked_topk(lp, 7)
+    assert toks.tolist() == [[[0, 130, 260, 390, 700, 800, 1000]]]
+    assert torch.equal(vals, ref.ranked_topk(lp, 7)[0])
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_ranked_topk_on_wide_tied_vocabularies(seed):
+    gen = torch.Generator().manual_seed(seed)
+    lp = distribution(gen, (2, 3, 777), "integer")
+    lp[0, 1, torch.randperm(777, generator=gen)[:5]] = 0.5  # a few above the ties
+    for k in (1, 3, 6, 7, 50, 300, 776):
+        got, want = ranked_topk(lp, k), ref.ranked_topk(lp, k)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), k
 
 
 def pairwise_scores(gen: torch.Generator, batch: int, depth: int, k: int, kind: str) -> PairwiseScores:

@@ -39,30 +39,55 @@ class TreeBuilder(Protocol):
 def ranked_topk(logprobs: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-``k`` per depth, ordered by log-prob descending then token id ascending.
 
-    ``topk`` picks among values tied at the ``k``-th place arbitrarily, and the lowest ids must win. So a
-    second ``topk`` runs on a key that is exact without a host branch: above the ``k``-th value every
-    token ties at 1 (fewer than ``k`` of them, all kept), at it a token's key is ``-id`` (lowest ids
-    first), below it ``-inf``. Token ids are exact in float32 up to 2**24.
+    ``topk`` picks among values tied at the ``k``-th place arbitrarily, and the lowest ids must win. Every
+    value above the ``k``-th is in ``topk``'s answer (fewer than ``k`` of them); the places left go to the
+    lowest ids equal to the ``k``-th value, found by :func:`_first_equal` in fixed shapes, so no host branch
+    decides whether a tie straddles the ``k``-th place.
     """
     vocab = logprobs.shape[-1]
-    if 0 < k < vocab:
-        if vocab > 2**24:
-            raise ValueError(f"ranked_topk ranks token ids as float32, exact up to 2**24; got a vocabulary of {vocab}")
-        kth = logprobs.topk(k, dim=-1).values[..., k - 1:k]
-        key = torch.where(logprobs > kth, 1.0, _negative_ids(vocab, logprobs.device))
-        toks = key.masked_fill_(logprobs < kth, float("-inf")).topk(k, dim=-1).indices
-        vals = logprobs.gather(-1, toks)
-    else:
-        vals, toks = logprobs.topk(k, dim=-1)
+    vals, toks = logprobs.topk(k, dim=-1)
     by_tok = toks.argsort(dim=-1, stable=True)
     vals, toks = vals.gather(-1, by_tok), toks.gather(-1, by_tok)
     by_val = vals.argsort(dim=-1, descending=True, stable=True)
-    return vals.gather(-1, by_val), toks.gather(-1, by_val)
+    vals, toks = vals.gather(-1, by_val), toks.gather(-1, by_val)
+    if not 0 < k < vocab:
+        return vals, toks
+    kth = vals[..., k - 1:k]
+    place = torch.arange(k, device=logprobs.device)
+    above = (vals > kth).sum(dim=-1, keepdim=True)  # these lead the ranked list already
+    tied = _first_equal(logprobs, kth, k).gather(-1, (place - above).clamp(min=0))
+    toks = torch.where(place < above, toks, tied)
+    return logprobs.gather(-1, toks), toks
 
 
-@lru_cache(maxsize=16)
-def _negative_ids(vocab: int, device: torch.device) -> torch.Tensor:
-    return -torch.arange(vocab, dtype=torch.float32, device=device)
+_CHUNK = 128
+
+
+def _first_equal(logprobs: torch.Tensor, value: torch.Tensor, k: int) -> torch.Tensor:
+    """The ``k`` lowest token ids whose log-prob equals ``value`` ``[..., 1]``, the ``k``-th largest (fewer than
+    ``k`` values lie above it), ascending; where fewer match, the rest are clamped ids never used.
+
+    Fixed shapes and one pass over the vocabulary (a max per chunk): a chunk holding a value ``>= value``
+    holds a match or one of the fewer than ``k`` values above it, so the first ``2k - 1`` such chunks hold
+    the first ``k`` matches. Those chunks alone are searched, by running counts and ``searchsorted``.
+    """
+    vocab = logprobs.shape[-1]
+    if vocab % _CHUNK:  # pad with -inf: a pad entry may match only after every real match, and is never used
+        pad = logprobs.new_full((*logprobs.shape[:-1], _CHUNK - vocab % _CHUNK), float("-inf"))
+        logprobs = torch.cat([logprobs, pad], dim=-1)
+    chunks = logprobs.unflatten(-1, (-1, _CHUNK))  # [..., n, C]
+    hit = (chunks.amax(dim=-1) >= value).cumsum(dim=-1, dtype=torch.int32)  # [..., n] chunks so far with a hit
+    wanted = min(2 * k - 1, chunks.shape[-2])
+    nth = torch.arange(1, wanted + 1, dtype=torch.int32, device=logprobs.device).expand(*hit.shape[:-1], wanted)
+    chunk = torch.searchsorted(hit, nth.contiguous())  # [..., wanted] the nth chunk with a hit, ascending
+    real = chunk < hit.shape[-1]
+    chunk = chunk.clamp(max=hit.shape[-1] - 1)
+    picked = chunks.gather(-2, chunk[..., None].expand(*chunk.shape, _CHUNK))  # [..., wanted, C]
+    matches = ((picked == value[..., None]) & real[..., None]).flatten(-2).cumsum(dim=-1, dtype=torch.int32)
+    first = torch.arange(1, k + 1, dtype=torch.int32, device=logprobs.device).expand(*hit.shape[:-1], k)
+    where = torch.searchsorted(matches, first.contiguous()).clamp(max=matches.shape[-1] - 1)  # [..., k]
+    ids = chunk.gather(-1, where // _CHUNK) * _CHUNK + where % _CHUNK
+    return ids.clamp(max=vocab - 1)
 
 
 def _check_inputs(root_tokens: torch.Tensor, logprobs: torch.Tensor, budget: int) -> None:
