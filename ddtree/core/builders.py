@@ -71,22 +71,23 @@ def _first_equal(logprobs: torch.Tensor, value: torch.Tensor, k: int) -> torch.T
     holds a match or one of the fewer than ``k`` values above it, so the first ``2k - 1`` such chunks hold
     the first ``k`` matches. Those chunks alone are searched, by running counts and ``searchsorted``.
     """
-    vocab = logprobs.shape[-1]
+    lead, vocab = logprobs.shape[:-1], logprobs.shape[-1]
+    rows = logprobs.reshape(-1, vocab)
     if vocab % _CHUNK:  # pad with -inf: a pad entry may match only after every real match, and is never used
-        pad = logprobs.new_full((*logprobs.shape[:-1], _CHUNK - vocab % _CHUNK), float("-inf"))
-        logprobs = torch.cat([logprobs, pad], dim=-1)
-    chunks = logprobs.unflatten(-1, (-1, _CHUNK))  # [..., n, C]
-    hit = (chunks.amax(dim=-1) >= value).cumsum(dim=-1, dtype=torch.int32)  # [..., n] chunks so far with a hit
-    wanted = min(2 * k - 1, chunks.shape[-2])
-    nth = torch.arange(1, wanted + 1, dtype=torch.int32, device=logprobs.device).expand(*hit.shape[:-1], wanted)
-    chunk = torch.searchsorted(hit, nth.contiguous())  # [..., wanted] the nth chunk with a hit, ascending
-    real = chunk < hit.shape[-1]
-    chunk = chunk.clamp(max=hit.shape[-1] - 1)
-    picked = chunks.gather(-2, chunk[..., None].expand(*chunk.shape, _CHUNK))  # [..., wanted, C]
-    matches = ((picked == value[..., None]) & real[..., None]).flatten(-2).cumsum(dim=-1, dtype=torch.int32)
-    first = torch.arange(1, k + 1, dtype=torch.int32, device=logprobs.device).expand(*hit.shape[:-1], k)
-    where = torch.searchsorted(matches, first.contiguous()).clamp(max=matches.shape[-1] - 1)  # [..., k]
-    ids = chunk.gather(-1, where // _CHUNK) * _CHUNK + where % _CHUNK
+        rows = torch.cat([rows, rows.new_full((rows.shape[0], _CHUNK - vocab % _CHUNK), float("-inf"))], dim=1)
+    value = value.reshape(-1, 1)
+    chunks = rows.unflatten(-1, (-1, _CHUNK))  # [R, n, C]
+    hit = (chunks.amax(dim=-1) >= value).cumsum(dim=-1, dtype=torch.int32)  # [R, n] chunks so far with a hit
+    wanted = min(2 * k - 1, chunks.shape[1])
+    nth = torch.arange(1, wanted + 1, dtype=torch.int32, device=rows.device).expand(rows.shape[0], wanted)
+    chunk = torch.searchsorted(hit, nth.contiguous())  # [R, wanted] the nth chunk with a hit, ascending
+    real = chunk < hit.shape[1]
+    chunk = chunk.clamp(max=hit.shape[1] - 1)
+    picked = chunks[torch.arange(rows.shape[0], device=rows.device)[:, None], chunk]  # [R, wanted, C]
+    matches = ((picked == value[..., None]) & real[..., None]).flatten(1).cumsum(dim=-1, dtype=torch.int32)
+    first = torch.arange(1, k + 1, dtype=torch.int32, device=rows.device).expand(rows.shape[0], k)
+    where = torch.searchsorted(matches, first.contiguous()).clamp(max=matches.shape[1] - 1)  # [R, k]
+    ids = (chunk.gather(1, where // _CHUNK) * _CHUNK + where % _CHUNK).view(*lead, k)
     return ids.clamp(max=vocab - 1)
 
 
