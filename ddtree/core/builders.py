@@ -105,6 +105,12 @@ def top_stable(x: torch.Tensor, m: int) -> torch.Tensor:
     return x.sort(dim=1, descending=True, stable=True).indices[:, :m]
 
 
+def _constant(table, *key):
+    """A per-shape index table: cached in eager mode; built inline while ``torch.compile`` traces, where it
+    becomes a constant of the graph (dynamo does not keep ``lru_cache``'s cache)."""
+    return table.__wrapped__(*key) if torch.compiler.is_compiling() else table(*key)
+
+
 @lru_cache(maxsize=256)
 def _pair_table(parents: int, k: int, m: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """The (parent, rank) candidates that can make a level's top ``m``, in row-major key order.
@@ -132,7 +138,7 @@ def grow_levels(
     bsz, _, k = vals.shape
     scores, tokens, parents = [vals[:, 0]], [toks[:, 0]], [toks.new_zeros(bsz, k)]
     for d in range(1, max_depth):
-        ii, jj = _pair_table(scores[-1].shape[1], k, keep, vals.device)
+        ii, jj = _constant(_pair_table, scores[-1].shape[1], k, keep, vals.device)
         # Row-major (parent, rank) order, so the stable selection breaks score ties by the key.
         cand = scores[-1][:, ii] + vals[:, d, jj]
         pick = top_stable(cand, keep)
@@ -172,7 +178,7 @@ def assemble(
     final_index.scatter_(1, order, node[1:].expand(bsz, n - 1))
     parents = torch.cat([node.new_full((bsz, 1), -1), final_index.gather(1, torch.cat(parent_ids, 1).gather(1, order))],
                         dim=1)
-    depths = torch.cat([node.new_zeros(bsz, 1), _level_depths(tuple(sizes), device)[order]], dim=1)
+    depths = torch.cat([node.new_zeros(bsz, 1), _constant(_level_depths, tuple(sizes), device)[order]], dim=1)
     up = parents.clamp(min=0)  # the root is its own parent here
     steps = [node.expand(bsz, n)]
     for _ in range(len(sizes)):
