@@ -196,9 +196,12 @@ def test_heap_reference_matches_on_wide_and_deep_trees():
 
 
 def test_tree_build_command(tmp_path, capsys):
-    assert tree_build_main(["--budgets", "8,32", "--vocabs", "500", "--repeats", "1", "--out", str(tmp_path)]) == 0
+    assert tree_build_main(["--budgets", "8,32", "--vocabs", "500", "--batches", "1,3", "--repeats", "1",
+                            "--out", str(tmp_path)]) == 0
     rows = json.loads((tmp_path / "tree_build.json").read_text())["rows"]
-    assert [(r["budget"], r["vocab"], r["same_tree"]) for r in rows] == [(8, 500, True), (32, 500, True)]
+    assert [(r["budget"], r["vocab"], r["batch"], r["same_tree"]) for r in rows] == [
+        (8, 500, 1, True), (32, 500, 1, True), (8, 500, 3, True), (32, 500, 3, True)]
+    assert [r["heap_after_topk_ms"] is None for r in rows] == [False, False, True, True]  # the heap loop: batch 1
     assert "ratio after top-k" in capsys.readouterr().out
 
 

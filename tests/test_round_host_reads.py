@@ -2,8 +2,9 @@
 
 Counted with :func:`ddtree.runtime.host_reads.count_host_reads` on tiny float64 pairs, for DFlash and DFlash2
 proposals, chain-shaped and wider trees, batch 1 and a ragged batch, greedy and sampled. The tree builders of
-``ddtree.core.builders`` still build on the host (they read the top-k back), so these rounds build their trees
-with a fixed-shape torch builder written here; the output and acceptance are checked alongside.
+``ddtree.core.builders`` build on the device too; the first tests use a fixed-shape torch builder written here
+(so a read in a builder cannot hide one in the round), the last the shipped builders. The output and
+acceptance are checked alongside.
 """
 
 from __future__ import annotations
@@ -120,3 +121,19 @@ def test_sampled_rounds_read_once_and_equal_the_library_built_trees(target, kind
             emitted += [tree.tokens[0, i].item() for i in rec.accepted[1:]] + [rec.bonus]
         assert emitted[: len(state.new_tokens[b]) - 1] == state.new_tokens[b][1:]
         assert [len(rec.accepted) for rec in state.records[b]] == state.acceptance[b]
+
+
+@pytest.mark.parametrize("kind", ["dflash", "dflash2"])
+@pytest.mark.parametrize("builder, budget", [("best_first", 8), ("chain", 4), ("beam@2x3", 6)])
+@pytest.mark.parametrize("rows", [1, 4])
+def test_rounds_with_the_shipped_builders_read_once(target, kind, builder, budget, rows):
+    """The device builders (and their pairwise forms for DFlash2) add no read to the round's one."""
+    prompts = PROMPTS[:rows]
+    gen = SpeculativeGenerator(target, drafter(kind, target), tree_budget=budget, builder=builder)
+    state, steady, _ = run_counted(gen, prompts, sampled=False)
+    assert len(steady) >= 3
+    assert [r.count for r in steady] == [1] * len(steady), [dict(r.by_site) for r in steady if r.count != 1]
+    for b, prompt in enumerate(prompts):
+        ref = reference(target, prompt, new=NEW)[0].tolist()
+        assert state.new_tokens[b] == ref[len(prompt):]
+        assert state.acceptance[b] == [expected_acceptance(rec, ref) for rec in state.records[b]]

@@ -1,15 +1,19 @@
-"""``python -m ddtree.bench tree-build``: the vectorised best_first against a heap loop.
+"""``python -m ddtree.bench tree-build``: the device best_first against the numpy one and a heap loop.
+
+The device builder (:mod:`ddtree.core.builders`, tensor operations with no host
+reads) and the numpy builder (:mod:`ddtree.core.reference_builders`, top-k
+copied to the host) are timed side by side, interleaved, at each budget, vocabulary
+and batch size, and must return identical trees.
 
 :func:`heap_best_first` is the straightforward construction of the published
-DDTree reference, kept here as the yardstick: pop the best frontier node, push
+DDTree reference, kept here as a second yardstick: pop the best frontier node, push
 its next sibling and its first child. Its heap key is
 ``(-score, depth, parent_pop_index, rank)`` over the top-k lists of
 :func:`ddtree.core.builders.ranked_topk`, the tie rule documented in :mod:`ddtree.core.builders`,
-so both builders must return the very same tree.
+so all three builders must return the very same tree.
 
-Both builders share the top-k step, so it is timed once and reported apart;
-the ratio that matters is the part after top-k (tree growth plus the
-:class:`~ddtree.core.tree.DraftTree` with its visibility matrix).
+Top-k over the vocabulary and the growth after it (levels plus the
+:class:`~ddtree.core.tree.DraftTree` with its visibility matrix) are timed apart.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from __future__ import annotations
 import heapq
 import json
 import platform
+import statistics
 import struct
 import time
 from pathlib import Path
@@ -24,6 +29,7 @@ from pathlib import Path
 import torch
 
 from ddtree.budget.latency import synthetic_logprobs
+from ddtree.core import reference_builders as reference
 from ddtree.core.builders import best_first, best_first_from_topk, ranked_topk
 from ddtree.core.tree import DraftTree
 
@@ -78,78 +84,98 @@ def same_tree(a: DraftTree, b: DraftTree) -> bool:
     )
 
 
-def _min_seconds(fns: dict, repeats: int) -> dict[str, float]:
-    """Fastest of ``repeats`` runs of each function, interleaved so that a busy moment on a
-    shared machine hits all of them alike; the minimum is the least disturbed figure."""
+def identical_trees(a: DraftTree, b: DraftTree) -> bool:
+    """Every field equal, bit for bit and dtype for dtype: what the device builders promise the numpy ones."""
+    return all(getattr(a, f).dtype == getattr(b, f).dtype and torch.equal(getattr(a, f), getattr(b, f))
+               for f in ("tokens", "parents", "depths", "scores", "visibility"))
+
+
+def _median_seconds(fns: dict, repeats: int) -> dict[str, float]:
+    """Median of ``repeats`` runs of each function, interleaved so that a busy moment on a shared
+    machine hits all of them alike."""
     for fn in fns.values():
-        fn()  # warm-up
-    best = {name: float("inf") for name in fns}
+        fn()  # warm-up (and the device builder's per-shape index tables)
+    runs: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(repeats):
         for name, fn in fns.items():
             t0 = time.perf_counter()
             fn()
-            best[name] = min(best[name], time.perf_counter() - t0)
-    return best
+            runs[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(r) for name, r in runs.items()}
 
 
-def time_tree_build(budget: int, vocab: int, depth: int = 15, repeats: int = 5, seed: int = 0) -> dict:
-    """Seconds (fastest of ``repeats``) for top-k, core best_first and the heap loop; checks the trees are equal."""
-    lp = synthetic_logprobs(depth, vocab, seed)
-    root = torch.tensor([0])
+def time_tree_build(budget: int, vocab: int, depth: int = 15, repeats: int = 5, seed: int = 0,
+                    batch: int = 1) -> dict:
+    """Median seconds of the device and the numpy best_first (top-k and the growth after it, each timed
+    apart) and, at batch 1, of the heap loop after top-k; checks that the trees are identical."""
+    lp = torch.cat([synthetic_logprobs(depth, vocab, seed + b) for b in range(batch)])
+    root = torch.zeros(batch, dtype=torch.long)
     k = min(budget, vocab)
-    core_tree = best_first(root, lp, budget)
-    heap_tree = heap_best_first(root, lp, budget)
-    equal = same_tree(core_tree, heap_tree)
+    device_tree, numpy_tree = best_first(root, lp, budget), reference.best_first(root, lp, budget)
+    equal = identical_trees(device_tree, numpy_tree)
+    if batch == 1:
+        equal = equal and same_tree(device_tree, heap_best_first(root, lp, budget))
     vals, toks = ranked_topk(lp.float(), k)
-    t = _min_seconds({
-        "topk": lambda: ranked_topk(lp.float(), k),
-        "core": lambda: best_first_from_topk(root, vals, toks, budget),
-        "heap": lambda: heap_best_first_from_topk(0, vals[0], toks[0], budget),
-    }, repeats)
-    topk_s, core_after_s, heap_after_s = t["topk"], t["core"], t["heap"]
-    core_s = topk_s + core_after_s
+    fns = {
+        "device_topk": lambda: ranked_topk(lp.float(), k),
+        "numpy_topk": lambda: reference.ranked_topk(lp.float(), k),
+        "device_after": lambda: best_first_from_topk(root, vals, toks, budget),
+        "numpy_after": lambda: reference.best_first_from_topk(root, vals, toks, budget),
+    }
+    if batch == 1:
+        fns["heap_after"] = lambda: heap_best_first_from_topk(0, vals[0], toks[0], budget)
+    t = {name: s * 1e3 for name, s in _median_seconds(fns, repeats).items()}
+    device_ms, numpy_ms = t["device_topk"] + t["device_after"], t["numpy_topk"] + t["numpy_after"]
     return {
         "budget": budget,
         "vocab": vocab,
+        "batch": batch,
         "depth": depth,
-        "max_tree_depth": core_tree.max_depth,
+        "max_tree_depth": device_tree.max_depth,
         "same_tree": equal,
-        "topk_ms": topk_s * 1e3,
-        "core_total_ms": core_s * 1e3,
-        "core_after_topk_ms": core_after_s * 1e3,
-        "heap_after_topk_ms": heap_after_s * 1e3,
-        "heap_total_ms": (heap_after_s + topk_s) * 1e3,
-        "ratio_after_topk": heap_after_s / core_after_s,
-        "ratio_total": (heap_after_s + topk_s) / core_s,
+        "device_topk_ms": t["device_topk"],
+        "numpy_topk_ms": t["numpy_topk"],
+        "device_after_topk_ms": t["device_after"],
+        "numpy_after_topk_ms": t["numpy_after"],
+        "heap_after_topk_ms": t.get("heap_after"),
+        "device_total_ms": device_ms,
+        "numpy_total_ms": numpy_ms,
+        "ratio_after_topk": t["numpy_after"] / t["device_after"],
+        "ratio_total": numpy_ms / device_ms,
     }
 
 
 def markdown_table(rows: list[dict]) -> str:
     head = (
-        "| budget | vocab | same tree | top-k ms | heap after top-k ms | core after top-k ms | "
-        "ratio after top-k | heap total ms | core total ms | ratio total |\n"
-        "|---:|---:|:---:|---:|---:|---:|---:|---:|---:|---:|\n"
+        "| budget | vocab | batch | same tree | top-k ms device / numpy | after top-k ms device / numpy / heap | "
+        "ratio after top-k | total ms device / numpy | ratio total |\n"
+        "|---:|---:|---:|:---:|---:|---:|---:|---:|---:|\n"
     )
-    lines = [
-        f"| {r['budget']} | {r['vocab']} | {'yes' if r['same_tree'] else 'NO'} | {r['topk_ms']:.2f} | "
-        f"{r['heap_after_topk_ms']:.2f} | {r['core_after_topk_ms']:.2f} | {r['ratio_after_topk']:.1f}x | "
-        f"{r['heap_total_ms']:.2f} | {r['core_total_ms']:.2f} | {r['ratio_total']:.1f}x |"
-        for r in rows
-    ]
+    lines = []
+    for r in rows:
+        heap = "-" if r["heap_after_topk_ms"] is None else f"{r['heap_after_topk_ms']:.2f}"
+        lines.append(
+            f"| {r['budget']} | {r['vocab']} | {r['batch']} | {'yes' if r['same_tree'] else 'NO'} | "
+            f"{r['device_topk_ms']:.2f} / {r['numpy_topk_ms']:.2f} | "
+            f"{r['device_after_topk_ms']:.2f} / {r['numpy_after_topk_ms']:.2f} / {heap} | "
+            f"{r['ratio_after_topk']:.2f}x | {r['device_total_ms']:.2f} / {r['numpy_total_ms']:.2f} | "
+            f"{r['ratio_total']:.2f}x |"
+        )
     return head + "\n".join(lines) + "\n"
 
 
-EXAMPLES = ["python -m ddtree.bench tree-build --budgets 64,256 --vocabs 49152 --out bench_out/tree_build"]
+EXAMPLES = ["python -m ddtree.bench tree-build --budgets 4,16,64 --vocabs 49152 --batches 1,4 --out bench_out/tree_build"]
 
 
 def build_parser():
     from ddtree.apps.cli import parser
 
     p = parser("python -m ddtree.bench tree-build", __doc__, EXAMPLES)
-    p.add_argument("--budgets", default="64,256,1024", help="comma-separated tree budgets")
-    p.add_argument("--vocabs", default="49152,151936", help="comma-separated vocabulary sizes")
+    p.add_argument("--budgets", default="4,8,16,32,64", help="comma-separated tree budgets")
+    p.add_argument("--vocabs", default="49152,152064", help="comma-separated vocabulary sizes")
+    p.add_argument("--batches", default="1,4", help="comma-separated batch sizes (rows of distinct distributions)")
     p.add_argument("--depth", type=int, default=15, help="draft depth D (block size - 1)")
-    p.add_argument("--repeats", type=int, default=7, help="timed repeats per case (the median is reported)")
+    p.add_argument("--repeats", type=int, default=15, help="timed repeats per case (the median is reported)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random draft log-probs")
     p.add_argument("--threads", type=int, default=1,
                    help="torch intra-op threads (1: these ops are too small to split; spare threads only wait)")
@@ -162,15 +188,16 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     rows = []
     for vocab in (int(x) for x in args.vocabs.split(",")):
-        for budget in (int(x) for x in args.budgets.split(",")):
-            rows.append(time_tree_build(budget, vocab, args.depth, args.repeats, args.seed))
-            r = rows[-1]
-            print(
-                f"budget {budget:5d} vocab {vocab:6d}: same={r['same_tree']} "
-                f"after top-k heap {r['heap_after_topk_ms']:.2f} ms / core {r['core_after_topk_ms']:.2f} ms "
-                f"= {r['ratio_after_topk']:.1f}x",
-                flush=True,
-            )
+        for batch in (int(x) for x in args.batches.split(",")):
+            for budget in (int(x) for x in args.budgets.split(",")):
+                rows.append(time_tree_build(budget, vocab, args.depth, args.repeats, args.seed, batch))
+                r = rows[-1]
+                print(
+                    f"budget {budget:5d} vocab {vocab:6d} batch {batch}: same={r['same_tree']} "
+                    f"total device {r['device_total_ms']:.2f} ms / numpy {r['numpy_total_ms']:.2f} ms "
+                    f"= {r['ratio_total']:.2f}x, ratio after top-k {r['ratio_after_topk']:.2f}x",
+                    flush=True,
+                )
     table = markdown_table(rows)
     print()
     print(table)

@@ -14,16 +14,22 @@ ranked by log-prob descending, then by token id ascending. Nodes are ordered by
 path score descending, then depth ascending, then the order of their parent,
 then their rank. This is exactly the pop order of the published heap
 construction when its heap key is ``(-score, depth, parent_pop_index, rank)``.
+
+The builders run on the tensors' device as fixed-shape tensor operations: no
+host reads and no loop over nodes (only over depths), so a round that builds a
+tree never waits for the device. Every shape follows from ``budget``, ``D``,
+``V`` and the batch size alone. :mod:`ddtree.core.reference_builders` holds
+the numpy builders they must match node for node.
 """
 
 from __future__ import annotations
 
+from functools import lru_cache
 from typing import Callable, Protocol
 
-import numpy as np
 import torch
 
-from ddtree.core.tree import DraftTree, root_only
+from ddtree.core.tree import DraftTree, path_tree, root_only
 
 
 class TreeBuilder(Protocol):
@@ -31,22 +37,58 @@ class TreeBuilder(Protocol):
 
 
 def ranked_topk(logprobs: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Top-``k`` per depth, ordered by log-prob descending then token id ascending."""
-    if 0 < k < logprobs.shape[-1]:
-        # One place more than asked: a tie straddles the k-th place exactly when the (k+1)-th value equals
-        # the k-th (a vocabulary-wide comparison would hold a [B, D, V] count in int64, 18 MB at 152k).
-        vals, toks = logprobs.topk(k + 1, dim=-1)
-        if bool((vals[..., k] >= vals[..., k - 1]).any()):
-            # topk picks among tied values arbitrarily: the lowest ids must win, so sort exactly.
-            toks = torch.sort(logprobs, dim=-1, descending=True, stable=True).indices[..., :k]
-            return logprobs.gather(-1, toks), toks
-        vals, toks = vals[..., :k], toks[..., :k]
-    else:
-        vals, toks = logprobs.topk(k, dim=-1)
+    """Top-``k`` per depth, ordered by log-prob descending then token id ascending.
+
+    ``topk`` picks among values tied at the ``k``-th place arbitrarily, and the lowest ids must win. Every
+    value above the ``k``-th is in ``topk``'s answer (fewer than ``k`` of them); the places left go to the
+    lowest ids equal to the ``k``-th value, found by :func:`_first_equal` in fixed shapes, so no host branch
+    decides whether a tie straddles the ``k``-th place.
+    """
+    vocab = logprobs.shape[-1]
+    vals, toks = logprobs.topk(k, dim=-1)
     by_tok = toks.argsort(dim=-1, stable=True)
     vals, toks = vals.gather(-1, by_tok), toks.gather(-1, by_tok)
-    by_val = (-vals).argsort(dim=-1, stable=True)
-    return vals.gather(-1, by_val), toks.gather(-1, by_val)
+    by_val = vals.argsort(dim=-1, descending=True, stable=True)
+    vals, toks = vals.gather(-1, by_val), toks.gather(-1, by_val)
+    if not 0 < k < vocab:
+        return vals, toks
+    kth = vals[..., k - 1:k]
+    place = torch.arange(k, device=logprobs.device)
+    above = (vals > kth).sum(dim=-1, keepdim=True)  # these lead the ranked list already
+    tied = _first_equal(logprobs, kth, k).gather(-1, (place - above).clamp(min=0))
+    toks = torch.where(place < above, toks, tied)
+    return logprobs.gather(-1, toks), toks
+
+
+_CHUNK = 128
+
+
+def _first_equal(logprobs: torch.Tensor, value: torch.Tensor, k: int) -> torch.Tensor:
+    """The ``k`` lowest token ids whose log-prob equals ``value`` ``[..., 1]``, the ``k``-th largest (fewer than
+    ``k`` values lie above it), ascending; where fewer match, the rest are clamped ids never used.
+
+    Fixed shapes and one pass over the vocabulary (a max per chunk): a chunk holding a value ``>= value``
+    holds a match or one of the fewer than ``k`` values above it, so the first ``2k - 1`` such chunks hold
+    the first ``k`` matches. Those chunks alone are searched, by running counts and ``searchsorted``.
+    """
+    lead, vocab = logprobs.shape[:-1], logprobs.shape[-1]
+    rows = logprobs.reshape(-1, vocab)
+    if vocab % _CHUNK:  # pad with -inf: a pad entry may match only after every real match, and is never used
+        rows = torch.cat([rows, rows.new_full((rows.shape[0], _CHUNK - vocab % _CHUNK), float("-inf"))], dim=1)
+    value = value.reshape(-1, 1)
+    chunks = rows.unflatten(-1, (-1, _CHUNK))  # [R, n, C]
+    hit = (chunks.amax(dim=-1) >= value).cumsum(dim=-1, dtype=torch.int32)  # [R, n] chunks so far with a hit
+    wanted = min(2 * k - 1, chunks.shape[1])
+    nth = torch.arange(1, wanted + 1, dtype=torch.int32, device=rows.device).expand(rows.shape[0], wanted)
+    chunk = torch.searchsorted(hit, nth.contiguous())  # [R, wanted] the nth chunk with a hit, ascending
+    real = chunk < hit.shape[1]
+    chunk = chunk.clamp(max=hit.shape[1] - 1)
+    picked = chunks[torch.arange(rows.shape[0], device=rows.device)[:, None], chunk]  # [R, wanted, C]
+    matches = ((picked == value[..., None]) & real[..., None]).flatten(1).cumsum(dim=-1, dtype=torch.int32)
+    first = torch.arange(1, k + 1, dtype=torch.int32, device=rows.device).expand(rows.shape[0], k)
+    where = torch.searchsorted(matches, first.contiguous()).clamp(max=matches.shape[1] - 1)  # [R, k]
+    ids = (chunk.gather(1, where // _CHUNK) * _CHUNK + where % _CHUNK).view(*lead, k)
+    return ids.clamp(max=vocab - 1)
 
 
 def _check_inputs(root_tokens: torch.Tensor, logprobs: torch.Tensor, budget: int) -> None:
@@ -58,118 +100,105 @@ def _check_inputs(root_tokens: torch.Tensor, logprobs: torch.Tensor, budget: int
         raise ValueError(f"{root_tokens.numel()} root tokens for a batch of {logprobs.shape[0]} distributions")
 
 
-def _assemble(
-    root_tokens: torch.Tensor,
-    level_scores: list[np.ndarray],
-    level_tokens: list[np.ndarray],
-    level_parents: list[np.ndarray],
-    budget: int,
-    order: np.ndarray | None = None,
-) -> DraftTree:
-    """Select the ``budget`` best candidates over all levels and index them in pop order.
+def top_stable(x: torch.Tensor, m: int) -> torch.Tensor:
+    """Per row, the first ``m`` indices of a stable descending sort of ``x`` ``[B, n]`` (ties: lower index)."""
+    return x.sort(dim=1, descending=True, stable=True).indices[:, :m]
 
-    Levels are concatenated depth-major with each level already in key order, so a
-    stable descending sort on score realises the documented tie rule. Depths are the
-    level numbers; visibility comes from walking all nodes up to the root together.
+
+def _constant(table, *key):
+    """A per-shape index table: cached in eager mode; built inline while ``torch.compile`` traces, where it
+    becomes a constant of the graph (dynamo does not keep ``lru_cache``'s cache)."""
+    return table.__wrapped__(*key) if torch.compiler.is_compiling() else table(*key)
+
+
+@lru_cache(maxsize=256)
+def _pair_table(parents: int, k: int, m: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The (parent, rank) candidates that can make a level's top ``m``, in row-major key order.
+
+    Both lists are in key order, so the ``(i+1)(j+1) - 1`` pairs ``(i', j') <= (i, j)`` all come before
+    ``(parent i, rank j)``: a pair with ``(i+1)(j+1) > m`` cannot make the top ``m``, and about
+    ``m * ln(m)`` pairs remain instead of ``m * k``. Built once per shape and kept on the device.
     """
-    bsz = root_tokens.shape[0]
-    sizes = [s.shape[1] for s in level_scores]
-    offsets = np.cumsum([0] + sizes[:-1])
-    scores = np.concatenate(level_scores, axis=1)
-    tokens = np.concatenate(level_tokens, axis=1)
-    # Parent ids in the concatenated numbering; -1 means the root.
-    parent_ids = np.concatenate(
-        [np.full(level_parents[0].shape, -1, dtype=np.int64)]
-        + [p + offsets[d - 1] for d, p in enumerate(level_parents) if d > 0],
-        axis=1,
-    )
-    level_depth = np.repeat(np.arange(1, len(sizes) + 1), sizes)
-    total = scores.shape[1]
-    order = _top_stable(scores, min(budget, total)) if order is None else order
-    budget = order.shape[1]
-    rows = np.arange(bsz)[:, None]
-    final_index = np.zeros((bsz, total + 1), dtype=np.int64)  # slot `total` is the root
-    final_index[rows, order] = np.arange(1, budget + 1)
-    sel_parent = parent_ids[rows, order]
-    sel_parent[sel_parent < 0] = total
-    n = budget + 1
-    parents = np.concatenate([np.full((bsz, 1), -1), final_index[rows, sel_parent]], axis=1)
-    depths = np.concatenate([np.zeros((bsz, 1), dtype=np.int64), level_depth[order]], axis=1)
-    # Walk every node up to the root at once, one level per step (the root is its own parent here).
-    up = parents.copy()
-    up[:, 0] = 0
-    steps = [np.broadcast_to(np.arange(n), (bsz, n))]
-    for _ in range(len(sizes)):
-        steps.append(up[rows, steps[-1]])
-    visibility = np.zeros((bsz, n, n), dtype=bool)
-    # One flat scatter: entry (b, i, ancestor) sits at (b * n + i) * n + ancestor.
-    flat = (np.arange(bsz * n).reshape(bsz, n, 1) * n + np.stack(steps, axis=2)).ravel()
-    visibility.reshape(-1)[flat] = True
-    device = root_tokens.device
-    node_tokens = torch.cat([root_tokens.view(bsz, 1).long(), torch.from_numpy(tokens[rows, order]).to(device)], 1)
-    node_scores = np.concatenate([np.zeros((bsz, 1), np.float32), scores[rows, order]], axis=1)
-    return DraftTree(
-        node_tokens,
-        torch.from_numpy(parents).to(device),
-        torch.from_numpy(depths).to(device),
-        torch.from_numpy(node_scores).to(device),
-        torch.from_numpy(visibility).to(device),
-    )
+    ii, jj = [], []
+    for i in range(parents):
+        width = min(m // (i + 1), k)
+        ii += [i] * width
+        jj += range(width)
+    return torch.tensor(ii, device=device), torch.tensor(jj, device=device)
 
 
-def _expand_levels(
-    vals: np.ndarray, toks: np.ndarray, keep: int, max_depth: int, deep_keep: int | None = None
-) -> tuple[list[np.ndarray], list[np.ndarray], list[np.ndarray]]:
+def grow_levels(
+    vals: torch.Tensor, toks: torch.Tensor, keep: int, max_depth: int
+) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
     """Per depth, keep the ``keep`` best paths (by the tie rule) among extensions of the last level.
 
-    ``vals``/``toks`` are the ranked top-k lists ``[B, D, k]`` from :func:`ranked_topk`, as
-    numpy arrays: the work is many small steps, where numpy's per-call cost is far below
-    torch's (the scores are float32 sums either way). ``deep_keep`` (default ``keep``) caps
-    the levels below depth 1; see :func:`best_first_from_topk`.
-
-    Dominance pruning leaves the result unchanged: both lists are in key order, so the
-    ``(i+1)(j+1) - 1`` pairs ``(i', j') <= (i, j)`` all come before ``(parent i, rank j)``, and
-    a pair with ``(i+1)(j+1) > m`` cannot make the level's top ``m``. About ``m * ln(m)``
-    pairs remain instead of ``m * k``.
+    ``vals``/``toks`` are the ranked top-k lists ``[B, D, k]`` from :func:`ranked_topk`. Returns per level
+    (depth 1 first) the scores, tokens and parent index in the level before, each level in key order.
     """
     bsz, _, k = vals.shape
-    m = keep if deep_keep is None else deep_keep
-    rows = np.arange(bsz)[:, None]
-    level_scores, level_tokens, level_parents = [vals[:, 0]], [toks[:, 0]], [np.zeros((bsz, k), dtype=np.int64)]
-    dominance = np.minimum(m // np.arange(1, max(k, m) + 1), k)  # widths allowed by (i+1)(j+1) <= m
-    pairs: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # by parent count: levels repeat their sizes
+    scores, tokens, parents = [vals[:, 0]], [toks[:, 0]], [toks.new_zeros(bsz, k)]
     for d in range(1, max_depth):
-        prev = level_scores[-1]
-        if prev.shape[1] not in pairs:
-            widths = dominance[: prev.shape[1]]
-            widths = widths[widths > 0]  # non-increasing, so this keeps a prefix of the parents
-            ii = np.repeat(np.arange(widths.size), widths)
-            pairs[prev.shape[1]] = ii, np.arange(ii.size) - np.repeat(np.cumsum(widths) - widths, widths)
-        ii, jj = pairs[prev.shape[1]]
-        # Row-major (parent, rank) order, so a stable selection breaks score ties by the key.
-        cand = prev[:, ii] + vals[:, d, jj]
-        pick = _top_stable(cand, m)
-        level_scores.append(cand[rows, pick])
-        level_parents.append(ii[pick])
-        level_tokens.append(toks[:, d][rows, jj[pick]])
-    return level_scores, level_tokens, level_parents
+        ii, jj = _constant(_pair_table, scores[-1].shape[1], k, keep, vals.device)
+        # Row-major (parent, rank) order, so the stable selection breaks score ties by the key.
+        cand = scores[-1][:, ii] + vals[:, d, jj]
+        pick = top_stable(cand, keep)
+        scores.append(cand.gather(1, pick))
+        parents.append(ii[pick])
+        tokens.append(toks[:, d].gather(1, jj[pick]))
+    return scores, tokens, parents
 
 
-def _top_stable(x: np.ndarray, m: int) -> np.ndarray:
-    """Per row, the first ``m`` indices of a stable descending sort: partition, then sort the few left."""
-    n = x.shape[1]
-    if m >= n:
-        return np.argsort(-x, axis=1, kind="stable")
-    out = np.empty((x.shape[0], m), dtype=np.int64)
-    for b, row in enumerate(x):
-        kth = np.partition(row, n - m)[n - m]
-        idx = np.flatnonzero(row >= kth)  # ties with the m-th value included, in index order
-        out[b] = idx[np.argsort(-row[idx], kind="stable")[:m]]
-    return out
+def assemble(
+    root_tokens: torch.Tensor,
+    level_scores: list[torch.Tensor],
+    level_tokens: list[torch.Tensor],
+    level_parents: list[torch.Tensor],
+    budget: int,
+) -> DraftTree:
+    """The ``budget`` best candidates over all levels, indexed in pop order, as a :class:`DraftTree`.
+
+    Levels are concatenated depth-major, each already in key order, so a stable descending sort on
+    score realises the tie rule. Depths are the level numbers; visibility comes from walking all nodes
+    up to the root together, one level per step.
+    """
+    bsz = root_tokens.shape[0]
+    device = level_scores[0].device
+    sizes = [s.shape[1] for s in level_scores]
+    scores = torch.cat(level_scores, dim=1)
+    total = scores.shape[1]
+    # Parent ids in the concatenated numbering; `total` stands for the root.
+    offset, parent_ids = 0, [torch.full_like(level_parents[0], total)]
+    for size, p in zip(sizes[:-1], level_parents[1:]):
+        parent_ids.append(p + offset)
+        offset += size
+    order = top_stable(scores, min(budget, total))
+    n = order.shape[1] + 1
+    node = torch.arange(n, device=device)
+    final_index = torch.zeros(bsz, total + 1, dtype=torch.long, device=device)
+    final_index.scatter_(1, order, node[1:].expand(bsz, n - 1))
+    parents = torch.cat([node.new_full((bsz, 1), -1), final_index.gather(1, torch.cat(parent_ids, 1).gather(1, order))],
+                        dim=1)
+    depths = torch.cat([node.new_zeros(bsz, 1), _constant(_level_depths, tuple(sizes), device)[order]], dim=1)
+    up = parents.clamp(min=0)  # the root is its own parent here
+    steps = [node.expand(bsz, n)]
+    for _ in range(len(sizes)):
+        steps.append(up.gather(1, steps[-1]))
+    visibility = torch.zeros(bsz, n, n, dtype=torch.bool, device=device)
+    visibility.scatter_(2, torch.stack(steps, dim=2), True)
+    out = root_tokens.device
+    return DraftTree(
+        torch.cat([root_tokens.view(bsz, 1).long(), torch.cat(level_tokens, 1).gather(1, order).to(out)], dim=1),
+        parents.to(out),
+        depths.to(out),
+        torch.cat([scores.new_zeros(bsz, 1), scores.gather(1, order)], dim=1).float().to(out),
+        visibility.to(out),
+    )
 
 
-def _host(vals: torch.Tensor, toks: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
-    return vals.detach().float().cpu().numpy(), toks.detach().cpu().numpy().astype(np.int64, copy=False)
+@lru_cache(maxsize=256)
+def _level_depths(sizes: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """The depth of each candidate in the depth-major concatenation of levels of these sizes."""
+    return torch.tensor([d for d, size in enumerate(sizes, start=1) for _ in range(size)], device=device)
 
 
 def best_first(root_tokens: torch.Tensor, logprobs: torch.Tensor, budget: int) -> DraftTree:
@@ -182,42 +211,14 @@ def best_first(root_tokens: torch.Tensor, logprobs: torch.Tensor, budget: int) -
     _check_inputs(root_tokens, logprobs, budget)
     if budget == 0 or logprobs.shape[1] == 0:
         return root_only(root_tokens, torch.float32)
-    vals, toks = ranked_topk(logprobs.float(), min(budget, logprobs.shape[-1]))
+    vals, toks = ranked_topk(logprobs.detach().float(), min(budget, logprobs.shape[-1]))
     return best_first_from_topk(root_tokens, vals, toks, budget)
 
 
 def best_first_from_topk(root_tokens: torch.Tensor, vals: torch.Tensor, toks: torch.Tensor, budget: int) -> DraftTree:
     """:func:`best_first` after its top-k step (``vals``/``toks`` ``[B, D, min(budget, V)]`` from
-    :func:`ranked_topk`), split out so benchmarks can time the tree growth alone.
-
-    The levels below depth 1 are first capped at a quarter of the budget, which drafter-like
-    distributions never fill at one depth; when the selection shows that a cap may have
-    mattered (:func:`_levels_suffice`), the levels are grown again with a 4x larger cap.
-    """
-    host = _host(vals, toks)
-    deep_keep = max(16, budget // 4)
-    while True:
-        levels = _expand_levels(*host, budget, vals.shape[1], deep_keep=min(deep_keep, budget))
-        order = _top_stable(np.concatenate(levels[0], axis=1), budget)
-        if deep_keep >= budget or _levels_suffice(levels[0], order, deep_keep):
-            return _assemble(root_tokens, *levels, budget, order=order)
-        deep_keep *= 4
-
-
-def _levels_suffice(level_scores: list[np.ndarray], order: np.ndarray, deep_keep: int) -> bool:
-    """True when capping the deep levels at ``deep_keep`` cannot have changed the tree.
-
-    A capped level holds the first ``deep_keep`` nodes of its depth in key order. If the
-    selection leaves at least one of them out, every node beyond the cap comes after that
-    one, which already lost to ``budget`` selected nodes: nothing beyond the cap is needed.
-    """
-    sizes = np.array([s.shape[1] for s in level_scores])
-    level = np.searchsorted(np.cumsum(sizes), order, side="right")  # the level of each selected node
-    for row in level:
-        chosen = np.bincount(row, minlength=sizes.size)
-        if ((chosen[1:] >= sizes[1:]) & (sizes[1:] >= deep_keep)).any():
-            return False
-    return True
+    :func:`ranked_topk`), split out so benchmarks can time the tree growth alone."""
+    return assemble(root_tokens, *grow_levels(vals, toks, budget, vals.shape[1]), budget)
 
 
 def chain(root_tokens: torch.Tensor, logprobs: torch.Tensor, budget: int) -> DraftTree:
@@ -229,9 +230,8 @@ def chain(root_tokens: torch.Tensor, logprobs: torch.Tensor, budget: int) -> Dra
     bsz = logprobs.shape[0]
     vals, toks = ranked_topk(logprobs[:, :depth].float(), 1)
     scores = vals[..., 0].cumsum(dim=1)
-    parents = torch.arange(-1, depth, device=logprobs.device).expand(bsz, depth + 1)
-    tokens = torch.cat([root_tokens.view(bsz, 1).long(), toks[..., 0]], dim=1)
-    return DraftTree.from_parents(tokens, parents, torch.cat([scores.new_zeros(bsz, 1), scores], dim=1))
+    tokens = torch.cat([root_tokens.view(bsz, 1).long().to(toks.device), toks[..., 0]], dim=1)
+    return path_tree(tokens, torch.cat([scores.new_zeros(bsz, 1), scores], dim=1))
 
 
 def beam(width: int, depth: int | None = None) -> Callable[[torch.Tensor, torch.Tensor, int], DraftTree]:
@@ -248,9 +248,8 @@ def beam(width: int, depth: int | None = None) -> Callable[[torch.Tensor, torch.
         max_depth = logprobs.shape[1] if depth is None else min(depth, logprobs.shape[1])
         if budget == 0 or max_depth == 0:
             return root_only(root_tokens, torch.float32)
-        vals, toks = ranked_topk(logprobs[:, :max_depth].float(), min(width, logprobs.shape[-1]))
-        levels = _expand_levels(*_host(vals, toks), width, max_depth)
-        return _assemble(root_tokens, *levels, budget)
+        vals, toks = ranked_topk(logprobs[:, :max_depth].detach().float(), min(width, logprobs.shape[-1]))
+        return assemble(root_tokens, *grow_levels(vals, toks, width, max_depth), budget)
 
     build.__name__ = f"beam_{width}x{depth if depth is not None else 'D'}"
     build.__qualname__ = build.__name__

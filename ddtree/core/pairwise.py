@@ -6,18 +6,19 @@ consumes) cannot describe it. :class:`PairwiseScores` holds, per depth, the
 candidate tokens and the log-probability of every candidate given every
 candidate of the depth before; the builders here grow trees in which each
 child is scored given its *own* parent. Verification does not read these scores:
-any deterministic tree is verified exactly, so output stays lossless.
+any deterministic tree is verified exactly, so output stays lossless. Like the
+plain builders, these run on the tensors' device with no host reads;
+:mod:`ddtree.core.reference_builders` holds the numpy forms they must match.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
-from ddtree.core.builders import _assemble, _top_stable, best_first, chain
-from ddtree.core.tree import DraftTree, root_only
+from ddtree.core.builders import assemble, best_first, chain, top_stable
+from ddtree.core.tree import DraftTree, path_tree, root_only
 
 
 @dataclass
@@ -68,10 +69,9 @@ def chain_pairwise(root_tokens: torch.Tensor, scores: PairwiseScores, budget: in
                                                for d in range(depth - 1)]
     path = torch.stack(steps, dim=1).float().cumsum(dim=1)
     toks = scores.candidates[:, :depth].gather(-1, idx[..., None])[..., 0]
-    parents = torch.arange(-1, depth, device=idx.device).expand(bsz, depth + 1)
-    tokens = torch.cat([root_tokens.view(bsz, 1).long(), toks.to(root_tokens.device)], dim=1)
-    return DraftTree.from_parents(tokens, parents.to(root_tokens.device),
-                                  torch.cat([path.new_zeros(bsz, 1), path], dim=1).to(root_tokens.device))
+    out = root_tokens.device
+    tokens = torch.cat([root_tokens.view(bsz, 1).long(), toks.to(out)], dim=1)
+    return path_tree(tokens, torch.cat([path.new_zeros(bsz, 1), path], dim=1).to(out))
 
 
 def best_first_pairwise(root_tokens: torch.Tensor, scores: PairwiseScores, budget: int) -> DraftTree:
@@ -87,25 +87,20 @@ def best_first_pairwise(root_tokens: torch.Tensor, scores: PairwiseScores, budge
         raise ValueError(f"tree budget must be an int >= 0 (the number of draft nodes), got {budget!r}")
     if budget == 0 or scores.depth == 0:
         return root_only(root_tokens, torch.float32)
-    cands = scores.candidates.detach().cpu().numpy().astype(np.int64, copy=False)
-    first = scores.first.detach().float().cpu().numpy()
-    table = scores.table.detach().float().cpu().numpy()
-    bsz, depth, k = cands.shape
-    rows = np.arange(bsz)[:, None]
-    keep0 = _top_stable(first, min(budget, k))  # each level is kept in key order: score, then parent, then id
-    level_scores, level_tokens, level_parents = [first[rows, keep0]], [cands[:, 0][rows, keep0]], [
-        np.zeros_like(keep0)]
-    level_idx = keep0  # candidate index of each kept node
-    for d in range(1, depth):
-        child = level_scores[-1][:, :, None] + table[:, d - 1][rows, level_idx]  # [B, M, K]
-        flat = child.reshape(bsz, -1)
-        pick = _top_stable(flat, min(budget, flat.shape[1]))
-        parent, j = np.divmod(pick, k)
-        level_scores.append(flat[rows, pick])
-        level_tokens.append(cands[:, d][rows, j])
-        level_parents.append(parent)
-        level_idx = j
-    return _assemble(root_tokens, level_scores, level_tokens, level_parents, budget)
+    cands, first, table = scores.candidates.long(), scores.first.detach().float(), scores.table.detach().float()
+    k = cands.shape[2]
+    keep = top_stable(first, budget)  # each level is kept in key order: score, then parent, then id
+    level_scores, level_tokens, level_parents = [first.gather(1, keep)], [cands[:, 0].gather(1, keep)], [
+        torch.zeros_like(keep)]
+    for d in range(1, scores.depth):
+        rows = table[:, d - 1].gather(1, keep[..., None].expand(-1, -1, k))  # [B, M, K]: the kept parents' rows
+        flat = (level_scores[-1][..., None] + rows).flatten(1)
+        pick = top_stable(flat, budget)
+        keep = pick % k
+        level_scores.append(flat.gather(1, pick))
+        level_tokens.append(cands[:, d].gather(1, keep))
+        level_parents.append(pick // k)
+    return assemble(root_tokens, level_scores, level_tokens, level_parents, budget)
 
 
 PAIRWISE_BUILDERS = {best_first: best_first_pairwise, chain: chain_pairwise}

@@ -134,11 +134,22 @@ def _depths_and_visibility(parents: torch.Tensor) -> tuple[torch.Tensor, torch.T
 
 def root_only(root_tokens: torch.Tensor, dtype: torch.dtype = torch.float32) -> DraftTree:
     """The tree of the roots alone: verifying it is one plain decode step per row."""
-    bsz = root_tokens.shape[0]
-    return DraftTree.from_parents(
-        root_tokens.view(bsz, 1).long(),
-        torch.full((bsz, 1), -1, dtype=torch.long, device=root_tokens.device),
-        torch.zeros(bsz, 1, dtype=dtype, device=root_tokens.device),
+    return path_tree(root_tokens.view(-1, 1), torch.zeros(root_tokens.shape[0], 1, dtype=dtype,
+                                                          device=root_tokens.device))
+
+
+def path_tree(tokens: torch.Tensor, scores: torch.Tensor) -> DraftTree:
+    """A batch of single paths ``[B, N]`` (node 0 the root, each node the child of the one before), built
+    from shapes alone: no validation reads of tensor values, so a device round can call it."""
+    bsz, n = tokens.shape
+    device = tokens.device
+    idx = torch.arange(n, device=device)
+    return DraftTree(
+        tokens.long(),
+        (idx - 1).repeat(bsz, 1),
+        idx.repeat(bsz, 1),
+        scores,
+        torch.ones(n, n, dtype=torch.bool, device=device).tril().repeat(bsz, 1, 1),
     )
 
 

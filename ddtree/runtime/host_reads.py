@@ -6,7 +6,8 @@ with the device. Counting them on a CPU tells the same story: the code makes the
 
 A dispatch mode sees the scalar reads (``aten.item``, ``aten.is_nonzero``, ``aten._local_scalar_dense``, also
 those made inside torch ops such as ``torch.arange(t)``) and device-to-host copies; ``.tolist()`` and
-``.numpy()`` never reach the dispatcher on a CPU tensor, so a function mode counts those and ``.cpu()``.
+``.numpy()`` never reach the dispatcher on a CPU tensor, so a function mode counts those, ``np.asarray(t)`` and
+``.cpu()`` (whatever the tensor's device, so a count taken on a CPU equals the count on a GPU).
 """
 
 from __future__ import annotations
@@ -22,22 +23,25 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 _SCALAR_OPS = {"aten::item", "aten::is_nonzero", "aten::_local_scalar_dense"}
 _COPY_OPS = {"aten::_to_copy", "aten::to", "aten::copy_"}
-_METHODS = {"tolist", "numpy", "cpu"}  # Tensor methods that hand values to the host (counted by name)
+_METHODS = {"tolist", "numpy", "__array__", "cpu"}  # Tensor methods that hand values to the host (by name)
 _SKIP = ("torch", "contextlib", __name__)
 
 
 @dataclass
 class HostReads:
-    """What one ``count_host_reads()`` block read: ``count`` in all, ``by_kind`` (``scalar``: ``.item()``,
-    ``int(t)``, ``bool(t)``...; ``tolist``, ``numpy``, ``cpu``, ``copy``) and ``by_site`` (``module.function:line`` of the first frame
-    outside torch)."""
+    """What one ``count_host_reads()`` block read: ``count`` in all, ``reads`` (each read's kind, in order),
+    ``by_kind`` (``scalar``: ``.item()``, ``int(t)``, ``bool(t)``...; ``tolist``, ``numpy``, ``__array__``
+    (``np.asarray(t)``), ``cpu``, ``copy``) and ``by_site`` (``module.function:line`` of the first frame outside
+    torch)."""
 
     count: int = 0
+    reads: list[str] = field(default_factory=list)
     by_kind: Counter = field(default_factory=Counter)
     by_site: Counter = field(default_factory=Counter)
 
     def add(self, kind: str) -> None:
         self.count += 1
+        self.reads.append(kind)
         self.by_kind[kind] += 1
         self.by_site[_call_site()] += 1
 
