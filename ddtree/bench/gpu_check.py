@@ -61,6 +61,7 @@ def run_exactness_tests(tests: Path, out: Path, device: torch.device, level: str
 
     if importlib.util.find_spec("pytest") is None:
         raise ModuleNotFoundError("the exactness checks run under pytest: pip install 'ddtree[test]'")
+    out = out.resolve()  # pytest runs from the checkout's root, which need not be the current directory
     rows_dir, junit = out / "exactness", out / "gpu_tests.xml"
     shutil.rmtree(rows_dir, ignore_errors=True)
     junit.unlink(missing_ok=True)
@@ -79,10 +80,10 @@ def run_exactness_tests(tests: Path, out: Path, device: torch.device, level: str
     failures = [{"check": c["check"], **r} for c in checks for r in c["rows"] if not r["ok"]]
     passed = counts["tests"] - counts["failures"] - counts["errors"] - counts["skipped"]
     if returncode != 0 or passed <= 0:
-        failures.append({"check": "pytest", "returncode": returncode, **counts,
+        failures.append({"check": "pytest", "returncode": returncode, "junit": counts,
                          "error": f"pytest -m gpu exited {returncode} with {passed} test(s) passed; see the log "
                                   f"and {junit}"})
-    return {"command": cmd, "returncode": returncode, **counts, "passed": passed, "checks": checks,
+    return {"command": cmd, "returncode": returncode, "junit": counts, "passed": passed, "checks": checks,
             "failures": failures}
 
 
