@@ -78,6 +78,10 @@ def run_exactness_tests(tests: Path, out: Path, device: torch.device, level: str
                 counts[key] += int(suite.get(key, 0))
     checks = [json.loads(p.read_text()) for p in sorted(rows_dir.glob("*.json"))]
     failures = [{"check": c["check"], **r} for c in checks for r in c["rows"] if not r["ok"]]
+    for c in checks:
+        worst = max((r["max_abs_err"] for r in c["rows"]), default=float("nan"))
+        status = "ok" if all(r["ok"] for r in c["rows"]) else "FAIL"
+        print(f"[{status:5}] {c['check']:12} {len(c['rows']):3} cases, worst max abs err {worst:.3e}", flush=True)
     passed = counts["tests"] - counts["failures"] - counts["errors"] - counts["skipped"]
     if returncode != 0 or passed <= 0:
         failures.append({"check": "pytest", "returncode": returncode, "junit": counts,
