@@ -65,12 +65,12 @@ def run_exactness_tests(tests: Path, out: Path, device: torch.device, level: str
     rows_dir, junit = out / "exactness", out / "gpu_tests.xml"
     shutil.rmtree(rows_dir, ignore_errors=True)
     junit.unlink(missing_ok=True)
-    cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "-p", "no:cacheprovider", "-rfEs", str(tests),
+    cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "-p", "no:cacheprovider", "-rfEs", str(tests.resolve()),
            f"--junitxml={junit}", *(["-k", select] if select else [])]
     env = {**os.environ, "DDTREE_GPU_DEVICE": str(device), "DDTREE_GPU_LEVEL": level,
            "DDTREE_GPU_REPORT": str(rows_dir)}
     print("$ " + " ".join(cmd), flush=True)
-    returncode = subprocess.run(cmd, env=env, cwd=tests.resolve().parents[1]).returncode
+    returncode = subprocess.run(cmd, env=env, cwd=tests.resolve().parents[1], check=False).returncode
     counts = {"tests": 0, "failures": 0, "errors": 0, "skipped": 0}
     if junit.is_file():
         for suite in ET.parse(junit).getroot().iter("testsuite"):
