@@ -450,13 +450,22 @@ def test_attention_bench_runs_tiny_on_cpu(tmp_path, capsys):
     assert "vs sdpa" in capsys.readouterr().out
 
 
-def test_gpu_check_exactness_part_runs_on_cpu(tmp_path):
-    from ddtree.bench import gpu_check
+def test_the_gpu_exactness_checks_cover_every_part():
+    from gpu_exactness import CHECKS
 
-    report = gpu_check.run_checks(torch.device("cpu"), level="tiny")
-    assert report["failures"] == [], report["failures"]
-    assert {c["check"] for c in report["checks"]} >= {"split_bf16", "causal_bf16", "block_bf16", "model_bf16", "gdn_fp32",
-                                                      "gdn_bf16"}
+    assert set(CHECKS) == {"split_bf16", "split_fp32", "causal_bf16", "block_bf16", "model_fp32", "model_bf16",
+                           "batch_fp32", "gdn_fp32", "gdn_bf16"}
+
+
+@pytest.mark.parametrize("check", ["split_bf16", "split_fp32", "causal_bf16", "block_bf16", "model_fp32",
+                                   "model_bf16", "batch_fp32", "gdn_fp32", "gdn_bf16"])
+def test_gpu_exactness_check_passes_at_the_tiny_level_on_cpu(check):
+    """The checks of ``tests/test_gpu.py`` at their tiny level: every case within tolerance on the CPU."""
+    from gpu_exactness import run_check
+
+    rows = run_check(check, torch.device("cpu"), level="tiny")
+    assert rows, f"{check} ran no case"
+    assert all(r["ok"] for r in rows), [r for r in rows if not r["ok"]]
 
 
 # --------------------------------------------------------------------------- end to end through the generator

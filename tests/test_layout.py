@@ -160,3 +160,67 @@ def test_a_concrete_proposer_import_is_caught():
     graph.add_edge("ddtree.generation.generator", "ddtree.drafters.dflash2.model")
     assert set(concrete_proposer_imports(graph)) == {("ddtree.generation.round", "ddtree.drafters.lookup"),
                                                      ("ddtree.generation.generator", "ddtree.drafters.dflash2.model")}
+
+
+# The library and its tools: the tools (benchmarks, training, the doctor and the apps) import the library,
+# never the reverse, so the library carries none of their code or dependencies.
+LIBRARY = LAYERS[: LAYERS.index("integrations") + 1]
+TOOLS = ("ddtree.apps", "ddtree.train", "ddtree.bench")
+
+
+def is_library(module: str) -> bool:
+    return module == "ddtree" or (layer(module) is not None and LAYERS[layer(module)] in LIBRARY)
+
+
+def is_tool(module: str) -> bool:
+    return any(module == t or module.startswith(t + ".") for t in TOOLS)
+
+
+def library_imports_of_tools(graph: nx.DiGraph) -> list[tuple[str, str]]:
+    return [(a, b) for a, b in graph.edges if is_library(a) and is_tool(b)]
+
+
+def test_no_library_module_imports_a_tool():
+    """The rule on its own: no module of runtime .. integrations (nor ``ddtree`` itself) imports bench, train,
+    the apps or the doctor, at any level of its body."""
+    found = library_imports_of_tools(import_graph())
+    assert not found, "library modules import tools: " + ", ".join(f"{a} -> {b}" for a, b in found)
+
+
+def test_a_library_import_of_a_tool_is_caught():
+    graph = import_graph()
+    graph.add_edge("ddtree", "ddtree.apps.doctor.diagnose")
+    graph.add_edge("ddtree.generation.generator", "ddtree.bench.runner")
+    graph.add_edge("ddtree.bench.runner", "ddtree.core.tree")  # a tool importing the library is fine
+    assert set(library_imports_of_tools(graph)) == {("ddtree", "ddtree.apps.doctor.diagnose"),
+                                                    ("ddtree.generation.generator", "ddtree.bench.runner")}
+    assert all(is_library(f"ddtree.{name}") for name in LIBRARY)
+    assert not any(is_library(t) for t in TOOLS) and all(is_tool(t + ".x") for t in TOOLS)
+
+
+TOOLS_PROBE = """
+import importlib, pkgutil, sys
+TOOLS = {tools!r}
+loaded = lambda: sorted(m for m in sys.modules if any(m == t or m.startswith(t + ".") for t in TOOLS))
+import ddtree
+print(loaded())
+for name in {library!r}:
+    package = importlib.import_module("ddtree." + name)
+    for info in pkgutil.walk_packages(package.__path__, package.__name__ + "."):
+        importlib.import_module(info.name)
+print(loaded())
+"""
+
+
+def test_importing_the_library_loads_no_tool():
+    """``import ddtree``, then every library module, in a fresh interpreter: no tool module is loaded."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PYTHONPATH": str(PACKAGE.parent)}
+    probe = TOOLS_PROBE.format(tools=TOOLS, library=LIBRARY)
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env, timeout=300,
+                         check=True).stdout.splitlines()
+    assert out[0] == "[]", f"import ddtree loaded the tool modules {out[0]}"
+    assert out[1] == "[]", f"importing the library modules loaded the tool modules {out[1]}"

@@ -13,6 +13,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import random
+import sys
 
 import numpy as np
 import pytest
@@ -469,6 +470,26 @@ def test_to_networkx():
         assert g.nodes[i]["token"] == int(tree.tokens[0, i])
         assert g.nodes[i]["depth"] == int(tree.depths[0, i]) == nx.shortest_path_length(g, 0, i)
         assert g.nodes[i]["score"] == pytest.approx(float(tree.scores[0, i]))
+
+
+def test_to_networkx_without_networkx_names_the_extra(monkeypatch):
+    """networkx is optional: without it the method says how to install it, and the rest of the tree works."""
+    import builtins
+
+    real_import = builtins.__import__
+
+    def no_networkx(name, *args, **kwargs):
+        if name == "networkx" or name.startswith("networkx."):
+            raise ModuleNotFoundError("No module named 'networkx'", name="networkx")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setitem(sys.modules, "networkx", None)
+    monkeypatch.setattr(builtins, "__import__", no_networkx)
+    tree = DraftTree.from_parents(torch.tensor([[5, 6, 7]]), torch.tensor([[-1, 0, 0]]))
+    with pytest.raises(ImportError, match=r"pip install 'ddtree\[graph\]'"):
+        tree.to_networkx()
+    assert tree.children(0) == [1, 2]
+    assert tree.to_dict()["parents"] == [-1, 0, 0]
 
 
 def test_to_dict_round_trip():

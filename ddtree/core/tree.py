@@ -86,8 +86,13 @@ class DraftTree:
         return table
 
     def to_networkx(self, row: int = 0):
-        """A ``networkx.DiGraph`` with edges parent -> child and node attributes token, depth, score."""
-        import networkx as nx
+        """A ``networkx.DiGraph`` with edges parent -> child and node attributes token, depth, score.
+        networkx is optional (the ``graph`` extra): nothing else in ddtree needs it."""
+        try:
+            import networkx as nx
+        except ImportError as err:
+            raise ImportError("DraftTree.to_networkx needs networkx, an optional dependency: "
+                              "pip install 'ddtree[graph]'") from err
 
         g = nx.DiGraph()
         toks, deps, scs, pars = (t[row].tolist() for t in (self.tokens, self.depths, self.scores, self.parents))
