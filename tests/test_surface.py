@@ -54,8 +54,9 @@ def test_the_readme_table_names_every_block_and_only_blocks():
     listed = readme_block_names()
     assert len(listed) == len(set(listed)), f"names listed twice: {sorted({n for n in listed if listed.count(n) > 1})}"
     in_blocks = set(ddtree.blocks.__all__)
-    assert not set(listed) - in_blocks, f"in the README table but not in ddtree.blocks: {sorted(set(listed) - in_blocks)}"
-    assert not in_blocks - set(listed), f"in ddtree.blocks but not in the README table: {sorted(in_blocks - set(listed))}"
+    only_table, only_blocks = sorted(set(listed) - in_blocks), sorted(in_blocks - set(listed))
+    assert not only_table, f"in the README table but not in ddtree.blocks: {only_table}"
+    assert not only_blocks, f"in ddtree.blocks but not in the README table (add a row or a name): {only_blocks}"
 
 
 def test_every_row_names_blocks_in_modules_that_exist():
@@ -94,8 +95,8 @@ def test_the_top_level_stays_short():
     assert all(isinstance(getattr(ddtree, name), types.ModuleType) for name in extra), sorted(
         name for name in extra if not isinstance(getattr(ddtree, name), types.ModuleType))
     # Nothing below the generation layer's protocols and outputs: no core or targets internals.
-    from_low_layers = [name for name in ddtree.__all__ if not isinstance(getattr(ddtree, name), types.ModuleType)
-                       and getattr(getattr(ddtree, name), "__module__", "").startswith(("ddtree.core", "ddtree.targets"))]
+    homes = {name: getattr(getattr(ddtree, name), "__module__", "") for name in ddtree.__all__}
+    from_low_layers = [name for name, home in homes.items() if home.startswith(("ddtree.core", "ddtree.targets"))]
     assert not from_low_layers, from_low_layers
 
 
@@ -108,7 +109,8 @@ def test_blocks_are_the_objects_of_their_modules():
             assert obj.__name__.startswith("ddtree."), name
         elif isinstance(obj, (type, types.FunctionType)):
             assert obj.__module__.startswith("ddtree."), name
-            assert getattr(importlib.import_module(obj.__module__), name) is obj, f"{name} is not {obj.__module__}.{name}"
+            home = importlib.import_module(obj.__module__)
+            assert getattr(home, name) is obj, f"{name} is not {obj.__module__}.{name}"
             checked += 1
     assert checked > len(ddtree.blocks.__all__) // 2
 
