@@ -4,7 +4,8 @@ Run it through the bench:  python -m ddtree.bench --methods ar,chain,examples.cu
 """
 import torch
 
-from ddtree import DraftTree, ranked_topk
+from ddtree.blocks import DraftTree
+from ddtree.core.builders import ranked_topk
 
 
 def spine(root_tokens: torch.Tensor, logprobs: torch.Tensor, budget: int) -> DraftTree:

@@ -1,14 +1,14 @@
-"""Two ways to own the decoding loop with ddtree's public pieces.
+"""Two ways to own the decoding loop with ddtree's building blocks (``ddtree.blocks``).
 
 Run: python examples/custom_loop.py            (a tiny random pair, checks losslessness)
      python examples/custom_loop.py --default  (the shipped SmolLM2 pair)
 
-1. ``round_loop``: the generator's own round, ``ddtree.speculative_round``, driven
+1. ``round_loop``: the generator's own round, ``ddtree.blocks.speculative_round``, driven
    by your loop (here: stop on a token budget, print each round as it commits).
 2. ``block_loop``: the round spelled out with the building blocks: draft -> build a
    tree -> one masked target forward -> verify -> commit.
 3. ``batched_block_loop``: the same for prompts of different lengths in one batch
-   (``ddtree.prefill`` left-pads them; ``padding_mask`` hides the pads; a row that
+   (``ddtree.blocks.prefill`` left-pads them; ``padding_mask`` hides the pads; a row that
    stops leaves the cache and the drafter context through ``select_rows``).
 """
 
@@ -19,34 +19,35 @@ import argparse
 import torch
 
 import ddtree
+from ddtree import blocks
 
 
 def round_loop(gen: ddtree.SpeculativeGenerator, prompt_ids: torch.Tensor, max_new_tokens: int, budget: int = 16):
     state = gen.start(prompt_ids, max_new_tokens=max_new_tokens, tree_budget=budget)
     while not state.done:
-        result = ddtree.speculative_round(state)  # what each row committed this round
+        result = blocks.speculative_round(state)  # what each row committed this round
         print(f"round {len(state.acceptance[0]):3d}: +{result.tokens[0]} (accepted {result.acceptance[0]})")
     return state.new_tokens[0], state.acceptance[0]
 
 
 def block_loop(target, drafter, prompt_ids: torch.Tensor, max_new_tokens: int, budget: int = 16, stops=()):
     stops = set(stops)
-    cache = ddtree.new_target_cache(target)
+    cache = blocks.new_target_cache(target)
     context = drafter.new_context()  # this generation's drafter state
-    out = ddtree.target_forward(target, prompt_ids, None, cache)
+    out = blocks.target_forward(target, prompt_ids, None, cache)
     context.append(drafter.context_features(out.hidden_states), prompt_ids)
     root = out.logits[:, -1].argmax(-1)  # [1]
     generated, acceptance = [int(root)], []
     while len(generated) < max_new_tokens and not stops & set(generated):
         start = cache.get_seq_length()
         logprobs = context.propose(root).logprobs  # [1, block_size - 1, vocab]
-        tree = ddtree.best_first(root, logprobs, budget)
-        mask = ddtree.tree_attention_mask(tree.visibility, start, target.dtype)
-        positions = ddtree.tree_position_ids(tree.depths, start)
-        out = ddtree.target_forward(target, tree.tokens, positions, cache, attention_mask=mask)
-        result = ddtree.verify_tree(tree, out.logits)  # greedy by default
+        tree = blocks.best_first(root, logprobs, budget)
+        mask = blocks.tree_attention_mask(tree.visibility, start, target.dtype)
+        positions = blocks.tree_position_ids(tree.depths, start)
+        out = blocks.target_forward(target, tree.tokens, positions, cache, attention_mask=mask)
+        result = blocks.verify_tree(tree, out.logits)  # greedy by default
         path = result.accepted  # [1, L], root first
-        ddtree.commit_accepted(cache, start, path)
+        blocks.commit_accepted(cache, start, path)
         context.append(drafter.context_features(out.hidden_states)[:, path[0]], tree.tokens[:, path[0]])
         root = result.bonus
         generated += tree.tokens[0, path[0, 1:]].tolist() + [int(root)]
@@ -57,7 +58,7 @@ def block_loop(target, drafter, prompt_ids: torch.Tensor, max_new_tokens: int, b
 def batched_block_loop(target, drafter, prompts, max_new_tokens: int, budget: int = 16, stops=()):
     """``block_loop`` over ``prompts`` of any lengths at once; returns each prompt's tokens and acceptance."""
     stops = set(stops)
-    start = ddtree.prefill(target, prompts, drafter)  # cache left-padded to the longest prompt
+    start = blocks.prefill(target, prompts, drafter)  # cache left-padded to the longest prompt
     cache, context, lengths = start.cache, start.context, start.lengths  # lengths [B]: each row's real columns
     root = start.logits.argmax(-1)  # [B]
     rows = list(range(len(prompts)))  # the prompt each active row decodes
@@ -68,18 +69,18 @@ def batched_block_loop(target, drafter, prompts, max_new_tokens: int, budget: in
             break
         if len(keep) < len(rows):  # finished rows stop costing compute
             index = torch.tensor(keep)
-            ddtree.select_rows(cache, index)
+            blocks.select_rows(cache, index)
             context.select_rows(index)
             lengths, root, rows = lengths[index], root[index], [rows[i] for i in keep]
         width = cache.get_seq_length()  # the longest row's length; shorter rows are padded on the left
         logprobs = context.propose(root).logprobs  # [B, block_size - 1, vocab]
-        tree = ddtree.best_first(root, logprobs, budget)
-        mask = ddtree.tree_attention_mask(tree.visibility, width, target.dtype,
-                                          prefix_valid=ddtree.padding_mask(lengths, width))
-        positions = ddtree.tree_position_ids(tree.depths, lengths)  # each row's own next positions
-        out = ddtree.target_forward(target, tree.tokens, positions, cache, attention_mask=mask)
-        result = ddtree.verify_tree(tree, out.logits)
-        ddtree.commit_accepted(cache, width, result.accepted, lengths)
+        tree = blocks.best_first(root, logprobs, budget)
+        mask = blocks.tree_attention_mask(tree.visibility, width, target.dtype,
+                                    prefix_valid=blocks.padding_mask(lengths, width))
+        positions = blocks.tree_position_ids(tree.depths, lengths)  # each row's own next positions
+        out = blocks.target_forward(target, tree.tokens, positions, cache, attention_mask=mask)
+        result = blocks.verify_tree(tree, out.logits)
+        blocks.commit_accepted(cache, width, result.accepted, lengths)
         path = result.accepted.clamp(min=0)  # [B, L]; -1 past a row's count, never read
         features = drafter.context_features(out.hidden_states)
         features = features.gather(1, path[..., None].expand(-1, -1, features.shape[-1]))
@@ -105,8 +106,8 @@ def tiny_pair():
     cfg = Qwen3Config(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
                       num_attention_heads=4, num_key_value_heads=2, head_dim=16)
     target = Qwen3ForCausalLM(cfg).double().eval()
-    dcfg = ddtree.DFlashConfig.for_target(cfg, num_hidden_layers=1, block_size=8, mask_token_id=96)
-    return target, ddtree.DFlashDrafter(ddtree.DFlashDraftModel(dcfg).double().eval(), target), None
+    dcfg = blocks.DFlashConfig.for_target(cfg, num_hidden_layers=1, block_size=8, mask_token_id=96)
+    return target, blocks.DFlashDrafter(blocks.DFlashDraftModel(dcfg).double().eval(), target), None
 
 
 def main(argv=None):

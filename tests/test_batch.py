@@ -7,7 +7,8 @@ import threading
 import pytest
 import torch
 
-from ddtree import Proposal, SamplingConfig, SpeculativeGenerator, speculative_round
+from ddtree import Proposal, SpeculativeGenerator
+from ddtree.blocks import SamplingConfig, speculative_round
 from ddtree.targets.cache import cache_length
 from tiny import ScriptedDrafter, tiny_drafter, tiny_target
 from test_generator import expected_acceptance
@@ -200,7 +201,7 @@ def test_sampling_distribution_per_row_at_batch_3():
     vocab, horizon, samples = 8, 3, 1200
     target = tiny_target("qwen3", vocab=vocab)
     torch.manual_seed(3)
-    from ddtree import DFlashConfig, DFlashDraftModel
+    from ddtree.blocks import DFlashConfig, DFlashDraftModel
 
     dcfg = DFlashConfig.for_target(target.config, num_hidden_layers=1, block_size=4, mask_token_id=vocab - 1)
     gen = SpeculativeGenerator(target, DFlashDraftModel(dcfg).double().eval(), tree_budget=6)

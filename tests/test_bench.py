@@ -8,7 +8,8 @@ import pytest
 import torch
 from tiny import VOCAB, ScriptedDrafter, tiny_drafter, tiny_target
 
-from ddtree import SpeculativeGenerator, best_first
+from ddtree import SpeculativeGenerator
+from ddtree.blocks import best_first
 from ddtree.bench.runner import Bench, Run, load_rounds, lossless_check
 from ddtree.bench.methods import Method, parse_methods
 from ddtree.bench.prompts import Prompt, load_prompts
@@ -263,7 +264,7 @@ def test_linear_bench_runs_on_a_tiny_hybrid(tmp_path):
 
 
 def test_linear_bench_leaf_paths_of_known_trees():
-    from ddtree import DraftTree
+    from ddtree.blocks import DraftTree
     from ddtree.bench.linear import _leaf_paths
 
     chain = DraftTree.from_parents(torch.zeros(1, 4, dtype=torch.long), torch.tensor([[-1, 0, 1, 2]]))

@@ -6,7 +6,8 @@ import pytest
 import torch
 from tiny import ScriptedDrafter, tiny_drafter, tiny_target
 
-from ddtree import SpeculativeGenerator, VerifyResult, best_first, chain
+from ddtree import SpeculativeGenerator
+from ddtree.blocks import VerifyResult, best_first, chain
 from ddtree.budget.policy import AutoBudget
 from ddtree.budget.latency import FunctionLatency, ProfiledLatency, context_bucket
 from ddtree.core.builders import beam

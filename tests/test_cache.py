@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ddtree import DraftTree, cache_kwargs, commit_accepted, keep_positions, new_target_cache, tree_attention_mask
+from ddtree.blocks import DraftTree, commit_accepted, new_target_cache, tree_attention_mask
+from ddtree.targets.cache import cache_kwargs, keep_positions
 from tiny import tiny_target
 
 

@@ -12,7 +12,8 @@ import torch
 from test_generator import expected_acceptance, reference
 from tiny import MASK_ID, tiny_target
 
-from ddtree import SamplingConfig, SpeculativeGenerator
+from ddtree import SpeculativeGenerator
+from ddtree.blocks import SamplingConfig
 from ddtree.core.pairwise import best_first_pairwise, chain_pairwise
 from ddtree.drafters.dflash.drafter import DFlashDrafter
 from ddtree.drafters.dflash2.drafter import DFlash2Drafter

@@ -171,7 +171,7 @@ def test_offloaded_lm_head_is_refused_with_the_fix(pairs, tmp_path):
     gen = tp_worker.load(pairs, "llama")
     dispatch_model(gen.target, device_map={"model": "cpu", "lm_head": "disk"}, offload_dir=str(tmp_path / "o"))
     with pytest.raises(ValueError, match="lm_head is offloaded .* keep it on a device"):
-        ddtree.DFlashDrafter(gen.drafter.model, gen.target)
+        ddtree.blocks.DFlashDrafter(gen.drafter.model, gen.target)
 
 
 def test_data_parallel_bench_equals_single_process(pairs, tmp_path):
@@ -235,9 +235,9 @@ def test_tp_plan_refuses_heads_that_do_not_divide_before_loading():
 def test_features_are_gathered_on_the_drafters_device():
     """Each chosen layer is moved to ``device`` before the concatenation (``meta`` stands in for another device)."""
     hidden = [torch.full((1, 2, 3), float(i)) for i in range(5)]
-    feats = ddtree.extract_context_feature(hidden, [0, 3])
+    feats = ddtree.blocks.extract_context_feature(hidden, [0, 3])
     assert feats.shape == (1, 2, 6) and feats[0, 0].tolist() == [1.0] * 3 + [4.0] * 3
-    assert ddtree.extract_context_feature(hidden, [0, 3], device="meta").device.type == "meta"
+    assert ddtree.blocks.extract_context_feature(hidden, [0, 3], device="meta").device.type == "meta"
 
 
 def test_bench_tokens_per_second_add_up_over_data_parallel_ranks():

@@ -59,7 +59,7 @@ def tiny_scope() -> dict:
     tokenizer = tiny_tokenizer()
     prompt = "w5 w9 w12 w5 w9 w12 w5"
     prompt_ids = tokenizer(prompt, return_tensors="pt").input_ids
-    drafter = ddtree.DFlashDrafter(tiny_drafter(target), target)
+    drafter = ddtree.blocks.DFlashDrafter(tiny_drafter(target), target)
     gen = ddtree.SpeculativeGenerator(target, drafter, tree_budget=4, threads=None)
     return dict(target=target, drafter=drafter, tokenizer=tokenizer, prompt=prompt, prompt_ids=prompt_ids, gen=gen)
 

@@ -9,14 +9,14 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from ddtree import (
+from ddtree.blocks import (
     DFlashConfig,
     DFlashDraftModel,
     DFlashDrafter,
-    SpeculativeGenerator,
     build_target_layer_ids,
     extract_context_feature,
 )
+from ddtree import SpeculativeGenerator
 from tiny import MASK_ID, tiny_drafter, tiny_target
 
 

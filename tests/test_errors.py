@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from tiny import MASK_ID, VOCAB, ScriptedDrafter, tiny_drafter, tiny_config, tiny_target  # noqa: F401
-from ddtree import SamplingConfig, SpeculativeGenerator
+from ddtree import SpeculativeGenerator
+from ddtree.blocks import SamplingConfig
 from ddtree.drafters.base import DraftContext, Drafter, Proposal, check_proposal
 from ddtree.drafters.dflash.config import DFlashConfig
 from ddtree.drafters.dflash.drafter import DFlashDrafter, check_compatible

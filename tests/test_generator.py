@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ddtree import SpeculativeGenerator, beam
+from ddtree import SpeculativeGenerator
+from ddtree.blocks import beam
 from tiny import ScriptedDrafter, tiny_drafter, tiny_target
 
 PROMPTS = [[5, 17, 3], [11, 2, 2, 40, 61, 7, 9, 33, 12, 1, 80], list(range(10, 50))]

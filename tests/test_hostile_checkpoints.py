@@ -12,7 +12,8 @@ from tiny import tiny_drafter, tiny_target
 from safetensors.torch import load_file, save_file
 
 import ddtree.drafters.dflash.model as drafter_mod
-from ddtree import DFlashConfig, DFlashDraftModel, DFlashDrafter, SpeculativeGenerator
+from ddtree import SpeculativeGenerator
+from ddtree.blocks import DFlashConfig, DFlashDraftModel, DFlashDrafter
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 import ddtree.targets.linear_attention
-from ddtree import SpeculativeGenerator, speculative_round
+from ddtree import SpeculativeGenerator
+from ddtree.blocks import speculative_round
 from ddtree.targets.cache import _kv_layers
 from ddtree.targets.linear_attention import _linear_layer_ids, _states
 from tiny import HYBRIDS, family_target

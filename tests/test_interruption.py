@@ -9,7 +9,8 @@ import pytest
 import torch
 from tiny import tiny_drafter, tiny_target
 
-from ddtree import SpeculativeGenerator, best_first
+from ddtree import SpeculativeGenerator
+from ddtree.blocks import best_first
 
 PROMPT = torch.tensor([[11, 2, 2, 40, 61, 7, 9, 33]])
 OTHER = torch.tensor([[5, 17, 3]])

@@ -7,7 +7,8 @@ import copy
 import pytest
 import torch
 
-from ddtree import DraftTree, cache_kwargs, commit_accepted, new_target_cache
+from ddtree.blocks import DraftTree, commit_accepted, new_target_cache
+from ddtree.targets.cache import cache_kwargs
 from ddtree.targets.backends import get_backend
 from ddtree.targets.linear_attention import _states, commit_linear_states, gdn_modules
 from ddtree.core.masks import tree_position_ids

@@ -10,7 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ddtree import PromptLookup, SpeculativeGenerator, speculative_round
+from ddtree import SpeculativeGenerator
+from ddtree.blocks import PromptLookup, speculative_round
 from ddtree.drafters.features import extract_context_feature
 from ddtree.targets.cache import new_target_cache
 from ddtree.targets.forward import chunked_prefill, target_forward

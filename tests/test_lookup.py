@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from ddtree import DFlashDrafter, SpeculativeGenerator, best_first
+from ddtree import SpeculativeGenerator
+from ddtree.blocks import DFlashDrafter, best_first
 from ddtree.core.tree import DRAFTER, LOOKUP
 from ddtree.drafters.lookup import PromptLookup, WithLookup, lookup_continuation
 from ddtree.core.tree import graft_paths
@@ -84,7 +85,7 @@ def test_merged_tree_is_exact_walks_as_predicted_and_credits_lookup(kind):
 def test_merged_tree_sampling_keeps_the_target_distribution():
     vocab, horizon, samples = 8, 3, 900
     target = tiny_target("qwen3", vocab=vocab)
-    from ddtree import DFlashConfig, DFlashDraftModel, SamplingConfig
+    from ddtree.blocks import DFlashConfig, DFlashDraftModel, SamplingConfig
 
     torch.manual_seed(3)
     dcfg = DFlashConfig.for_target(target.config, num_hidden_layers=1, block_size=4, mask_token_id=vocab - 1)

@@ -1,4 +1,4 @@
-"""``ddtree.prefill``: ragged prompts in one batch leave each row's cache, logits and drafter context as its
+"""``ddtree.blocks.prefill``: ragged prompts in one batch leave each row's cache, logits and drafter context as its
 own batch-1 prefill would (float64, the tiny pair)."""
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ def _pair():
     cfg = Qwen3Config(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
                       num_attention_heads=4, num_key_value_heads=2, head_dim=16)
     target = Qwen3ForCausalLM(cfg).double().eval()
-    dcfg = ddtree.DFlashConfig.for_target(cfg, num_hidden_layers=1, block_size=8, mask_token_id=96)
-    return target, ddtree.DFlashDrafter(ddtree.DFlashDraftModel(dcfg).double().eval(), target)
+    dcfg = ddtree.blocks.DFlashConfig.for_target(cfg, num_hidden_layers=1, block_size=8, mask_token_id=96)
+    return target, ddtree.blocks.DFlashDrafter(ddtree.blocks.DFlashDraftModel(dcfg).double().eval(), target)
 
 
 PROMPTS = [[3, 1, 4, 1, 5, 9, 2, 6, 5, 3], [5, 3, 5], [2, 7, 1, 8, 2, 8]]
@@ -28,15 +28,15 @@ PROMPTS = [[3, 1, 4, 1, 5, 9, 2, 6, 5, 3], [5, 3, 5], [2, 7, 1, 8, 2, 8]]
 def test_ragged_prefill_equals_each_rows_own(chunk_size):
     target, drafter = _pair()
     with torch.inference_mode():
-        batch = ddtree.prefill(target, PROMPTS, drafter, chunk_size=chunk_size)
+        batch = ddtree.blocks.prefill(target, PROMPTS, drafter, chunk_size=chunk_size)
         roots = batch.logits.argmax(-1)
         proposed = batch.context.propose(roots).logprobs
         assert batch.lengths.tolist() == [len(p) for p in PROMPTS]
         assert batch.cache.get_seq_length() == max(map(len, PROMPTS))
-        valid = ddtree.padding_mask(batch.lengths, max(map(len, PROMPTS)))
+        valid = ddtree.blocks.padding_mask(batch.lengths, max(map(len, PROMPTS)))
         assert valid.sum(1).tolist() == batch.lengths.tolist() and bool(valid[:, -1].all())
         for b, prompt in enumerate(PROMPTS):
-            one = ddtree.prefill(target, [prompt], drafter)
+            one = ddtree.blocks.prefill(target, [prompt], drafter)
             torch.testing.assert_close(batch.logits[b], one.logits[0], rtol=0, atol=1e-10)
             alone = one.context.propose(one.logits.argmax(-1)).logprobs  # the drafter saw the same features
             torch.testing.assert_close(proposed[b], alone[0], rtol=0, atol=1e-10)
@@ -47,7 +47,7 @@ def test_ragged_prefill_equals_each_rows_own(chunk_size):
 def test_prefill_without_a_drafter_fills_only_the_cache():
     target, _ = _pair()
     with torch.inference_mode():
-        out = ddtree.prefill(target, [torch.tensor(p) for p in PROMPTS])
+        out = ddtree.blocks.prefill(target, [torch.tensor(p) for p in PROMPTS])
     assert out.context is None and out.cache.get_seq_length() == 10 and out.logits.shape == (3, 97)
 
 

@@ -180,7 +180,8 @@ def test_readme_custom_generate_snippet_runs_as_written(capsys):
     use, the output is plain greedy ``generate``'s, and the directory drafts as the bound object does."""
     import torch
 
-    from ddtree import DFlashDrafter, SpeculativeGenerator
+    from ddtree import SpeculativeGenerator
+    from ddtree.blocks import DFlashDrafter
 
     readme = (Path(__file__).parents[1] / "README.md").read_text()
     snippet = readme.split("Inside `transformers`", 1)[1].split("```python", 1)[1].split("```", 1)[0]

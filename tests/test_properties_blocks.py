@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import DynamicCache
 
-from ddtree import (
+from ddtree.blocks import (
     DraftTree, SamplingConfig, accept_longest_branch, beam, best_first, chain, commit_accepted, tree_attention_mask,
     verify_tree,
 )

@@ -23,7 +23,9 @@ from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
 import ddtree
-from ddtree import DraftContext, Drafter, DraftTree, Proposal, SamplingConfig, SpeculativeGenerator, processed_logprobs
+from ddtree import DraftContext, Drafter, Proposal, SpeculativeGenerator
+from ddtree.targets.cache import cache_kwargs
+from ddtree.blocks import DraftTree, SamplingConfig, processed_logprobs
 
 MAX_NEW = 48
 
@@ -242,12 +244,12 @@ def test_cache_after_each_round_equals_a_fresh_prefill(kind, prompt, budget, bui
         reference = hf_greedy(target, prompt, rounds * block_size + 1)
         drafter = FuzzDrafter(reference, block_size, *drafter[1:])
     else:
-        drafter = ddtree.DFlashDrafter(dflash_of(kind, block_size), target)
-    build = ddtree.resolve_builder(builder)
+        drafter = ddtree.blocks.DFlashDrafter(dflash_of(kind, block_size), target)
+    build = ddtree.blocks.resolve_builder(builder)
     with torch.inference_mode():
-        cache = ddtree.new_target_cache(target)
+        cache = ddtree.blocks.new_target_cache(target)
         out = target(torch.tensor([prompt]), use_cache=True, output_hidden_states=True,
-                     **ddtree.cache_kwargs(target, cache))
+                     **cache_kwargs(target, cache))
         context = drafter.new_context()
         context.append(drafter.context_features(out.hidden_states), torch.tensor([prompt]))
         root = out.logits[:, -1].argmax(-1)
@@ -255,16 +257,16 @@ def test_cache_after_each_round_equals_a_fresh_prefill(kind, prompt, budget, bui
         for _ in range(rounds):
             start = cache.get_seq_length()
             tree = build(root, context.propose(root).logprobs, budget)
-            out = target(tree.tokens, position_ids=ddtree.tree_position_ids(tree.depths, start),
-                         attention_mask=ddtree.tree_attention_mask(tree.visibility, start, target.dtype),
-                         use_cache=True, output_hidden_states=True, **ddtree.cache_kwargs(target, cache))
-            result = ddtree.verify_tree(tree, out.logits)
+            out = target(tree.tokens, position_ids=ddtree.blocks.tree_position_ids(tree.depths, start),
+                         attention_mask=ddtree.blocks.tree_attention_mask(tree.visibility, start, target.dtype),
+                         use_cache=True, output_hidden_states=True, **cache_kwargs(target, cache))
+            result = ddtree.blocks.verify_tree(tree, out.logits)
             path = result.accepted
-            ddtree.commit_accepted(cache, start, path)
+            ddtree.blocks.commit_accepted(cache, start, path)
             committed += tree.tokens[0, path[0]].tolist()  # the root, then the accepted drafts
-            fresh_cache = ddtree.new_target_cache()
+            fresh_cache = ddtree.blocks.new_target_cache()
             fresh = target(torch.tensor([committed]), use_cache=True, output_hidden_states=True,
-                           **ddtree.cache_kwargs(target, fresh_cache))
+                           **cache_kwargs(target, fresh_cache))
             assert cache.get_seq_length() == len(committed)
             for mine, ref in zip(cache.layers, fresh_cache.layers):
                 torch.testing.assert_close(mine.keys, ref.keys, rtol=0, atol=1e-10)

@@ -147,7 +147,7 @@ def test_batch_stream_rows_equal_generate_rows_under_every_cut(setup):
 
 def test_round_results_carry_only_what_was_committed(setup):
     """The building block itself: a custom loop summing ``RoundResult.tokens`` gets ``generate``'s output."""
-    from ddtree import speculative_round
+    from ddtree.blocks import speculative_round
 
     target, refs = setup
     gen = _gen(target, refs)

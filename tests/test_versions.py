@@ -8,7 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from ddtree import SpeculativeGenerator, cache_kwargs, new_target_cache
+from ddtree import SpeculativeGenerator
+from ddtree.targets.cache import cache_kwargs
+from ddtree.blocks import new_target_cache
 from ddtree.targets.cache import SUPPORTED_TRANSFORMERS, CacheNotUpdatedError
 from tiny import VOCAB, ScriptedDrafter, tiny_target
 

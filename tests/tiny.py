@@ -9,7 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ddtree import DFlashConfig, DFlashDraftModel, Drafter, DraftContext, Proposal
+from ddtree import Drafter, DraftContext, Proposal
+from ddtree.blocks import DFlashConfig, DFlashDraftModel
 
 VOCAB = 97
 MASK_ID = 96

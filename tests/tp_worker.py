@@ -20,7 +20,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from tiny import ScriptedDrafter  # noqa: E402
 
-from ddtree import AutoBudget, BudgetPolicy, SpeculativeGenerator  # noqa: E402
+from ddtree import BudgetPolicy, SpeculativeGenerator  # noqa: E402
+from ddtree.blocks import AutoBudget  # noqa: E402
 from ddtree.budget.latency import FunctionLatency  # noqa: E402
 from ddtree.runtime.distributed import leave_process_group  # noqa: E402
 from ddtree.drafters.dflash.model import DFlashDraftModel  # noqa: E402

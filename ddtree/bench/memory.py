@@ -155,7 +155,8 @@ def child(args) -> dict:
     extra = {}
     warm = prompt[:, : min(args.length, WARMUP_TOKENS)]
     if args.method == "ddtree":
-        from ddtree import SpeculativeGenerator, speculative_round
+        from ddtree import SpeculativeGenerator
+        from ddtree.blocks import speculative_round
 
         drafter = build_drafter(target)
         gen = SpeculativeGenerator(target, drafter, tree_budget=args.budget, prefill_chunk=args.chunk or None)

@@ -208,7 +208,7 @@ def _kv_layers(cache) -> list[tuple]:
         if getattr(layer, "is_sliding", False):
             raise ValueError(
                 "the target cache has sliding-window layers that discard states; build it with "
-                "ddtree.new_target_cache(model) so every layer keeps all positions"
+                "ddtree.blocks.new_target_cache(model) so every layer keeps all positions"
             )
         if hasattr(layer, "recurrent_states") and not hasattr(layer, "keys"):
             continue  # a stateful (linear-attention) layer: committed by its kind, from the verify's pending inputs

@@ -217,7 +217,7 @@ def gdn_tree_forward(module, hidden: torch.Tensor, plan: LinearTreePlan, cache) 
     conv_state, state = _states(cache, module.layer_idx) if cache is not None else (None, None)
     if conv_state is None or state is None:
         raise ValueError("a tree forward through GDN layers needs a prefilled cache (run the prompt first, with "
-                         "ddtree.new_target_cache(model))")
+                         "ddtree.blocks.new_target_cache(model))")
     mixed, z, b, a = _project(module, hidden)
     kernel = module.conv_kernel_size
     weight = module.conv1d.weight  # [C, 1, K]
@@ -442,7 +442,8 @@ def _model_forward(self, *args, **kwargs):
         return self._ddtree_original_forward(*args, **kwargs)
     cache = next((kwargs[k] for k in ("cache", "past_key_values", "cache_params") if kwargs.get(k) is not None), None)
     if cache is None:
-        raise ValueError("a tree forward through GDN layers needs the target cache (pass it with ddtree.cache_kwargs)")
+        raise ValueError("a tree forward through GDN layers needs the target cache (pass it with "
+                         "ddtree.targets.cache.cache_kwargs)")
     _PENDING[cache] = {}
     ctx.plan = tree if isinstance(tree, LinearTreePlan) else LinearTreePlan.from_tree(tree)
     ctx.cache = cache
