@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import pytest
-import torch
 import tiny
+import torch
 from tiny import tiny_drafter, tiny_target, tiny_tokenizer
 
 

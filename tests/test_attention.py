@@ -9,6 +9,9 @@ import random
 import pytest
 import torch
 
+from ddtree.core.masks import tree_attention_mask
+from ddtree.core.tree import DraftTree
+from ddtree.drafters.dflash.attention import block_attention
 from ddtree.targets.backends import (
     CPU_DENSE_BELOW,
     AutoBackend,
@@ -17,6 +20,7 @@ from ddtree.targets.backends import (
     auto_backend_name,
     get_backend,
 )
+from ddtree.targets.cache import cache_kwargs
 from ddtree.targets.kernels import (
     causal_attention,
     flash_attn_available,
@@ -24,16 +28,12 @@ from ddtree.targets.kernels import (
     fused_prefix_kernel,
 )
 from ddtree.targets.registration import TREE_KWARG, register_attention_implementations
-from ddtree.drafters.dflash.attention import block_attention
-from ddtree.targets.cache import cache_kwargs
-from ddtree.core.masks import tree_attention_mask
 from ddtree.targets.split_attention import (
     attention_with_lse,
     merge_attention,
     split_tree_attention,
     torch_prefix_kernel,
 )
-from ddtree.core.tree import DraftTree
 
 TOL = {torch.float64: 1e-10, torch.float32: 1e-5}
 

@@ -6,13 +6,13 @@ import threading
 
 import pytest
 import torch
+from test_generator import expected_acceptance
+from test_sampling_e2e import chi2_critical, chi2_statistic, exact_distribution
+from tiny import ScriptedDrafter, tiny_drafter, tiny_target
 
 from ddtree import Proposal, SpeculativeGenerator
 from ddtree.blocks import SamplingConfig, speculative_round
 from ddtree.targets.cache import cache_length
-from tiny import ScriptedDrafter, tiny_drafter, tiny_target
-from test_generator import expected_acceptance
-from test_sampling_e2e import chi2_critical, chi2_statistic, exact_distribution
 
 NEW = 40
 BUILDERS = [("chain", 6), ("best_first", 8), ("beam@2x3", 6)]

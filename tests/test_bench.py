@@ -9,14 +9,14 @@ import torch
 from tiny import VOCAB, ScriptedDrafter, tiny_drafter, tiny_target
 
 from ddtree import SpeculativeGenerator
-from ddtree.blocks import best_first
-from ddtree.bench.runner import Bench, Run, load_rounds, lossless_check
+from ddtree.bench.main import run_main_bench
 from ddtree.bench.methods import Method, parse_methods
 from ddtree.bench.prompts import Prompt, load_prompts
 from ddtree.bench.report import markdown_table, summarize
-from ddtree.bench.main import run_main_bench
+from ddtree.bench.runner import Bench, Run, load_rounds, lossless_check
 from ddtree.bench.tree_build import heap_best_first, same_tree
 from ddtree.bench.tree_build import main as tree_build_main
+from ddtree.blocks import best_first
 
 
 def names(spec):
@@ -264,8 +264,8 @@ def test_linear_bench_runs_on_a_tiny_hybrid(tmp_path):
 
 
 def test_linear_bench_leaf_paths_of_known_trees():
-    from ddtree.blocks import DraftTree
     from ddtree.bench.linear import _leaf_paths
+    from ddtree.blocks import DraftTree
 
     chain = DraftTree.from_parents(torch.zeros(1, 4, dtype=torch.long), torch.tensor([[-1, 0, 1, 2]]))
     star = DraftTree.from_parents(torch.zeros(1, 4, dtype=torch.long), torch.tensor([[-1, 0, 0, 0]]))

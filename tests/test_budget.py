@@ -8,8 +8,8 @@ from tiny import ScriptedDrafter, tiny_drafter, tiny_target
 
 from ddtree import SpeculativeGenerator
 from ddtree.blocks import VerifyResult, best_first, chain
-from ddtree.budget.policy import AutoBudget
 from ddtree.budget.latency import FunctionLatency, ProfiledLatency, context_bucket
+from ddtree.budget.policy import AutoBudget
 from ddtree.core.builders import beam
 
 

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tiny import tiny_target
 
 from ddtree.blocks import DraftTree, commit_accepted, new_target_cache, tree_attention_mask
 from ddtree.targets.cache import cache_kwargs, keep_positions
-from tiny import tiny_target
 
 
 def random_tree(n: int, vocab: int, seed: int) -> DraftTree:

@@ -9,11 +9,11 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
+from test_generator import PROMPTS, expected_acceptance, reference
+from tiny import ScriptedDrafter, tiny_drafter, tiny_target
 
 from ddtree import SpeculativeGenerator
 from ddtree.targets import cpu_linear
-from tiny import ScriptedDrafter, tiny_drafter, tiny_target
-from test_generator import PROMPTS, expected_acceptance, reference
 
 needs_kernel = pytest.mark.skipif(not cpu_linear.available(), reason=f"kernel: {cpu_linear.unavailable_reason()}")
 
@@ -170,10 +170,10 @@ def test_generator_option_is_checked():
 
 @needs_kernel
 def test_bench_times_the_stock_target_side_by_side():
-    from ddtree.bench.runner import Bench
-    from ddtree.bench.prompts import Prompt
     from ddtree.bench.methods import parse_methods
+    from ddtree.bench.prompts import Prompt
     from ddtree.bench.report import summarize
+    from ddtree.bench.runner import Bench
 
     methods = parse_methods("ar_stock,best_first@6")
     assert [m.name for m in methods] == ["ar", "ar_stock", "best_first@6"]

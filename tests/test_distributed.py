@@ -15,13 +15,12 @@ from pathlib import Path
 
 import pytest
 import torch
+import tp_worker
+from tiny import tiny_drafter, tiny_target
 
 import ddtree
 from ddtree import SpeculativeGenerator
 from ddtree.bench.main import run_main_bench
-
-from tiny import tiny_drafter, tiny_target
-import tp_worker
 
 try:
     import accelerate  # noqa: F401
@@ -241,9 +240,9 @@ def test_features_are_gathered_on_the_drafters_device():
 
 
 def test_bench_tokens_per_second_add_up_over_data_parallel_ranks():
-    from ddtree.bench.runner import Run
     from ddtree.bench.methods import parse_methods
     from ddtree.bench.report import summarize
+    from ddtree.bench.runner import Run
 
     def run(method, prompt, rank, tokens, seconds):
         tree = method != "ar"

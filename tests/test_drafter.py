@@ -8,16 +8,16 @@ import math
 import pytest
 import torch
 from safetensors.torch import save_file
+from tiny import MASK_ID, tiny_drafter, tiny_target
 
+from ddtree import SpeculativeGenerator
 from ddtree.blocks import (
     DFlashConfig,
-    DFlashDraftModel,
     DFlashDrafter,
+    DFlashDraftModel,
     build_target_layer_ids,
     extract_context_feature,
 )
-from ddtree import SpeculativeGenerator
-from tiny import MASK_ID, tiny_drafter, tiny_target
 
 
 class RecordingDrafter(DFlashDrafter):

@@ -9,9 +9,9 @@ import pytest
 import torch
 from tiny import tiny_drafter, tiny_target
 
+import ddtree.apps.demo as demo
 import ddtree.bench.main as bench_main
 import ddtree.bench.prompts as bench_prompts
-import ddtree.apps.demo as demo
 from ddtree import SpeculativeGenerator
 
 

@@ -7,15 +7,15 @@ import math
 
 import pytest
 import torch
+from tiny import MASK_ID, VOCAB, ScriptedDrafter, tiny_config, tiny_drafter, tiny_target  # noqa: F401
 
-from tiny import MASK_ID, VOCAB, ScriptedDrafter, tiny_drafter, tiny_config, tiny_target  # noqa: F401
 from ddtree import SpeculativeGenerator
 from ddtree.blocks import SamplingConfig
+from ddtree.core.builders import beam, best_first, chain
 from ddtree.drafters.base import DraftContext, Drafter, Proposal, check_proposal
 from ddtree.drafters.dflash.config import DFlashConfig
 from ddtree.drafters.dflash.drafter import DFlashDrafter, check_compatible
 from ddtree.drafters.features import build_target_layer_ids
-from ddtree.core.builders import beam, best_first, chain
 
 # A published-format drafter config (the shape of z-lab's Qwen3-8B DFlash b16 config.json).
 PUBLISHED = {

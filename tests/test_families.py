@@ -14,13 +14,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_generator import expected_acceptance
+from tiny import FAMILIES, HYBRIDS, WINDOW, ScriptedDrafter, family_target
 
 import ddtree.targets.linear_attention
 from ddtree import SpeculativeGenerator
 from ddtree.targets.description import describe
-from tiny import FAMILIES, HYBRIDS, WINDOW, family_target
-from tiny import ScriptedDrafter
-from test_generator import expected_acceptance
 
 PROMPT = [(7 * i + 3) % 90 + 1 for i in range(3 * WINDOW)]
 NEW = 32
@@ -152,9 +151,8 @@ def test_gpt_oss_split_refusal_names_what_works():
 
 def test_qwen3_5_multimodal_checkpoint_verifies_its_text_as_trees():
     """A composite ``qwen3_5`` config (the published Qwen3.5/3.6 checkpoints) loaded as image-text-to-text."""
-    from transformers import CONFIG_MAPPING, AutoModelForImageTextToText
-
     from tiny import _BASE, _GDN
+    from transformers import CONFIG_MAPPING, AutoModelForImageTextToText
 
     if "qwen3_5" not in CONFIG_MAPPING:
         pytest.skip("this transformers has no 'qwen3_5' model type")

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tiny import ScriptedDrafter, tiny_drafter, tiny_target
 
 from ddtree import SpeculativeGenerator
 from ddtree.blocks import beam
-from tiny import ScriptedDrafter, tiny_drafter, tiny_target
 
 PROMPTS = [[5, 17, 3], [11, 2, 2, 40, 61, 7, 9, 33, 12, 1, 80], list(range(10, 50))]
 NEW = 64

@@ -6,10 +6,10 @@ import importlib.util
 
 import pytest
 import torch
+from tiny import VOCAB, ScriptedDrafter, tiny_target, tiny_tokenizer
 from transformers import StoppingCriteria, StoppingCriteriaList, TextIteratorStreamer
 
 import ddtree
-from tiny import VOCAB, ScriptedDrafter, tiny_target, tiny_tokenizer
 
 PROMPT = torch.tensor([[5, 17, 3, 9, 40, 61]])
 NEW = 30

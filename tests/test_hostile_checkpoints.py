@@ -8,12 +8,12 @@ import pickle
 
 import pytest
 import torch
-from tiny import tiny_drafter, tiny_target
 from safetensors.torch import load_file, save_file
+from tiny import tiny_drafter, tiny_target
 
 import ddtree.drafters.dflash.model as drafter_mod
 from ddtree import SpeculativeGenerator
-from ddtree.blocks import DFlashConfig, DFlashDraftModel, DFlashDrafter
+from ddtree.blocks import DFlashConfig, DFlashDrafter, DFlashDraftModel
 
 
 @pytest.fixture(scope="module")

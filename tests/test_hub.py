@@ -125,10 +125,10 @@ def test_looks_like_path():
 def test_a_drafter_directory_or_hub_id_serves_as_the_bound_object_does(offline, saved_tiny_pair):
     """``SpeculativeGenerator(target, drafter)`` and ``ddtree.decoding(drafter)`` take the drafter as a bound object,
     a directory (str or Path) or a cached hub id, and draft the same trees from each: same tokens, same acceptance."""
-    import ddtree
     from test_generator import expected_acceptance
     from transformers import AutoModelForCausalLM
 
+    import ddtree
     from ddtree.drafters.dflash.drafter import DFlashDrafter
 
     target_dir, drafter_dir = saved_tiny_pair

@@ -9,16 +9,15 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_batch import BUILDERS, RowDecoys, assert_rows_are_their_own_runs, hf_greedy, prompts_of
+from test_generator import expected_acceptance
+from tiny import HYBRIDS, family_target, tiny_drafter
 
 import ddtree.targets.linear_attention
 from ddtree import SpeculativeGenerator
 from ddtree.blocks import speculative_round
 from ddtree.targets.cache import _kv_layers
 from ddtree.targets.linear_attention import _linear_layer_ids, _states
-from tiny import HYBRIDS, family_target
-from tiny import tiny_drafter
-from test_batch import BUILDERS, RowDecoys, assert_rows_are_their_own_runs, hf_greedy, prompts_of
-from test_generator import expected_acceptance
 
 NEW = 24
 LENGTHS = [1, 13, 6, 20]  # row 0 is a 1-token prompt; 20 - 13 pads cross no GDN chunk but shift the conv windows

@@ -6,6 +6,7 @@ import re
 
 import pytest
 import torch
+from tiny import tiny_tokenizer
 from transformers import GenerationConfig, TextIteratorStreamer
 
 from ddtree.generation.inputs import (
@@ -16,7 +17,6 @@ from ddtree.generation.inputs import (
     resolve_generation,
     streamed,
 )
-from tiny import tiny_tokenizer
 
 ROW = [5, 17, 3, 9]
 

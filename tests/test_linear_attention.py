@@ -6,13 +6,13 @@ import copy
 
 import pytest
 import torch
+from tiny import family_target
 
 from ddtree.blocks import DraftTree, commit_accepted, new_target_cache
-from ddtree.targets.cache import cache_kwargs
-from ddtree.targets.backends import get_backend
-from ddtree.targets.linear_attention import _states, commit_linear_states, gdn_modules
 from ddtree.core.masks import tree_position_ids
-from tiny import family_target
+from ddtree.targets.backends import get_backend
+from ddtree.targets.cache import cache_kwargs
+from ddtree.targets.linear_attention import _states, commit_linear_states, gdn_modules
 
 TOL = 1e-10
 PROMPT = [3, 14, 15, 92, 65, 35, 89, 79, 32, 38, 46]

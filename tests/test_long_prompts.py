@@ -9,15 +9,15 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_batch import prompts_of
+from test_generator import expected_acceptance
+from tiny import FAMILIES, ScriptedDrafter, family_target, tiny_drafter, tiny_target
 
 from ddtree import SpeculativeGenerator
 from ddtree.blocks import PromptLookup, speculative_round
 from ddtree.drafters.features import extract_context_feature
 from ddtree.targets.cache import new_target_cache
 from ddtree.targets.forward import chunked_prefill, target_forward
-from test_batch import prompts_of
-from test_generator import expected_acceptance
-from tiny import FAMILIES, ScriptedDrafter, family_target, tiny_drafter, tiny_target
 
 NEW = 20
 

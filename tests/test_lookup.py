@@ -7,15 +7,14 @@ import importlib.util
 import numpy as np
 import pytest
 import torch
+from test_generator import expected_acceptance
+from test_sampling_e2e import chi2_critical, chi2_statistic, exact_distribution
+from tiny import tiny_drafter, tiny_target
 
 from ddtree import SpeculativeGenerator
 from ddtree.blocks import DFlashDrafter, best_first
-from ddtree.core.tree import DRAFTER, LOOKUP
+from ddtree.core.tree import DRAFTER, LOOKUP, graft_paths
 from ddtree.drafters.lookup import PromptLookup, WithLookup, lookup_continuation
-from ddtree.core.tree import graft_paths
-from tiny import tiny_drafter, tiny_target
-from test_generator import expected_acceptance
-from test_sampling_e2e import chi2_critical, chi2_statistic, exact_distribution
 
 
 def test_lookup_finds_the_longest_latest_match_and_repeats_loops():

@@ -7,7 +7,6 @@ import random
 import pytest
 import torch
 
-
 from ddtree.core.masks import tree_attention_mask, tree_position_ids
 from ddtree.core.tree import DraftTree
 

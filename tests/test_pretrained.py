@@ -2,7 +2,6 @@
 
 import importlib.util
 import json
-
 from pathlib import Path
 
 import pytest
@@ -107,8 +106,9 @@ def test_shipped_drafter_loads_for_the_default_target():
 def test_default_pair_is_lossless_and_its_acceptance_needs_the_right_features():
     """The real pair: output equals plain decoding, every round accepts what a walk of its tree against
     that output gives, and features in the wrong order cut acceptance."""
-    from ddtree import SpeculativeGenerator
     from test_generator import expected_acceptance
+
+    from ddtree import SpeculativeGenerator
 
     gen = SpeculativeGenerator.from_pretrained(tree_budget=16)
     tok = gen.tokenizer

@@ -7,16 +7,23 @@ Example counts: ``examples(n)`` in CI (derandomized), 20x with ``--slow`` (see d
 from __future__ import annotations
 
 import torch
-from tiny import examples
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from tiny import examples
 from transformers import DynamicCache
 
+from ddtree.bench.tree_build import heap_best_first, same_tree
 from ddtree.blocks import (
-    DraftTree, SamplingConfig, accept_longest_branch, beam, best_first, chain, commit_accepted, tree_attention_mask,
+    DraftTree,
+    SamplingConfig,
+    accept_longest_branch,
+    beam,
+    best_first,
+    chain,
+    commit_accepted,
+    tree_attention_mask,
     verify_tree,
 )
-from ddtree.bench.tree_build import heap_best_first, same_tree
 
 
 @st.composite

@@ -17,27 +17,27 @@ import functools
 import random
 
 import torch
-from tiny import VOCAB, examples, tiny_drafter, tiny_target
-from test_generator import expected_acceptance  # acceptance recomputed from scratch by a walk of the tree
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
+from test_generator import expected_acceptance  # acceptance recomputed from scratch by a walk of the tree
+from tiny import VOCAB, examples, tiny_drafter, tiny_target
 
 import ddtree
 from ddtree import DraftContext, Drafter, Proposal, SpeculativeGenerator
-from ddtree.targets.cache import cache_kwargs
 from ddtree.blocks import DraftTree, SamplingConfig, processed_logprobs
+from ddtree.targets.cache import cache_kwargs
 
 MAX_NEW = 48
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def target_of(kind: str):
     target = tiny_target(kind, seed=0 if kind == "qwen3" else 2)
     target.generation_config.eos_token_id = None  # HF would stop at the config's eos id (2 for Llama); stops are ours
     return target
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def dflash_of(kind: str, block_size: int):
     return tiny_drafter(target_of(kind), block_size=block_size)
 

@@ -12,10 +12,10 @@ import math
 
 import pytest
 import torch
+from tiny import tiny_target
 
 from ddtree import SpeculativeGenerator
 from ddtree.blocks import DFlashConfig, DFlashDraftModel, SamplingConfig, processed_logprobs
-from tiny import tiny_target
 
 VOCAB, PROMPT, HORIZON, SAMPLES = 8, [1, 2, 3], 3, 1500
 

@@ -4,14 +4,14 @@ import json
 
 import pytest
 import torch
+from tiny import tiny_target as shared_tiny_target
 
-from ddtree.drafters.dflash.model import DFlashDraftModel
 from ddtree.drafters.dflash.drafter import DFlashDrafter
+from ddtree.drafters.dflash.model import DFlashDraftModel
 from ddtree.drafters.features import extract_context_feature
 from ddtree.train import TrainConfig, run
 from ddtree.train.data import DIR_KEY_STRIDE, FeatureDataset, load_dataset, split_train_heldout
 from ddtree.train.loop import build_drafter, draft_hidden, make_batch
-from tiny import tiny_target as shared_tiny_target
 
 
 def tiny_target(seed=0):

@@ -9,10 +9,10 @@ import sys
 from pathlib import Path
 
 import torch
+from test_train import tiny_prompts, tiny_target
 
 import ddtree
 from ddtree.train import TrainConfig, run
-from test_train import tiny_prompts, tiny_target
 
 WORKER = Path(__file__).with_name("train_ddp_worker.py")
 RANKS = 2

@@ -19,7 +19,6 @@ import numpy as np
 import pytest
 import torch
 
-
 from ddtree.core.builders import BUILDERS, beam, best_first, chain, ranked_topk, resolve_builder
 from ddtree.core.tree import DraftTree
 

@@ -13,12 +13,11 @@ import random
 
 import pytest
 import torch
-
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
+from ddtree.core.builders import best_first
 from ddtree.core.sampling import SamplingConfig, choose_tokens, processed_logprobs
 from ddtree.core.tree import DraftTree
-from ddtree.core.builders import best_first
 from ddtree.core.verify import accept_longest_branch, verify_tree
 
 # --------------------------------------------------------------------------- the walk

@@ -7,12 +7,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from tiny import VOCAB, ScriptedDrafter, tiny_target
 
 from ddtree import SpeculativeGenerator
-from ddtree.targets.cache import cache_kwargs
 from ddtree.blocks import new_target_cache
-from ddtree.targets.cache import SUPPORTED_TRANSFORMERS, CacheNotUpdatedError
-from tiny import VOCAB, ScriptedDrafter, tiny_target
+from ddtree.targets.cache import SUPPORTED_TRANSFORMERS, CacheNotUpdatedError, cache_kwargs
 
 
 def _drop_cache(target, after_calls: int = 0):

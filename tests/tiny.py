@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ddtree import Drafter, DraftContext, Proposal
+from ddtree import DraftContext, Drafter, Proposal
 from ddtree.blocks import DFlashConfig, DFlashDraftModel
 
 VOCAB = 97

@@ -23,8 +23,8 @@ from tiny import ScriptedDrafter  # noqa: E402
 from ddtree import BudgetPolicy, SpeculativeGenerator  # noqa: E402
 from ddtree.blocks import AutoBudget  # noqa: E402
 from ddtree.budget.latency import FunctionLatency  # noqa: E402
-from ddtree.runtime.distributed import leave_process_group  # noqa: E402
 from ddtree.drafters.dflash.model import DFlashDraftModel  # noqa: E402
+from ddtree.runtime.distributed import leave_process_group  # noqa: E402
 
 KINDS = ("llama", "qwen3")
 PROMPTS = [[5, 17, 3, 9, 40], [11, 2, 2, 40, 61, 7, 9, 33]]

@@ -7,8 +7,8 @@ import sys
 from pathlib import Path
 
 import torch
-
 from test_train_ddp import ddp_cfg, tiny_prompts, tiny_target
+
 from ddtree.train import run
 
 if __name__ == "__main__":

@@ -5,8 +5,8 @@ from __future__ import annotations
 import datetime
 import platform
 import statistics
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable
 
 import torch
 

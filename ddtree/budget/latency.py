@@ -42,7 +42,8 @@ from __future__ import annotations
 
 import bisect
 import time
-from typing import Callable, Protocol, Sequence
+from collections.abc import Callable, Sequence
+from typing import Protocol
 
 import torch
 

@@ -24,8 +24,9 @@ the numpy builders they must match node for node.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import lru_cache
-from typing import Callable, Protocol
+from typing import Protocol
 
 import torch
 

@@ -8,7 +8,7 @@ of :mod:`ddtree.core.builders`.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 import torch

@@ -29,7 +29,7 @@ class DraftTree:
     visibility: torch.Tensor = field(repr=False)
     sources: torch.Tensor | None = field(default=None, repr=False)
 
-    def row(self, b: int) -> "DraftTree":
+    def row(self, b: int) -> DraftTree:
         """Row ``b`` as a batch-1 tree."""
         pick = slice(b, b + 1)
         return DraftTree(self.tokens[pick], self.parents[pick], self.depths[pick], self.scores[pick],
@@ -38,7 +38,7 @@ class DraftTree:
     @classmethod
     def from_parents(
         cls, tokens: torch.Tensor, parents: torch.Tensor, scores: torch.Tensor | None = None
-    ) -> "DraftTree":
+    ) -> DraftTree:
         """Build depths and visibility from parent pointers (``parents[:, 0] == -1``)."""
         if tokens.dim() == 1:
             tokens, parents = tokens[None], parents[None]
@@ -110,7 +110,7 @@ class DraftTree:
         }
 
     @classmethod
-    def from_dict(cls, data: dict) -> "DraftTree":
+    def from_dict(cls, data: dict) -> DraftTree:
         return cls.from_parents(
             torch.tensor(data["tokens"]), torch.tensor(data["parents"]), torch.tensor(data.get("scores"))
             if data.get("scores") is not None else None,

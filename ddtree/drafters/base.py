@@ -9,8 +9,9 @@ parts; the generator checks a drafter for every part before it decodes.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol, Sequence
+from typing import Protocol
 
 import torch
 

@@ -9,7 +9,7 @@ others are ``None``.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 

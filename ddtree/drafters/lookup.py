@@ -18,7 +18,7 @@ These scores rank the branch against the model drafter's path log-probs.
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -81,13 +81,13 @@ class PromptLookup(Drafter):
         self.confidence = tuple(float(c) for c in confidence)
 
     @classmethod
-    def for_target(cls, target, **options) -> "PromptLookup":
+    def for_target(cls, target, **options) -> PromptLookup:
         return cls(target.get_output_embeddings().weight.shape[0], **options)
 
     def context_features(self, hidden_states) -> None:
         return None
 
-    def new_context(self, batch_size: int = 1) -> "LookupContext":
+    def new_context(self, batch_size: int = 1) -> LookupContext:
         return LookupContext(self, batch_size)
 
     def score(self, n: int) -> float:
@@ -173,7 +173,7 @@ class WithLookup(Drafter):
     def context_features(self, hidden_states):
         return self.drafter.context_features(hidden_states)
 
-    def new_context(self, batch_size: int = 1) -> "MergedContext":
+    def new_context(self, batch_size: int = 1) -> MergedContext:
         return MergedContext(self.drafter.new_context(batch_size), self.lookup.new_context(batch_size))
 
 

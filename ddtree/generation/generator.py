@@ -11,8 +11,8 @@ from __future__ import annotations
 import os
 import time
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Iterator
 
 import torch
 
@@ -179,7 +179,7 @@ class SpeculativeGenerator:
         tp_plan: str | dict | None = None,
         device_map: str | dict | None = None,
         **options,
-    ) -> "SpeculativeGenerator":
+    ) -> SpeculativeGenerator:
         """Load a target (any HF causal LM) and a drafter, each a local directory or a hub repo id
         (:func:`ddtree.loading.pair.load_pair`; the drafter's class comes from its ``architectures``).
 

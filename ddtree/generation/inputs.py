@@ -14,9 +14,9 @@ anything else) can take the inputs a ``transformers`` user already has:
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Iterable, Iterator, Sequence
+from typing import Any
 
 import torch
 
@@ -423,7 +423,7 @@ class StreamerFeed:
             self._ended = True
             self.streamer.end()
 
-    def __enter__(self) -> "StreamerFeed":
+    def __enter__(self) -> StreamerFeed:
         return self
 
     def __exit__(self, *exc) -> None:

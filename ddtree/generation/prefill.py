@@ -9,8 +9,8 @@ layout :meth:`DraftContext.append` takes, so nothing prompt-long but the cache i
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence
 
 import torch
 

@@ -27,7 +27,7 @@ _PREPARED = frozenset({"attention_mask", "position_ids", "cache", "past_key_valu
 
 
 def decoding(drafter, tree_budget: int | str | None = None, builder: Any = None, *, seed: int | None = None,
-             options: GeneratorOptions | None = None, **settings) -> "DDTreeDecoding":
+             options: GeneratorOptions | None = None, **settings) -> DDTreeDecoding:
     """A ``custom_generate`` callable running DDTree with ``drafter``: a drafter directory or hub id (loaded
     against the target on first use, the class from its ``architectures``), a raw drafter model or any ``Drafter``.
 
@@ -54,7 +54,7 @@ class DDTreeDecoding:
         self.drafter = drafter
         self.options = options
         self.seed = seed
-        self._generators: "weakref.WeakKeyDictionary[Any, Any]" = weakref.WeakKeyDictionary()
+        self._generators: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
 
     def generator_for(self, model):
         """The ``SpeculativeGenerator`` for ``model``, built on first use and reused."""

@@ -108,7 +108,7 @@ class _Progress:
         while not self._done.wait(self.every):
             _log(f"    still {self.what} ({time.time() - t0:.0f}s)", self.quiet)
 
-    def __enter__(self) -> "_Progress":
+    def __enter__(self) -> _Progress:
         if not self.quiet:
             self._thread.start()
         return self

@@ -20,7 +20,8 @@ import contextlib
 import dataclasses
 import hashlib
 import pickle
-from typing import Any, Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import torch
 
@@ -179,7 +180,7 @@ class Lockstep:
         self.group = group
 
     @classmethod
-    def for_model(cls, model) -> "Lockstep":
+    def for_model(cls, model) -> Lockstep:
         return cls(model_group(model))
 
     @property

@@ -26,7 +26,7 @@ class CacheNotUpdatedError(RuntimeError):
     """The target forward did not fill the cache it was given: continuing would decode without the prefix."""
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _cache_keyword(forward_owner: type) -> str:
     params = inspect.signature(forward_owner.forward).parameters
     return "cache" if "cache" in params else "past_key_values"

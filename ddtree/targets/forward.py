@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import functools
 import inspect
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, Sequence
+from typing import Any, Protocol
 
 import torch
 
@@ -99,7 +100,7 @@ def target_forward(target: TargetModel, input_ids, position_ids, cache, hidden: 
     return Output(out.logits, tuple(kept))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def takes_logits_to_keep(owner: type) -> bool:
     """Whether this CausalLM class's forward takes ``logits_to_keep`` (every transformers 5 decoder does)."""
     return "logits_to_keep" in inspect.signature(owner.forward).parameters

@@ -84,7 +84,7 @@ class LinearTreePlan:
     _conv_index: dict = field(default_factory=dict, repr=False)
 
     @classmethod
-    def from_tree(cls, tree: DraftTree) -> "LinearTreePlan":
+    def from_tree(cls, tree: DraftTree) -> LinearTreePlan:
         parents = tree.parents.detach().cpu().numpy()
         depths = tree.depths.detach().cpu().numpy()
         bsz, n = parents.shape
@@ -175,7 +175,7 @@ def _recurrent_fn(module):
     """transformers' recurrent gated-delta step for this module (the fla kernel when transformers picked it)."""
     fn = getattr(module, "recurrent_gated_delta_rule", None)
     if fn is None:
-        fn = getattr(sys.modules[type(module).__module__], "torch_recurrent_gated_delta_rule")
+        fn = sys.modules[type(module).__module__].torch_recurrent_gated_delta_rule
     return fn
 
 
@@ -183,7 +183,7 @@ def _chunk_fn(module):
     """transformers' chunked gated-delta rule (its multi-token path; the fla kernel when transformers picked it)."""
     fn = getattr(module, "chunk_gated_delta_rule", None)
     if fn is None:
-        fn = getattr(sys.modules[type(module).__module__], "torch_chunk_gated_delta_rule")
+        fn = sys.modules[type(module).__module__].torch_chunk_gated_delta_rule
     return fn
 
 

@@ -15,7 +15,7 @@ into the query axis instead, which is exact because prefix rows are unmasked.
 from __future__ import annotations
 
 import math
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

@@ -36,7 +36,7 @@ class DataParallel:
         return self.rank == 0
 
     @classmethod
-    def from_env(cls) -> "DataParallel":
+    def from_env(cls) -> DataParallel:
         """The ranks ``torchrun`` describes in ``WORLD_SIZE`` / ``RANK`` / ``LOCAL_RANK`` (or an existing group)."""
         import torch.distributed as dist
 

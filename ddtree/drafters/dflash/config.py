@@ -5,9 +5,10 @@ from __future__ import annotations
 import json
 import os
 import warnings
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import NamedTuple, Sequence
+from typing import NamedTuple
 
 from ddtree.drafters.features import build_target_layer_ids, check_target_layer_ids
 
@@ -201,7 +202,7 @@ class DFlashConfig:
         return len(self.target_layer_ids) * (self.target_hidden_size or self.hidden_size)
 
     @classmethod
-    def from_dict(cls, d: dict) -> "DFlashConfig":
+    def from_dict(cls, d: dict) -> DFlashConfig:
         if not isinstance(d, dict):
             raise ValueError(f"a drafter config is a JSON object (a dict), got {type(d).__name__}")
         if d.get("dflash_config") is None and d.get("mask_token_id") is None:
@@ -289,7 +290,7 @@ class DFlashConfig:
         return out
 
     @classmethod
-    def from_pretrained(cls, path: str | os.PathLike) -> "DFlashConfig":
+    def from_pretrained(cls, path: str | os.PathLike) -> DFlashConfig:
         file, data = read_config_json(path, "DFlash")
         config = cls.from_dict(data)
         config.warn_unusual(data, where=str(file))
@@ -332,7 +333,7 @@ class DFlashConfig:
         num_attention_heads: int | None = None,
         num_key_value_heads: int | None = None,
         head_dim: int | None = None,
-    ) -> "DFlashConfig":
+    ) -> DFlashConfig:
         """A drafter shaped like ``target_config`` (hidden size, vocab, RoPE), for training from scratch."""
         tc = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
         heads = num_attention_heads or tc.num_attention_heads

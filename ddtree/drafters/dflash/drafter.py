@@ -64,14 +64,14 @@ class DFlashDrafter(FeatureDrafter):
 
     model_class = DFlashDraftModel
 
-    def __init__(self, model: DFlashDraftModel, target, draft_vocab: "str | int | torch.Tensor | None" = "auto"):
+    def __init__(self, model: DFlashDraftModel, target, draft_vocab: str | int | torch.Tensor | None = "auto"):
         self._lockstep = Lockstep.for_model(target)  # a tensor-parallel target's ranks bind together
         with self._lockstep.fail_together("binding the drafter to the target"):
             check_compatible(model.config, target)
         self._bind(model, target)
         self.set_draft_vocab(draft_vocab)
 
-    def set_draft_vocab(self, draft_vocab: "str | int | torch.Tensor | None" = "auto") -> None:
+    def set_draft_vocab(self, draft_vocab: str | int | torch.Tensor | None = "auto") -> None:
         """Restrict proposals to a token subset, so the drafter's lm_head reads a slice of the target's.
 
         On a CPU the full-vocabulary head over the block costs more than the
@@ -128,7 +128,7 @@ class DFlashDrafter(FeatureDrafter):
         self._head_slice = (weight.to(device)[ids].contiguous(), None if bias is None else bias.to(device)[ids].contiguous())
 
     @classmethod
-    def from_pretrained(cls, path, target, *, dtype=None, device=None, draft_vocab="auto") -> "DFlashDrafter":
+    def from_pretrained(cls, path, target, *, dtype=None, device=None, draft_vocab="auto") -> DFlashDrafter:
         """Bind a published DFlash drafter directory to ``target`` (``dtype``: the file's unless given; ``device``:
         the target's input embedding's). A checkpoint of another architecture is refused: load any drafter with
         :func:`ddtree.loading.drafter.load_drafter`, which picks the class from ``architectures``."""
@@ -148,7 +148,7 @@ class DFlashDrafter(FeatureDrafter):
         """The draft step is a few-row forward as well: ``cpu_linear`` routes this model along with the target."""
         return self.model
 
-    def new_context(self, batch_size: int = 1) -> "DFlashContext":
+    def new_context(self, batch_size: int = 1) -> DFlashContext:
         return DFlashContext(self, batch_size)
 
     def block_logprobs(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -16,8 +16,8 @@ from __future__ import annotations
 import json
 import os
 import warnings
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -319,7 +319,7 @@ class DFlashDraftModel(nn.Module):
     @classmethod
     def from_pretrained(
         cls, path: str | os.PathLike, *, dtype: torch.dtype | None = None, device: str | torch.device | None = None
-    ) -> "DFlashDraftModel":
+    ) -> DFlashDraftModel:
         """Load a published DFlash directory (``config.json`` + ``model.safetensors``) as it is.
 
         Everything is checked before the weights are read: the config's sizes, then the tensor names and

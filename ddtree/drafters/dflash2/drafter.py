@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
+from ddtree.drafters.dflash.config import read_config_json
 from ddtree.drafters.dflash2.config import ARCHITECTURE, DFlash2Config
 from ddtree.drafters.dflash2.context import DFlash2Context
 from ddtree.drafters.dflash2.model import DFlash2DraftModel
-from ddtree.drafters.dflash.config import read_config_json
 from ddtree.drafters.features import FeatureDrafter, check_target_layer_ids, refuse_other_architecture
 
 
