@@ -9,6 +9,7 @@ parts; the generator checks a drafter for every part before it decodes.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -48,9 +49,10 @@ class DraftContext(Protocol):
     Rows are the active rows of a batch. ``append`` takes left-aligned
     ``features`` ``[B, T, F]`` (``None`` for a drafter that reads none) and
     ``tokens`` ``[B, T]`` of the tokens each row just committed, of which row
-    ``b`` has ``counts[b]`` (default all ``T``). The round also passes the counts as Python ints,
-    ``host_counts``, which it has read anyway: a context sizes and slices with those instead of reading
-    ``counts`` back from the device (on a GPU every such read waits for the device).
+    ``b`` has ``counts[b]`` (default all ``T``). To a context whose ``append`` takes ``host_counts``, the
+    round also passes the counts as Python ints, which it has read anyway: the context sizes and slices with
+    those instead of reading ``counts`` back from the device (on a GPU every such read waits for the
+    device). A context without that parameter is called without it.
     """
 
     def append(self, features: torch.Tensor | None, tokens: torch.Tensor, counts: torch.Tensor | None = None,
@@ -94,6 +96,16 @@ class Drafter(Protocol):
 
 
 DRAFTER_PARTS = ("block_size", "target_layer_ids", "needs_hidden_states", "context_features", "new_context")
+OPTIONAL_DRAFTER_PARTS = ("cpu_linear_model",)  # read with a default; a subclass of Drafter inherits it
+
+
+def takes_host_counts(context: DraftContext) -> bool:
+    """Whether ``context.append`` takes ``host_counts`` (by name, or through ``**kwargs``)."""
+    try:
+        params = inspect.signature(context.append).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    return any(p.name == "host_counts" or p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
 
 
 def check_drafter(drafter) -> None:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ddtree.drafters.base import DraftContext, Drafter
+from ddtree.drafters.base import DraftContext, Drafter, takes_host_counts
 from ddtree.targets.cache import new_target_cache, padding_mask
 from ddtree.targets.forward import chunked_prefill
 
@@ -60,8 +60,16 @@ def prefill(target, prompts: Sequence, drafter: Drafter | None = None, *, pad_to
     ids, lengths = left_pad(prompts, pad_token_id, device)
     cache = new_target_cache(target)
     context = None if drafter is None else drafter.new_context(len(ids))
-    append = None if context is None else (lambda features, tokens, counts, last, host_counts:
-                                            context.append(features, tokens, counts, host_counts))
+    append = None
+    if context is not None:
+        with_counts = takes_host_counts(context)
+
+        def append(features, tokens, counts, last, host_counts) -> None:
+            if with_counts:
+                context.append(features, tokens, counts, host_counts=host_counts)
+            else:
+                context.append(features, tokens, counts)
+
     host_lengths = [len(p) for p in prompts]
     logits = prefill_padded(target, ids, lengths, cache, drafter=drafter, append=append, chunk_size=chunk_size,
                             host_lengths=host_lengths)

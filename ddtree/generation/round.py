@@ -97,7 +97,7 @@ def _to_context(state: DecodeState, last: bool, *args) -> None:
     if last:
         state.deferred.append(args)
     else:
-        state.draft.append(*args[:3], host_counts=args[3])
+        state.append_draft(*args)
 
 
 def _prefill_each_row(state: DecodeState, hidden: bool, width: int) -> torch.Tensor:
@@ -267,7 +267,7 @@ def _commit(state: DecodeState, tree, out, result, host: AcceptedOnHost) -> None
     features = gen.drafter.context_features(out.hidden_states) if gen.drafter.needs_hidden_states else None
     if features is not None:
         features = features.gather(1, path[..., None].expand(-1, -1, features.shape[-1]))
-    state.draft.append(features, tree.tokens.gather(1, path), result.num_accepted, host_counts=host.counts)
+    state.append_draft(features, tree.tokens.gather(1, path), result.num_accepted, host.counts)
 
 
 def _count_sources(state: DecodeState, host: AcceptedOnHost) -> None:

@@ -25,7 +25,7 @@ from ddtree.budget.policy import BudgetPolicy
 from ddtree.core.builders import TreeBuilder
 from ddtree.core.sampling import SamplingConfig
 from ddtree.core.tree import DraftTree
-from ddtree.drafters.base import DraftContext, Drafter
+from ddtree.drafters.base import DraftContext, Drafter, takes_host_counts
 from ddtree.runtime.distributed import Lockstep
 from ddtree.runtime.timing import StageTimer
 from ddtree.targets.backends import TreeAttentionBackend
@@ -105,6 +105,7 @@ class DecodeState:
     lengths: torch.Tensor | None = None  # [A] committed tokens per active row, in the cache
     host_lengths: list[int] = field(default_factory=list)  # the same on the host, kept from the round's one read
     roots: torch.Tensor | None = None  # [A] each active row's last emitted token, not yet in the cache
+    draft_takes_host_counts: bool | None = None  # whether draft.append takes host_counts (read once)
     prefilled: bool = False
     rounds: int = 0  # verify rounds (or plain decode steps) after the prefill
     accepted_by_source: dict[str, int] = field(default_factory=lambda: {"drafter": 0, "lookup": 0, "both": 0})
@@ -135,9 +136,19 @@ class DecodeState:
         if self.deferred:
             with torch.inference_mode(), self.timer.stage("prefill"):
                 for features, tokens, counts, host_counts in self.deferred:
-                    self.draft.append(features, tokens, counts, host_counts=host_counts)
+                    self.append_draft(features, tokens, counts, host_counts)
             self.deferred.clear()
         return self.draft
+
+    def append_draft(self, features: torch.Tensor | None, tokens: torch.Tensor, counts: torch.Tensor | None,
+                     host_counts: list[int] | None) -> None:
+        """``draft.append``, with the host-known counts when the context takes them."""
+        if self.draft_takes_host_counts is None:
+            self.draft_takes_host_counts = takes_host_counts(self.draft)
+        if self.draft_takes_host_counts:
+            self.draft.append(features, tokens, counts, host_counts=host_counts)
+        else:
+            self.draft.append(features, tokens, counts)
 
     def emit(self, row: int, tokens: list[int]) -> list[int]:
         """Append a row's tokens, cut at its first stop token (kept) and at ``max_new_tokens``; returns what was
