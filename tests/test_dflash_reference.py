@@ -32,9 +32,9 @@ from tiny import MASK_ID, VOCAB, tiny_target
 
 dm = pytest.importorskip("dflash.model")
 
-from ddtree.drafters.dflash.attention import block_attention
-from ddtree.drafters.dflash.drafter import DFlashDrafter
-from ddtree.drafters.dflash.model import DFlashDraftModel
+from ddtree.drafters.dflash.attention import block_attention  # noqa: E402 -- after importorskip
+from ddtree.drafters.dflash.drafter import DFlashDrafter  # noqa: E402 -- after importorskip
+from ddtree.drafters.dflash.model import DFlashDraftModel  # noqa: E402 -- after importorskip
 
 BLOCK, ROUNDS, PROMPT = 5, 32, 12
 SLIDE, FULL = "sliding_attention", "full_attention"
