@@ -112,7 +112,8 @@ def tiny_pair():
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--default", action="store_true", help="use the shipped SmolLM2-135M pair (default: a tiny random pair)")
+    ap.add_argument("--default", action="store_true",
+                    help="use the shipped SmolLM2-135M pair (default: a tiny random pair)")
     ap.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate (default: 64)")
     args = ap.parse_args(argv)
     if args.default:

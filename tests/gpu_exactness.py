@@ -65,7 +65,8 @@ def check_split(device, dtype, tol, shapes) -> list[dict]:
     rows = []
     for i, (heads, kv_heads, head_dim, prefix_len, n, window) in enumerate(shapes):
         tree, q, k, v = _tree_inputs(device, dtype, heads, kv_heads, head_dim, prefix_len, n, seed=i)
-        mask = tree_attention_mask(tree.visibility, prefix_len, torch.float32, sliding_window=window, depths=tree.depths)
+        mask = tree_attention_mask(tree.visibility, prefix_len, torch.float32, sliding_window=window,
+                                   depths=tree.depths)
         ref = _dense_fp32(q, k, v, mask == 0)
         spec = TreeAttentionSpec.from_tree(tree)
         layer = _Layer(heads, kv_heads, window)
@@ -90,7 +91,9 @@ def check_causal(device, dtype, tol, tiny: bool = False) -> list[dict]:
     gen = torch.Generator().manual_seed(0)
     cases = [(512, 512, None), (512, 512, 100), (64, 700, None), (64, 700, 50), (1, 900, None), (1, 900, 128)]
     heads, head_dim = (16, 128) if not tiny else (4, 32)
-    for q_len, kv_len, window in cases if not tiny else [(c[0] // 8 or 1, c[1] // 8, c[2] and c[2] // 8) for c in cases]:
+    if tiny:
+        cases = [(c[0] // 8 or 1, c[1] // 8, c[2] and c[2] // 8) for c in cases]
+    for q_len, kv_len, window in cases:
         q = torch.randn(1, heads, q_len, head_dim, generator=gen).to(device, dtype)
         k = torch.randn(1, heads // 4, kv_len, head_dim, generator=gen).to(device, dtype)
         v = torch.randn(1, heads // 4, kv_len, head_dim, generator=gen).to(device, dtype)
@@ -179,26 +182,30 @@ def check_batch(device, dtype, level: str) -> list[dict]:
         dims, layers, sizes, new = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4,
                                         num_key_value_heads=2, head_dim=16), 2, (1, 3), 8
     else:
-        dims, layers, sizes, new = dict(hidden_size=4096, intermediate_size=12288, num_attention_heads=32,
-                                        num_key_value_heads=8, head_dim=128), 2 if level == "quick" else 6, (1, 4, 8, 16), 32
+        dims = dict(hidden_size=4096, intermediate_size=12288, num_attention_heads=32, num_key_value_heads=8,
+                    head_dim=128)
+        layers, sizes, new = 2 if level == "quick" else 6, (1, 4, 8, 16), 32
     cfg = Qwen3Config(vocab_size=32000, num_hidden_layers=layers, max_position_embeddings=4096, **dims)
     target = Qwen3ForCausalLM(cfg).to(device=device, dtype=dtype).eval()
     dcfg = DFlashConfig.for_target(cfg, num_hidden_layers=1, block_size=16, mask_token_id=31999)
     drafter = DFlashDraftModel(dcfg).to(device=device, dtype=dtype).eval()
     gen = SpeculativeGenerator(target, drafter, attention="auto")
     g = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(0, 32000, (int(n),), generator=g).tolist() for n in torch.randint(8, 200, (16,), generator=g)]
+    prompts = [torch.randint(0, 32000, (int(n),), generator=g).tolist()
+               for n in torch.randint(8, 200, (16,), generator=g)]
     single = {b: gen.generate(prompts[b], max_new_tokens=new, tree_budget=16) for b in range(max(sizes))}
     rows = []
     for size in sizes:
-        for name, budget, builder in (("plain", 0, "best_first"), ("chain", 15, "chain"), ("best_first@16", 16, "best_first")):
+        for name, budget, builder in (("plain", 0, "best_first"), ("chain", 15, "chain"),
+                                      ("best_first@16", 16, "best_first")):
             gen.builder = resolve_builder(builder)
             gen.generate(prompts[:size], max_new_tokens=4, tree_budget=budget)  # warm-up
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             out = gen.generate(prompts[:size] if size > 1 else prompts[0], max_new_tokens=new, tree_budget=budget)
             s = out.stats
-            equal = sum(out.row_tokens[b] == single[b].row_tokens[0] for b in range(size)) if name == "best_first@16" else None
+            equal = (sum(out.row_tokens[b] == single[b].row_tokens[0] for b in range(size))
+                     if name == "best_first@16" else None)
             mismatch = 0.0 if equal is None else 1.0 - equal / size
             rows.append(dict(batch=size, method=name, dtype=str(dtype), tokens_per_second=round(s.tokens_per_second, 1),
                              verify_ms_per_round=round(1e3 * s.seconds["verify"] / max(s.rounds, 1), 2),

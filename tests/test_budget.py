@@ -112,7 +112,8 @@ def test_auto_on_tiny_pair_is_lossless_and_described():
     target = tiny_target("qwen3")
     drafter = tiny_drafter(target)
     gen = SpeculativeGenerator(target, drafter)
-    policy = AutoBudget.for_generator(gen, latency=ProfiledLatency(gen, [1, 2, 5, 17], repeats=1), candidates=(1, 4, 16))
+    policy = AutoBudget.for_generator(gen, latency=ProfiledLatency(gen, [1, 2, 5, 17], repeats=1),
+                                      candidates=(1, 4, 16))
     ids = torch.randint(0, 90, (1, 12))
     out = gen.generate(ids, max_new_tokens=20, tree_budget=policy)
     ref = gen.generate(ids, max_new_tokens=20, tree_budget=0)

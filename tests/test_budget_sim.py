@@ -134,7 +134,11 @@ def simulate(choice, machine: Machine, drafter: Drafter, batch: int, rounds: int
             plain = choice == 0
         if plain:
             n, accepted = 0, [1] * batch
-            spent = machine.plain_round(batch, context, r) if policy is None else machine.tree_round(batch, 1, context, r)[0] - machine.draft * (1 + 0.1 * batch) + machine.plain_extra
+            if policy is None:
+                spent = machine.plain_round(batch, context, r)
+            else:
+                spent = (machine.tree_round(batch, 1, context, r)[0] - machine.draft * (1 + 0.1 * batch)
+                         + machine.plain_extra)
             verify = machine.verify(batch, 1, context, r)
         else:
             n = policy.choose(lp, context) if policy is not None else choice

@@ -30,7 +30,8 @@ def test_commit_equals_prefill_of_the_accepted_path(kind, seed):
         target(prefix, use_cache=True, **cache_kwargs(target, cache))
         start = cache.get_seq_length()
         mask = tree_attention_mask(tree.visibility, start, torch.float64)
-        target(tree.tokens, position_ids=start + tree.depths, attention_mask=mask, use_cache=True, **cache_kwargs(target, cache))
+        target(tree.tokens, position_ids=start + tree.depths, attention_mask=mask, use_cache=True,
+               **cache_kwargs(target, cache))
         commit_accepted(cache, start, path[None])
         fresh = new_target_cache()
         target(torch.cat([prefix, tree.tokens[:, path]], 1), use_cache=True, **cache_kwargs(target, fresh))

@@ -32,9 +32,9 @@ from tiny import MASK_ID, VOCAB, tiny_target
 
 dm = pytest.importorskip("dflash.model")
 
-from ddtree.drafters.dflash.attention import block_attention
-from ddtree.drafters.dflash.drafter import DFlashDrafter
-from ddtree.drafters.dflash.model import DFlashDraftModel
+from ddtree.drafters.dflash.attention import block_attention  # noqa: E402 -- after importorskip
+from ddtree.drafters.dflash.drafter import DFlashDrafter  # noqa: E402 -- after importorskip
+from ddtree.drafters.dflash.model import DFlashDraftModel  # noqa: E402 -- after importorskip
 
 BLOCK, ROUNDS, PROMPT = 5, 32, 12
 SLIDE, FULL = "sliding_attention", "full_attention"
@@ -285,7 +285,8 @@ def test_attention_table_resolves_as_the_authors(tmp_path):
                                        dflash_config=dict(DFLASH, use_swa=True, swa_window_size=6, causal=True)))
     assert [(a.type, a.causal, a.window) for a in vllm.resolve_attention()] == [(SLIDE, True, 6)] * 2
     with pytest.raises(ValueError, match="is_causal=True .* dflash_config.causal=False, which disagree"):
-        DFlashConfig.from_dict(dict(BASE, num_hidden_layers=2, is_causal=True, dflash_config=dict(DFLASH, causal=False)))
+        DFlashConfig.from_dict(dict(BASE, num_hidden_layers=2, is_causal=True,
+                                    dflash_config=dict(DFLASH, causal=False)))
     # Round trip: what ddtree writes resolves the same, with use_sliding_window set for the authors' torch code.
     again = cfg.to_dict()
     assert again["use_sliding_window"] is True
@@ -293,7 +294,8 @@ def test_attention_table_resolves_as_the_authors(tmp_path):
 
 
 def test_a_window_without_use_sliding_window_warns(target, tmp_path):
-    """Their torch code drops sliding_window unless use_sliding_window is true; ddtree keeps it (vLLM, MLX) and says so."""
+    """Their torch code drops sliding_window unless use_sliding_window is true; ddtree keeps it (vLLM, MLX)
+    and says so."""
     cfg = dict(BASE, num_hidden_layers=2, layer_types=[SLIDE, FULL], sliding_window=3,
                dflash_config=DFLASH)
     DFlashDraftModel(__import__("ddtree").drafters.dflash.config.DFlashConfig.from_dict(cfg)).save_pretrained(tmp_path)

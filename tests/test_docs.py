@@ -161,7 +161,8 @@ def test_the_guides_protocol_table_is_the_code_protocol():
     assert set(drafter) == set(DRAFTER_PARTS) | set(OPTIONAL_DRAFTER_PARTS)
     context = _declared(DraftContext)
     proposal = {f.name: None for f in dataclasses.fields(Proposal)}
-    expected = {**{n: ("Drafter", s) for n, s in drafter.items()}, **{n: ("DraftContext", s) for n, s in context.items()},
+    expected = {**{n: ("Drafter", s) for n, s in drafter.items()},
+                **{n: ("DraftContext", s) for n, s in context.items()},
                 **{n: ("Proposal", s) for n, s in proposal.items()}}
     assert parts == expected
 

@@ -524,7 +524,8 @@ def test_a_fault_within_noise_of_the_reference_is_not_blamed():
     ref = Profile("reference", "correct", mean=1.8, per_position=[0.5, 0.2, 0.1], drafts=40)
     same = Profile("mask_wrong", "the wrong mask token", mean=1.76, per_position=[0.48, 0.18, 0.1], drafts=40)
     far = Profile("no_offset", "no offset", mean=1.02, per_position=[0.02, 0, 0], drafts=90)
-    rep = DoctorReport("t", "d", 4, 2, 8, ConfigReport(), ref, [], [same, far], profile_from_figures(1.75, [0.47, 0.18, 0.1]))
+    rep = DoctorReport("t", "d", 4, 2, 8, ConfigReport(), ref, [], [same, far],
+                       profile_from_figures(1.75, [0.47, 0.18, 0.1]))
     rep.ranking = rank(rep.engine, [ref, same, far])
     rep.verdict = verdict(rep)
     assert rep.ranking[0].name == "mask_wrong" and not rep.distinct("mask_wrong") and rep.distinct("no_offset")

@@ -1,4 +1,7 @@
-"""Tests for engine_logs.py against real log lines (tests/fixtures/engine_logs/SOURCES.md says where each comes from)."""
+"""Tests for engine_logs.py against real log lines.
+
+tests/fixtures/engine_logs/SOURCES.md says where each comes from.
+"""
 
 from pathlib import Path
 
@@ -262,7 +265,8 @@ def test_contradictions_between_a_lines_counts_are_found_and_consistent_lines_pa
     assert "about 1000 drafts" in contradiction(50, 1000, 1.05, [0.2, 0.05, 0, 0, 0], 200)
     assert "the per-position rates sum to 0.500, not accepted / drafts = 0.250" in contradiction(
         50, 1000, 1.25, [0.4, 0.1, 0, 0, 0], 200)
-    assert "1200 drafted tokens are more than k = 5 per draft" in contradiction(50, 1200, 1.25, [0.2, 0.05, 0, 0, 0], 200)
+    assert "1200 drafted tokens are more than k = 5 per draft" in contradiction(
+        50, 1200, 1.25, [0.2, 0.05, 0, 0, 0], 200)
     assert "60 accepted of 50 drafted tokens" in contradiction(60, 50, None, None, 10)
     p = parse_engine_log(load("vllm_v1_suffix_variable_drafts.log"))
     assert p.contradictions == []  # rounding-consistent lines are not contradictions

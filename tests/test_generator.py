@@ -11,7 +11,8 @@ from ddtree.blocks import beam
 
 PROMPTS = [[5, 17, 3], [11, 2, 2, 40, 61, 7, 9, 33, 12, 1, 80], list(range(10, 50))]
 NEW = 64
-CONFIGS = [("chain", 32), ("best_first", 1), ("best_first", 4), ("best_first", 16), ("best_first", 64), ("beam@3x4", 12)]
+CONFIGS = [("chain", 32), ("best_first", 1), ("best_first", 4), ("best_first", 16), ("best_first", 64),
+           ("beam@3x4", 12)]
 
 
 def reference(target, prompt, new=NEW, stop=None):

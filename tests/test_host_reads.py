@@ -16,7 +16,8 @@ def _reads(fn, inference: bool = False):
 
 def test_each_kind_of_read_counts_once():
     t = torch.tensor([1, 2, 3])
-    for inference in (False, True):  # inference mode dispatches aten.item / is_nonzero, autograd mode their decompositions
+    # inference mode dispatches aten.item / is_nonzero, autograd mode their decompositions
+    for inference in (False, True):
         cases = {
             "item": lambda: t[0].item(),
             "int": lambda: int(t[0]),

@@ -165,7 +165,8 @@ def test_layer_ids_out_of_range(good_dir, target):
 
 
 @pytest.mark.parametrize("field,value,message", [
-    ("hidden_size", 32, r"drafter hidden size 32 does not match the target's 64: use a drafter trained for this target"),
+    ("hidden_size", 32,
+     r"drafter hidden size 32 does not match the target's 64: use a drafter trained for this target"),
     ("vocab_size", 101, r"drafter vocab size 101 does not match the target's lm_head \(97\): use a drafter trained"),
 ])
 def test_mismatch_with_target_is_refused_before_reading_weights(good_dir, target, field, value, message,

@@ -112,7 +112,8 @@ def test_hybrid_prefill_gives_each_row_its_unpadded_state(budget):
         for got, want in zip(_row_states(batch.cache, b), _row_states(one.cache, 0)):
             assert all(torch.equal(g, w) for g, w in zip(got, want))
         for (k, v, _), (k1, v1, _) in zip(_kv_layers(batch.cache), _kv_layers(one.cache)):
-            assert torch.equal(k[b, :, width - len(prompt):], k1[0]) and torch.equal(v[b, :, width - len(prompt):], v1[0])
+            assert (torch.equal(k[b, :, width - len(prompt):], k1[0])
+                    and torch.equal(v[b, :, width - len(prompt):], v1[0]))
 
 
 def _select_first_rows(cache, rows):

@@ -1,4 +1,7 @@
-"""Prompt forms, generate-style options and streamers: each accepted form means the same thing, each refusal says why."""
+"""Prompt forms, generate-style options and streamers.
+
+Each accepted form means the same thing, each refusal says why.
+"""
 
 from __future__ import annotations
 
@@ -72,7 +75,8 @@ def test_dict_without_input_ids_names_the_accepted_forms():
         prompt_rows({"ids": [1, 2]})
 
 
-@pytest.mark.parametrize("empty", [[], torch.zeros(0, dtype=torch.long), [[1, 2], []], torch.zeros(1, 0, dtype=torch.long)])
+@pytest.mark.parametrize("empty", [[], torch.zeros(0, dtype=torch.long), [[1, 2], []],
+                                   torch.zeros(1, 0, dtype=torch.long)])
 def test_empty_rows_are_refused(empty):
     with pytest.raises(ValueError, match="empty"):
         prompt_rows(empty)
@@ -136,7 +140,8 @@ def test_do_sample_true_takes_hf_defaults_and_the_targets_values():
     assert s.temperature == 0.3
     # A target that samples by default samples under HF rules (a GenerationConfig given), not under ddtree's.
     sampling_target = GenerationConfig(do_sample=True, temperature=0.5)
-    assert resolve_generation(GenerationConfig(max_new_tokens=3), target_generation_config=sampling_target).temperature == 0.5
+    assert resolve_generation(GenerationConfig(max_new_tokens=3),
+                              target_generation_config=sampling_target).temperature == 0.5
     assert resolve_generation(max_new_tokens=3, target_generation_config=sampling_target).temperature == 0.0
 
 

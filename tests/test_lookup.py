@@ -116,7 +116,8 @@ def test_default_pair_repeating_its_answer_is_accepted_through_the_lookup_branch
 
     target, tok = load_default_target(dtype=torch.float32)
     drafter = SpeculativeGenerator.from_pretrained(dtype=torch.float32).drafter
-    msgs = [{"role": "user", "content": "List the days of the week, one per line, and then list them again in the same order."}]
+    msgs = [{"role": "user",
+             "content": "List the days of the week, one per line, and then list them again in the same order."}]
     ids = tok.apply_chat_template(msgs, add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]
     n = 120
     ref = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n + 6, do_sample=False,

@@ -86,7 +86,8 @@ def test_sliding_window_tree_mask_matches_slow_reference(window):
     for prefix_len, n, bsz in [(0, 5, 1), (4, 8, 2), (9, 12, 2), (2, 1, 1)]:
         tree, rows = random_tree(pyrng, bsz, n)
         for dtype in (torch.float32, torch.float64):
-            mask = tree_attention_mask(tree.visibility, prefix_len, dtype=dtype, sliding_window=window, depths=tree.depths)
+            mask = tree_attention_mask(tree.visibility, prefix_len, dtype=dtype, sliding_window=window,
+                                       depths=tree.depths)
             assert mask.shape == (bsz, 1, n, prefix_len + n)
             assert torch.equal(mask, slow_mask(rows, prefix_len, dtype, window))
 

@@ -142,7 +142,8 @@ def test_commit_accepted_keeps_prefix_and_path(parents, prefix, layers, alphabet
     keep = list(range(prefix)) + [prefix + i for i in path[0].tolist()]
     assert cache.get_seq_length() == len(keep)
     for layer, (k, v) in enumerate(full):
-        assert torch.equal(cache.layers[layer].keys, k[:, :, keep]) and torch.equal(cache.layers[layer].values, v[:, :, keep])
+        assert (torch.equal(cache.layers[layer].keys, k[:, :, keep])
+                and torch.equal(cache.layers[layer].values, v[:, :, keep]))
 
 
 @st.composite

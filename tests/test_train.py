@@ -286,7 +286,8 @@ def test_device_and_dtype_options_on_the_cpu(tmp_path):
     tiny_tokenizer().save_pretrained(tmp_path / "target")
     for name, want in (("auto", torch.float32), ("bfloat16", torch.bfloat16), ("float64", torch.float64)):
         model, _ = load_target(parse_args(["--target", str(tmp_path / "target"), "--target-dtype", name]), "cpu")
-        assert {p.dtype for p in model.parameters()} == {want} and {p.device.type for p in model.parameters()} == {"cpu"}
+        assert ({p.dtype for p in model.parameters()} == {want}
+                and {p.device.type for p in model.parameters()} == {"cpu"})
 
 
 def test_realised_acceptance_of_the_export_is_ddtrees(tmp_path):

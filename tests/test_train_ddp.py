@@ -63,7 +63,8 @@ def test_two_ranks_train_like_one_process_and_resume(tmp_path):
     acc2 = torch.tensor([r["train_acc"] for r in two[0]])
     torch.testing.assert_close(acc2, acc1, rtol=0, atol=2e-3)
     # held-out evaluations (rank 0) at the same steps with the same acceptance; the resumed half resumed
-    assert [r["step"] for r in one[1]] == [r["step"] for r in two[1]] == [0, 6, 12, 12, 18, 20]  # a resumed run scores its start afresh
+    # a resumed run scores its start afresh
+    assert [r["step"] for r in one[1]] == [r["step"] for r in two[1]] == [0, 6, 12, 12, 18, 20]
     for e1, e2 in zip(one[1], two[1]):
         assert abs(e1["eval"]["acceptance"] - e2["eval"]["acceptance"]) < 1e-3, (e1, e2)
     assert torch.load(ddp / "run" / "ckpt.pt", weights_only=False)["step"] == 20

@@ -67,7 +67,7 @@ def test_accept_longest_branch_matches_slow_walk():
     pyrng = random.Random(0)
     gen = torch.Generator().manual_seed(0)
     deep = 0
-    for trial in range(120):
+    for _trial in range(120):
         n, vocab, bsz = pyrng.randint(1, 24), pyrng.choice([2, 3, 5, 40]), pyrng.randint(1, 5)
         rows = [random_tree_row(pyrng, n, vocab) for _ in range(bsz)]
         tree = DraftTree.from_parents(torch.tensor([r[0] for r in rows]), torch.tensor([r[1] for r in rows]))
@@ -104,7 +104,7 @@ def test_root_only_tree():
 def test_verify_tree_greedy_is_argmax():
     pyrng = random.Random(3)
     gen = torch.Generator().manual_seed(3)
-    for trial in range(30):
+    for _trial in range(30):
         n, vocab, bsz = pyrng.randint(1, 16), pyrng.choice([3, 6, 20]), pyrng.randint(1, 4)
         rows = [random_tree_row(pyrng, n, vocab) for _ in range(bsz)]
         tree = DraftTree.from_parents(torch.tensor([r[0] for r in rows]), torch.tensor([r[1] for r in rows]))

@@ -116,7 +116,8 @@ def failures(root: Path, gen: SpeculativeGenerator, rank: int) -> dict:
     wrong = root / "wrong_drafter" if rank == 1 else root / "llama" / "drafter"
     attempt("wrong_drafter", lambda: SpeculativeGenerator.from_pretrained(
         str(root / "llama" / "target"), str(wrong), dtype=DTYPE, tp_plan="auto"))
-    other = DFlashDraftModel.from_pretrained(root / "llama" / ("other_drafter" if rank == 1 else "drafter"), dtype=DTYPE)
+    other = DFlashDraftModel.from_pretrained(root / "llama" / ("other_drafter" if rank == 1 else "drafter"),
+                                             dtype=DTYPE)
     attempt("other_weights", lambda: SpeculativeGenerator(gen.target, other, tree_budget=4))
     # Still in step after all that: a normal call works on every rank.
     out["after"] = gen.generate(PROMPTS[0], max_new_tokens=6).row_tokens

@@ -48,7 +48,8 @@ def render_tree(record: RoundRecord, decode, max_children: int = 3, max_depth: i
             lines.append(f"{indent}    ... {len(children) - max_children} more siblings")
 
     visit(0, "")
-    lines.append(f"accepted {len(record.accepted) - 1} of {tree.budget} draft nodes, then bonus -> {decode(record.bonus)!r}")
+    lines.append(f"accepted {len(record.accepted) - 1} of {tree.budget} draft nodes, "
+                 f"then bonus -> {decode(record.bonus)!r}")
     return "\n".join(lines)
 
 
@@ -133,7 +134,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     ap = parser("python -m ddtree demo", __doc__, EXAMPLES)
     ap.add_argument("--prompt", default=DEFAULT_PROMPT, help="the user message (sent through the chat template)")
-    ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (every method's output must match plain decoding)")
+    ap.add_argument("--temperature", type=float, default=0.0,
+                    help="0 = greedy (every method's output must match plain decoding)")
     ap.add_argument("--max-new-tokens", type=int, default=128, help="tokens to generate per method")
     ap.add_argument("--budget", type=int, default=4, help="DDTree node budget (4 is the fastest on a 2-core CPU)")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="model dtype")

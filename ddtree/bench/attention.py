@@ -169,7 +169,8 @@ def format_table(rows: list[dict]) -> str:
 
 EXAMPLES = [
     "python -m ddtree.bench attention",
-    "python -m ddtree.bench attention --device cpu --dtype fp32 --contexts 1k,4k --budgets 16,64 --heads 8 --kv-heads 2",
+    "python -m ddtree.bench attention --device cpu --dtype fp32 --contexts 1k,4k --budgets 16,64 "
+    "--heads 8 --kv-heads 2",
 ]
 
 
@@ -178,7 +179,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = parser("python -m ddtree.bench attention", __doc__, EXAMPLES)
     p.add_argument("--contexts", default="1k,4k,16k,32k", help="committed prefix lengths (k = 1024)")
-    p.add_argument("--budgets", "--trees", dest="budgets", default="16,64,256,1024", help="tree budgets (non-root nodes)")
+    p.add_argument("--budgets", "--trees", dest="budgets", default="16,64,256,1024",
+                   help="tree budgets (non-root nodes)")
     p.add_argument("--heads", type=int, default=32, help="query heads")
     p.add_argument("--kv-heads", type=int, default=8, help="key/value heads (GQA)")
     p.add_argument("--head-dim", type=int, default=128, help="head dimension")

@@ -116,7 +116,7 @@ def summarize_batches(runs: list[BatchRun]) -> list[dict]:
         at = [r for r in runs if r.batch_size == size]
         repeats = sorted({r.repeat for r in at})
 
-        def tps(method, rep):
+        def tps(method, rep, at=at):
             rs = [r for r in at if r.method == method and r.repeat == rep]
             return sum(r.new_tokens for r in rs) / max(sum(r.seconds for r in rs), 1e-12)
 

@@ -154,7 +154,8 @@ def main(argv=None) -> int:
     with torch.inference_mode():
         tau = measure(target, drafter, held_out, args.new, cases)
     result = {"tau": tau, "train_steps": args.steps, "final_loss": sum(losses[-50:]) / len(losses[-50:]),
-              "train_seconds": round(time.perf_counter() - t0, 1), "machine": platform.processor() or platform.machine(),
+              "train_seconds": round(time.perf_counter() - t0, 1),
+              "machine": platform.processor() or platform.machine(),
               "threads": args.threads, "prompts": args.prompts, "new_tokens": args.new}
     print(json.dumps(result, indent=2))
     if args.json:

@@ -88,12 +88,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="tree-verify attention backend, as SpeculativeGenerator's attention= (default: auto, the "
                         "generator's default; the one used is recorded in the results; see ddtree.targets.backends)")
     p.add_argument("--draft-vocab", default="auto",
-                   help="drafter proposal vocabulary: 'auto' (the drafter's draft_vocab file), 'full', or N top-ranked ids")
+                   help="drafter proposal vocabulary: 'auto' (the drafter's draft_vocab file), 'full', "
+                        "or N top-ranked ids")
     p.add_argument("--cpu-linear", default="auto", choices=["auto", "on", "off"],
                    help="route a float32 CPU target's linears through ddtree.targets.cpu_linear (method ar_stock "
                         "times plain decoding without it)")
     p.add_argument("--threads", type=int, default=None,
-                   help="torch CPU threads (None: OMP_NUM_THREADS, else the free physical cores; see ddtree.runtime.threads)")
+                   help="torch CPU threads (None: OMP_NUM_THREADS, else the free physical cores; "
+                        "see ddtree.runtime.threads)")
     p.add_argument("--out", type=Path, default=Path("bench_out"), help="output directory")
     p.add_argument("--save-trees", action="store_true", help="write every round's tree to OUT/trees.jsonl")
     p.add_argument("--no-plots", action="store_true", help="skip the matplotlib plots")
@@ -113,7 +115,9 @@ def load_generator(args):
         try:
             vocab = int(args.draft_vocab)
         except ValueError:
-            raise SystemExit(f"--draft-vocab takes 'auto', 'full' or a number of tokens, got {args.draft_vocab!r}")
+            raise SystemExit(
+                f"--draft-vocab takes 'auto', 'full' or a number of tokens, got {args.draft_vocab!r}"
+            ) from None
     return SpeculativeGenerator.from_pretrained(
         args.target, args.drafter, device=args.device, dtype=dtype, attention=args.attention, draft_vocab=vocab,
         cpu_linear={"auto": "auto", "on": True, "off": False}[args.cpu_linear],
@@ -189,7 +193,7 @@ def _run_batch_bench(args, argv, gen, methods, prompts, stops, depth, t0) -> int
     try:
         sizes = sorted({int(x) for x in str(args.batch_size).split(",") if x.strip()})
     except ValueError:
-        raise SystemExit(f"--batch-size takes comma-separated ints, e.g. 1,4,8, got {args.batch_size!r}")
+        raise SystemExit(f"--batch-size takes comma-separated ints, e.g. 1,4,8, got {args.batch_size!r}") from None
     if not sizes or sizes[0] < 1:
         raise SystemExit(f"--batch-size values must be >= 1, got {args.batch_size!r}")
     runs = run_batches(gen, methods, prompts, sizes, max_new_tokens=args.max_new_tokens, repeats=args.repeats,

@@ -88,7 +88,8 @@ def _compare(name: str, got: dict, want: dict) -> list[dict]:
         first = next((i for i, (a, b) in enumerate(zip(g["tokens"], w["tokens"])) if a != b), None)
         ok = g["tokens"] == w["tokens"] and g["acceptance"] == w["acceptance"]
         rows.append({"placement": name, "case": case, "ok": ok, "first_mismatch": first,
-                     "tokens_per_second": g["tokens_per_second"], "one_device_tokens_per_second": w["tokens_per_second"],
+                     "tokens_per_second": g["tokens_per_second"],
+                     "one_device_tokens_per_second": w["tokens_per_second"],
                      "mean_acceptance": sum(g["acceptance"]) / max(1, len(g["acceptance"]))})
     return rows
 

@@ -164,7 +164,9 @@ def markdown_table(rows: list[dict]) -> str:
     return head + "\n".join(lines) + "\n"
 
 
-EXAMPLES = ["python -m ddtree.bench tree-build --budgets 4,16,64 --vocabs 49152 --batches 1,4 --out bench_out/tree_build"]
+EXAMPLES = [
+    "python -m ddtree.bench tree-build --budgets 4,16,64 --vocabs 49152 --batches 1,4 --out bench_out/tree_build"
+]
 
 
 def build_parser():

@@ -109,7 +109,8 @@ def _build_cache(cfg, target, tokenizer, prompts, cache_ids, worker: int, num_wo
     data_dir = Path(cfg.resolved_data_dir())
     meta_path = data_dir / "meta.json"
     meta = {"source": cfg.source, "target": cfg.target, "layer_ids": cache_ids, "topk": cfg.topk,
-            "num_prompts": cfg.num_prompts, "prompt_offset": cfg.prompt_offset, "max_new_tokens": cfg.max_new_tokens, "temperature": cfg.temperature,
+            "num_prompts": cfg.num_prompts, "prompt_offset": cfg.prompt_offset, "max_new_tokens": cfg.max_new_tokens,
+            "temperature": cfg.temperature,
             "seed": cfg.seed}
     if cfg.prompt_set != "templates":
         meta["prompt_set"] = cfg.prompt_set

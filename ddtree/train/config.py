@@ -13,10 +13,13 @@ from dataclasses import MISSING, dataclass, field, fields
 class TrainConfig:
     # --- target and output -------------------------------------------------
     target: str = "smollm2"            # "smollm2" (the packaged default) or an HF model directory
-    out_dir: str = "runs/drafter"      # checkpoints (ckpt.pt), log.jsonl, and the best drafter exported in the published format to out_dir/best
+    out_dir: str = "runs/drafter"      # checkpoints (ckpt.pt), log.jsonl, and the best drafter exported in the
+                                       # published format to out_dir/best
     data_dir: str = ""                 # feature cache; default: <out_dir>/data (several: comma-separated)
-    device: str = "auto"               # where the target and the drafter run: "auto" (cuda when available, else cpu), "cpu", "cuda", "cuda:N"; under torchrun each rank takes cuda:LOCAL_RANK
-    target_dtype: str = "auto"         # dtype of the frozen target (data generation, final acceptance): "auto" is float32 on cpu, bfloat16 on cuda
+    device: str = "auto"               # where the target and the drafter run: "auto" (cuda when available, else
+                                       # cpu), "cpu", "cuda", "cuda:N"; under torchrun each rank takes cuda:LOCAL_RANK
+    target_dtype: str = "auto"         # dtype of the frozen target (data generation, final acceptance): "auto"
+                                       # is float32 on cpu, bfloat16 on cuda
 
     # --- data ----------------------------------------------------------------
     source: str = "self-distill"       # "self-distill" (target's own responses) or "text"
@@ -30,17 +33,21 @@ class TrainConfig:
     seq_len: int = 512                 # text: window length
     max_text_tokens: int = 500_000     # text: stop after this many tokens
     topk: int = 16                     # teacher top-k log-probs cached per position (soft targets)
-    cache_layer_ids: list[int] = field(default_factory=list)  # target layers to cache (a superset of target_layer_ids, its default)
+    # target layers to cache (a superset of target_layer_ids, its default)
+    cache_layer_ids: list[int] = field(default_factory=list)
     heldout_frac: float = 0.05         # sequences kept out of training for the acceptance estimate
     data_only: bool = False            # build the feature cache and stop
-    data_worker: int = 0               # with data_workers > 1: build shards i % data_workers == data_worker; -1: build none
+    data_worker: int = 0               # with data_workers > 1: build shards i % data_workers == data_worker;
+                                       # -1: build none
     data_workers: int = 1              # parallel data builders sharing the cache (see data_worker)
 
     # --- drafter -------------------------------------------------------------
     num_layers: int = 1                # drafter decoder layers
     block_size: int = 6                # root + (block_size - 1) predicted slots
-    num_feature_layers: int = 4        # target layers the drafter reads when target_layer_ids is not given, spread by the published formula (never the target's last layer)
-    target_layer_ids: list[int] = field(default_factory=list)  # target layers whose features feed the drafter; default: num_feature_layers spread by the published formula
+    num_feature_layers: int = 4        # target layers the drafter reads when target_layer_ids is not given,
+                                       # spread by the published formula (never the target's last layer)
+    # target layers whose features feed the drafter; default: num_feature_layers spread by the published formula
+    target_layer_ids: list[int] = field(default_factory=list)
     mask_token_id: int = -1            # -1: pick an unused special token of the tokenizer
     intermediate_size: int = 0         # 0: the target's
     init_from_target: int = -1         # copy this target decoder layer into every drafter layer (-1: random init)
@@ -49,7 +56,8 @@ class TrainConfig:
 
     # --- optimisation --------------------------------------------------------
     steps: int = 2000                  # optimiser steps
-    seqs_per_step: int = 8             # sequences per step, all ranks together (their features are shared by all their blocks)
+    seqs_per_step: int = 8             # sequences per step, all ranks together (their features are shared by
+                                       # all their blocks)
     anchors_per_seq: int = 24          # random anchor blocks drawn from each sequence's response
     lr: float = 2e-3                   # peak learning rate (AdamW, cosine schedule); 3e-4 to 5e-4 for a warm start
     min_lr: float = 1e-4               # learning rate at the end of the cosine schedule
@@ -58,9 +66,12 @@ class TrainConfig:
     grad_clip: float = 1.0             # gradient norm clip
     loss_gamma: float = 2.5            # slot k (1-based) weighs exp(-(k-1)/gamma)
     soft_weight: float = 0.5           # mix of soft (teacher top-k) and hard (actual token) cross-entropy
-    vocab_subset: int = 2048           # loss over the N most frequent target tokens (+ the batch's labels); 0 = full vocab
+    vocab_subset: int = 2048           # loss over the N most frequent target tokens (+ the batch's labels);
+                                       # 0 = full vocab
     vocab_negatives: int = 512         # with vocab_subset: random extra tokens per step, to keep the tail suppressed
-    autocast: str = "auto"             # "auto" (bfloat16 on a cuda device that supports it, else none), "bfloat16" or "none"; master weights stay fp32 (bf16 is slow on CPUs without avx512_bf16)
+    autocast: str = "auto"             # "auto" (bfloat16 on a cuda device that supports it, else none),
+                                       # "bfloat16" or "none"; master weights stay fp32 (bf16 is slow on CPUs
+                                       # without avx512_bf16)
     seed: int = 0                      # seeds prompts, data split, init and sampling
     max_minutes: float = 0.0           # stop (and save) after this wall-clock time; 0 = no limit. The cosine
                                        # schedule then follows whichever budget (steps or minutes) runs out first
@@ -75,10 +86,13 @@ class TrainConfig:
     threads: int = 0                   # torch.set_num_threads; 0 = leave as is
 
     # --- acceptance through the inference path (after training) ----------
-    accept_prompts: int = 13           # held-out prompts (ddtree/data/prompts.jsonl, never trained on) that ddtree's generation runs with the exported drafter; 0: skip
+    accept_prompts: int = 13           # held-out prompts (ddtree/data/prompts.jsonl, never trained on) that
+                                       # ddtree's generation runs with the exported drafter; 0: skip
     accept_new_tokens: int = 64        # new tokens per held-out prompt in that run
-    accept_tree_budget: int = 4        # draft nodes per round of the tree (best_first) in that run; the chain uses block_size - 1
-    accept_gap: float = 0.5            # flag a gap when the realised chain's gain (acceptance - 1) is below this fraction of the held-out estimate's
+    accept_tree_budget: int = 4        # draft nodes per round of the tree (best_first) in that run; the chain
+                                       # uses block_size - 1
+    accept_gap: float = 0.5            # flag a gap when the realised chain's gain (acceptance - 1) is below
+                                       # this fraction of the held-out estimate's
 
     def resolved_data_dir(self) -> str:
         return self.data_dir or f"{self.out_dir.rstrip('/')}/data"

@@ -83,8 +83,8 @@ def generate_with_features(
     cur_ids, cur_attn = ids, attn
     for step in range(max_new_tokens):
         pos = (cur_attn.cumsum(-1) - 1).clamp(min=0)[:, -cur_ids.shape[1]:]
-        res = target(input_ids=cur_ids, attention_mask=cur_attn, position_ids=pos, use_cache=True, **cache_kwargs(target, cache),
-                     logits_to_keep=1, output_hidden_states=True)
+        res = target(input_ids=cur_ids, attention_mask=cur_attn, position_ids=pos, use_cache=True,
+                     **cache_kwargs(target, cache), logits_to_keep=1, output_hidden_states=True)
         f = extract_context_feature(res.hidden_states, layer_ids).float().cpu()
         logits = res.logits[:, -1].float()
         lp = torch.log_softmax(logits, dim=-1)

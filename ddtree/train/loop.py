@@ -71,7 +71,9 @@ def make_batch(ds: FeatureDataset, seq_ks: list[int], anchors_per_seq: int, bloc
     return pack_blocks(ds, rows, anchors_per_seq, block_size, mask_token_id) if rows else None
 
 
-def block_targets(ds: FeatureDataset, rows: list, anchors_per_seq: int, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+def block_targets(
+    ds: FeatureDataset, rows: list, anchors_per_seq: int, block_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``(labels [S, A, B-1], teacher ids [S, A, B-1, K])`` of the drawn blocks (-100: no label), features untouched."""
     data, B = ds.data, block_size
     labels = torch.full((len(rows), anchors_per_seq, B - 1), -100, dtype=torch.long)

@@ -309,18 +309,24 @@ CODE_ASKS = [
     "write a while loop that stops on user input", "use zip to combine two lists", "find the max of a dictionary",
 ]
 CODE_FUNCS = [
-    "returns the number of words in a sentence", "checks whether a list is sorted", "returns the sum of squares up to n",
-    "converts a list of strings to uppercase", "finds the smallest number in a list", "counts the uppercase letters in a string",
+    "returns the number of words in a sentence", "checks whether a list is sorted",
+    "returns the sum of squares up to n",
+    "converts a list of strings to uppercase", "finds the smallest number in a list",
+    "counts the uppercase letters in a string",
     "returns True if a number is even", "computes the power of a number without using **", "swaps two variables",
     "returns the last n elements of a list", "checks whether a string contains only digits", "computes a running total",
     "removes all vowels from a string", "groups words by their first letter", "finds the first repeated character",
     "returns the distance between two points", "converts hours to seconds", "computes the area of a rectangle",
-    "prints a multiplication table", "counts how many times a word appears in a text", "returns the nth triangular number",
-    "checks whether all elements of a list are unique", "returns a list of prime numbers below n", "reverses the words in a sentence",
-    "computes the dot product of two vectors", "converts a Roman numeral to an integer", "finds the missing number in a range",
+    "prints a multiplication table", "counts how many times a word appears in a text",
+    "returns the nth triangular number",
+    "checks whether all elements of a list are unique", "returns a list of prime numbers below n",
+    "reverses the words in a sentence",
+    "computes the dot product of two vectors", "converts a Roman numeral to an integer",
+    "finds the missing number in a range",
 ]
 POEM_SUBJECTS = [
-    "autumn leaves", "a rainy morning", "the mountains", "a city at dawn", "an old house", "friendship", "the desert wind",
+    "autumn leaves", "a rainy morning", "the mountains", "a city at dawn", "an old house", "friendship",
+    "the desert wind",
     "a summer garden", "the first snow", "a cup of coffee", "the stars", "a busy train station", "a quiet forest",
     "a river", "growing up", "a lighthouse", "the moon", "a field of sunflowers", "a thunderstorm", "a small boat",
 ]

@@ -1,7 +1,8 @@
 """Summarise a training run as markdown (loss curve table, held-out acceptance) and export its best drafter.
 
     python -m ddtree.train.report runs/smollm2                 # print the summary
-    python -m ddtree.train.report runs/smollm2 --export DIR    # copy best/ (config.json, model.safetensors, ddtree_draft_vocab.json) to DIR
+    python -m ddtree.train.report runs/smollm2 --export DIR    # copy best/ (config.json, model.safetensors,
+                                                               # ddtree_draft_vocab.json) to DIR
 """
 
 from __future__ import annotations
@@ -55,7 +56,8 @@ def eval_table(evals: list[dict]) -> str:
     if not evals:
         return "(no evaluations logged)\n"
     depth = len(evals[0]["eval"]["per_depth"])
-    head = "| step | time (min) | held-out blocks | acceptance | " + " | ".join(f"acc@{d}" for d in range(1, depth + 1)) + " |"
+    per_depth = " | ".join(f"acc@{d}" for d in range(1, depth + 1))
+    head = "| step | time (min) | held-out blocks | acceptance | " + per_depth + " |"
     out = [head, "|" + "---:|" * (4 + depth)]
     for r in evals:
         e = r["eval"]

@@ -40,7 +40,8 @@ def build_parser() -> argparse.ArgumentParser:
                          "a replay costs a fraction of a run, and more rounds give smaller standard errors)")
     ap.add_argument("--budgets", default="8", help="DDTree budgets for the reference tree profiles (comma list; "
                                                    "empty: none)")
-    ap.add_argument("--faults", default="all", help=f"faults to inject (comma list of {', '.join(f.name for f in FAULTS)})")
+    ap.add_argument("--faults", default="all",
+                    help=f"faults to inject (comma list of {', '.join(f.name for f in FAULTS)})")
     ap.add_argument("--engine-log", default=None, help="an engine log with vLLM 'SpecDecoding metrics' or SGLang "
                                                        "'accept len' lines")
     ap.add_argument("--engine-mean", type=float, default=None, help="the engine's mean acceptance length "

@@ -11,8 +11,9 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-FULL, SLIDING = "full_attention", "sliding_attention"
 from ddtree.drafters.dflash.config import DFlashConfig
+
+FULL, SLIDING = "full_attention", "sliding_attention"
 
 
 @dataclass

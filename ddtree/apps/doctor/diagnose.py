@@ -429,7 +429,8 @@ def plot(report: DoctorReport, path) -> str:
             ax.plot(xs, p.per_position, "--", marker=".", alpha=0.7, label=f"{p.name} ({p.mean:.2f})")
     if report.engine is not None and report.engine.per_position:
         r = report.engine.per_position
-        ax.plot(list(range(1, len(r) + 1)), r, "r-s", lw=2.5, label=f"engine ({report.engine.mean_acceptance_length:.2f})")
+        ax.plot(list(range(1, len(r) + 1)), r, "r-s", lw=2.5,
+                label=f"engine ({report.engine.mean_acceptance_length:.2f})")
     ax.set_xlabel("draft position k")
     ax.set_ylabel("drafts with the first k tokens accepted")
     ax.set_ylim(0, 1)

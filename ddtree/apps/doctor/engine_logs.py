@@ -425,7 +425,7 @@ def parse_engine_log(text: str | Iterable[str]) -> EngineProfile:
     rate x drafts, summed, then divided by total drafts), never as a mean of means.
     Raises ValueError naming the known formats when nothing usable matches.
     """
-    lines = text.splitlines() if isinstance(text, str) else [l.rstrip("\n") for l in text]
+    lines = text.splitlines() if isinstance(text, str) else [line.rstrip("\n") for line in text]
     v1: list[_V1Line] = []
     v0: list[_V0Line] = []
     sgl: list[_SglLine] = []

@@ -193,7 +193,8 @@ def _feature_fault(shift: Callable[[list[int], int], list[int]], zero: Callable[
         idx = shift([i + 1 for i in ids], n)
         if idx == [i + 1 for i in ids] and zero is None:
             raise Skip("it reads the same layers as the correct integration for this drafter")
-        return FaultyDrafter(pair.drafter, ReadLayers(idx, _device(pair.drafter), zero(len(ids)) if zero else ())), _nothing()
+        read = ReadLayers(idx, _device(pair.drafter), zero(len(ids)) if zero else ())
+        return FaultyDrafter(pair.drafter, read), _nothing()
     return build
 
 
@@ -396,7 +397,8 @@ def _low_precision(pair: Pair):
 
 FAULTS = [
     Fault("no_offset", "layer ids read without the +1 offset (hidden_states[i] for layer i)",
-          "the aux-hidden-state layer indices: HF hidden_states[0] is the embedding", _feature_fault(_no_offset), "features"),
+          "the aux-hidden-state layer indices: HF hidden_states[0] is the embedding",
+          _feature_fault(_no_offset), "features"),
     Fault("one_late", "every feature layer read one layer late",
           "the layer whose output is captured for each id", _feature_fault(_one_late), "features"),
     Fault("layer_missing", "the last feature layer missing (zeros)",
@@ -407,7 +409,8 @@ FAULTS = [
           "the order in which the captured layers are concatenated (it must be target_layer_ids' order)",
           _feature_fault(_reordered), "features"),
     Fault("pre_norm_last", "the last target layer read before the final norm (HF's hidden_states[-1] is normed)",
-          "whether the aux state of the last layer is taken before or after the model's final norm", _pre_norm, "features"),
+          "whether the aux state of the last layer is taken before or after the model's final norm",
+          _pre_norm, "features"),
     Fault("window_ignored", "the sliding window ignored (sliding layers see the whole context)",
           "the drafter's layer_types / sliding_window handling", _from_config(_window_ignored), "attention"),
     Fault("causality_swapped", "sliding layers made non-causal and full layers causal",
