@@ -357,11 +357,10 @@ def test_depth_plot_has_whole_ticks_and_the_stage_legend_sits_beside_the_bars():
 
 
 def test_bench_default_attention_is_the_generators_and_is_recorded(tmp_path):
-    import inspect
-
+    from ddtree import GeneratorOptions
     from ddtree.bench.main import build_parser
 
-    default = inspect.signature(SpeculativeGenerator.__init__).parameters["attention"].default
+    default = GeneratorOptions().attention
     assert build_parser().parse_args([]).attention == default == "auto"
     target = tiny_target("llama", dtype=torch.float32)
     target.save_pretrained(tmp_path / "target")

@@ -493,7 +493,10 @@ def test_the_pre_norm_fault_needs_a_target_whose_last_hidden_state_is_normed(tmp
     target = tiny_target("llama", dtype=torch.float32)
     drafter = DFlashDrafter(tiny_drafter(target, target_layer_ids=[1, 3]), target)
     FAULTS_BY_NAME["pre_norm_last"].build(Pair(target, drafter, tmp_path, {}))  # applies: HF's last entry is normed
-    target.config.tie_last_hidden_states = False  # ddtree's forward then reads the last layer's own output
+    # ddtree's forward reads the last layer's own output from a target whose config says so (a fresh target: ddtree
+    # reads a model's description once)
+    target = tiny_target("llama", dtype=torch.float32, tie_last_hidden_states=False)
+    drafter = DFlashDrafter(tiny_drafter(target, target_layer_ids=[1, 3]), target)
     with pytest.raises(Skip, match="not after the final norm"):
         FAULTS_BY_NAME["pre_norm_last"].build(Pair(target, drafter, tmp_path, {}))
 
