@@ -14,7 +14,9 @@ Nothing is registered at import: a split backend's ``prepare`` calls
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -77,14 +79,19 @@ class TreeAttentionSpec:
         return self._blocks[key]
 
 
-def _make_attention_function(prefix_kernel: PrefixKernel, block_kernel: BlockKernel | None, use_flash_attn: bool):
+def _make_attention_function(
+    prefix_kernel: PrefixKernel, block_kernel: BlockKernel | None, use_flash_attn: bool
+) -> Callable[..., tuple[torch.Tensor, None]]:
     """A transformers attention function: split tree attention when a tree is passed, causal otherwise."""
 
-    def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, sliding_window=None,
-                  softcap=None, **kwargs):
+    def attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                  attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
+                  sliding_window: int | None = None, softcap: float | None = None,
+                  **kwargs: Any) -> tuple[torch.Tensor, None]:
         if kwargs.get("s_aux") is not None:
             raise ValueError(
-                "ddtree split attention does not support attention sinks (s_aux): use attention=\"sdpa\" for this target"
+                "ddtree split attention does not support attention sinks (s_aux): "
+                "use attention=\"sdpa\" for this target"
             )
         scale = scaling if scaling is not None else 1.0 / math.sqrt(query.shape[-1])
         window = sliding_window if sliding_window is not None else getattr(module, "sliding_window", None)
@@ -134,7 +141,7 @@ IMPLEMENTATIONS = {
 """backend name -> (transformers attention name, prefix kernel, block kernel, flash-attn for causal calls)."""
 
 
-def _no_mask(*args, attention_mask=None, **kwargs):
+def _no_mask(*args: Any, attention_mask: Any = None, **kwargs: Any) -> torch.Tensor | None:
     """Mask builder for the split implementations: they build their own causal/window masks, so only padding passes."""
     if isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2:
         return attention_mask

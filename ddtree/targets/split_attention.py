@@ -98,7 +98,7 @@ def merge_attention(
 def torch_prefix_kernel(chunk: int = 4096) -> PrefixKernel:
     """Unmasked attention in plain torch, over key chunks merged by LSE so memory stays ``O(N * chunk)``."""
 
-    def kernel(q, k, v, scale):
+    def kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
         out, lse = attention_with_lse(q, k[:, :, :chunk], v[:, :, :chunk], scale)
         for start in range(chunk, k.shape[2], chunk):
             o2, l2 = attention_with_lse(q, k[:, :, start : start + chunk], v[:, :, start : start + chunk], scale)
@@ -108,7 +108,8 @@ def torch_prefix_kernel(chunk: int = 4096) -> PrefixKernel:
     return kernel
 
 
-def _check_shapes(q, k_prefix, v_prefix, k_tree, v_tree, visibility) -> None:
+def _check_shapes(q: torch.Tensor, k_prefix: torch.Tensor, v_prefix: torch.Tensor, k_tree: torch.Tensor,
+                  v_tree: torch.Tensor, visibility: torch.Tensor) -> None:
     bsz, hq, n, d = q.shape
     hkv = k_tree.shape[1]
     if hq % hkv:
