@@ -32,7 +32,7 @@ import sys
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import Any
 
 import numpy as np
 import torch
@@ -61,7 +61,7 @@ def _pending(cache: Any) -> dict[int, _Pending]:
 def gdn_modules(model: Any) -> list[torch.nn.Module]:
     """The Gated DeltaNet modules of ``model`` in layer order (empty for attention-only models)."""
     found = [m for m in model.modules() if type(m).__name__.endswith("GatedDeltaNet")]
-    return sorted(found, key=lambda m: cast(int, m.layer_idx))
+    return sorted(found, key=lambda m: m.layer_idx)
 
 
 # --------------------------------------------------------------------------- per-forward plan
