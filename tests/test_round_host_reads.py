@@ -137,3 +137,22 @@ def test_rounds_with_the_shipped_builders_read_once(target, kind, builder, budge
         ref = reference(target, prompt, new=NEW)[0].tolist()
         assert state.new_tokens[b] == ref[len(prompt):]
         assert state.acceptance[b] == [expected_acceptance(rec, ref) for rec in state.records[b]]
+
+
+@pytest.mark.parametrize("attention", ["fused", "split"])
+@pytest.mark.parametrize("width", [1, 3])
+def test_split_attention_rounds_on_a_windowed_target_read_once(attention, width):
+    """The split backends bound the tree depth by its shape, so a sliding-window layer adds no read to the round."""
+    windowed = tiny_target("qwen3", use_sliding_window=True, sliding_window=6, max_window_layers=2)
+    prompt = PROMPTS[1]
+    windowed.set_attn_implementation("sdpa")
+    ref = reference(windowed, prompt, new=NEW)[0].tolist()
+    gen = SpeculativeGenerator(windowed, drafter("dflash", windowed), tree_budget=4 * width,
+                               builder=spine_tree(width), attention=attention)
+    state, steady, _ = run_counted(gen, [prompt], sampled=False)
+    assert windowed.config._attn_implementation.startswith("ddtree_")
+    assert len(steady) >= 3
+    assert [r.count for r in steady] == [1] * len(steady), [dict(r.by_site) for r in steady if r.count != 1]
+    assert state.new_tokens[0] == ref[len(prompt):]
+    assert state.acceptance[0] == [expected_acceptance(rec, ref) for rec in state.records[0]]
+    assert all(1 <= a <= 4 + 1 for a in state.acceptance[0])

@@ -24,7 +24,7 @@ This module is the documented home of :func:`get_backend` and :class:`TreeAttent
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -41,8 +41,8 @@ from ddtree.targets.registration import (
 )
 
 
-def dense_tree_mask(model, tree: DraftTree, prefix_len: int, dtype: torch.dtype,
-                    prefix_valid: torch.Tensor | None = None):
+def dense_tree_mask(model: Any, tree: DraftTree, prefix_len: int, dtype: torch.dtype,
+                    prefix_valid: torch.Tensor | None = None) -> torch.Tensor | dict[str, torch.Tensor | None]:
     """The dense additive tree mask for ``model``: one tensor when every attention layer has the same window,
     else a dict keyed by the config's layer types (how HF models take per-layer-kind masks).
     ``prefix_valid`` hides a batch's padding columns (see :func:`ddtree.core.masks.tree_attention_mask`)."""
@@ -50,7 +50,7 @@ def dense_tree_mask(model, tree: DraftTree, prefix_len: int, dtype: torch.dtype,
     windows = description.windows
     kinds = set(windows.values())
 
-    def mask(window):
+    def mask(window: int | None) -> torch.Tensor:
         return tree_attention_mask(tree.visibility, prefix_len, dtype, sliding_window=window, depths=tree.depths,
                                    prefix_valid=prefix_valid)
 
@@ -65,20 +65,20 @@ def dense_tree_mask(model, tree: DraftTree, prefix_len: int, dtype: torch.dtype,
                 f"{type(model).__name__} has attention layers with different windows that its config's layer_types "
                 "do not separate, so one dense mask per layer kind cannot express them; use attention=\"split\""
             )
-    masks = {kind: mask(window) for kind, window in by_type.items()}
+    masks: dict[str, torch.Tensor | None] = {kind: mask(window) for kind, window in by_type.items()}
     for kind in set(types) - set(masks):
         masks[kind] = None  # linear-attention layers take no attention mask
     return masks
 
 
-def prepare_target(model) -> None:
+def prepare_target(model: Any) -> None:
     """What every backend does to a target first: refuse families a tree cannot verify, route stateful layers."""
     families.check_supported(model)
     for kind in describe(model).stateful:
         kind.prepare(model)
 
 
-def _with_stateful_kwargs(model, tree: DraftTree, kwargs: dict) -> dict:
+def _with_stateful_kwargs(model: Any, tree: DraftTree, kwargs: dict[str, Any]) -> dict[str, Any]:
     """Add what the model's stateful layers need to see the tree (attention layers never read it)."""
     for kind in describe(model).stateful:
         kwargs.update(kind.tree_forward_kwargs(model, tree))
@@ -91,7 +91,7 @@ _SPLIT_RUNNERS = frozenset(impl for impl, *_ in IMPLEMENTATIONS.values())
 """The registered split implementations: each reads the tree spec exactly (they differ only in kernels)."""
 
 
-def attention_implementation(model) -> str | None:
+def attention_implementation(model: Any) -> str | None:
     """The attention implementation ``model`` runs now (its text config's, for composite models)."""
     impl = getattr(model.config, "_attn_implementation", None)
     if impl is None:
@@ -99,7 +99,7 @@ def attention_implementation(model) -> str | None:
     return impl
 
 
-def check_implementation(model, backend_name: str, allowed) -> None:
+def check_implementation(model: Any, backend_name: str, allowed: frozenset[str]) -> None:
     """Refuse a verify forward whose target no longer runs an attention implementation that honours the
     backend's kwargs: another generator (or ``set_attn_implementation``) switched it, and the tree would be
     verified under a plain causal mask, silently wrong."""
@@ -120,12 +120,13 @@ class TreeAttentionBackend(Protocol):
     tree spec a registered implementation reads). ``prefix_valid`` ``[B, prefix_len]`` marks real columns of
     rows padded in the cache."""
 
-    name: str
+    @property
+    def name(self) -> str: ...
 
-    def prepare(self, model) -> None: ...
+    def prepare(self, model: Any) -> None: ...
 
-    def tree_forward_kwargs(self, model, tree: DraftTree, prefix_len: int, dtype: torch.dtype,
-                            prefix_valid: torch.Tensor | None = None) -> dict: ...
+    def tree_forward_kwargs(self, model: Any, tree: DraftTree, prefix_len: int, dtype: torch.dtype,
+                            prefix_valid: torch.Tensor | None = None) -> dict[str, Any]: ...
 
 
 @dataclass
@@ -134,15 +135,15 @@ class DenseMaskBackend:
 
     name: str = "sdpa"
 
-    def prepare(self, model) -> None:
+    def prepare(self, model: Any) -> None:
         prepare_target(model)
         impl = getattr(model.config, "_attn_implementation", None)
         if impl not in ("sdpa", "eager"):
             # sdpa where the model has it; eager for models that only run eager (gpt-oss and its sinks)
             model.set_attn_implementation("sdpa" if getattr(model, "_supports_sdpa", True) else "eager")
 
-    def tree_forward_kwargs(self, model, tree: DraftTree, prefix_len: int, dtype: torch.dtype,
-                            prefix_valid: torch.Tensor | None = None) -> dict:
+    def tree_forward_kwargs(self, model: Any, tree: DraftTree, prefix_len: int, dtype: torch.dtype,
+                            prefix_valid: torch.Tensor | None = None) -> dict[str, Any]:
         check_implementation(model, self.name, _DENSE_RUNNERS)
         mask = dense_tree_mask(model, tree, prefix_len, dtype, prefix_valid)
         return _with_stateful_kwargs(model, tree, {"attention_mask": mask})
@@ -164,7 +165,7 @@ class SplitBackend:
     def implementation(self) -> str:
         return IMPLEMENTATIONS[self.name][0]
 
-    def prepare(self, model) -> None:
+    def prepare(self, model: Any) -> None:
         if describe(model).sinks:
             raise ValueError(
                 f"attention={self.name!r} cannot run {type(model).__name__}: its attention sinks (s_aux) need the "
@@ -174,8 +175,8 @@ class SplitBackend:
         register_attention_implementations()
         model.set_attn_implementation(self.implementation)
 
-    def tree_forward_kwargs(self, model, tree: DraftTree, prefix_len: int, dtype: torch.dtype,
-                            prefix_valid: torch.Tensor | None = None) -> dict:
+    def tree_forward_kwargs(self, model: Any, tree: DraftTree, prefix_len: int, dtype: torch.dtype,
+                            prefix_valid: torch.Tensor | None = None) -> dict[str, Any]:
         if prefix_len < self.dense_below or prefix_valid is not None:  # the split kernels take no padding
             return DenseMaskBackend(self.name).tree_forward_kwargs(model, tree, prefix_len, dtype, prefix_valid)
         check_implementation(model, self.name, _SPLIT_RUNNERS)
@@ -192,18 +193,23 @@ class AutoBackend:
     def name(self) -> str:
         return self.chosen.name if self.chosen is not None else "auto"
 
-    def prepare(self, model) -> None:
-        if describe(model).sinks:
-            self.chosen = DenseMaskBackend()  # sinks run only in the model's own attention: the dense mask serves it
-        else:
-            self.chosen = get_backend("auto", device=next(model.parameters()).device)
-        self.chosen.prepare(model)
+    def prepare(self, model: Any) -> None:
+        self._choose(model)
 
-    def tree_forward_kwargs(self, model, tree: DraftTree, prefix_len: int, dtype: torch.dtype,
-                            prefix_valid: torch.Tensor | None = None) -> dict:
-        if self.chosen is None:
-            self.prepare(model)
-        return self.chosen.tree_forward_kwargs(model, tree, prefix_len, dtype, prefix_valid)
+    def _choose(self, model: Any) -> DenseMaskBackend | SplitBackend:
+        chosen: DenseMaskBackend | SplitBackend
+        if describe(model).sinks:
+            chosen = DenseMaskBackend()  # sinks run only in the model's own attention: the dense mask serves it
+        else:
+            chosen = _auto_backend(next(model.parameters()).device)
+        self.chosen = chosen
+        chosen.prepare(model)
+        return chosen
+
+    def tree_forward_kwargs(self, model: Any, tree: DraftTree, prefix_len: int, dtype: torch.dtype,
+                            prefix_valid: torch.Tensor | None = None) -> dict[str, Any]:
+        chosen = self.chosen if self.chosen is not None else self._choose(model)
+        return chosen.tree_forward_kwargs(model, tree, prefix_len, dtype, prefix_valid)
 
 
 _ALIASES = {None: "sdpa", "dense": "sdpa", "torch": "split", "torch_cuda": "fused", "flash": "flash_attn"}
@@ -217,26 +223,36 @@ CPU_DENSE_BELOW = 1024
 
 
 def auto_backend_name(device: torch.device | str) -> str:
-    """``flash_attn`` > ``fused`` on CUDA; ``fused`` on CPU (dense mask below :data:`CPU_DENSE_BELOW`); else ``sdpa``."""
+    """``flash_attn`` > ``fused`` on CUDA; ``fused`` on CPU (dense mask below :data:`CPU_DENSE_BELOW`);
+    else ``sdpa``."""
     kind = torch.device(device).type
     if kind == "cuda":
         return "flash_attn" if flash_attn_available() else "fused"
     return "fused" if kind == "cpu" else "sdpa"
 
 
-def get_backend(name: str | None = "sdpa", device: torch.device | str | None = None):
+def get_backend(
+    name: str | None = "sdpa", device: torch.device | str | None = None
+) -> TreeAttentionBackend:
     """The tree-verify attention backend called ``name``; one of :data:`BACKENDS` (aliases: ``torch_cuda`` = fused).
 
     ``"auto"`` resolves at once when ``device`` is given, else at ``prepare(model)``.
     """
     name = _ALIASES.get(name, name)
     if name == "auto":
-        if device is None:
-            return AutoBackend()
-        chosen = get_backend(auto_backend_name(device))
-        if torch.device(device).type == "cpu" and isinstance(chosen, SplitBackend):
-            chosen.dense_below = CPU_DENSE_BELOW
-        return chosen
+        return AutoBackend() if device is None else _auto_backend(device)
+    return _named_backend(name)
+
+
+def _auto_backend(device: torch.device | str) -> DenseMaskBackend | SplitBackend:
+    """The backend ``"auto"`` picks for ``device``."""
+    chosen = _named_backend(auto_backend_name(device))
+    if torch.device(device).type == "cpu" and isinstance(chosen, SplitBackend):
+        chosen.dense_below = CPU_DENSE_BELOW
+    return chosen
+
+
+def _named_backend(name: str | None) -> DenseMaskBackend | SplitBackend:
     if name == "sdpa":
         return DenseMaskBackend()
     if name == "flash_attn" and not flash_attn_available():

@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import inspect
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -27,19 +28,19 @@ class CacheNotUpdatedError(RuntimeError):
 
 
 @functools.cache
-def _cache_keyword(forward_owner: type) -> str:
+def _cache_keyword(forward_owner: type[torch.nn.Module]) -> str:
     params = inspect.signature(forward_owner.forward).parameters
     return "cache" if "cache" in params else "past_key_values"
 
 
-def cache_kwargs(model, cache) -> dict:
+def cache_kwargs(model: Any, cache: Any) -> dict[str, Any]:
     """The keyword that passes ``cache`` to ``model``'s forward: ``cache=`` on transformers that renamed it,
     ``past_key_values=`` before (5.0 to 5.17 at least). An unknown keyword is swallowed by ``**kwargs``, so
     guessing wrong would silently drop the cache; :func:`check_cache_length` catches what this misses."""
-    return {_cache_keyword(type(model)): cache}
+    return {_cache_keyword(type(model)): cache}  # type: ignore[arg-type]  # mypy: a class object is hashable
 
 
-def check_cache_length(cache, expected: int, step: str) -> None:
+def check_cache_length(cache: Any, expected: int, step: str) -> None:
     """Raise :class:`CacheNotUpdatedError` unless ``cache`` holds ``expected`` positions after ``step``."""
     got = cache_length(cache)
     if got != expected:
@@ -53,7 +54,7 @@ def check_cache_length(cache, expected: int, step: str) -> None:
         )
 
 
-def new_target_cache(model=None):
+def new_target_cache(model: Any = None) -> Any:
     """A cache whose attention layers keep every position (and, for a target with stateful layers, their slots).
 
     Attention layers are built without sliding-window caches on purpose: those discard
@@ -69,7 +70,7 @@ def new_target_cache(model=None):
     return DynamicCache()
 
 
-def cache_length(cache) -> int:
+def cache_length(cache: Any) -> int:
     return int(cache.get_seq_length()) if cache is not None else 0
 
 
@@ -129,7 +130,7 @@ def padding_mask(lengths: torch.Tensor, width: int) -> torch.Tensor:
     return col >= (width - lengths)[:, None]
 
 
-def commit_accepted(cache, prefix_len: int, accepted: torch.Tensor, lengths: torch.Tensor | None = None, *,
+def commit_accepted(cache: Any, prefix_len: int, accepted: torch.Tensor, lengths: torch.Tensor | None = None, *,
                     paths: Sequence[Sequence[int]] | None = None, host_lengths: Sequence[int] | None = None) -> None:
     """Keep each row's committed columns plus its accepted tree nodes in every layer of ``cache``, in place.
 
@@ -192,7 +193,7 @@ def _check_paths(paths: Sequence[Sequence[int]], accepted: torch.Tensor) -> None
         raise ValueError(f"a path is longer than accepted's {accepted.shape[1]} columns")
 
 
-def _kv_layers(cache) -> list[tuple]:
+def _kv_layers(cache: Any) -> list[tuple]:
     """``(keys, values, store(keys, values))`` for every filled attention layer; the one place that knows how
     each transformers version holds them. Refuses caches ddtree cannot compact."""
     found = []
@@ -227,7 +228,7 @@ def _gather_columns(tensor: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     return tensor.gather(2, idx)
 
 
-def truncate(cache, length: int) -> None:
+def truncate(cache: Any, length: int) -> None:
     """Back to the first ``length`` columns: drop the rest in every attention layer (``DynamicCache.crop``'s
     meaning moved across versions) and any uncommitted tree state of stateful layers."""
     for kind in kinds_in_cache(cache):
@@ -236,13 +237,13 @@ def truncate(cache, length: int) -> None:
         store(keys[..., :length, :], values[..., :length, :])
 
 
-def truncate_front(cache, count: int) -> None:
+def truncate_front(cache: Any, count: int) -> None:
     """Drop the first ``count`` columns of every attention layer (padding that no remaining row needs)."""
     for keys, values, store in _kv_layers(cache):
         store(keys[..., count:, :], values[..., count:, :])
 
 
-def select_rows(cache, rows: torch.Tensor) -> None:
+def select_rows(cache: Any, rows: torch.Tensor) -> None:
     """Keep only batch rows ``rows`` of every layer of ``cache`` (finished rows stop costing compute): attention
     columns and, for a hybrid target, each stateful layer's per-row state (a GDN conv window and recurrent state)."""
     for keys, values, store in _kv_layers(cache):
@@ -252,7 +253,7 @@ def select_rows(cache, rows: torch.Tensor) -> None:
         kind.select_rows(cache, rows)
 
 
-def stack_rows(caches: list, lengths: list[int]):
+def stack_rows(caches: list[Any], lengths: list[int]) -> Any:
     """One batch cache from batch-1 caches holding ``lengths[b]`` columns each: attention columns
     right-aligned (zeros in front, which :func:`padding_mask` masks) and stateful layers' states stacked. Reuses
     the longest row's cache object, so its per-layer bookkeeping (initialised layers, previous-state flags) stays."""

@@ -25,6 +25,7 @@ import shutil
 import subprocess
 import sys
 import types
+from collections.abc import Iterator
 from contextlib import contextmanager
 from functools import lru_cache
 from pathlib import Path
@@ -102,14 +103,15 @@ def unavailable_reason() -> str | None:
     return _load()[1]
 
 
-def _use_kernel(x: torch.Tensor, weight: torch.Tensor, bias, rows: int, max_rows: int) -> bool:
+def _use_kernel(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, rows: int, max_rows: int) -> bool:
     if rows == 0 or rows > max_rows or x.device.type != "cpu" or weight.device.type != "cpu":
         return False
     if x.dtype != torch.float32 or weight.dtype != torch.float32 or not weight.is_contiguous():
         return False
     if bias is not None and (bias.dtype != torch.float32 or bias.device.type != "cpu" or not bias.is_contiguous()):
         return False
-    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)):
+    needs_grad = x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
+    if torch.is_grad_enabled() and needs_grad:
         return False  # no backward
     return _load()[0] is not None
 
@@ -124,12 +126,13 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         raise ValueError(f"linear: bias has shape {tuple(bias.shape)}, expected ({weight.shape[0]},)")
     k, n = weight.shape[1], weight.shape[0]
     rows = x.numel() // k if k else 0
-    if not _use_kernel(x, weight, bias, rows, max_rows):
+    lib = _load()[0] if _use_kernel(x, weight, bias, rows, max_rows) else None
+    if lib is None:
         return F.linear(x, weight, bias)
     x2 = x.reshape(rows, k).contiguous()
     y = torch.empty(rows, n, dtype=torch.float32)
-    _load()[0].ddtree_skinny_linear(x2.data_ptr(), weight.data_ptr(), 0 if bias is None else bias.data_ptr(),
-                                    y.data_ptr(), rows, k, n, torch.get_num_threads())
+    lib.ddtree_skinny_linear(x2.data_ptr(), weight.data_ptr(), 0 if bias is None else bias.data_ptr(),
+                             y.data_ptr(), rows, k, n, torch.get_num_threads())
     return y.view(*x.shape[:-1], n)
 
 
@@ -151,7 +154,7 @@ def install(model: torch.nn.Module, max_rows: int = DEFAULT_MAX_ROWS) -> int:
     for mod in model.modules():
         if isinstance(mod, torch.nn.Linear) and mod.weight.dtype == torch.float32 and mod.weight.device.type == "cpu":
             setattr(mod, _INSTALLED, int(max_rows))
-            mod.forward = types.MethodType(_forward, mod)
+            mod.forward = types.MethodType(_forward, mod)  # type: ignore[method-assign]  # patches this instance
             count += 1
     return count
 
@@ -178,7 +181,7 @@ def installed(model: torch.nn.Module) -> int:
 
 
 @contextmanager
-def suspended(model: torch.nn.Module):
+def suspended(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
     """Run the block with ``model``'s own linears (a stock baseline), then route them again."""
     saved = [(mod, getattr(mod, _INSTALLED)) for mod in model.modules() if hasattr(mod, _INSTALLED)]
     uninstall(model)

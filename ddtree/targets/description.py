@@ -19,7 +19,7 @@ from ddtree.targets.layer_kinds import StatefulLayerKind, kinds_in_model
 _ATTRIBUTE = "_ddtree_description"
 
 
-def text_config(config) -> Any:
+def text_config(config: Any) -> Any:
     """The text part of a (possibly composite) HF config."""
     get = getattr(config, "get_text_config", None)
     return get() if callable(get) else config
@@ -30,7 +30,7 @@ class TargetDescription:
     raises only where windows are asked for, after :func:`ddtree.targets.families.check_supported` has had
     its say."""
 
-    def __init__(self, model) -> None:
+    def __init__(self, model: Any) -> None:
         self.model = model
 
     @cached_property
@@ -100,7 +100,9 @@ class TargetDescription:
             return None
         blocks = getattr(decoder, "layers", None)
         cfg = self.text_config
-        if not isinstance(blocks, torch.nn.ModuleList) or len(blocks) != getattr(cfg, "num_hidden_layers", -1):
+        if decoder is None or not isinstance(blocks, torch.nn.ModuleList):
+            return None
+        if len(blocks) != getattr(cfg, "num_hidden_layers", -1):
             return None
         return decoder, blocks, getattr(cfg, "tie_last_hidden_states", True) is not False
 
@@ -127,7 +129,7 @@ class TargetDescription:
         return step
 
 
-def describe(model) -> TargetDescription:
+def describe(model: Any) -> TargetDescription:
     """The :class:`TargetDescription` of ``model``, built on the first call and kept on the model object."""
     found = vars(model).get(_ATTRIBUTE) if hasattr(model, "__dict__") else None
     if found is None or found.model is not model:

@@ -10,6 +10,8 @@ are refused when the generator is built, before any output exists.
 
 from __future__ import annotations
 
+from typing import Any
+
 from ddtree.targets.description import describe
 from ddtree.targets.layer_kinds import STATEFUL_KINDS
 
@@ -36,14 +38,14 @@ SUPPORTED = (
 )
 
 
-def check_supported(model) -> None:
+def check_supported(model: Any) -> None:
     """Raise ``ValueError`` naming the family when ``model`` has layers a tree verify cannot run exactly."""
     description = describe(model)
     model_type, text_type = description.model_types
     for kind in (model_type, text_type):
         if kind in REFUSED_MODEL_TYPES:
             _refuse(model, f"a {REFUSED_MODEL_TYPES[kind]} ({kind})")
-    handled = set()
+    handled: set[int] = set()
     for layer_kind in description.stateful:
         if model_type not in layer_kind.model_types and text_type not in layer_kind.model_types:
             _refuse(model, f"a {layer_kind.name} model of type {model_type!r} that ddtree has not verified")
@@ -58,12 +60,12 @@ def check_supported(model) -> None:
         _refuse(model, f"a model with {sorted(unknown)} layers (type {model_type!r})")
 
 
-def _has_state(module) -> bool:
+def _has_state(module: Any) -> bool:
     """Mixers that carry a state between tokens have a conv or a state-space parameter."""
     return any(hasattr(module, a) for a in ("conv1d", "conv", "A_log", "in_proj", "x_proj"))
 
 
-def _refuse(model, what: str) -> None:
+def _refuse(model: Any, what: str) -> None:
     raise ValueError(
         f"ddtree cannot verify {type(model).__name__} exactly: it is {what}, whose recurrent state a tree forward "
         f"would mix across sibling nodes. Supported: {SUPPORTED}."

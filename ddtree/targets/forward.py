@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import functools
 import inspect
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -40,7 +40,7 @@ class TargetModel(Protocol):
     def get_output_embeddings(self) -> torch.nn.Module: ...
 
     def __call__(self, *, input_ids: torch.Tensor, position_ids: torch.Tensor | None, use_cache: bool,
-                 output_hidden_states: bool, **kwargs) -> TargetOutput: ...
+                 output_hidden_states: bool, **kwargs: Any) -> TargetOutput: ...
 
 
 @dataclass
@@ -48,11 +48,12 @@ class Output:
     """A forward's logits and (sparse) hidden states: ``hidden_states[j]`` is ``None`` where not kept."""
 
     logits: torch.Tensor
-    hidden_states: tuple | None = None
+    hidden_states: Sequence[torch.Tensor | None] | None = None
 
 
-def target_forward(target: TargetModel, input_ids, position_ids, cache, hidden: bool = True, *,
-                   last: int | None = None, layers: Sequence[int] | None = None, **kwargs) -> TargetOutput:
+def target_forward(target: TargetModel, input_ids: torch.Tensor, position_ids: torch.Tensor | None, cache: Any,
+                   hidden: bool = True, *, last: int | None = None, layers: Sequence[int] | None = None,
+                   **kwargs: Any) -> TargetOutput:
     """One target forward that extends ``cache`` (under whichever keyword this transformers takes).
 
     ``last``: logits for the last ``last`` positions only. ``layers`` (with ``hidden``): keep only
@@ -69,15 +70,15 @@ def target_forward(target: TargetModel, input_ids, position_ids, cache, hidden: 
     if plan is None:  # an unrecognised layout: take them all and drop the rest at once
         out = _logits_forward(target, call, last, True)
         wanted = {int(i) + 1 for i in layers}
-        kept = tuple(h if j in wanted else None for j, h in enumerate(out.hidden_states))
-        return Output(out.logits, kept)
+        picked = tuple(h if j in wanted else None for j, h in enumerate(out.hidden_states))
+        return Output(out.logits, picked)
     decoder, blocks, post_norm_last = plan
     num = len(blocks)
-    kept: list = [None] * (num + 1)
+    kept: list[torch.Tensor | None] = [None] * (num + 1)
     handles = []
 
-    def keep(j):
-        def hook(module, args, output):
+    def keep(j: int) -> Callable[[torch.nn.Module, Any, Any], None]:
+        def hook(module: torch.nn.Module, args: Any, output: Any) -> None:
             if j == num and post_norm_last:
                 kept[j] = output.last_hidden_state if hasattr(output, "last_hidden_state") else output[0]
             else:
@@ -88,6 +89,7 @@ def target_forward(target: TargetModel, input_ids, position_ids, cache, hidden: 
         for j in sorted({int(i) + 1 for i in layers}):
             if not 0 <= j <= num:
                 raise ValueError(f"target layer id {j - 1} out of range: the target has {num} decoder layers")
+            module: torch.nn.Module
             if j == 0:  # id -1: hidden_states[0], the embedding output (a diagnostic read, never a DFlash one)
                 module = target.get_input_embeddings()
             else:
@@ -101,15 +103,15 @@ def target_forward(target: TargetModel, input_ids, position_ids, cache, hidden: 
 
 
 @functools.cache
-def takes_logits_to_keep(owner: type) -> bool:
+def takes_logits_to_keep(owner: type[torch.nn.Module]) -> bool:
     """Whether this CausalLM class's forward takes ``logits_to_keep`` (every transformers 5 decoder does)."""
     return "logits_to_keep" in inspect.signature(owner.forward).parameters
 
 
-def _logits_forward(target, call: dict, last: int | None, hidden: bool):
+def _logits_forward(target: Any, call: dict[str, Any], last: int | None, hidden: bool) -> Any:
     if last is None:
         return target(output_hidden_states=hidden, **call)
-    if takes_logits_to_keep(type(target)):
+    if takes_logits_to_keep(type(target)):  # type: ignore[arg-type]  # mypy: a class object is hashable
         return target(output_hidden_states=hidden, logits_to_keep=last, **call)
     decoder = _plain_head_decoder(target)
     if decoder is None:  # a head that is more than a linear layer: full logits, sliced at once
@@ -120,7 +122,7 @@ def _logits_forward(target, call: dict, last: int | None, hidden: bool):
     return Output(logits, getattr(out, "hidden_states", None))
 
 
-def _plain_head_decoder(target):
+def _plain_head_decoder(target: Any) -> torch.nn.Module | None:
     """The decoder whose last hidden state the lm_head alone turns into logits, or ``None``."""
     description = describe(target)
     config = description.text_config
@@ -135,14 +137,16 @@ PREFILL_CHUNK = 4096
 memory) by the chunk instead of the prompt, at the cost of a few extra forward launches on long prompts."""
 
 
-def check_prefill_chunk(chunk) -> None:
+def check_prefill_chunk(chunk: object) -> None:
     if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
         raise ValueError(f"prefill_chunk must be an int >= 1 (prompt tokens per prefill forward) or None "
                          f"(the whole prompt in one forward), got {chunk!r}")
 
 
-def chunked_prefill(target, ids: torch.Tensor, cache, chunk: int | None, *, positions=None, valid=None,
-                    hidden: bool = False, layers: Sequence[int] | None = None, on_chunk=None) -> torch.Tensor:
+def chunked_prefill(target: TargetModel, ids: torch.Tensor, cache: Any, chunk: int | None, *,
+                    positions: torch.Tensor | None = None, valid: torch.Tensor | None = None, hidden: bool = False,
+                    layers: Sequence[int] | None = None,
+                    on_chunk: Callable[[int, int, TargetOutput], object] | None = None) -> torch.Tensor:
     """Prefill ``ids`` ``[B, T]`` into ``cache`` ``chunk`` tokens per forward; returns the last logits ``[B, V]``.
 
     ``positions``/``valid`` (``[B, T]``) for left-padded rows; ``on_chunk(start, end, out)`` sees each
@@ -163,4 +167,5 @@ def chunked_prefill(target, ids: torch.Tensor, cache, chunk: int | None, *, posi
         check_cache_length(cache, end, "prefill")
         if on_chunk is not None:
             on_chunk(start, end, out)
+    assert out is not None  # width >= 1: the loop ran
     return out.logits[:, -1]

@@ -36,7 +36,9 @@ def flash_attn_available() -> bool:
     return True
 
 
-def fused_prefix_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float):
+def fused_prefix_kernel(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """PyTorch's own fused kernels with LSE: flash on CPU; flash (half types) or memory-efficient on CUDA.
 
     GQA is handled by folding query heads into rows, so keys are never repeated.
@@ -59,7 +61,9 @@ def fused_prefix_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale
     return unfold_gqa(out, hq), unfold_gqa(lse, hq)
 
 
-def fused_block_kernel(q, k, v, scale, allowed):
+def fused_block_kernel(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, allowed: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The masked tree block: PyTorch's CPU flash kernel takes a mask and returns the LSE; elsewhere plain torch.
 
     (On CUDA the block is small next to the prefix, and the fused CUDA kernels
@@ -77,7 +81,9 @@ def fused_block_kernel(q, k, v, scale, allowed):
     return unfold_gqa(out, hq), unfold_gqa(lse, hq)
 
 
-def flash_attn_prefix_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float):
+def flash_attn_prefix_kernel(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """flash-attn's kv-cache kernel with ``return_softmax_lse``; float32 inputs go to the fused kernel."""
     if q.device.type != "cuda" or q.dtype not in (torch.float16, torch.bfloat16):
         return fused_prefix_kernel(q, k, v, scale)
@@ -90,7 +96,9 @@ def flash_attn_prefix_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     return out.transpose(1, 2), lse
 
 
-def key_padding_mask(attention_mask, batch: int, kv_len: int, device) -> torch.Tensor | None:
+def key_padding_mask(
+    attention_mask: torch.Tensor | None, batch: int, kv_len: int, device: torch.device | str
+) -> torch.Tensor | None:
     """Bool ``[B, S]`` of real keys from a 2D HF padding mask, or None when nothing is padded."""
     if attention_mask is None:
         return None

@@ -11,7 +11,7 @@ family. A new kind is one class here in :data:`STATEFUL_KINDS`.
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -35,40 +35,40 @@ class StatefulLayerKind(Protocol):
     prefill_multiple: int
     """A chunked prefill splits the prompt at multiples of this many tokens (1: anywhere)."""
 
-    def modules(self, model) -> list[torch.nn.Module]: ...
+    def modules(self, model: Any) -> list[torch.nn.Module]: ...
 
     def prefill_continues_state(self) -> bool:
         """Whether a multi-token forward continues the cached state (so a prompt may be prefilled in chunks)."""
         ...
 
-    def new_cache(self, model): ...
+    def new_cache(self, model: Any) -> Any: ...
 
-    def prepare(self, model) -> None: ...
+    def prepare(self, model: Any) -> None: ...
 
-    def tree_forward_kwargs(self, model, tree: DraftTree) -> dict: ...
+    def tree_forward_kwargs(self, model: Any, tree: DraftTree) -> dict[str, Any]: ...
 
-    def holds_state(self, cache) -> bool:
+    def holds_state(self, cache: Any) -> bool:
         """Whether ``cache`` has slots of this kind (filled or not)."""
         ...
 
-    def commit(self, cache, accepted: torch.Tensor) -> None: ...
+    def commit(self, cache: Any, accepted: torch.Tensor) -> None: ...
 
-    def drop_pending(self, cache) -> None: ...
+    def drop_pending(self, cache: Any) -> None: ...
 
-    def select_rows(self, cache, rows: torch.Tensor) -> None: ...
+    def select_rows(self, cache: Any, rows: torch.Tensor) -> None: ...
 
-    def stack_rows(self, caches: list, into) -> None: ...
+    def stack_rows(self, caches: list[Any], into: Any) -> None: ...
 
 
 STATEFUL_KINDS: tuple[StatefulLayerKind, ...] = (GatedDeltaNet(),)
 """Every stateful layer kind ddtree verifies exactly."""
 
 
-def kinds_in_model(model) -> tuple[StatefulLayerKind, ...]:
+def kinds_in_model(model: Any) -> tuple[StatefulLayerKind, ...]:
     """The stateful kinds with layers in ``model`` (read it from the model's description, which remembers it)."""
     return tuple(kind for kind in STATEFUL_KINDS if kind.modules(model))
 
 
-def kinds_in_cache(cache) -> tuple[StatefulLayerKind, ...]:
+def kinds_in_cache(cache: Any) -> tuple[StatefulLayerKind, ...]:
     """The stateful kinds with slots in ``cache`` (for cache operations, which are given no model)."""
     return tuple(kind for kind in STATEFUL_KINDS if kind.holds_state(cache))

@@ -30,7 +30,9 @@ import functools
 import re
 import sys
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -52,11 +54,11 @@ GDN_CHUNK = 64
 runs the same arithmetic as one forward (float64: equal bits), other splits differ in the last bits."""
 
 
-def _pending(cache) -> dict:
+def _pending(cache: Any) -> dict[int, _Pending]:
     return (_PENDING.get(cache) if cache is not None else None) or {}
 
 
-def gdn_modules(model) -> list[torch.nn.Module]:
+def gdn_modules(model: Any) -> list[torch.nn.Module]:
     """The Gated DeltaNet modules of ``model`` in layer order (empty for attention-only models)."""
     found = [m for m in model.modules() if type(m).__name__.endswith("GatedDeltaNet")]
     return sorted(found, key=lambda m: m.layer_idx)
@@ -100,7 +102,7 @@ class LinearTreePlan:
                            torch.as_tensor(parent_slot, device=device)))
         return cls(bsz, n, parents, depths, levels, is_chain)
 
-    def conv_index(self, kernel: int, device) -> torch.Tensor:
+    def conv_index(self, kernel: int, device: torch.device | str) -> torch.Tensor:
         """``[B, N*K]`` indices into ``[cached window (K) | tree inputs (N)]``: each node's window, oldest first."""
         key = (kernel, str(device))
         if key not in self._conv_index:
@@ -119,7 +121,7 @@ class LinearTreePlan:
 # --------------------------------------------------------------------------- cache access (version quirks)
 
 
-def _states(cache, idx: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+def _states(cache: Any, idx: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """The committed ``(conv window [B, C, K], recurrent state [B, HV, Dk, Dv])`` of GDN layer ``idx``."""
     layers = getattr(cache, "layers", None)
     if layers is not None:
@@ -128,7 +130,15 @@ def _states(cache, idx: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     return cache.conv_states[idx], cache.recurrent_states[idx]  # transformers 5.0's Qwen3NextDynamicCache
 
 
-def _set_states(cache, idx: int, conv: torch.Tensor, recurrent: torch.Tensor) -> None:
+def _committed_states(cache: Any, idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`_states` of a GDN layer that must hold a committed state (after the prefill)."""
+    conv, state = _states(cache, idx)
+    if conv is None or state is None:
+        raise ValueError(f"GDN layer {idx} of the target cache holds no state: prefill the prompt into it first")
+    return conv, state
+
+
+def _set_states(cache: Any, idx: int, conv: torch.Tensor, recurrent: torch.Tensor) -> None:
     layers = getattr(cache, "layers", None)
     if layers is not None:
         layer = layers[idx]
@@ -139,7 +149,7 @@ def _set_states(cache, idx: int, conv: torch.Tensor, recurrent: torch.Tensor) ->
         cache.recurrent_states[idx] = recurrent
 
 
-def new_hybrid_cache(model):
+def new_hybrid_cache(model: Any) -> Any:
     """A cache with conv/recurrent slots for the GDN layers and full-length KV for attention layers."""
     config = model.config
     module = sys.modules[type(model).__module__]
@@ -168,10 +178,10 @@ class _Pending:
     v: torch.Tensor  # [B, N, HV, Dv]
     g: torch.Tensor  # [B, N, HV]
     beta: torch.Tensor  # [B, N, HV]
-    fn: object  # the layer's recurrent gated-delta function, for the replay at commit
+    fn: Callable[..., Any]  # the layer's recurrent gated-delta function, for the replay at commit
 
 
-def _recurrent_fn(module):
+def _recurrent_fn(module: Any) -> Callable[..., Any]:
     """transformers' recurrent gated-delta step for this module (the fla kernel when transformers picked it)."""
     fn = getattr(module, "recurrent_gated_delta_rule", None)
     if fn is None:
@@ -179,7 +189,7 @@ def _recurrent_fn(module):
     return fn
 
 
-def _chunk_fn(module):
+def _chunk_fn(module: Any) -> Callable[..., Any]:
     """transformers' chunked gated-delta rule (its multi-token path; the fla kernel when transformers picked it)."""
     fn = getattr(module, "chunk_gated_delta_rule", None)
     if fn is None:
@@ -192,7 +202,7 @@ CHUNKED_CHAIN_FROM = 32
 shorter ones its recurrent step, which measured faster below that on a CPU (docs/benchmarks.md)."""
 
 
-def _project(module, hidden: torch.Tensor):
+def _project(module: Any, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The module's own projections: ``(conv inputs [B, N, C], z [B, N, HV, Dv], b, a)``."""
     bsz, n, _ = hidden.shape
     if hasattr(module, "in_proj_qkvz"):  # Qwen3-Next packs q, k, v, z (and b, a) per key head
@@ -203,13 +213,13 @@ def _project(module, hidden: torch.Tensor):
     return module.in_proj_qkv(hidden), z, module.in_proj_b(hidden), module.in_proj_a(hidden)
 
 
-def _activation(module, x: torch.Tensor) -> torch.Tensor:
+def _activation(module: Any, x: torch.Tensor) -> torch.Tensor:
     from transformers.activations import ACT2FN
 
     return ACT2FN[getattr(module, "activation", "silu")](x)
 
 
-def gdn_tree_forward(module, hidden: torch.Tensor, plan: LinearTreePlan, cache) -> torch.Tensor:
+def gdn_tree_forward(module: Any, hidden: torch.Tensor, plan: LinearTreePlan, cache: Any) -> torch.Tensor:
     """The GDN layer's output for every tree node from its own root-to-node path; stashes the commit inputs."""
     bsz, n, _ = hidden.shape
     if (bsz, n) != (plan.batch, plan.num_nodes):
@@ -253,11 +263,12 @@ def gdn_tree_forward(module, hidden: torch.Tensor, plan: LinearTreePlan, cache) 
     return module.out_proj(core.reshape(bsz, n, -1))
 
 
-def _run(fn, q, k, v, g, beta, initial, final: bool):
+def _run(fn: Callable[..., Any], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+         beta: torch.Tensor, initial: torch.Tensor, final: bool) -> Any:
     return fn(q, k, v, g=g, beta=beta, initial_state=initial, output_final_state=final, use_qk_l2norm_in_kernel=True)
 
 
-def _tree_recurrence(fn, p: _Pending, plan: LinearTreePlan, state: torch.Tensor) -> torch.Tensor:
+def _tree_recurrence(fn: Callable[..., Any], p: _Pending, plan: LinearTreePlan, state: torch.Tensor) -> torch.Tensor:
     """Per-node recurrence outputs: a chain in one call, a tree depth by depth from the parents' states.
 
     Where the layer's function is transformers' torch reference, each depth runs the same step in a
@@ -273,16 +284,17 @@ def _tree_recurrence(fn, p: _Pending, plan: LinearTreePlan, state: torch.Tensor)
     return _levels_with(fn, p, plan, state)
 
 
-def _levels_with(fn, p: _Pending, plan: LinearTreePlan, state: torch.Tensor) -> torch.Tensor:
+def _levels_with(fn: Callable[..., Any], p: _Pending, plan: LinearTreePlan, state: torch.Tensor) -> torch.Tensor:
     bsz, n = plan.batch, plan.num_nodes
     flat = [x.reshape(bsz * n, 1, *x.shape[2:]) for x in (p.q, p.k, p.v, p.g, p.beta)]
-    out = None
+    out: torch.Tensor | None = None
     for ids, parent_slot in plan.levels:
-        xs = [x.index_select(0, ids) for x in flat]
-        o, state = _run(fn, *xs, state.index_select(0, parent_slot), True)
+        q, k, v, g, beta = (x.index_select(0, ids) for x in flat)
+        o, state = _run(fn, q, k, v, g, beta, state.index_select(0, parent_slot), True)
         if out is None:
             out = o.new_empty(bsz * n, *o.shape[2:])
         out.index_copy_(0, ids, o[:, 0])
+    assert out is not None  # a tree (not a chain) has levels
     return out.view(bsz, n, *out.shape[1:])
 
 
@@ -316,14 +328,14 @@ def _levels_in_torch(p: _Pending, plan: LinearTreePlan, state: torch.Tensor) -> 
 _PROBED: dict = {}
 
 
-def _torch_step_matches(fn, dtype: torch.dtype, device: torch.device) -> bool:
+def _torch_step_matches(fn: Callable[..., Any], dtype: torch.dtype, device: torch.device) -> bool:
     """Whether :func:`_levels_in_torch` equals ``fn`` exactly (outputs and states) on a small random case."""
     key = (fn, dtype, str(device))
     if key not in _PROBED:
         gen = torch.Generator().manual_seed(0)
         rand = lambda *shape: torch.randn(*shape, generator=gen).to(device=device, dtype=dtype)  # noqa: E731
         bsz, heads, dim = 3, 2, 8
-        p = _Pending(None, rand(bsz, 1, heads, dim), rand(bsz, 1, heads, dim), rand(bsz, 1, heads, dim),
+        p = _Pending(torch.empty(0), rand(bsz, 1, heads, dim), rand(bsz, 1, heads, dim), rand(bsz, 1, heads, dim),
                      -rand(bsz, 1, heads).abs().float(), rand(bsz, 1, heads).sigmoid(), fn)
         state = torch.randn(bsz, heads, dim, dim, generator=gen).to(device)
         plan = LinearTreePlan(bsz, 1, np.full((bsz, 1), -1), np.zeros((bsz, 1), dtype=np.int64),
@@ -339,17 +351,17 @@ def _torch_step_matches(fn, dtype: torch.dtype, device: torch.device) -> bool:
 # --------------------------------------------------------------------------- commit
 
 
-def has_pending(cache) -> bool:
+def has_pending(cache: Any) -> bool:
     return bool(_pending(cache))
 
 
-def drop_pending(cache) -> None:
+def drop_pending(cache: Any) -> None:
     """Forget a verify forward's per-node inputs: its tree is discarded, the committed state stays."""
     if cache is not None:
         _PENDING.pop(cache, None)
 
 
-def commit_linear_states(cache, accepted: torch.Tensor) -> None:
+def commit_linear_states(cache: Any, accepted: torch.Tensor) -> None:
     """Install, per row, the recurrent state of its last accepted node and the conv window along its path.
 
     ``accepted`` is ``[B, L]`` node indices root first, ``-1`` padding where a row accepted
@@ -358,7 +370,7 @@ def commit_linear_states(cache, accepted: torch.Tensor) -> None:
     """
     pending: dict[int, _Pending] = _PENDING.pop(cache, None) or {}
     for idx, p in pending.items():
-        conv_state, state = _states(cache, idx)
+        conv_state, state = _committed_states(cache, idx)
         rows_conv, rows_state = [], []
         for row in range(accepted.shape[0]):
             path = accepted[row][accepted[row] >= 0].to(p.q.device)
@@ -368,15 +380,15 @@ def commit_linear_states(cache, accepted: torch.Tensor) -> None:
             if path.numel() == 0:
                 rows_state.append(state[row])
                 continue
-            xs = [x[row : row + 1].index_select(1, path) for x in (p.q, p.k, p.v, p.g, p.beta)]
-            rows_state.append(_run(p.fn, *xs, state[row : row + 1], True)[1][0].to(state.dtype))
+            q, k, v, g, beta = (x[row : row + 1].index_select(1, path) for x in (p.q, p.k, p.v, p.g, p.beta))
+            rows_state.append(_run(p.fn, q, k, v, g, beta, state[row : row + 1], True)[1][0].to(state.dtype))
         _set_states(cache, idx, torch.stack(rows_conv), torch.stack(rows_state))
 
 
 # --------------------------------------------------------------------------- batch rows
 
 
-def has_linear_layers(cache) -> bool:
+def has_linear_layers(cache: Any) -> bool:
     """Whether ``cache`` has linear-attention slots (filled or not)."""
     layers = getattr(cache, "layers", None)
     if layers is None:
@@ -384,7 +396,7 @@ def has_linear_layers(cache) -> bool:
     return any(hasattr(layer, "recurrent_states") for layer in layers)
 
 
-def _linear_layer_ids(cache) -> list[int]:
+def _linear_layer_ids(cache: Any) -> list[int]:
     """Indices of the GDN layers of ``cache`` that hold a committed state."""
     layers = getattr(cache, "layers", None)
     if layers is not None:
@@ -393,7 +405,7 @@ def _linear_layer_ids(cache) -> list[int]:
     return [i for i, conv in enumerate(getattr(cache, "conv_states", None) or []) if conv is not None]
 
 
-def stack_linear_states(caches: list, into) -> None:
+def stack_linear_states(caches: list[Any], into: Any) -> None:
     """Give ``into`` the GDN states of every cache in ``caches`` (batch-1 each), stacked in that order.
 
     GDN states are per row, not per column: a row's state is exactly its own prefill's, whatever
@@ -404,11 +416,11 @@ def stack_linear_states(caches: list, into) -> None:
         _set_states(into, idx, torch.cat(convs), torch.cat(states))
 
 
-def select_linear_rows(cache, rows: torch.Tensor) -> None:
+def select_linear_rows(cache: Any, rows: torch.Tensor) -> None:
     """Keep only batch rows ``rows`` of every GDN layer's conv window and recurrent state (and any
     uncommitted tree inputs), so a finished row's state never reaches a remaining row."""
     for idx in _linear_layer_ids(cache):
-        conv, state = _states(cache, idx)
+        conv, state = _committed_states(cache, idx)
         _set_states(cache, idx, conv.index_select(0, rows.to(conv.device)),
                     state.index_select(0, rows.to(state.device)))
     pending: dict[int, _Pending] = _pending(cache)
@@ -428,14 +440,14 @@ class _Context:
     cache: object = None
 
 
-def _gdn_forward(self, hidden_states, *args, **kwargs):
+def _gdn_forward(self: Any, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
     ctx: _Context = self._ddtree_context
     if ctx.plan is None:
         return self._ddtree_original_forward(hidden_states, *args, **kwargs)
     return gdn_tree_forward(self, hidden_states, ctx.plan, ctx.cache)
 
 
-def _model_forward(self, *args, **kwargs):
+def _model_forward(self: Any, *args: Any, **kwargs: Any) -> Any:
     tree = kwargs.pop(LINEAR_TREE_KWARG, None)
     ctx: _Context = self._ddtree_context
     if tree is None:
@@ -453,11 +465,11 @@ def _model_forward(self, *args, **kwargs):
         ctx.plan, ctx.cache = None, None
 
 
-def is_prepared(model) -> bool:
+def is_prepared(model: Any) -> bool:
     return "_ddtree_context" in vars(model)
 
 
-def prepare(model) -> bool:
+def prepare(model: Any) -> bool:
     """Route ``model``'s GDN layers through the tree-aware forward (idempotent); False when it has none."""
     modules = gdn_modules(model)
     if not modules:
@@ -465,26 +477,27 @@ def prepare(model) -> bool:
     if is_prepared(model):
         return True
     ctx = _Context()
-    for m in [*modules, model]:
+    patched: list[Any] = [*modules, model]
+    for m in patched:
         m._ddtree_original_forward = m.forward
         m._ddtree_context = ctx
         m.forward = _keeping_signature(m, _model_forward if m is model else _gdn_forward)
     return True
 
 
-def _keeping_signature(module, replacement):
+def _keeping_signature(module: Any, replacement: Callable[..., Any]) -> Callable[..., Any]:
     """``replacement`` bound to ``module``, with the signature of the forward it replaces: HF ``generate``
     reads the forward's parameters (a target whose forward seemed not to take ``logits_to_keep`` got the
     prompt's every logits row computed by a later HF ``generate``)."""
 
     @functools.wraps(module.forward)
-    def forward(*args, **kwargs):
+    def forward(*args: Any, **kwargs: Any) -> Any:
         return replacement(module, *args, **kwargs)
 
     return forward
 
 
-def unprepare(model) -> None:
+def unprepare(model: Any) -> None:
     """Undo :func:`prepare`: the instances get their class forwards back."""
     for m in [model, *gdn_modules(model)]:
         for name in ("forward", "_ddtree_original_forward", "_ddtree_context"):
@@ -506,32 +519,32 @@ def chunk_continues_state() -> bool:
 class GatedDeltaNet:
     """Gated DeltaNet layers as a :class:`ddtree.targets.layer_kinds.StatefulLayerKind`."""
 
-    name = "Gated DeltaNet"
-    model_types = GDN_MODEL_TYPES
-    padded_prefill_exact = False
+    name: str = "Gated DeltaNet"
+    model_types: tuple[str, ...] = GDN_MODEL_TYPES
+    padded_prefill_exact: bool = False
     """transformers zeroes the pad inputs of a left-padded batch, but its chunked gated-delta rule still decays
     the state through them (float64, 57 pads: a row's last logits 2e-7 off its own prefill's)."""
-    prefill_multiple = GDN_CHUNK
+    prefill_multiple: int = GDN_CHUNK
 
-    def modules(self, model) -> list[torch.nn.Module]:
+    def modules(self, model: Any) -> list[torch.nn.Module]:
         return gdn_modules(model)
 
     def prefill_continues_state(self) -> bool:
         return chunk_continues_state()
 
-    def new_cache(self, model):
+    def new_cache(self, model: Any) -> Any:
         return new_hybrid_cache(model)
 
-    def prepare(self, model) -> None:
+    def prepare(self, model: Any) -> None:
         prepare(model)
 
-    def tree_forward_kwargs(self, model, tree: DraftTree) -> dict:
+    def tree_forward_kwargs(self, model: Any, tree: DraftTree) -> dict[str, Any]:
         return {LINEAR_TREE_KWARG: tree} if is_prepared(model) else {}
 
-    def holds_state(self, cache) -> bool:
+    def holds_state(self, cache: Any) -> bool:
         return has_linear_layers(cache)
 
-    def commit(self, cache, accepted: torch.Tensor) -> None:
+    def commit(self, cache: Any, accepted: torch.Tensor) -> None:
         if has_pending(cache):
             commit_linear_states(cache, accepted)  # per row, from each row's own last accepted node
         elif has_linear_layers(cache):
@@ -542,11 +555,11 @@ class GatedDeltaNet:
                 "(SpeculativeGenerator does)"
             )
 
-    def drop_pending(self, cache) -> None:
+    def drop_pending(self, cache: Any) -> None:
         drop_pending(cache)
 
-    def select_rows(self, cache, rows: torch.Tensor) -> None:
+    def select_rows(self, cache: Any, rows: torch.Tensor) -> None:
         select_linear_rows(cache, rows)
 
-    def stack_rows(self, caches: list, into) -> None:
+    def stack_rows(self, caches: list[Any], into: Any) -> None:
         stack_linear_states(caches, into)

@@ -14,7 +14,9 @@ Nothing is registered at import: a split backend's ``prepare`` calls
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -44,19 +46,22 @@ TREE_KWARG = "ddtree_tree"
 class TreeAttentionSpec:
     """What the attention function needs about the tree, built once per verify forward.
 
-    ``max_depth`` is a host int so no layer has to sync the device. Block masks
-    are memoised per ``(prefix_len, window)`` so sliding and full layers each
-    build theirs once per forward, not once per layer.
+    ``depth_bound`` is a host int at least the deepest node's depth, so no layer
+    has to sync the device. Block masks are memoised per ``(prefix_len, window)``
+    so sliding and full layers each build theirs once per forward, not once per layer.
     """
 
     visibility: torch.Tensor  # [B, N, N] bool, ancestor-or-self
     depths: torch.Tensor  # [B, N] long
-    max_depth: int
-    _blocks: dict = field(default_factory=dict, repr=False)
+    depth_bound: int
+    _blocks: dict[tuple[int, int | None, str], tuple[int, int, torch.Tensor]] = field(
+        default_factory=dict, repr=False
+    )
 
     @classmethod
     def from_tree(cls, tree: DraftTree) -> TreeAttentionSpec:
-        return cls(tree.visibility.bool(), tree.depths, tree.max_depth)
+        """The spec of ``tree``; its depth bound is ``num_nodes - 1`` (a shape), which reading none keeps exact."""
+        return cls(tree.visibility.bool(), tree.depths, tree.num_nodes - 1)
 
     @property
     def num_nodes(self) -> int:
@@ -66,7 +71,7 @@ class TreeAttentionSpec:
         """``(band_start, common_start, allowed)`` for one layer kind; see :func:`window_split`."""
         key = (prefix_len, window, str(device))
         if key not in self._blocks:
-            band_start, common_start = window_split(prefix_len, self.max_depth, window)
+            band_start, common_start = window_split(prefix_len, self.depth_bound, window)
             allowed = tree_block_allowed(
                 self.visibility.to(device), self.depths.to(device), prefix_len, band_start, common_start, window
             )
@@ -74,13 +79,20 @@ class TreeAttentionSpec:
         return self._blocks[key]
 
 
-def _make_attention_function(prefix_kernel: PrefixKernel, block_kernel: BlockKernel | None, use_flash_attn: bool):
+def _make_attention_function(
+    prefix_kernel: PrefixKernel, block_kernel: BlockKernel | None, use_flash_attn: bool
+) -> Callable[..., tuple[torch.Tensor, None]]:
     """A transformers attention function: split tree attention when a tree is passed, causal otherwise."""
 
-    def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, sliding_window=None,
-                  softcap=None, **kwargs):
+    def attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                  attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
+                  sliding_window: int | None = None, softcap: float | None = None,
+                  **kwargs: Any) -> tuple[torch.Tensor, None]:
         if kwargs.get("s_aux") is not None:
-            raise ValueError("ddtree split attention does not support attention sinks (s_aux): use attention=\"sdpa\" for this target")
+            raise ValueError(
+                "ddtree split attention does not support attention sinks (s_aux): "
+                "use attention=\"sdpa\" for this target"
+            )
         scale = scaling if scaling is not None else 1.0 / math.sqrt(query.shape[-1])
         window = sliding_window if sliding_window is not None else getattr(module, "sliding_window", None)
         spec = kwargs.get(TREE_KWARG)
@@ -106,12 +118,14 @@ def _make_attention_function(prefix_kernel: PrefixKernel, block_kernel: BlockKer
                 raise ValueError(f"tree spec has {spec.num_nodes} nodes but the forward has {n} queries")
             prefix_len = key.shape[2] - n
             if key_padding_mask(attention_mask, query.shape[0], key.shape[2], query.device) is not None:
-                raise ValueError("split tree attention does not support padded batches: use attention=\"sdpa\" or unpadded input")
+                raise ValueError(
+                    "split tree attention does not support padded batches: use attention=\"sdpa\" or unpadded input"
+                )
             _, _, allowed = spec.block(prefix_len, window, query.device)
             out = split_tree_attention(
                 query, key[:, :, :prefix_len], value[:, :, :prefix_len], key[:, :, prefix_len:],
                 value[:, :, prefix_len:], spec.visibility, spec.depths, scale=scale, window=window,
-                max_depth=spec.max_depth, prefix_kernel=prefix_kernel, block_kernel=block_kernel,
+                max_depth=spec.depth_bound, prefix_kernel=prefix_kernel, block_kernel=block_kernel,
                 block_allowed=allowed, softcap=softcap,
             )
         return out.transpose(1, 2).contiguous(), None
@@ -127,7 +141,7 @@ IMPLEMENTATIONS = {
 """backend name -> (transformers attention name, prefix kernel, block kernel, flash-attn for causal calls)."""
 
 
-def _no_mask(*args, attention_mask=None, **kwargs):
+def _no_mask(*args: Any, attention_mask: Any = None, **kwargs: Any) -> torch.Tensor | None:
     """Mask builder for the split implementations: they build their own causal/window masks, so only padding passes."""
     if isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2:
         return attention_mask

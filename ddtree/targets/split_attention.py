@@ -98,7 +98,7 @@ def merge_attention(
 def torch_prefix_kernel(chunk: int = 4096) -> PrefixKernel:
     """Unmasked attention in plain torch, over key chunks merged by LSE so memory stays ``O(N * chunk)``."""
 
-    def kernel(q, k, v, scale):
+    def kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
         out, lse = attention_with_lse(q, k[:, :, :chunk], v[:, :, :chunk], scale)
         for start in range(chunk, k.shape[2], chunk):
             o2, l2 = attention_with_lse(q, k[:, :, start : start + chunk], v[:, :, start : start + chunk], scale)
@@ -108,7 +108,8 @@ def torch_prefix_kernel(chunk: int = 4096) -> PrefixKernel:
     return kernel
 
 
-def _check_shapes(q, k_prefix, v_prefix, k_tree, v_tree, visibility) -> None:
+def _check_shapes(q: torch.Tensor, k_prefix: torch.Tensor, v_prefix: torch.Tensor, k_tree: torch.Tensor,
+                  v_tree: torch.Tensor, visibility: torch.Tensor) -> None:
     bsz, hq, n, d = q.shape
     hkv = k_tree.shape[1]
     if hq % hkv:
@@ -128,6 +129,9 @@ def window_split(prefix_len: int, max_depth: int, window: int | None) -> tuple[i
     iff ``j >= prefix_len + d - window + 1``. Keys from ``common_start`` on are seen
     by every node, so they go to the unmasked kernel; the ragged band
     ``[band_start, common_start)`` (at most ``max_depth`` keys) joins the dense block.
+    ``max_depth`` may be any upper bound on the deepest node's depth (such as
+    ``num_nodes - 1``, known without a device read): the split stays exact, a larger
+    bound only moves more prefix keys into the band.
     """
     if window is None:
         return 0, 0
@@ -186,8 +190,9 @@ def split_tree_attention(
     ``[B, Hkv, N, D]``; ``visibility``: bool ``[B, N, N]`` ancestor-or-self.
     ``window``: sliding window of the layer (node at position ``P + depth``
     sees keys at positions ``> P + depth - window``); it needs ``depths``.
-    ``max_depth`` and ``block_allowed`` (from :func:`tree_block_allowed`) may be
-    passed in to avoid a device sync and a rebuild per layer. ``prefix_kernel``
+    ``max_depth`` (an upper bound on the node depths suffices) and ``block_allowed``
+    (from :func:`tree_block_allowed`) may be passed in to avoid a device sync and a
+    rebuild per layer. ``prefix_kernel``
     and ``block_kernel`` default to plain torch (:func:`attention_with_lse`). Returns
     ``[B, Hq, N, D]`` in ``q.dtype``.
     """
