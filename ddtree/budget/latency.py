@@ -200,7 +200,7 @@ class ProfiledLatency:
         prefix = torch.randint(0, vocab, (batch, context), generator=rng).to(device)
         chunked_prefill(target, prefix, cache, getattr(gen, "prefill_chunk", PREFILL_CHUNK))  # last logits only
         sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-        table = {}
+        table: dict[int, float] = {}
         for nodes in self.node_counts:
             shape = self._shape_tree(nodes, vocab, device)
             tree = DraftTree.from_parents(torch.zeros(batch, nodes, dtype=torch.long, device=device),

@@ -157,7 +157,7 @@ def convert_smollm2(out_dir: Path, dtype: torch.dtype = torch.bfloat16, quiet: b
     if missing or unexpected:
         raise RuntimeError(f"GGUF conversion mismatch: missing={missing} unexpected={unexpected}")
     del q
-    model = model.to(dtype)
+    model = model.to(dtype)  # type: ignore[arg-type]  # transformers wraps Module.to; its stub loses the signature
     model.config.dtype = dtype
     _log(f"[3/3] saving ({str(dtype).replace('torch.', '')}) ...", quiet)
     model.save_pretrained(str(tmp))
@@ -183,7 +183,7 @@ def load_default_target(dtype: torch.dtype = torch.bfloat16, device: str | torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     d = smollm2_path(quiet=quiet)
-    model = AutoModelForCausalLM.from_pretrained(str(d), dtype=dtype).to(device).eval()
+    model = AutoModelForCausalLM.from_pretrained(str(d), dtype=dtype).to(device).eval()  # type: ignore[arg-type]  # transformers wraps Module.to; its stub loses the signature
     tok = AutoTokenizer.from_pretrained(str(d))
     return model, tok
 

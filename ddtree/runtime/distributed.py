@@ -137,7 +137,7 @@ def fail_together(what: str, group=None) -> Iterator[None]:
         error = exc
     reports = all_gather_object(None if error is None else f"{type(error).__name__}: {error}", group)
     if error is not None:
-        error._ddtree_shared = True
+        error._ddtree_shared = True  # type: ignore[attr-defined]  # a marker set on the exception object
         raise error
     failed = [(r, msg) for r, msg in enumerate(reports) if msg is not None]
     if failed:
@@ -162,7 +162,7 @@ def _map_tensors(obj: Any, fn: Callable[[torch.Tensor, Any], torch.Tensor], like
         })
     if isinstance(obj, (list, tuple)):
         likes = like if isinstance(like, (list, tuple)) and len(like) == len(obj) else [None] * len(obj)
-        return type(obj)(_map_tensors(o, fn, l) for o, l in zip(obj, likes))
+        return type(obj)(_map_tensors(o, fn, lk) for o, lk in zip(obj, likes))
     if isinstance(obj, dict):
         return {k: _map_tensors(v, fn, like.get(k) if isinstance(like, dict) else None) for k, v in obj.items()}
     return obj
@@ -292,8 +292,8 @@ def check_tp_divides(config, ranks: int) -> None:
     sizes = {name: getattr(cfg, name, None) for name in ("num_attention_heads", "num_key_value_heads")}
     bad = {k: v for k, v in sizes.items() if isinstance(v, int) and v % ranks}
     if bad:
-        fits = [n for n in range(1, max(sizes.values()) + 1)
-                if all(isinstance(v, int) and v % n == 0 for v in sizes.values())]
+        counts = [v for v in sizes.values() if isinstance(v, int)]
+        fits = [n for n in range(1, max(counts) + 1) if all(v % n == 0 for v in counts)]
         raise ValueError(f"tp_plan shards attention heads over the {ranks} ranks, but the target has "
                          + ", ".join(f"{k}={v}" for k, v in sizes.items())
                          + f": launch torchrun with --nproc_per_node in {fits}, or split layers with device_map")

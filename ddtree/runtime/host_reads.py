@@ -16,6 +16,7 @@ import contextlib
 import sys
 from collections import Counter
 from dataclasses import dataclass, field
+from types import FrameType
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -51,7 +52,7 @@ class HostReads:
 
 
 def _call_site() -> str:
-    frame = sys._getframe(2)
+    frame: FrameType | None = sys._getframe(2)
     while frame is not None:
         module = frame.f_globals.get("__name__", "")
         if module.split(".")[0] not in _SKIP and module != __name__:
