@@ -109,7 +109,7 @@ class DecodeState:
     rounds: int = 0  # verify rounds (or plain decode steps) after the prefill
     accepted_by_source: dict[str, int] = field(default_factory=lambda: {"drafter": 0, "lookup": 0, "both": 0})
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         rows = len(self.prompts)
         self.new_tokens = [[] for _ in range(rows)]
         self.acceptance = [[] for _ in range(rows)]
@@ -133,9 +133,11 @@ class DecodeState:
         into the first tree round (which calls this first). A custom loop that reads ``draft`` right after
         the prefill calls this too."""
         if self.deferred:
+            draft = self.draft
+            assert draft is not None  # appends are deferred only into an existing context
             with torch.inference_mode(), self.timer.stage("prefill"):
                 for features, tokens, counts, host_counts in self.deferred:
-                    self.draft.append(features, tokens, counts, host_counts=host_counts)
+                    draft.append(features, tokens, counts, host_counts=host_counts)
             self.deferred.clear()
         return self.draft
 
