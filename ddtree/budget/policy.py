@@ -64,7 +64,7 @@ class FixedBudget(BudgetPolicy):
 POLICY_PARTS = ("skip_draft", "prepare", "choose", "observe", "describe")
 
 
-def check_budget(budget) -> None:
+def check_budget(budget: object) -> None:
     """A budget is an int >= 0, ``"auto"`` or a :class:`BudgetPolicy`."""
     if isinstance(budget, str) and budget == "auto":
         return

@@ -14,7 +14,7 @@ anything else) can take the inputs a ``transformers`` user already has:
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -383,7 +383,7 @@ def missing_chat_template(tokenizer: Any, prompt: Sequence[int] | torch.Tensor) 
 
 
 def chat_template_warning(tokenizer: Any, prompts: Sequence[Sequence[int] | torch.Tensor], new_tokens: list[list[int]],
-                          stops: Sequence[int]) -> str | None:
+                          stops: Collection[int]) -> str | None:
     """The hint for a generation whose rows stopped at their first token on a prompt without the chat
     template (an instruct model given raw text often ends at once); ``None`` when it does not apply."""
     rows = [b for b, new in enumerate(new_tokens) if len(new) == 1 and new[0] in stops]
