@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Generator
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -351,7 +351,7 @@ class SpeculativeGenerator:
         return self._output(state, elapsed, options.get("tree_budget"))
 
     def stream(self, input_ids: Any = None, generation_config: Any = None, *, streamer: Any = None,
-               **options: Any) -> Iterator[list[list[int]]]:
+               **options: Any) -> Generator[list[list[int]], None, None]:
         """Yield what each round commits as one list of ids per row, for any batch size (``chunk[0]`` for
         one prompt), as ``GenerationOutput.row_tokens`` holds them; a finished row's list is empty.
 
