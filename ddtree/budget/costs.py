@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
+from typing import Any, cast
 
 from ddtree.budget.latency import context_bucket
 
@@ -26,7 +27,7 @@ from ddtree.budget.latency import context_bucket
 class Estimate:
     """Seconds of one kind of round, robust to outliers, following drift."""
 
-    def __init__(self, weight: float = 0.3, outlier: float = 1.6, drift_after: int = 3, stale_after: int = 8):
+    def __init__(self, weight: float = 0.3, outlier: float = 1.6, drift_after: int = 3, stale_after: int = 8) -> None:
         self.weight, self.outlier, self.drift_after, self.stale_after = weight, outlier, drift_after, stale_after
         self.value: float | None = None
         self.count = 0
@@ -59,13 +60,13 @@ class Estimate:
         return {"value": self.value, "count": self.count, "stamp": self.stamp}
 
     @classmethod
-    def from_dict(cls, data: dict, **options) -> Estimate:
+    def from_dict(cls, data: dict, **options: Any) -> Estimate:
         e = cls(**options)
         e.value, e.count, e.stamp = float(data["value"]), int(data["count"]), int(data.get("stamp", -1))
         return e
 
 
-Key = tuple  # (context bucket, batch)
+Key = tuple[int, int]  # (context bucket, batch)
 
 
 class RoundCosts:
@@ -75,8 +76,9 @@ class RoundCosts:
     shares what was learned (``AutoBudget`` holds the per-generation choices).
     """
 
-    def __init__(self, weight: float = 0.3, outlier: float = 1.6, drift_after: int = 3, stale_after: int = 8):
-        self.options = {"weight": weight, "outlier": outlier, "drift_after": drift_after, "stale_after": stale_after}
+    def __init__(self, weight: float = 0.3, outlier: float = 1.6, drift_after: int = 3, stale_after: int = 8) -> None:
+        self.options: dict[str, Any] = {"weight": weight, "outlier": outlier, "drift_after": drift_after,
+                                        "stale_after": stale_after}
         self.verify: dict[Key, dict[int, Estimate]] = {}
         self.overhead: dict[Key, Estimate] = {}
         self.plain: dict[Key, Estimate] = {}
@@ -151,7 +153,7 @@ class RoundCosts:
         near = self._nearest(self.plain, key)
         if near is None:
             return None
-        return self.plain[near].value * (key[1] / near[1] if near[1] != key[1] else 1.0)
+        return cast(float, self.plain[near].value) * (key[1] / near[1] if near[1] != key[1] else 1.0)
 
     @staticmethod
     def _nearest(entries: dict, key: Key) -> Key | None:
@@ -170,14 +172,15 @@ class RoundCosts:
             return f"{k[0]}x{k[1]}"
 
         return {
-            "verify": {name(k): {str(n): e.to_dict() for n, e in sorted(t.items())} for k, t in sorted(self.verify.items())},
+            "verify": {name(k): {str(n): e.to_dict() for n, e in sorted(t.items())}
+                       for k, t in sorted(self.verify.items())},
             "overhead": {name(k): e.to_dict() for k, e in sorted(self.overhead.items())},
             "plain": {name(k): e.to_dict() for k, e in sorted(self.plain.items())},
             "rounds": self.rounds,
         }
 
     @classmethod
-    def from_dict(cls, data: dict, **options) -> RoundCosts:
+    def from_dict(cls, data: dict, **options: Any) -> RoundCosts:
         costs = cls(**options)
 
         def key(text: str) -> Key:
@@ -199,7 +202,7 @@ class RoundCosts:
         path.write_text(json.dumps(self.to_dict(), indent=1))
 
     @classmethod
-    def load(cls, path: str | Path, **options) -> RoundCosts:
+    def load(cls, path: str | Path, **options: Any) -> RoundCosts:
         path = Path(path)
         try:
             data = json.loads(path.read_text())
@@ -229,20 +232,20 @@ def _values(table: dict[int, Estimate]) -> dict[int, float]:
     return {n: e.value for n, e in table.items() if e.value is not None}
 
 
-def _has_value(entry) -> bool:
+def _has_value(entry: Estimate | dict[int, Estimate]) -> bool:
     if isinstance(entry, dict):
         return any(e.value is not None for e in entry.values())
     return entry.value is not None
 
 
-def interpolate(table: dict[int, float], nodes: int) -> float | None:
+def interpolate(table: dict[int, float], nodes: float) -> float | None:
     """Seconds at ``nodes`` from measured ``{nodes: seconds}``: linear between points, flat below the
     smallest, the last two points' slope (at least 0) above the largest, proportional from a single point."""
     if not table:
         return None
     xs = sorted(table)
     if nodes in table:
-        return table[nodes]
+        return table[int(nodes)]
     if nodes < xs[0]:
         return table[xs[0]]
     if nodes > xs[-1]:

@@ -43,7 +43,7 @@ from __future__ import annotations
 import bisect
 import time
 from collections.abc import Callable, Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -128,8 +128,8 @@ class ProfiledLatency:
     forward, timed at the next power of two of its rows.
     """
 
-    def __init__(self, generator, node_counts: Sequence[int], repeats: int = 3, seed: int = 0,
-                 time_per_count: float = 0.1, clock: Callable[[], float] = time.perf_counter):
+    def __init__(self, generator: Any, node_counts: Sequence[int], repeats: int = 3, seed: int = 0,
+                 time_per_count: float = 0.1, clock: Callable[[], float] = time.perf_counter) -> None:
         self.generator = generator
         self.clock = clock  # times the profiled forwards (inject a fake one to test deterministically)
         self.node_counts = sorted(set(int(n) for n in node_counts))
@@ -170,7 +170,7 @@ class ProfiledLatency:
         depth = self.generator.drafter.block_size
         return bucket if limit is None else max(1, min(bucket, limit - depth - 1))
 
-    def _shape_tree(self, nodes: int, vocab: int, device) -> DraftTree:
+    def _shape_tree(self, nodes: int, vocab: int, device: torch.device) -> DraftTree:
         """A realistic tree shape (best_first over drafter-like log-probs); smaller ones are its prefixes."""
         if self._tree is None or self._tree.num_nodes < nodes:
             depth = max(1, self.generator.drafter.block_size - 1)
@@ -200,7 +200,7 @@ class ProfiledLatency:
         prefix = torch.randint(0, vocab, (batch, context), generator=rng).to(device)
         chunked_prefill(target, prefix, cache, getattr(gen, "prefill_chunk", PREFILL_CHUNK))  # last logits only
         sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-        table = {}
+        table: dict[int, float] = {}
         for nodes in self.node_counts:
             shape = self._shape_tree(nodes, vocab, device)
             tree = DraftTree.from_parents(torch.zeros(batch, nodes, dtype=torch.long, device=device),

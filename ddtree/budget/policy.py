@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from typing import Protocol
+from typing import Any, Protocol, cast
 
 import torch
 
@@ -50,7 +50,7 @@ class BudgetPolicy(Protocol):
 class FixedBudget(BudgetPolicy):
     """The same budget every round."""
 
-    def __init__(self, budget: int):
+    def __init__(self, budget: int) -> None:
         check_budget(budget)
         self.budget = budget
 
@@ -64,7 +64,7 @@ class FixedBudget(BudgetPolicy):
 POLICY_PARTS = ("skip_draft", "prepare", "choose", "observe", "describe")
 
 
-def check_budget(budget) -> None:
+def check_budget(budget: object) -> None:
     """A budget is an int >= 0, ``"auto"`` or a :class:`BudgetPolicy`."""
     if isinstance(budget, str) and budget == "auto":
         return
@@ -106,7 +106,7 @@ class AutoBudget(BudgetPolicy):
         start: int = 4,
         explore_every: int = 16,
         clock: Callable[[], float] = time.perf_counter,
-    ):
+    ) -> None:
         if not candidates or any(int(c) < 1 for c in candidates):
             raise ValueError(f"candidates must be non-empty tree budgets >= 1 (a plain step is always a choice), "
                              f"got {candidates!r}")
@@ -144,7 +144,7 @@ class AutoBudget(BudgetPolicy):
         self._predicted_rows: torch.Tensor | None = None  # [B, D] p_d of the chosen tree per row
 
     @classmethod
-    def for_generator(cls, generator, costs: RoundCosts | None = None, **options) -> AutoBudget:
+    def for_generator(cls, generator: Any, costs: RoundCosts | None = None, **options: Any) -> AutoBudget:
         """A policy for one generation on ``generator``: its builder, and the round costs ``costs``
         (pass the generator's shared table so each generation starts from what the last one learned)."""
         return cls(builder=generator.builder, costs=costs, **options)
@@ -154,7 +154,7 @@ class AutoBudget(BudgetPolicy):
     def calibration(self, depth: int) -> torch.Tensor:
         """``c_d`` for depths ``1..depth``."""
         c = torch.ones(depth, dtype=torch.float64)
-        if self.reached is not None:
+        if self.reached is not None and self.predicted is not None:
             n = min(depth, self.reached.numel())
             c[:n] = (self.prior_rounds + self.reached[:n]) / (self.prior_rounds + self.predicted[:n])
         return c
@@ -191,6 +191,7 @@ class AutoBudget(BudgetPolicy):
     def tree_seconds(self, n: int, batch: int, context: int) -> tuple[float | None, bool]:
         """Seconds of a drafting round at budget ``n`` and whether its verify was measured (or priced by the
         latency model) at this batch and context: only such candidates are chosen outside exploration."""
+        verify: float | None
         if self.latency is not None:
             verify = self.scale * self.latency.seconds(n + 1, context, batch)
             measured = getattr(self.latency, "measured", None)
@@ -280,7 +281,7 @@ class AutoBudget(BudgetPolicy):
         comes first (downwards while plain wins, upwards otherwise); else the option measured longest ago
         (the best tree itself included while plain wins, so its cost and the drafter stay current)."""
         plain_best = self.best in (0, None)
-        anchor = self.best_tree(rates) if plain_best else self.best
+        anchor = self.best if self.best is not None and not plain_best else self.best_tree(rates)
         order = [0] + self.candidates
         i = order.index(anchor)
         up = [order[i + 1]] if i + 1 < len(order) else []
@@ -321,10 +322,11 @@ class AutoBudget(BudgetPolicy):
         self._expected_batch = batch
         rates = {n: (e / s, True) for n, e in zip(self.candidates, expected)
                  for s, k in [seconds[n]] if k and s is not None and n <= top}
+        best = self._argmax(rates)  # None only when ``rates`` is empty: all its entries are measured
         if self._explore_tree is not None:
             choice = self._explore_tree
-        elif rates:
-            choice = self._argmax(rates)
+        elif best is not None:
+            choice = best
         else:
             choice = self.start
         self.choices[choice] = self.choices.get(choice, 0) + 1
@@ -351,7 +353,7 @@ class AutoBudget(BudgetPolicy):
         self.rounds += 1
         if pending["plain"]:
             return
-        predicted_rows = self._predicted_rows
+        predicted_rows = cast(torch.Tensor, self._predicted_rows)  # set by ``choose`` for a drafting round
         if len(accepted) != predicted_rows.shape[0]:
             raise ValueError(f"observe got {len(accepted)} accepted counts for a round of "
                              f"{predicted_rows.shape[0]} rows: pass one count per active row, in row order")
@@ -359,11 +361,11 @@ class AutoBudget(BudgetPolicy):
         predicted = predicted_rows.mean(dim=0) if predicted_rows.shape[1] else torch.zeros(1, dtype=torch.float64)
         counts = torch.tensor([int(a) for a in accepted], dtype=torch.float64)[:, None] - 1
         reached = (torch.arange(1, depth + 1, dtype=torch.float64)[None] <= counts).double().mean(dim=0)
-        self._grow(depth)
-        self.reached *= self.forget
-        self.predicted *= self.forget
-        self.reached[:depth] += reached
-        self.predicted[:depth] += predicted
+        reached_sums, predicted_sums = self._grow(depth)
+        reached_sums *= self.forget
+        predicted_sums *= self.forget
+        reached_sums[:depth] += reached
+        predicted_sums[:depth] += predicted
         if self.latency is not None and verify_seconds > 0:
             modelled = self.latency.seconds(pending["nodes"], pending["context"], pending["batch"])
             if modelled > 0:
@@ -386,6 +388,7 @@ class AutoBudget(BudgetPolicy):
         depth = self.reached.numel() if self.reached is not None else 0
         context, batch = self.last.get("context", 0), self.last.get("batch", self.batch)
         plain = self.costs.plain_seconds(batch, context)
+        overhead = self._overhead(batch, context)
         return {
             "policy": "auto",
             "cost_model": COST_MODEL,
@@ -395,8 +398,7 @@ class AutoBudget(BudgetPolicy):
             "explorations": self.explorations,
             "plain_round_seconds": None if plain is None else round(plain, 6),
             "choices": {str(k): v for k, v in sorted(self.choices.items())},
-            "overhead_seconds": None if self._overhead(batch, context) is None
-            else round(self._overhead(batch, context), 6),
+            "overhead_seconds": None if overhead is None else round(overhead, 6),
             "verify_scale": round(self.scale, 4),
             "depth_calibration": [round(c, 4) for c in self.calibration(depth).tolist()],
             "costs": self.costs.describe(),
@@ -406,11 +408,13 @@ class AutoBudget(BudgetPolicy):
 
     # ------------------------------------------------------------------ helpers
 
-    def _grow(self, depth: int) -> None:
-        if self.reached is None:
+    def _grow(self, depth: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The decayed per-depth sums ``(reached, predicted)``, zero-padded to at least ``depth``."""
+        if self.reached is None or self.predicted is None:
             self.reached = torch.zeros(depth, dtype=torch.float64)
             self.predicted = torch.zeros(depth, dtype=torch.float64)
         elif self.reached.numel() < depth:
             pad = depth - self.reached.numel()
             self.reached = torch.cat([self.reached, torch.zeros(pad, dtype=torch.float64)])
             self.predicted = torch.cat([self.predicted, torch.zeros(pad, dtype=torch.float64)])
+        return self.reached, self.predicted

@@ -11,8 +11,9 @@ from __future__ import annotations
 import os
 import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Generator
 from dataclasses import dataclass, field
+from typing import Any, cast
 
 import torch
 
@@ -38,11 +39,11 @@ from ddtree.generation.options import (
     split_call_options,
 )
 from ddtree.generation.round import speculative_round
-from ddtree.generation.state import DecodeState
+from ddtree.generation.state import DecodeState, RoundEngine
 from ddtree.loading.drafter import resolve_drafter
 from ddtree.loading.pair import load_pair
 from ddtree.runtime.distributed import Lockstep, module_fingerprint
-from ddtree.runtime.threads import thread_info
+from ddtree.runtime.threads import ThreadInfo, thread_info
 from ddtree.runtime.timing import StageTimer
 from ddtree.targets.backends import get_backend
 
@@ -64,7 +65,7 @@ class GenerationStats:
     tokens_per_second: float
     total_seconds: float
     seconds: dict[str, float]
-    tree_budget: int | str | None = None
+    tree_budget: int | str | BudgetPolicy | None = None
     budgets: list[int] = field(default_factory=list)
     budget_policy: dict | None = None
     batch_size: int = 1
@@ -130,7 +131,8 @@ class SpeculativeGenerator:
     demo's thread policy (:func:`ddtree.runtime.threads.configure_threads`: a count you set, or
     ``OMP_NUM_THREADS``, is kept; else the physical cores other processes leave free, since a small model on an
     oversubscribed CPU runs many times slower).
-    ``prefill_chunk`` (default 4096) is the prompt tokens per prefill forward, which bounds a long prompt's prefill memory; ``None`` prefills in one forward.
+    ``prefill_chunk`` (default 4096) is the prompt tokens per prefill forward, which bounds a long prompt's
+    prefill memory; ``None`` prefills in one forward.
 
     It holds models and settings only (plus a verify-latency profile that
     ``tree_budget="auto"`` shares): every call keeps its own state, so calls can
@@ -139,13 +141,13 @@ class SpeculativeGenerator:
 
     def __init__(
         self,
-        target,
+        target: Any,
         drafter: Drafter | torch.nn.Module | str | os.PathLike,
         *,
-        tokenizer=None,
+        tokenizer: Any = None,
         options: GeneratorOptions | None = None,
-        **settings,
-    ):
+        **settings: Any,
+    ) -> None:
         if options is not None and not isinstance(options, GeneratorOptions):
             raise TypeError(f"options must be a ddtree GeneratorOptions, got {type(options).__name__}; pass the "
                             "settings as keywords instead (SpeculativeGenerator(target, drafter, tree_budget=8))")
@@ -178,7 +180,7 @@ class SpeculativeGenerator:
         draft_vocab: str | int | torch.Tensor | None = "auto",
         tp_plan: str | dict | None = None,
         device_map: str | dict | None = None,
-        **options,
+        **options: Any,
     ) -> SpeculativeGenerator:
         """Load a target (any HF causal LM) and a drafter, each a local directory or a hub repo id
         (:func:`ddtree.loading.pair.load_pair`; the drafter's class comes from its ``architectures``).
@@ -233,10 +235,10 @@ class SpeculativeGenerator:
 
     @property
     def tree_budget(self) -> int | str | BudgetPolicy:
-        return self._options.tree_budget
+        return cast("int | str | BudgetPolicy", self._options.tree_budget)  # the options setter filled it in
 
     @tree_budget.setter
-    def tree_budget(self, value) -> None:
+    def tree_budget(self, value: int | str | BudgetPolicy | None) -> None:
         self.options = self._options.replace(tree_budget=value)
 
     @property
@@ -245,7 +247,7 @@ class SpeculativeGenerator:
         return self._builder
 
     @builder.setter
-    def builder(self, value) -> None:
+    def builder(self, value: str | TreeBuilder) -> None:
         self.options = self._options.replace(builder=value)
 
     @property
@@ -253,21 +255,22 @@ class SpeculativeGenerator:
         return self._options.prefill_chunk
 
     @prefill_chunk.setter
-    def prefill_chunk(self, value) -> None:
+    def prefill_chunk(self, value: int | None) -> None:
         self.options = self._options.replace(prefill_chunk=value)
 
     # ----------------------------------------------------------------- public API
 
     def start(
         self,
-        input_ids=None,
-        generation_config=None,
+        input_ids: Any = None,
+        generation_config: Any = None,
         *,
-        attention_mask=None,
+        attention_mask: Any = None,
         record_trees: bool = False,
-        **options,
+        **options: Any,
     ) -> DecodeState:
-        """A fresh :class:`~ddtree.generation.state.DecodeState` for these prompts; advance it with ``speculative_round``.
+        """A fresh :class:`~ddtree.generation.state.DecodeState` for these prompts; advance it with
+        ``speculative_round``.
 
         ``input_ids``: anything :func:`ddtree.generation.inputs.prompt_rows` reads: ``[T]`` or
         ``[B, T]`` ids (with ``attention_mask`` for left padding, as HF pads), a
@@ -295,8 +298,9 @@ class SpeculativeGenerator:
                 other_names=CALL_NAMES, **options)
             if settings.max_new_tokens is None or settings.max_new_tokens < 1:
                 raise ValueError(f"max_new_tokens must be an int >= 1, got {settings.max_new_tokens!r}")
-        budget, builder = call.tree_budget, self.builder
-        engine = self
+        # never None: the generator's options hold its default, and a per-call None means "the generator's"
+        budget, builder = cast("int | str | BudgetPolicy", call.tree_budget), self.builder
+        engine: RoundEngine = self
         if call.builder != self._options.builder:
             builder = resolve_builder(call.builder)
             engine = _CallEngine(self, builder)
@@ -325,7 +329,8 @@ class SpeculativeGenerator:
         given = split_call_options(options)
         return self._options.replace(**given) if given else self._options
 
-    def generate(self, input_ids=None, generation_config=None, *, streamer=None, **options) -> GenerationOutput:
+    def generate(self, input_ids: Any = None, generation_config: Any = None, *, streamer: Any = None,
+                 **options: Any) -> GenerationOutput:
         """Generate after each prompt, like HF ``generate``; inputs and options as in :meth:`start`.
 
         ``streamer`` (any transformers streamer, batch 1) gets the prompt, then the tokens as rounds commit.
@@ -345,7 +350,8 @@ class SpeculativeGenerator:
         self._hint(state)
         return self._output(state, elapsed, options.get("tree_budget"))
 
-    def stream(self, input_ids=None, generation_config=None, *, streamer=None, **options) -> Iterator[list[list[int]]]:
+    def stream(self, input_ids: Any = None, generation_config: Any = None, *, streamer: Any = None,
+               **options: Any) -> Generator[list[list[int]], None, None]:
         """Yield what each round commits as one list of ids per row, for any batch size (``chunk[0]`` for
         one prompt), as ``GenerationOutput.row_tokens`` holds them; a finished row's list is empty.
 
@@ -372,7 +378,7 @@ class SpeculativeGenerator:
             warnings.warn(message, UserWarning, stacklevel=3)
 
     @staticmethod
-    def _feed(streamer, state: DecodeState) -> StreamerFeed | None:
+    def _feed(streamer: Any, state: DecodeState) -> StreamerFeed | None:
         if streamer is None:
             return None
         if state.batch_size > 1:
@@ -380,7 +386,8 @@ class SpeculativeGenerator:
                              "each row's tokens per round")
         return StreamerFeed(streamer, state.prompts[0][None])
 
-    def budget_policy(self, budget, *, builder: TreeBuilder | None = None) -> BudgetPolicy | None:
+    def budget_policy(self, budget: int | str | BudgetPolicy, *,
+                      builder: TreeBuilder | None = None) -> BudgetPolicy | None:
         """A per-generation policy for ``budget``: ``None`` for 0 (plain decoding, no drafter work),
         :class:`FixedBudget` for an int, a new :class:`AutoBudget` for ``"auto"`` (sharing the round
         costs this generator's earlier calls learned; it sizes trees with ``builder``, default the
@@ -388,7 +395,7 @@ class SpeculativeGenerator:
         check_budget(budget)
         if isinstance(budget, int):
             return None if budget == 0 else FixedBudget(budget)
-        if budget == "auto":
+        if isinstance(budget, str):  # "auto", the one string check_budget accepts
             return AutoBudget(builder=builder or self.builder, costs=self._costs)
         return budget
 
@@ -410,7 +417,8 @@ class SpeculativeGenerator:
 
     # ----------------------------------------------------------------- helpers
 
-    def _output(self, state: DecodeState, elapsed: float, tree_budget) -> GenerationOutput:
+    def _output(self, state: DecodeState, elapsed: float,
+                tree_budget: int | str | BudgetPolicy | None) -> GenerationOutput:
         rows = state.batch_size
         prompt_width = max(len(p) for p in state.prompts)
         new_width = max(len(t) for t in state.new_tokens)
@@ -456,11 +464,11 @@ class _CallEngine:
     """The generator as one call with its own ``builder`` sees it: the round reads ``state.generator.builder``,
     and every other model and setting is the generator's."""
 
-    def __init__(self, generator: SpeculativeGenerator, builder: TreeBuilder):
+    def __init__(self, generator: SpeculativeGenerator, builder: TreeBuilder) -> None:
         self._generator = generator
         self.builder = builder
 
-    def __getattr__(self, name):
+    def __getattr__(self, name: str) -> Any:
         if name == "_generator":  # not set yet (copy, pickle): no recursion
             raise AttributeError(name)
         return getattr(self._generator, name)
@@ -473,14 +481,14 @@ for free, and get ``DEFAULT_TREE_BUDGET_ACCELERATOR``."""
 DEFAULT_TREE_BUDGET_ACCELERATOR = 32
 
 
-def default_tree_budget(target) -> int:
+def default_tree_budget(target: Any) -> int:
     """The default budget for ``target``'s device (:data:`DEFAULT_TREE_BUDGET`)."""
     param = next(target.parameters(), None)
     kind = param.device.type if param is not None else "cpu"
     return DEFAULT_TREE_BUDGET.get(kind, DEFAULT_TREE_BUDGET_ACCELERATOR)
 
 
-def _apply_thread_policy(target, threads):
+def _apply_thread_policy(target: Any, threads: int | str | None) -> ThreadInfo | None:
     """Apply ``threads`` (checked by :class:`GeneratorOptions`) to torch for a CPU target; returns what runs."""
     from ddtree.runtime.threads import configure_threads
 
@@ -489,10 +497,10 @@ def _apply_thread_policy(target, threads):
     param = next(target.parameters(), None)
     if param is not None and param.device.type != "cpu":
         return None  # the CPU threads only feed the host side of a GPU target
-    return configure_threads(None if threads == "auto" else threads)
+    return configure_threads(None if isinstance(threads, str) else threads)  # "auto", the one string accepted
 
 
-def _route_cpu_linear(target, mode) -> int:
+def _route_cpu_linear(target: Any, mode: bool | str) -> int:
     """Install :mod:`ddtree.targets.cpu_linear` on ``target`` as ``mode`` (checked by :class:`GeneratorOptions`)
     asks; returns the routed layer count."""
     from ddtree.targets import cpu_linear
@@ -510,7 +518,7 @@ def _route_cpu_linear(target, mode) -> int:
     return cpu_linear.install(target)
 
 
-def _drafter_identity(drafter) -> tuple:
+def _drafter_identity(drafter: Drafter) -> tuple:
     """What must be equal on every rank of a tensor-parallel target, for a drafter of any kind."""
     model = getattr(drafter, "model", None)
     return (type(drafter).__name__, getattr(drafter, "block_size", None), list(drafter.target_layer_ids),

@@ -14,7 +14,7 @@ anything else) can take the inputs a ``transformers`` user already has:
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -83,15 +83,15 @@ def prompt_rows(
     return rows
 
 
-def _is_batch_encoding(x) -> bool:
+def _is_batch_encoding(x: Any) -> bool:
     return type(x).__name__ == "BatchEncoding" and hasattr(x, "keys")
 
 
-def _refuse(got) -> ValueError:
+def _refuse(got: Any) -> ValueError:
     return ValueError(f"cannot read a prompt from {_describe(got)}: give {ACCEPTED_PROMPTS}")
 
 
-def _describe(x) -> str:
+def _describe(x: Any) -> str:
     if isinstance(x, torch.Tensor):
         return f"a {x.dtype} tensor of shape {tuple(x.shape)}"
     if isinstance(x, (list, tuple)) and x:
@@ -99,7 +99,7 @@ def _describe(x) -> str:
     return f"{type(x).__name__} {x!r}"[:120]
 
 
-def _as_int_tensor(x, got) -> torch.Tensor:
+def _as_int_tensor(x: Any, got: Any) -> torch.Tensor:
     t = x if isinstance(x, torch.Tensor) else None
     if t is None:
         try:
@@ -111,7 +111,7 @@ def _as_int_tensor(x, got) -> torch.Tensor:
     return t.long()
 
 
-def _id_rows(inputs) -> list[torch.Tensor]:
+def _id_rows(inputs: Any) -> list[torch.Tensor]:
     if isinstance(inputs, torch.Tensor) or hasattr(inputs, "__array__") and not isinstance(inputs, (list, tuple)):
         t = _as_int_tensor(inputs, inputs)
         if t.dim() == 1:
@@ -138,7 +138,7 @@ def _id_rows(inputs) -> list[torch.Tensor]:
     raise _refuse(inputs)
 
 
-def _unpad(rows: list[torch.Tensor], attention_mask) -> list[torch.Tensor]:
+def _unpad(rows: list[torch.Tensor], attention_mask: Any) -> list[torch.Tensor]:
     masks = _id_rows(attention_mask) if not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 1 \
         else [attention_mask.long()]
     if len(masks) != len(rows) or any(m.shape != r.shape for m, r in zip(masks, rows)):
@@ -206,9 +206,9 @@ def _hf_defaults() -> dict:
 
 
 def resolve_generation(
-    generation_config=None,
+    generation_config: Any = None,
     *,
-    target_generation_config=None,
+    target_generation_config: Any = None,
     max_new_tokens: int | None = None,
     do_sample: bool | None = None,
     temperature: float | None = None,
@@ -219,7 +219,7 @@ def resolve_generation(
     seed: int | None = None,
     prompt_length: int | None = None,
     other_names: Sequence[str] = (),
-    **options,
+    **options: Any,
 ) -> GenerationSettings:
     """Resolve ``generate``-style options into :class:`GenerationSettings`, exactly or not at all.
 
@@ -257,7 +257,7 @@ def resolve_generation(
     if hf_mode and target_generation_config is not None:
         layers.append(_config_dict(target_generation_config))
 
-    def value(name, fallback=None):
+    def value(name: str, fallback: Any = None) -> Any:
         for layer in layers:
             if layer.get(name) is not None:
                 return layer[name]
@@ -299,7 +299,7 @@ def resolve_generation(
     return GenerationSettings(new, temp, settings_k, settings_p, stops, seed)
 
 
-def _config_dict(cfg) -> dict:
+def _config_dict(cfg: Any) -> dict:
     if isinstance(cfg, Mapping):
         return dict(cfg)
     if hasattr(cfg, "to_dict"):
@@ -335,7 +335,7 @@ def _refuse_options(options: dict, layers: list[dict], defaults: dict, other_nam
         )
 
 
-def _ids(x) -> tuple[int, ...]:
+def _ids(x: Any) -> tuple[int, ...]:
     if x is None:
         return ()
     if isinstance(x, torch.Tensor):
@@ -345,7 +345,8 @@ def _ids(x) -> tuple[int, ...]:
     return tuple(int(v) for v in x)
 
 
-def _resolve_stops(eos_token_id, stop_token_ids, generation_config, target_generation_config) -> tuple[int, ...]:
+def _resolve_stops(eos_token_id: Any, stop_token_ids: Any, generation_config: Any,
+                   target_generation_config: Any) -> tuple[int, ...]:
     if stop_token_ids is not UNSET and eos_token_id is not UNSET and _ids(stop_token_ids) != _ids(eos_token_id):
         raise ValueError("give stop_token_ids or eos_token_id, not both (they are the same thing)")
     for explicit in (stop_token_ids, eos_token_id):
@@ -364,7 +365,7 @@ def _resolve_stops(eos_token_id, stop_token_ids, generation_config, target_gener
 _SENTINEL = "DDTREE-CONTENT-7f3a"
 
 
-def missing_chat_template(tokenizer, prompt: Sequence[int] | torch.Tensor) -> bool:
+def missing_chat_template(tokenizer: Any, prompt: Sequence[int] | torch.Tensor) -> bool:
     """True when ``tokenizer`` has a chat template and ``prompt`` does not end with its assistant turn opener
     (what ``apply_chat_template(..., add_generation_prompt=True)`` puts after the user's text)."""
     if tokenizer is None or not getattr(tokenizer, "chat_template", None):
@@ -381,7 +382,8 @@ def missing_chat_template(tokenizer, prompt: Sequence[int] | torch.Tensor) -> bo
     return bool(opener) and not text.rstrip().endswith(opener)
 
 
-def chat_template_warning(tokenizer, prompts, new_tokens: list[list[int]], stops) -> str | None:
+def chat_template_warning(tokenizer: Any, prompts: Sequence[Sequence[int] | torch.Tensor], new_tokens: list[list[int]],
+                          stops: Collection[int]) -> str | None:
     """The hint for a generation whose rows stopped at their first token on a prompt without the chat
     template (an instruct model given raw text often ends at once); ``None`` when it does not apply."""
     rows = [b for b, new in enumerate(new_tokens) if len(new) == 1 and new[0] in stops]
@@ -406,7 +408,7 @@ class StreamerFeed:
     consumer never waits forever.
     """
 
-    def __init__(self, streamer, prompt: torch.Tensor | Sequence[int] | None = None):
+    def __init__(self, streamer: Any, prompt: torch.Tensor | Sequence[int] | None = None) -> None:
         self.streamer = streamer
         self._ended = False
         if prompt is not None:
@@ -426,15 +428,16 @@ class StreamerFeed:
     def __enter__(self) -> StreamerFeed:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.end()
 
 
-def _is_id(x) -> bool:
+def _is_id(x: Any) -> bool:
     return isinstance(x, int) or isinstance(x, torch.Tensor) and x.dim() == 0
 
 
-def streamed(chunks: Iterable[Sequence], streamer, prompt=None) -> Iterator[list]:
+def streamed(chunks: Iterable[Sequence], streamer: Any,
+             prompt: torch.Tensor | Sequence[int] | None = None) -> Iterator[list]:
     """Pass ``chunks`` through, feeding ``streamer`` on the way.
 
     A chunk is what ``SpeculativeGenerator.stream(...)`` yields for one prompt (``[ids]``, one list per row) or

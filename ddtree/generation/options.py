@@ -54,7 +54,7 @@ class GeneratorOptions:
         check_threads(self.threads)
         check_prefill_chunk(self.prefill_chunk)
 
-    def replace(self, **changes) -> GeneratorOptions:
+    def replace(self, **changes: Any) -> GeneratorOptions:
         """A checked copy with ``changes``; an unknown name is refused with the list of settings."""
         unknown = sorted(set(changes) - set(NAMES))
         if unknown:
@@ -67,7 +67,7 @@ NAMES = tuple(f.name for f in dataclasses.fields(GeneratorOptions))
 """Every generator setting, in declaration order."""
 
 
-def check_attention(attention) -> None:
+def check_attention(attention: Any) -> None:
     """A backend name (resolved now, so a typo or a missing package fails here), ``None``, or a backend object."""
     if attention is None or isinstance(attention, str):
         get_backend(attention)
@@ -76,12 +76,12 @@ def check_attention(attention) -> None:
                         f"object with prepare and tree_forward_kwargs, got {type(attention).__name__}")
 
 
-def check_cpu_linear(mode) -> None:
+def check_cpu_linear(mode: Any) -> None:
     if not (isinstance(mode, bool) or mode == "auto"):
         raise ValueError(f"cpu_linear must be True, False or 'auto', got {mode!r}")
 
 
-def check_threads(threads) -> None:
+def check_threads(threads: Any) -> None:
     if threads is None or threads == "auto":
         return
     if not isinstance(threads, int) or isinstance(threads, bool) or threads < 1:

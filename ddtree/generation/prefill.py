@@ -11,12 +11,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from ddtree.drafters.base import DraftContext, Drafter, takes_host_counts
 from ddtree.targets.cache import new_target_cache, padding_mask
-from ddtree.targets.forward import chunked_prefill
+from ddtree.targets.forward import TargetModel, chunked_prefill
 
 Append = Callable[[torch.Tensor | None, torch.Tensor, torch.Tensor | None, bool, list[int] | None], None]
 
@@ -34,7 +35,8 @@ class Prefilled:
     context: DraftContext | None
 
 
-def left_pad(prompts: Sequence, pad_token_id: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+def left_pad(prompts: Sequence, pad_token_id: int,
+             device: str | torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``prompts`` (token-id lists or 1-D tensors, any lengths) as left-padded ids ``[B, T]`` and lengths ``[B]``."""
     rows = [torch.as_tensor(p, dtype=torch.long).view(-1) for p in prompts]
     if not rows or any(len(r) == 0 for r in rows):
@@ -49,7 +51,7 @@ def left_pad(prompts: Sequence, pad_token_id: int, device=None) -> tuple[torch.T
     return ids, lengths
 
 
-def prefill(target, prompts: Sequence, drafter: Drafter | None = None, *, pad_token_id: int = 0,
+def prefill(target: TargetModel, prompts: Sequence, drafter: Drafter | None = None, *, pad_token_id: int = 0,
             chunk_size: int | None = None) -> Prefilled:
     """Prefill ``prompts`` (any lengths) in one batch into a new cache, and a new ``drafter`` context with them.
 
@@ -60,15 +62,7 @@ def prefill(target, prompts: Sequence, drafter: Drafter | None = None, *, pad_to
     ids, lengths = left_pad(prompts, pad_token_id, device)
     cache = new_target_cache(target)
     context = None if drafter is None else drafter.new_context(len(ids))
-    append = None
-    if context is not None:
-        with_counts = takes_host_counts(context)
-
-        def append(features, tokens, counts, last, host_counts) -> None:
-            if with_counts:
-                context.append(features, tokens, counts, host_counts=host_counts)
-            else:
-                context.append(features, tokens, counts)
+    append = None if context is None else _append_to(context)
 
     host_lengths = [len(p) for p in prompts]
     logits = prefill_padded(target, ids, lengths, cache, drafter=drafter, append=append, chunk_size=chunk_size,
@@ -76,8 +70,23 @@ def prefill(target, prompts: Sequence, drafter: Drafter | None = None, *, pad_to
     return Prefilled(cache, logits, lengths, context)
 
 
-def prefill_padded(target, ids: torch.Tensor, lengths: torch.Tensor, cache, *, drafter: Drafter | None = None,
-                   append: Append | None = None, chunk_size: int | None = None,
+def _append_to(context: DraftContext) -> Append:
+    """An ``append`` that gives every chunk, the last one included, to ``context`` at once."""
+
+    with_counts = takes_host_counts(context)
+
+    def append(features: torch.Tensor | None, tokens: torch.Tensor, counts: torch.Tensor | None, last: bool,
+               host_counts: list[int] | None) -> None:
+        if with_counts:
+            context.append(features, tokens, counts, host_counts=host_counts)
+        else:
+            context.append(features, tokens, counts)
+
+    return append
+
+
+def prefill_padded(target: TargetModel, ids: torch.Tensor, lengths: torch.Tensor, cache: Any, *,
+                   drafter: Drafter | None = None, append: Append | None = None, chunk_size: int | None = None,
                    host_lengths: Sequence[int] | None = None) -> torch.Tensor:
     """Prefill left-padded ``ids`` ``[B, T]`` (row ``b``'s prompt is its last ``lengths[b]`` columns) into ``cache``.
 
@@ -92,12 +101,14 @@ def prefill_padded(target, ids: torch.Tensor, lengths: torch.Tensor, cache, *, d
     padded = (any(n != width for n in host_lengths) if host_lengths is not None
               else not bool((lengths == width).all()))
     valid = padding_mask(lengths, width) if padded else None
-    positions = (valid.long().cumsum(-1) - 1).clamp(min=0) if padded else None
+    positions = None if valid is None else (valid.long().cumsum(-1) - 1).clamp(min=0)
     hidden = append is not None and drafter is not None and drafter.needs_hidden_states
+    layers = drafter.target_layer_ids if hidden and drafter is not None else None
     pads = width - lengths
 
-    def to_drafter(start: int, end: int, out) -> None:
-        features = drafter.context_features(out.hidden_states) if hidden else None
+    def to_drafter(start: int, end: int, out: Any) -> None:
+        assert append is not None  # passed as on_chunk only with an append
+        features = drafter.context_features(out.hidden_states) if hidden and drafter is not None else None
         chunk, counts, host_counts = ids[:, start:end], None, None
         if padded:  # left-align each row's real columns of this chunk
             first = pads.clamp(min=start)
@@ -111,5 +122,5 @@ def prefill_padded(target, ids: torch.Tensor, lengths: torch.Tensor, cache, *, d
         append(features, chunk, counts, end == width, host_counts)
 
     return chunked_prefill(target, ids, cache, chunk_size, positions=positions, valid=valid, hidden=hidden,
-                           layers=drafter.target_layer_ids if hidden else None,
+                           layers=layers,
                            on_chunk=None if append is None else to_drafter)

@@ -21,14 +21,16 @@ With budget 0 (no policy) a round is one plain decode step per row.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, cast
 
 import torch
 
+from ddtree.budget.policy import BudgetPolicy
 from ddtree.core.masks import tree_position_ids
 from ddtree.core.sampling import choose_tokens
-from ddtree.core.tree import SOURCE_NAMES, root_only
-from ddtree.core.verify import verify_tree
-from ddtree.drafters.base import check_proposal, proposal_tree
+from ddtree.core.tree import SOURCE_NAMES, DraftTree, root_only
+from ddtree.core.verify import VerifyResult, verify_tree
+from ddtree.drafters.base import DraftContext, check_proposal, proposal_tree
 from ddtree.generation.prefill import prefill_padded
 from ddtree.generation.state import DecodeState, RoundRecord, RoundResult
 from ddtree.targets.cache import (
@@ -54,7 +56,7 @@ def speculative_round(state: DecodeState) -> RoundResult:
             return _prefill(state)
         if state.policy is None:
             return _plain_step(state)
-        return _tree_round(state)
+        return _tree_round(state, state.policy)
 
 
 def _prefill(state: DecodeState) -> RoundResult:
@@ -85,19 +87,20 @@ def _prefill(state: DecodeState) -> RoundResult:
         roots = gen.lockstep.share(choose_tokens(last.to(device), state.sampling, state.rng))
     state.lengths, state.roots, state.prefilled = lengths, roots, True
     first = roots.tolist()
-    tokens = [[] for _ in state.prompts]
+    tokens: list[list[int]] = [[] for _ in state.prompts]
     for i, row in enumerate(state.active):
         tokens[row] = state.emit(row, [first[i]])
     return _finish_round(state, tokens, [None] * len(state.prompts))
 
 
-def _to_context(state: DecodeState, last: bool, *args) -> None:
+def _to_context(state: DecodeState, last: bool, features: torch.Tensor | None, tokens: torch.Tensor,
+                counts: torch.Tensor | None, host_counts: list[int] | None) -> None:
     """A prefill chunk's append to the drafter context: at once, or for a prompt's last chunk after the first
     token is out (:meth:`DecodeState.catch_up_draft`)."""
     if last:
-        state.deferred.append(args)
+        state.deferred.append((features, tokens, counts, host_counts))
     else:
-        state.append_draft(*args)
+        state.append_draft(features, tokens, counts, host_counts)
 
 
 def _prefill_each_row(state: DecodeState, hidden: bool, width: int) -> torch.Tensor:
@@ -108,10 +111,11 @@ def _prefill_each_row(state: DecodeState, hidden: bool, width: int) -> torch.Ten
     gen = state.generator
     target = gen.target
     rows = len(state.prompts)
-    caches, last = [], []
+    caches: list[Any] = []
+    last: list[torch.Tensor] = []
     for b, prompt in enumerate(state.prompts):
 
-        def to_drafter(start: int, end: int, out, b=b, prompt=prompt) -> None:
+        def to_drafter(start: int, end: int, out: Any, b: int = b, prompt: torch.Tensor = prompt) -> None:
             if state.draft is None:
                 return
             t = end - start
@@ -124,6 +128,7 @@ def _prefill_each_row(state: DecodeState, hidden: bool, width: int) -> torch.Ten
             features = None
             if hidden:
                 own = gen.drafter.context_features(out.hidden_states)
+                assert own is not None  # a drafter that needs hidden states returns features
                 features = own.new_zeros((rows, *own.shape[1:]))
                 features[b] = own[0]
             _to_context(state, end == len(prompt), features, tokens, counts, host_counts)
@@ -139,23 +144,25 @@ def _prefill_each_row(state: DecodeState, hidden: bool, width: int) -> torch.Ten
 
 
 def _plain_step(state: DecodeState) -> RoundResult:
-    target, cache, lengths = state.generator.target, state.cache, state.lengths
+    target, cache = state.generator.target, state.cache
+    lengths, roots = cast(torch.Tensor, state.lengths), cast(torch.Tensor, state.roots)  # set by the prefill
     width = cache_length(cache)
     with state.timer.stage("verify"):
         if all(n == width for n in state.host_lengths):
-            out = target_forward(target, state.roots.view(-1, 1), None, cache, hidden=False, last=1)
+            out = target_forward(target, roots.view(-1, 1), None, cache, hidden=False, last=1)
         else:
             valid = torch.cat([padding_mask(lengths, width), torch.ones_like(lengths[:, None], dtype=torch.bool)], 1)
-            out = target_forward(target, state.roots.view(-1, 1), lengths[:, None], cache, hidden=False, last=1,
+            out = target_forward(target, roots.view(-1, 1), lengths[:, None], cache, hidden=False, last=1,
                                  attention_mask=valid.long())
         check_cache_length(cache, width + 1, "decode step")
-        logits = out.logits[:, -1].to(state.roots.device)
-        state.roots = state.generator.lockstep.share(choose_tokens(logits, state.sampling, state.rng))
+        logits = out.logits[:, -1].to(roots.device)
+        roots = state.generator.lockstep.share(choose_tokens(logits, state.sampling, state.rng))
+    state.roots = roots
     state.lengths = lengths + 1
     state.host_lengths = [n + 1 for n in state.host_lengths]
     state.rounds += 1
-    chosen = state.roots.tolist()  # the step's one host read
-    tokens = [[] for _ in state.prompts]
+    chosen = roots.tolist()  # the step's one host read
+    tokens: list[list[int]] = [[] for _ in state.prompts]
     acceptance: list[int | None] = [None] * len(state.prompts)
     for i, row in enumerate(state.active):
         acceptance[row] = 1
@@ -164,43 +171,43 @@ def _plain_step(state: DecodeState) -> RoundResult:
     return _finish_round(state, tokens, acceptance)
 
 
-def _tree_round(state: DecodeState) -> RoundResult:
+def _tree_round(state: DecodeState, policy: BudgetPolicy) -> RoundResult:
     """Draft, build, verify and commit one tree per active row."""
-    state.catch_up_draft()
+    draft = cast(DraftContext, state.catch_up_draft())  # made by the prefill whenever there is a policy
     context = max(state.host_lengths)
     with state.timer.stage("calibration"):
-        state.policy.prepare(context, len(state.active))
-    tree = _draft_tree(state, context)
+        policy.prepare(context, len(state.active))
+    tree = _draft_tree(state, policy, draft, context)
     out, result, verify_seconds = _verify(state, tree)
     with state.timer.stage("commit"):
         accepted = _read_accepted(tree, result)
         _commit(state, tree, out, result, accepted)
     _count_sources(state, accepted)
     emitted = _emit_accepted(state, tree, accepted, result)
-    state.policy.observe([a for a in emitted.acceptance if a is not None], verify_seconds, context)
+    policy.observe([a for a in emitted.acceptance if a is not None], verify_seconds, context)
     return emitted
 
 
-def _draft_tree(state: DecodeState, context: int):
+def _draft_tree(state: DecodeState, policy: BudgetPolicy, draft: DraftContext, context: int) -> DraftTree:
     """This round's trees: the drafter's proposal built under the policy's budget (lookup branches grafted in),
     or the roots alone while the policy says no tree pays (rank 0 decides both under tensor parallelism)."""
-    gen, roots = state.generator, state.roots
-    if gen.lockstep.share(bool(state.policy.skip_draft)):
+    gen, roots = state.generator, cast(torch.Tensor, state.roots)  # set by the prefill
+    if gen.lockstep.share(bool(policy.skip_draft)):
         state.budgets.append(0)
         return root_only(roots)
     with state.timer.stage("draft"):
-        proposal = check_proposal(state.draft.propose(roots), state.draft)
+        proposal = check_proposal(draft.propose(roots), draft)
     with state.timer.stage("tree_build"):
-        size = gen.lockstep.share(state.policy.choose(proposal.logprobs, context))  # each rank's clock differs
+        size = gen.lockstep.share(policy.choose(proposal.logprobs, context))  # each rank's clock differs
         tree = proposal_tree(proposal, roots, gen.builder, size)
     state.budgets.append(size)
     return tree
 
 
-def _verify(state: DecodeState, tree):
+def _verify(state: DecodeState, tree: DraftTree) -> tuple[Any, VerifyResult, float]:
     """One target forward over every row's tree at positions ``length + depth``, then the acceptance walk.
     Returns the forward's output, the :class:`VerifyResult` and the verify forward's seconds."""
-    gen, cache, lengths = state.generator, state.cache, state.lengths
+    gen, cache, lengths = state.generator, state.cache, cast(torch.Tensor, state.lengths)  # set by the prefill
     width = cache_length(cache)
     with state.timer.stage("mask"):
         uniform = all(n == width for n in state.host_lengths)  # rows padded in the cache need a dense mask
@@ -235,7 +242,7 @@ class AcceptedOnHost:
     sources: list[list[int]] | None
 
 
-def _read_accepted(tree, result) -> AcceptedOnHost:
+def _read_accepted(tree: DraftTree, result: VerifyResult) -> AcceptedOnHost:
     """Read each row's accepted count, bonus, path and path tokens back in one packed tensor."""
     n = tree.num_nodes
     device = tree.tokens.device
@@ -254,7 +261,7 @@ def _read_accepted(tree, result) -> AcceptedOnHost:
     )
 
 
-def _commit(state: DecodeState, tree, out, result, host: AcceptedOnHost) -> None:
+def _commit(state: DecodeState, tree: DraftTree, out: Any, result: VerifyResult, host: AcceptedOnHost) -> None:
     """Keep each row's accepted nodes in the target cache and give their features to the drafter context
     (everything sized and branched from ``host``: no read)."""
     gen = state.generator
@@ -279,7 +286,7 @@ def _count_sources(state: DecodeState, host: AcceptedOnHost) -> None:
             state.accepted_by_source[SOURCE_NAMES[flag]] += 1
 
 
-def _emit_accepted(state: DecodeState, tree, host: AcceptedOnHost, result) -> RoundResult:
+def _emit_accepted(state: DecodeState, tree: DraftTree, host: AcceptedOnHost, result: VerifyResult) -> RoundResult:
     """Emit each row's accepted tokens and bonus token, record the round, and advance the row tensors."""
     tokens: list[list[int]] = [[] for _ in state.prompts]
     acceptance: list[int | None] = [None] * len(state.prompts)
@@ -290,27 +297,31 @@ def _emit_accepted(state: DecodeState, tree, host: AcceptedOnHost, result) -> Ro
         if state.record:
             state.records[row].append(RoundRecord(state.host_lengths[i], tree.row(i), host.paths[i], host.bonus[i]))
         tokens[row] = state.emit(row, host.tokens[i][1:] + [host.bonus[i]])
-    state.lengths = state.lengths + result.num_accepted.to(state.lengths.device)
+    lengths = cast(torch.Tensor, state.lengths)  # set by the prefill
+    state.lengths = lengths + result.num_accepted.to(lengths.device)
     state.host_lengths = [n + c for n, c in zip(state.host_lengths, host.counts)]
     state.roots = result.bonus
     state.rounds += 1
     return _finish_round(state, tokens, acceptance)
 
 
-def _finish_round(state: DecodeState, tokens, acceptance) -> RoundResult:
+def _finish_round(state: DecodeState, tokens: list[list[int]], acceptance: list[int | None]) -> RoundResult:
     """Drop rows that finished this round from the cache, the drafter context and the row tensors."""
     finished = [row for row in state.active if state.finished[row]]
     if finished:
         keep = [i for i, row in enumerate(state.active) if not state.finished[row]]
         state.active = [state.active[i] for i in keep]
         if keep:
-            index = torch.tensor(keep, dtype=torch.long, device=state.lengths.device)
+            lengths, roots = cast(torch.Tensor, state.lengths), cast(torch.Tensor, state.roots)  # set by the prefill
+            index = torch.tensor(keep, dtype=torch.long, device=lengths.device)
             select_cache_rows(state.cache, index)
-            if state.draft is not None:
-                state.catch_up_draft().select_rows(index)
-            state.lengths = state.lengths.index_select(0, index)
+            draft = state.draft
+            if draft is not None:
+                state.catch_up_draft()
+                draft.select_rows(index)
+            state.lengths = lengths.index_select(0, index)
             state.host_lengths = [state.host_lengths[i] for i in keep]
-            state.roots = state.roots.index_select(0, index.to(state.roots.device))
+            state.roots = roots.index_select(0, index.to(roots.device))
             _trim_leading_padding(state)
         else:
             state.cache = state.draft = None  # nothing left to decode: free the memory now

@@ -110,7 +110,7 @@ class DecodeState:
     rounds: int = 0  # verify rounds (or plain decode steps) after the prefill
     accepted_by_source: dict[str, int] = field(default_factory=lambda: {"drafter": 0, "lookup": 0, "both": 0})
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         rows = len(self.prompts)
         self.new_tokens = [[] for _ in range(rows)]
         self.acceptance = [[] for _ in range(rows)]
@@ -143,12 +143,14 @@ class DecodeState:
     def append_draft(self, features: torch.Tensor | None, tokens: torch.Tensor, counts: torch.Tensor | None,
                      host_counts: list[int] | None) -> None:
         """``draft.append``, with the host-known counts when the context takes them."""
+        draft = self.draft
+        assert draft is not None, "the drafter context is made before anything is appended to it"
         if self.draft_takes_host_counts is None:
-            self.draft_takes_host_counts = takes_host_counts(self.draft)
+            self.draft_takes_host_counts = takes_host_counts(draft)
         if self.draft_takes_host_counts:
-            self.draft.append(features, tokens, counts, host_counts=host_counts)
+            draft.append(features, tokens, counts, host_counts=host_counts)
         else:
-            self.draft.append(features, tokens, counts)
+            draft.append(features, tokens, counts)
 
     def emit(self, row: int, tokens: list[int]) -> list[int]:
         """Append a row's tokens, cut at its first stop token (kept) and at ``max_new_tokens``; returns what was

@@ -12,12 +12,16 @@ from __future__ import annotations
 
 import sys
 import weakref
-from typing import Any
+from types import FrameType
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
 from ddtree.generation.inputs import StreamerFeed, prompt_rows
 from ddtree.generation.options import GeneratorOptions, split_call_options
+
+if TYPE_CHECKING:
+    from ddtree.generation.generator import SpeculativeGenerator
 
 # The only logits processors whose effect ddtree's sampler reproduces exactly.
 _WARPERS = ("TemperatureLogitsWarper", "TopKLogitsWarper", "TopPLogitsWarper")
@@ -26,8 +30,8 @@ _UNSET = object()  # a generator setting not given to this call
 _PREPARED = frozenset({"attention_mask", "position_ids", "cache", "past_key_values", "logits_to_keep", "use_cache"})
 
 
-def decoding(drafter, tree_budget: int | str | None = None, builder: Any = None, *, seed: int | None = None,
-             options: GeneratorOptions | None = None, **settings) -> DDTreeDecoding:
+def decoding(drafter: Any, tree_budget: int | str | None = None, builder: Any = None, *, seed: int | None = None,
+             options: GeneratorOptions | None = None, **settings: Any) -> DDTreeDecoding:
     """A ``custom_generate`` callable running DDTree with ``drafter``: a drafter directory or hub id (loaded
     against the target on first use, the class from its ``architectures``), a raw drafter model or any ``Drafter``.
 
@@ -50,13 +54,13 @@ def decoding(drafter, tree_budget: int | str | None = None, builder: Any = None,
 class DDTreeDecoding:
     """The callable behind :func:`decoding`; keeps one ``SpeculativeGenerator`` per target model."""
 
-    def __init__(self, drafter, options: GeneratorOptions, seed: int | None = None):
+    def __init__(self, drafter: Any, options: GeneratorOptions, seed: int | None = None) -> None:
         self.drafter = drafter
         self.options = options
         self.seed = seed
-        self._generators: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
+        self._generators: weakref.WeakKeyDictionary[Any, SpeculativeGenerator] = weakref.WeakKeyDictionary()
 
-    def generator_for(self, model):
+    def generator_for(self, model: Any) -> SpeculativeGenerator:
         """The ``SpeculativeGenerator`` for ``model``, built on first use and reused."""
         from ddtree.generation.generator import SpeculativeGenerator
 
@@ -66,9 +70,10 @@ class DDTreeDecoding:
             self._generators[model] = gen
         return gen
 
-    def __call__(self, model, input_ids, logits_processor=None, stopping_criteria=None, generation_config=None,
-                 synced_gpus=False, streamer=None, tree_budget=None, builder=None, prefill_chunk=_UNSET,
-                 attention=_UNSET, cpu_linear=_UNSET, threads=_UNSET, **model_kwargs):
+    def __call__(self, model: Any, input_ids: torch.Tensor, logits_processor: Any = None,
+                 stopping_criteria: Any = None, generation_config: Any = None, synced_gpus: bool = False,
+                 streamer: Any = None, tree_budget: Any = None, builder: Any = None, prefill_chunk: Any = _UNSET,
+                 attention: Any = _UNSET, cpu_linear: Any = _UNSET, threads: Any = _UNSET, **model_kwargs: Any) -> Any:
         """``generate``'s loop. The generator's settings are named here because ``generate`` hands a
         ``custom_generate`` callable only the keywords its signature names: ``tree_budget``, ``builder`` and
         ``prefill_chunk`` apply to this call; ``attention``, ``cpu_linear`` and ``threads`` are refused with
@@ -86,7 +91,8 @@ class DDTreeDecoding:
             if feed is not None:
                 feed.end()
 
-    def _decode(self, model, input_ids, processors, criteria, cfg, synced_gpus, feed, call, model_kwargs):
+    def _decode(self, model: Any, input_ids: torch.Tensor, processors: Any, criteria: Any, cfg: Any,
+                synced_gpus: bool, feed: StreamerFeed | None, call: dict, model_kwargs: dict) -> Any:
         if cfg is None:
             raise ValueError("ddtree.decoding is a custom_generate callable: call it through model.generate(...)")
         _refuse_unsupported(cfg, processors, input_ids, synced_gpus, model_kwargs)
@@ -116,11 +122,11 @@ class DDTreeDecoding:
         if cfg.return_dict_in_generate:
             from transformers.generation.utils import GenerateDecoderOnlyOutput
 
-            return GenerateDecoderOnlyOutput(sequences=ids)
+            return GenerateDecoderOnlyOutput(sequences=cast(torch.LongTensor, ids))  # a long tensor
         return ids
 
 
-def _apply_criteria(ids: torch.Tensor, chunk: list[int], criteria) -> tuple[torch.Tensor, int, bool]:
+def _apply_criteria(ids: torch.Tensor, chunk: list[int], criteria: Any) -> tuple[torch.Tensor, int, bool]:
     """Append ``chunk`` one token at a time, checking HF's criteria after each as ``_sample`` does.
 
     Returns the new ids, how many tokens of ``chunk`` were kept and whether a criterion fired.
@@ -132,7 +138,7 @@ def _apply_criteria(ids: torch.Tensor, chunk: list[int], criteria) -> tuple[torc
     return ids, len(chunk), False
 
 
-def _streamer_of_caller(frame):
+def _streamer_of_caller(frame: FrameType | None) -> Any:
     """The ``streamer`` argument of the ``generate`` call that invoked us.
 
     transformers (5.0 to at least 5.24) calls a ``custom_generate`` callable
@@ -144,7 +150,8 @@ def _streamer_of_caller(frame):
     return None
 
 
-def _refuse_unsupported(cfg, processors, input_ids, synced_gpus, model_kwargs) -> None:
+def _refuse_unsupported(cfg: Any, processors: Any, input_ids: torch.Tensor, synced_gpus: bool,
+                        model_kwargs: dict) -> None:
     if input_ids.dim() != 2 or input_ids.shape[0] != 1:
         why = (f" (num_beams={cfg.num_beams})" if (cfg.num_beams or 1) > 1 else
                f" (num_return_sequences={cfg.num_return_sequences})" if (cfg.num_return_sequences or 1) > 1 else "")
@@ -181,7 +188,7 @@ def _refuse_unsupported(cfg, processors, input_ids, synced_gpus, model_kwargs) -
                          f"builds them); these logits processors come as {names}")
 
 
-def _sampling_from(cfg, processors) -> tuple[float, int | None, float | None]:
+def _sampling_from(cfg: Any, processors: Any) -> tuple[float, int | None, float | None]:
     """Greedy unless ``do_sample``; then the warpers' own values (what ``_sample`` applies)."""
     if not cfg.do_sample:
         return 0.0, None, None  # argmax is unchanged by temperature, top-k and top-p

@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any, Protocol, cast
+
+import torch
 
 from ddtree.drafters.base import Drafter, check_drafter
 from ddtree.drafters.dflash.config import read_config_json
@@ -16,21 +19,31 @@ from ddtree.drafters.registry import drafter_class, drafter_class_for_model
 from ddtree.loading.hub import config_file, local_dir, model_dir
 
 
-def drafter_class_of(path_or_id) -> tuple[Path, type]:
+class DrafterClass(Protocol):
+    """What the loader needs of a registered drafter class: a check from configs alone, then a constructor."""
+
+    def check_config(self, config_file: Path, target_config: Any, vocab_size: int | None = None) -> None: ...
+
+    def from_pretrained(self, path: str | Path, target: Any, **options: Any) -> Drafter: ...
+
+
+def drafter_class_of(path_or_id: str | os.PathLike) -> tuple[Path, DrafterClass]:
     """The drafter's ``config.json`` (fetched alone for a hub id) and the registered class that loads it."""
     file = config_file(path_or_id, "drafter")
     _, data = read_config_json(file, "DFlash")
-    return file, drafter_class(data, where=f"the drafter config {file}")
+    return file, cast(DrafterClass, drafter_class(data, where=f"the drafter config {file}"))
 
 
-def check_drafter_config(path_or_id, target_config, vocab_size: int | None = None) -> type:
+def check_drafter_config(path_or_id: str | os.PathLike, target_config: Any,
+                         vocab_size: int | None = None) -> DrafterClass:
     """Refuse, from the configs alone, a drafter that cannot serve the target; returns the drafter's class."""
     file, cls = drafter_class_of(path_or_id)
     cls.check_config(file, target_config, vocab_size=vocab_size)
     return cls
 
 
-def load_drafter(path_or_id, target, *, dtype=None, device=None, **options) -> Drafter:
+def load_drafter(path_or_id: str | os.PathLike, target: Any, *, dtype: torch.dtype | None = None,
+                 device: str | torch.device | None = None, **options: Any) -> Drafter:
     """The drafter in a directory or hub repo, bound to ``target`` by the class its ``architectures`` names.
 
     ``dtype`` defaults to the target's, ``device`` to the target's input embedding's; ``options`` go to the
@@ -54,7 +67,7 @@ def load_drafter(path_or_id, target, *, dtype=None, device=None, **options) -> D
     return cls.from_pretrained(directory, target, dtype=dtype, device=device, **options)
 
 
-def resolve_drafter(drafter, target) -> Drafter:
+def resolve_drafter(drafter: Any, target: Any) -> Drafter:
     """``drafter`` ready to serve ``target``: a directory or hub id is loaded (:func:`load_drafter`), a raw drafter
     model bound by its registered class, a drafter kept as it is; then checked for every part of the protocol."""
     if isinstance(drafter, (str, os.PathLike)):

@@ -27,7 +27,7 @@ def looks_like_path(name: str) -> bool:
             or name.endswith("/"))
 
 
-def local_dir(name, role: str = "model") -> Path | None:
+def local_dir(name: str | os.PathLike, role: str = "model") -> Path | None:
     """``name`` as an existing local directory, ``None`` for a hub repo id; a missing or file path is refused."""
     path = Path(os.path.expanduser(str(name)))
     if path.is_dir():
@@ -53,7 +53,7 @@ def _hub_error(repo_id: str, role: str, what: str, exc: Exception) -> OSError:
     return OSError(f"the {role} {repo_id!r} is not a local directory, and its {what} is not available: {how}")
 
 
-def config_file(name, role: str = "model") -> Path:
+def config_file(name: str | os.PathLike, role: str = "model") -> Path:
     """The ``config.json`` of a local directory or a hub repo (only that file is fetched)."""
     local = local_dir(name, role)
     if local is not None:
@@ -66,7 +66,7 @@ def config_file(name, role: str = "model") -> Path:
         raise _hub_error(str(name), role, "config.json", exc) from None
 
 
-def model_dir(name, role: str = "model") -> Path:
+def model_dir(name: str | os.PathLike, role: str = "model") -> Path:
     """A local directory, or a hub repo's snapshot directory (from the cache, downloaded when allowed)."""
     local = local_dir(name, role)
     if local is not None:

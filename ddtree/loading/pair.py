@@ -60,7 +60,7 @@ def load_pair(
         check_tp_divides(target_config, int(os.environ.get("WORLD_SIZE", "1")))
     target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=dtype or "auto", **placed)
     if not placed:
-        target = target.to(device)
+        target = target.to(device)  # type: ignore[arg-type]  # transformers wraps Module.to; its stub loses the signature
     with Lockstep.for_model(target).fail_together(f"loading the drafter {drafter_path_or_id}"):
         drafter = load_drafter(drafter_dir, target, device=None if placed else device, draft_vocab=draft_vocab)
     try:

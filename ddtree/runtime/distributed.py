@@ -21,9 +21,12 @@ import dataclasses
 import hashlib
 import pickle
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
 
 
 class RankFailedError(RuntimeError):
@@ -37,13 +40,13 @@ def is_distributed() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
-def rank(group=None) -> int:
+def rank(group: ProcessGroup | None = None) -> int:
     import torch.distributed as dist
 
     return dist.get_rank(group) if is_distributed() else 0
 
 
-def world_size(group=None) -> int:
+def world_size(group: ProcessGroup | None = None) -> int:
     import torch.distributed as dist
 
     return dist.get_world_size(group) if is_distributed() else 1
@@ -58,7 +61,7 @@ def full_tensor(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def model_group(model):
+def model_group(model: Any) -> ProcessGroup | None:
     """The process group ``model``'s parameters are sharded over (tensor parallel), or ``None``."""
     if not is_distributed():
         return None
@@ -73,7 +76,7 @@ def model_group(model):
     return mesh.get_group() if mesh.ndim == 1 else mesh.get_group("tp")
 
 
-def _device_for(group) -> torch.device:
+def _device_for(group: ProcessGroup | None) -> torch.device:
     """Where a backend takes its tensors: the current CUDA device for NCCL, the CPU otherwise."""
     import torch.distributed as dist
 
@@ -82,7 +85,7 @@ def _device_for(group) -> torch.device:
     return torch.device("cpu")
 
 
-def broadcast_object(obj: Any, group=None, src_rank: int = 0) -> Any:
+def broadcast_object(obj: Any, group: ProcessGroup | None = None, src_rank: int = 0) -> Any:
     """``obj`` as group rank ``src_rank`` has it, on every rank of ``group`` (pickled; keep it small)."""
     import torch.distributed as dist
 
@@ -92,7 +95,7 @@ def broadcast_object(obj: Any, group=None, src_rank: int = 0) -> Any:
     return box[0]
 
 
-def all_gather_object(obj: Any, group=None) -> list:
+def all_gather_object(obj: Any, group: ProcessGroup | None = None) -> list:
     """Every rank's ``obj``, in rank order, on every rank."""
     import torch.distributed as dist
 
@@ -101,7 +104,7 @@ def all_gather_object(obj: Any, group=None) -> list:
     return out
 
 
-def rank0_decides(decide: Callable[[], Any], group=None) -> Any:
+def rank0_decides(decide: Callable[[], Any], group: ProcessGroup | None = None) -> Any:
     """Run ``decide`` on rank 0 only and return its value on every rank (an error there raises everywhere)."""
     if not is_distributed():
         return decide()
@@ -118,7 +121,7 @@ def rank0_decides(decide: Callable[[], Any], group=None) -> Any:
 
 
 @contextlib.contextmanager
-def fail_together(what: str, group=None) -> Iterator[None]:
+def fail_together(what: str, group: ProcessGroup | None = None) -> Iterator[None]:
     """Run a block on every rank; when it raises on any rank, raise on every rank instead of hanging.
 
     The failing rank re-raises its own exception; the others raise
@@ -137,7 +140,7 @@ def fail_together(what: str, group=None) -> Iterator[None]:
         error = exc
     reports = all_gather_object(None if error is None else f"{type(error).__name__}: {error}", group)
     if error is not None:
-        error._ddtree_shared = True
+        error._ddtree_shared = True  # type: ignore[attr-defined]  # a marker set on the exception object
         raise error
     failed = [(r, msg) for r, msg in enumerate(reports) if msg is not None]
     if failed:
@@ -162,7 +165,7 @@ def _map_tensors(obj: Any, fn: Callable[[torch.Tensor, Any], torch.Tensor], like
         })
     if isinstance(obj, (list, tuple)):
         likes = like if isinstance(like, (list, tuple)) and len(like) == len(obj) else [None] * len(obj)
-        return type(obj)(_map_tensors(o, fn, l) for o, l in zip(obj, likes))
+        return type(obj)(_map_tensors(o, fn, lk) for o, lk in zip(obj, likes))
     if isinstance(obj, dict):
         return {k: _map_tensors(v, fn, like.get(k) if isinstance(like, dict) else None) for k, v in obj.items()}
     return obj
@@ -176,11 +179,11 @@ class Lockstep:
     generator, the round and the budget cost nothing outside ``torchrun``.
     """
 
-    def __init__(self, group=None):
+    def __init__(self, group: ProcessGroup | None = None) -> None:
         self.group = group
 
     @classmethod
-    def for_model(cls, model) -> Lockstep:
+    def for_model(cls, model: Any) -> Lockstep:
         return cls(model_group(model))
 
     @property
@@ -204,7 +207,7 @@ class Lockstep:
         """``decide()`` run on rank 0 only, its value on every rank."""
         return rank0_decides(decide, self.group) if self.active else decide()
 
-    def fail_together(self, what: str):
+    def fail_together(self, what: str) -> contextlib.AbstractContextManager[None]:
         """See :func:`fail_together`; a plain block when not active."""
         return fail_together(what, self.group) if self.active else contextlib.nullcontext()
 
@@ -222,7 +225,7 @@ class Lockstep:
             )
 
 
-def shard(items: Sequence, group=None) -> list:
+def shard(items: Sequence, group: ProcessGroup | None = None) -> list:
     """This rank's share of ``items`` (every ``world_size``-th, from its rank): the data-parallel split."""
     return list(items[rank(group)::world_size(group)])
 
@@ -281,19 +284,19 @@ def leave_process_group(wait: bool = True) -> None:
         dist.destroy_process_group()
 
 
-def gather_lists(items: list, group=None) -> list[list]:
+def gather_lists(items: list, group: ProcessGroup | None = None) -> list[list]:
     """Every rank's list, in rank order (a data-parallel run's results, on every rank)."""
     return all_gather_object(list(items), group) if is_distributed() else [list(items)]
 
 
-def check_tp_divides(config, ranks: int) -> None:
+def check_tp_divides(config: Any, ranks: int) -> None:
     """Raise a ValueError, before loading, when ``tp_plan`` cannot split ``config``'s heads over ``ranks``."""
     cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
     sizes = {name: getattr(cfg, name, None) for name in ("num_attention_heads", "num_key_value_heads")}
     bad = {k: v for k, v in sizes.items() if isinstance(v, int) and v % ranks}
     if bad:
-        fits = [n for n in range(1, max(sizes.values()) + 1)
-                if all(isinstance(v, int) and v % n == 0 for v in sizes.values())]
+        counts = [v for v in sizes.values() if isinstance(v, int)]
+        fits = [n for n in range(1, max(counts) + 1) if all(v % n == 0 for v in counts)]
         raise ValueError(f"tp_plan shards attention heads over the {ranks} ranks, but the target has "
                          + ", ".join(f"{k}={v}" for k, v in sizes.items())
                          + f": launch torchrun with --nproc_per_node in {fits}, or split layers with device_map")

@@ -15,7 +15,10 @@ from __future__ import annotations
 import contextlib
 import sys
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass, field
+from types import FrameType
+from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -51,7 +54,7 @@ class HostReads:
 
 
 def _call_site() -> str:
-    frame = sys._getframe(2)
+    frame: FrameType | None = sys._getframe(2)
     while frame is not None:
         module = frame.f_globals.get("__name__", "")
         if module.split(".")[0] not in _SKIP and module != __name__:
@@ -61,11 +64,11 @@ def _call_site() -> str:
 
 
 class _Methods(TorchFunctionMode):
-    def __init__(self, reads: HostReads, inside: list[int]):
+    def __init__(self, reads: HostReads, inside: list[int]) -> None:
         super().__init__()
         self.reads, self.inside = reads, inside
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         name = getattr(func, "__name__", "")
         if name not in _METHODS:
             return func(*args, **(kwargs or {}))
@@ -78,11 +81,11 @@ class _Methods(TorchFunctionMode):
 
 
 class _Ops(TorchDispatchMode):
-    def __init__(self, reads: HostReads, inside: list[int]):
+    def __init__(self, reads: HostReads, inside: list[int]) -> None:
         super().__init__()
         self.reads, self.inside = reads, inside
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
         name = func._schema.name
         if not self.inside[0]:
@@ -93,7 +96,7 @@ class _Ops(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
-def _to_host(func, args, kwargs) -> bool:
+def _to_host(func: Any, args: tuple, kwargs: dict) -> bool:
     """A copy whose source is on an accelerator and whose result lands on the CPU."""
     if func._schema.name == "aten::copy_":
         dst, src = args[0], args[1]
@@ -108,7 +111,7 @@ def _to_host(func, args, kwargs) -> bool:
 
 
 @contextlib.contextmanager
-def count_host_reads():
+def count_host_reads() -> Iterator[HostReads]:
     """Count the host reads this thread makes inside the block."""
     reads = HostReads()
     inside = [0]

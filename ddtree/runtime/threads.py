@@ -92,6 +92,7 @@ def configure_threads(threads: int | None = None, *, warn: bool = True) -> Threa
     Warns when our threads and the CPUs other processes keep busy (the load
     average) add up to more than the CPUs we have: that is where it collapses.
     """
+    global _explicit
     cpus = available_cpus()
     cores = physical_cores(cpus)
     load = machine_load()
@@ -99,7 +100,6 @@ def configure_threads(threads: int | None = None, *, warn: bool = True) -> Threa
     if threads is not None:
         if not isinstance(threads, int) or threads < 1:
             raise ValueError(f"threads must be an int >= 1, got {threads!r}")
-        global _explicit
         torch.set_num_threads(threads)
         _explicit = threads
         source = "argument"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch
@@ -14,12 +15,12 @@ STAGES = ("calibration", "prefill", "draft", "tree_build", "mask", "verify", "co
 class StageTimer:
     """Accumulates seconds per named stage; synchronises CUDA so GPU work is charged to its stage."""
 
-    def __init__(self, device: torch.device | str | None = None):
+    def __init__(self, device: torch.device | str | None = None) -> None:
         self.seconds = {s: 0.0 for s in STAGES}
         self._cuda = torch.device(device).type == "cuda" if device is not None else False
 
     @contextmanager
-    def stage(self, name: str):
+    def stage(self, name: str) -> Iterator[None]:
         if self._cuda:
             torch.cuda.synchronize()
         t0 = time.perf_counter()
