@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import torch
 
@@ -11,6 +11,7 @@ from ddtree.drafters.base import DraftContext, Proposal
 
 if TYPE_CHECKING:
     from ddtree.drafters.dflash.drafter import DFlashDrafter
+    from ddtree.drafters.features import FeatureDrafter
 
 
 class DFlashContext(DraftContext):
@@ -31,7 +32,7 @@ class DFlashContext(DraftContext):
 
     trim_sliding = True  # False keeps every sliding-layer key (the tests compare both)
 
-    def __init__(self, drafter: DFlashDrafter, batch_size: int = 1) -> None:
+    def __init__(self, drafter: FeatureDrafter, batch_size: int = 1) -> None:
         self.drafter = drafter
         self.kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # [B, Hkv, capacity + 1, d]; the last is scratch
         self.lengths = torch.zeros(batch_size, dtype=torch.long)
@@ -150,7 +151,7 @@ class DFlashContext(DraftContext):
         """Log-probs ``[B, block_size - 1, V]`` for positions ``lengths + 1 ..``, in float32."""
         if self.kv is None or 0 in self.host_lengths:
             raise RuntimeError("the drafter has no context yet: append the prompt's target features first")
-        drafter = self.drafter
+        drafter = cast("DFlashDrafter", self.drafter)  # DFlash2Context proposes with its own method
         model = drafter.model
         embed = drafter._target_parts[0]
         root_tokens = root_tokens.view(-1, 1)

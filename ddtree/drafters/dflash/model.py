@@ -18,6 +18,7 @@ import os
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -54,22 +55,26 @@ class RMSNorm(nn.Module):
 class RotaryEmbedding(nn.Module):
     """cos/sin tables for absolute positions, any RoPE type transformers knows."""
 
+    inv_freq: torch.Tensor  # a buffer
+
     def __init__(self, config: DFlashConfig):
         super().__init__()
         from transformers import Qwen3Config
         from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
+        head_dim = config.head_dim
+        assert head_dim is not None  # DFlashConfig.__post_init__ sets it
         rope_cfg = Qwen3Config(
             hidden_size=config.hidden_size,
             num_attention_heads=config.num_attention_heads,
-            head_dim=config.head_dim,
+            head_dim=head_dim,
             max_position_embeddings=config.max_position_embeddings,
             rope_parameters=dict(config.rope_parameters),
         )
         rope_type = config.rope_parameters.get("rope_type", "default")
         if rope_type == "default":
             base = float(config.rope_parameters["rope_theta"])
-            dim = config.head_dim
+            dim = head_dim
             inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
             scaling = 1.0
         else:
@@ -131,6 +136,7 @@ class DFlashAttention(nn.Module):
         super().__init__()
         self.spec = spec
         h, d = config.hidden_size, config.head_dim
+        assert d is not None  # DFlashConfig.__post_init__ sets it
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_attention_heads, config.num_key_value_heads, d
         self.q_proj = nn.Linear(h, self.num_heads * d, bias=config.attention_bias)
         self.k_proj = nn.Linear(h, self.num_kv_heads * d, bias=config.attention_bias)
@@ -209,6 +215,11 @@ class DFlashDraftModel(nn.Module):
         self.draft_vocab: torch.Tensor | None = None
 
     @property
+    def decoder_layers(self) -> Sequence[DFlashLayer]:
+        """``layers``, typed: a ``ModuleList`` yields plain modules to the type checker."""
+        return cast("Sequence[DFlashLayer]", self.layers)
+
+    @property
     def block_size(self) -> int:
         return self.config.block_size
 
@@ -230,7 +241,7 @@ class DFlashDraftModel(nn.Module):
             x = x * scale
         mask_emb = getattr(self, "mask_embedding", None)
         if mask_emb is not None:
-            x = torch.where((block == self.config.mask_token_id)[..., None], mask_emb.to(x), x)
+            x = torch.where(block.eq(cast(int, self.config.mask_token_id))[..., None], mask_emb.to(x), x)
         return x
 
     def process_logits(self, logits: torch.Tensor) -> torch.Tensor:
@@ -256,7 +267,7 @@ class DFlashDraftModel(nn.Module):
     def context_kv(self, context: torch.Tensor, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per-layer keys/values of projected context features at their own token positions."""
         cos, sin = self.rotary(positions, context.dtype)
-        return [layer.self_attn.project_kv(context, cos, sin) for layer in self.layers]
+        return [layer.self_attn.project_kv(context, cos, sin) for layer in self.decoder_layers]
 
     def forward(
         self,
@@ -295,7 +306,7 @@ class DFlashDraftModel(nn.Module):
         if key_mask is not None and key_mask.dtype == torch.bool:
             key_mask = additive(key_mask, x.dtype)
         keys = []
-        for layer, off, clen in zip(self.layers, offsets, lens):
+        for layer, off, clen in zip(self.decoder_layers, offsets, lens):
             rule = (layer.self_attn.spec.causal, layer.self_attn.spec.window, off, clen)
             keys.append(rule)
             if kernel_rule or rule in masks:
@@ -312,7 +323,7 @@ class DFlashDraftModel(nn.Module):
                 mask = torch.zeros(1, 1, 1, 1, dtype=x.dtype, device=x.device)
             masks[rule] = mask
         cos, sin = self.rotary(block_positions, x.dtype)
-        for layer, kv, rule in zip(self.layers, context_kv, keys):
+        for layer, kv, rule in zip(self.decoder_layers, context_kv, keys):
             x = layer(x, cos, sin, kv, masks.get(rule))
         return self.norm(x)
 

@@ -12,6 +12,7 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import cast
 
 from ddtree.drafters.dflash.config import FULL, SLIDING, DFlashConfig, read_config_json
 
@@ -79,15 +80,19 @@ class DFlash2Config:
         return self.base.hidden_size // self.conv_group_size
 
     @property
+    def _layer_types(self) -> list[str]:
+        return cast("list[str]", self.base.layer_types)  # DFlashConfig.__post_init__ always sets them
+
+    @property
     def layer_causal(self) -> list[bool]:
         if self.is_causal is not None:
             return [bool(self.is_causal)] * self.base.num_hidden_layers
-        return [t == SLIDING for t in self.base.layer_types]
+        return [t == SLIDING for t in self._layer_types]
 
     @property
     def layer_window(self) -> list[int | None]:
         on = self.use_sliding_window
-        return [self.base.sliding_window if t == SLIDING and on else None for t in self.base.layer_types]
+        return [self.base.sliding_window if t == SLIDING and on else None for t in self._layer_types]
 
     @classmethod
     def from_dict(cls, d: dict) -> DFlash2Config:

@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Sequence
 from pathlib import Path
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -53,7 +55,7 @@ class GroupedDynamicConv(nn.Module):
         """Dynamic kernels ``[B, T, 2, K, G]`` from the normed input ``u``."""
         return self.kernel_projection(u).view(*u.shape[:-1], 2, self.kernel_size, -1)
 
-    def apply(self, x: torch.Tensor, dynamic: torch.Tensor, which: int) -> torch.Tensor:
+    def convolve(self, x: torch.Tensor, dynamic: torch.Tensor, which: int) -> torch.Tensor:
         t = x.shape[1]
         dyn = dynamic[:, :, which].repeat_interleave(self.group_size, dim=-1)  # [B, T, K, H]
         weight = self.base_kernel[which].to(x.dtype) + dyn  # [B, T, K, H]
@@ -106,11 +108,11 @@ class DFlash2Layer(nn.Module):
     def forward(self, x, cos, sin, context_kv, visible):
         u = self.input_layernorm(x)
         dyn = self.attention_conv.kernels(u)
-        a = self.self_attn(self.attention_conv.apply(u, dyn, 0), cos, sin, context_kv, visible)
-        x = x + self.attention_conv.apply(a, dyn, 1)
+        a = self.self_attn(self.attention_conv.convolve(u, dyn, 0), cos, sin, context_kv, visible)
+        x = x + self.attention_conv.convolve(a, dyn, 1)
         u = self.post_attention_layernorm(x)
         dyn = self.mlp_conv.kernels(u)
-        return x + self.mlp_conv.apply(self.mlp(self.mlp_conv.apply(u, dyn, 0)), dyn, 1)
+        return x + self.mlp_conv.convolve(self.mlp(self.mlp_conv.convolve(u, dyn, 0)), dyn, 1)
 
 
 class CandidateSelector(nn.Module):
@@ -203,7 +205,9 @@ class DFlash2DraftModel(nn.Module):
 
     def context_kv(self, context: torch.Tensor, positions: torch.Tensor):
         cos, sin = self.rotary(positions, context.dtype)
-        return [layer.self_attn.project_kv(context, cos, sin) for layer in self.layers]
+        layers = cast("Sequence[DFlash2Layer]", self.layers)  # a ModuleList yields plain modules to the checker
+        # project_kv is DFlashAttention's, borrowed: DFlash2Attention has the same projections under the same names
+        return [layer.self_attn.project_kv(context, cos, sin) for layer in layers]  # type: ignore[misc]
 
     def forward(self, block_embeds, block_positions, context_kv, lengths: torch.Tensor | None = None):
         """Final-normed hidden states ``[B, Q, H]`` of the block (``block_embeds`` already scaled).
@@ -221,7 +225,7 @@ class DFlash2DraftModel(nn.Module):
     def logits(self, hidden: torch.Tensor, lm_head: nn.Module) -> torch.Tensor:
         """``lm_head(hidden) * output_multiplier``, then the softcap when the config sets one."""
         cfg = self.config
-        logits = lm_head(hidden.to(lm_head.weight.dtype)) * cfg.output_multiplier
+        logits = lm_head(hidden.to(cast(torch.Tensor, lm_head.weight).dtype)) * cfg.output_multiplier
         cap = cfg.final_logit_softcapping
         if cap is not None and cap > 0:
             logits = torch.tanh(logits / cap) * cap
