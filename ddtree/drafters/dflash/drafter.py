@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+from typing import TYPE_CHECKING, cast
+
 import torch
 import torch.nn.functional as F
 
@@ -14,20 +17,24 @@ from ddtree.drafters.features import FeatureDrafter, check_target_layer_ids, ref
 from ddtree.runtime.distributed import Lockstep, full_tensor, module_fingerprint
 from ddtree.targets import cpu_linear
 
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig, PreTrainedModel
+
 ARCHITECTURE = "DFlashDraftModel"
 
 
-def target_vocab_size(target) -> int:
+def target_vocab_size(target: PreTrainedModel) -> int:
     head = target.get_output_embeddings()
     return head.weight.shape[0]
 
 
-def check_compatible(config: DFlashConfig, target) -> None:
+def check_compatible(config: DFlashConfig, target: PreTrainedModel) -> None:
     """Raise a ValueError naming the mismatch when a drafter cannot serve ``target`` (a model)."""
     check_compatible_config(config, target.config, vocab_size=target_vocab_size(target))
 
 
-def check_compatible_config(config: DFlashConfig, target_config, vocab_size: int | None = None) -> None:
+def check_compatible_config(config: DFlashConfig, target_config: PretrainedConfig,
+                            vocab_size: int | None = None) -> None:
     """The same check from the target's config alone (``vocab_size``: its lm_head rows when known), so that a
     wrong pair is refused before either model's weights are downloaded or read."""
     tc = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
@@ -64,7 +71,8 @@ class DFlashDrafter(FeatureDrafter):
 
     model_class = DFlashDraftModel
 
-    def __init__(self, model: DFlashDraftModel, target, draft_vocab: str | int | torch.Tensor | None = "auto"):
+    def __init__(self, model: DFlashDraftModel, target: PreTrainedModel,
+                 draft_vocab: str | int | torch.Tensor | None = "auto") -> None:
         self._lockstep = Lockstep.for_model(target)  # a tensor-parallel target's ranks bind together
         with self._lockstep.fail_together("binding the drafter to the target"):
             check_compatible(model.config, target)
@@ -91,7 +99,7 @@ class DFlashDrafter(FeatureDrafter):
                                  "the drafter")
         self._slice_head(ids)
 
-    def _draft_vocab_ids(self, draft_vocab) -> torch.Tensor | None:
+    def _draft_vocab_ids(self, draft_vocab: str | int | torch.Tensor | None) -> torch.Tensor | None:
         """The token ids ``draft_vocab`` names (checked), or ``None`` for the full vocabulary."""
         vocab = self._target_parts[1].weight.shape[0]
         ranked = self.model.draft_vocab
@@ -131,18 +139,21 @@ class DFlashDrafter(FeatureDrafter):
                             None if bias is None else bias.to(device)[ids].contiguous())
 
     @classmethod
-    def from_pretrained(cls, path, target, *, dtype=None, device=None, draft_vocab="auto") -> DFlashDrafter:
+    def from_pretrained(cls, path: str | os.PathLike[str], target: PreTrainedModel, *, dtype: torch.dtype | None = None,
+                        device: torch.device | str | None = None,
+                        draft_vocab: str | int | torch.Tensor | None = "auto") -> DFlashDrafter:
         """Bind a published DFlash drafter directory to ``target`` (``dtype``: the file's unless given; ``device``:
         the target's input embedding's). A checkpoint of another architecture is refused: load any drafter with
         :func:`ddtree.loading.drafter.load_drafter`, which picks the class from ``architectures``."""
         file, data = read_config_json(path, "DFlash")
         refuse_other_architecture(data, ARCHITECTURE, cls.__name__, file)
         cls.check_config(file, target.config, vocab_size=target_vocab_size(target))  # before any weight is read
-        dev = device if device is not None else target.get_input_embeddings().weight.device
+        dev = device if device is not None else cast(torch.Tensor, target.get_input_embeddings().weight).device
         return cls(DFlashDraftModel.from_pretrained(path, dtype=dtype, device=dev), target, draft_vocab=draft_vocab)
 
     @staticmethod
-    def check_config(config_file, target_config, vocab_size: int | None = None) -> None:
+    def check_config(config_file: str | os.PathLike[str], target_config: PretrainedConfig,
+                     vocab_size: int | None = None) -> None:
         """Refuse, from the two configs alone, a drafter that cannot serve the target (before any weight is read)."""
         check_compatible_config(DFlashConfig.from_pretrained(config_file), target_config, vocab_size=vocab_size)
 

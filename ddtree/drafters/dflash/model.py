@@ -38,6 +38,8 @@ from ddtree.drafters.dflash.checkpoint import (
 )
 from ddtree.drafters.dflash.config import DFlashConfig, LayerAttention
 
+LayerKV = tuple[torch.Tensor, torch.Tensor]  # one layer's keys and values, [B, Hkv, S, d] each
+
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
@@ -108,7 +110,7 @@ def additive(visible: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor |
     return mask if mask.dim() == 4 else mask[:, None]
 
 
-def _contiguous(context_positions, block_positions, context_len: int) -> bool:
+def _contiguous(context_positions: torch.Tensor | None, block_positions: torch.Tensor, context_len: int) -> bool:
     """True when keys sit at ``0 .. C+Q-1`` with the block last (positions omitted count as such)."""
     q_len = block_positions.shape[1]
     want_blk = torch.arange(context_len, context_len + q_len, device=block_positions.device)
@@ -155,7 +157,8 @@ class DFlashAttention(nn.Module):
         v = self.v_proj(x).view(bsz, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
         return apply_rope(k, cos, sin), v
 
-    def forward(self, x, cos, sin, context_kv, mask):
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, context_kv: LayerKV,
+                mask: torch.Tensor | None) -> torch.Tensor:
         """``mask``: the layer's additive mask, or None to let the kernel apply the layer's rule itself."""
         bsz, q_len, _ = x.shape
         q = self.q_norm(self.q_proj(x).view(bsz, q_len, self.num_heads, self.head_dim)).transpose(1, 2)
@@ -163,9 +166,11 @@ class DFlashAttention(nn.Module):
         k_blk, v_blk = self.project_kv(x, cos, sin)
         k_ctx, v_ctx = context_kv
         k, v = torch.cat([k_ctx, k_blk], dim=2), torch.cat([v_ctx, v_blk], dim=2)
-        rule = {} if mask is not None else {"causal": self.spec.causal, "window": self.spec.window}
+        # with a mask the mask carries the rule; without one the kernel applies it (block_attention's defaults
+        # are no window, not causal)
+        causal, window = (False, None) if mask is not None else (self.spec.causal, self.spec.window)
         out = block_attention(q, k, v, additive_mask=mask, scale=self.scaling,
-                              sinks=getattr(self, "attention_sink_bias", None), **rule)
+                              sinks=getattr(self, "attention_sink_bias", None), causal=causal, window=window)
         return self.o_proj(out.transpose(1, 2).reshape(bsz, q_len, -1))
 
 
@@ -176,7 +181,7 @@ class DFlashMLP(nn.Module):
         self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
-    def forward(self, x):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
@@ -189,7 +194,8 @@ class DFlashLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, x, cos, sin, context_kv, mask):
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, context_kv: LayerKV,
+                mask: torch.Tensor | None) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, context_kv, mask)
         return x + self.mlp(self.post_attention_layernorm(x))
 

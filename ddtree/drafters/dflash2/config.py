@@ -33,7 +33,7 @@ def is_dflash2(path: str | os.PathLike) -> bool:
     return isinstance(data, dict) and ARCHITECTURE in (data.get("architectures") or [])
 
 
-def _positive_int(name: str, value) -> int:
+def _positive_int(name: str, value: object) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ValueError(f"DFlash2 config: {name} must be a positive int, got {value!r}; fix config.json")
     return value
@@ -59,7 +59,7 @@ class DFlash2Config:
     is_causal: bool | None = None
     use_sliding_window: bool = False
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         for name in DFLASH2_FIELDS:
             _positive_int(name, getattr(self, name))
         hidden = self.base.hidden_size
