@@ -8,9 +8,12 @@ import warnings
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import NamedTuple, cast
+from typing import TYPE_CHECKING, Any, NamedTuple, cast
 
 from ddtree.drafters.features import build_target_layer_ids, check_target_layer_ids
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 FULL, SLIDING = "full_attention", "sliding_attention"
 
@@ -230,7 +233,8 @@ class DFlashConfig:
         num_target = d.get("num_target_layers")
         if num_target is None:
             raise ValueError("the drafter config has no num_target_layers (the target's decoder layer count)")
-        def draft_value(name, top=None):  # dflash_config wins over the top level, as the authors read it
+        # dflash_config wins over the top level, as the authors read it
+        def draft_value(name: str, top: str | None = None) -> Any:
             top = top or name
             if name in dflash:
                 d.pop(top, None)
@@ -326,7 +330,7 @@ class DFlashConfig:
     @classmethod
     def for_target(
         cls,
-        target_config,
+        target_config: PretrainedConfig,
         *,
         num_hidden_layers: int = 1,
         block_size: int = 16,

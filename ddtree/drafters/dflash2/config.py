@@ -12,7 +12,7 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import cast
+from typing import Any, cast
 
 from ddtree.drafters.dflash.config import FULL, SLIDING, DFlashConfig, read_config_json
 
@@ -70,7 +70,7 @@ class DFlash2Config:
             raise ValueError(f"DFlash2 config: selector_top_k {self.selector_top_k} exceeds the vocabulary "
                              f"({self.base.vocab_size})")
 
-    def __getattr__(self, name):  # the DFlash fields (hidden_size, block_size, ...) read through
+    def __getattr__(self, name: str) -> Any:  # the DFlash fields (hidden_size, block_size, ...) read through
         if name == "base":
             raise AttributeError(name)
         return getattr(self.base, name)
@@ -101,7 +101,7 @@ class DFlash2Config:
         d = dict(d)
         dflash = dict(d.get("dflash_config") or {})
 
-        def value(name, default=None):
+        def value(name: str, default: object = None) -> Any:
             return dflash[name] if name in dflash else d.get(name, default)
 
         missing = [n for n in DFLASH2_FIELDS if value(n) is None]
