@@ -3,15 +3,21 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, Protocol, cast
 
 import torch
 
 from ddtree.drafters.base import DraftContext, Proposal
 
 if TYPE_CHECKING:
-    from ddtree.drafters.dflash.drafter import DFlashDrafter
     from ddtree.drafters.features import FeatureDrafter
+
+
+class _BlockHead(Protocol):
+    """The DFlash drafter's head, as :meth:`DFlashContext.propose` calls it (a protocol: the drafter module
+    imports this one)."""
+
+    def block_logprobs(self, hidden: torch.Tensor) -> torch.Tensor: ...
 
 
 class DFlashContext(DraftContext):
@@ -151,7 +157,7 @@ class DFlashContext(DraftContext):
         """Log-probs ``[B, block_size - 1, V]`` for positions ``lengths + 1 ..``, in float32."""
         if self.kv is None or 0 in self.host_lengths:
             raise RuntimeError("the drafter has no context yet: append the prompt's target features first")
-        drafter = cast("DFlashDrafter", self.drafter)  # DFlash2Context proposes with its own method
+        drafter = self.drafter
         model = drafter.model
         embed = drafter._target_parts[0]
         root_tokens = root_tokens.view(-1, 1)
@@ -172,4 +178,4 @@ class DFlashContext(DraftContext):
             key_mask = key_mask[:, None, None]  # [B, 1, 1, S]; each layer adds its own rule by position
         hidden = model(model.embed_block(block, embed), block_pos, context_kv=kv, key_mask=key_mask,
                        context_offsets=offsets, contiguous=not ragged)[:, 1:]
-        return Proposal(drafter.block_logprobs(hidden))
+        return Proposal(cast(_BlockHead, drafter).block_logprobs(hidden))  # DFlash2Context has its own propose
