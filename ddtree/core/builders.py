@@ -24,13 +24,18 @@ the numpy builders they must match node for node.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Hashable
 from functools import lru_cache
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol, TypeVar
 
 import torch
 
 from ddtree.core.tree import DraftTree, path_tree, root_only
+
+if TYPE_CHECKING:
+    from functools import _lru_cache_wrapper
+
+T = TypeVar("T")
 
 
 class TreeBuilder(Protocol):
@@ -106,7 +111,7 @@ def top_stable(x: torch.Tensor, m: int) -> torch.Tensor:
     return x.sort(dim=1, descending=True, stable=True).indices[:, :m]
 
 
-def _constant(table, *key):
+def _constant(table: _lru_cache_wrapper[T], *key: Hashable) -> T:
     """A per-shape index table: cached in eager mode; built inline while ``torch.compile`` traces, where it
     becomes a constant of the graph (dynamo does not keep ``lru_cache``'s cache)."""
     return table.__wrapped__(*key) if torch.compiler.is_compiling() else table(*key)
@@ -120,7 +125,8 @@ def _pair_table(parents: int, k: int, m: int, device: torch.device) -> tuple[tor
     ``(parent i, rank j)``: a pair with ``(i+1)(j+1) > m`` cannot make the top ``m``, and about
     ``m * ln(m)`` pairs remain instead of ``m * k``. Built once per shape and kept on the device.
     """
-    ii, jj = [], []
+    ii: list[int] = []
+    jj: list[int] = []
     for i in range(parents):
         width = min(m // (i + 1), k)
         ii += [i] * width
@@ -235,7 +241,7 @@ def chain(root_tokens: torch.Tensor, logprobs: torch.Tensor, budget: int) -> Dra
     return path_tree(tokens, torch.cat([scores.new_zeros(bsz, 1), scores], dim=1))
 
 
-def beam(width: int, depth: int | None = None) -> Callable[[torch.Tensor, torch.Tensor, int], DraftTree]:
+def beam(width: int, depth: int | None = None) -> TreeBuilder:
     """A builder that keeps the ``width`` best paths per depth, up to ``depth`` deep.
 
     The tree is the union of the beams (at most ``width * depth`` nodes). The

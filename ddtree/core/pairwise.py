@@ -13,11 +13,12 @@ plain builders, these run on the tensors' device with no host reads;
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
-from ddtree.core.builders import assemble, best_first, chain, top_stable
+from ddtree.core.builders import TreeBuilder, assemble, best_first, chain, top_stable
 from ddtree.core.tree import DraftTree, path_tree, root_only
 
 
@@ -103,10 +104,12 @@ def best_first_pairwise(root_tokens: torch.Tensor, scores: PairwiseScores, budge
     return assemble(root_tokens, level_scores, level_tokens, level_parents, budget)
 
 
-PAIRWISE_BUILDERS = {best_first: best_first_pairwise, chain: chain_pairwise}
+PairwiseBuilder = Callable[[torch.Tensor, PairwiseScores, int], DraftTree]
+
+PAIRWISE_BUILDERS: dict[TreeBuilder, PairwiseBuilder] = {best_first: best_first_pairwise, chain: chain_pairwise}
 
 
-def pairwise_builder(builder):
+def pairwise_builder(builder: TreeBuilder) -> PairwiseBuilder | None:
     """The pairwise form of ``builder`` (``best_first`` -> :func:`best_first_pairwise`, ``chain`` ->
     :func:`chain_pairwise`, or its own ``pairwise`` attribute), else ``None``: a builder without one is
     given the per-depth log-probs along the greedy path instead."""

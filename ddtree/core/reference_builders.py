@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from ddtree.core.builders import _check_inputs
+from ddtree.core.pairwise import PairwiseScores
 from ddtree.core.tree import DraftTree
 
 
@@ -224,7 +225,7 @@ def beam(width: int, depth: int | None = None) -> Callable[[torch.Tensor, torch.
     return build
 
 
-def chain_pairwise(root_tokens: torch.Tensor, scores, budget: int) -> DraftTree:
+def chain_pairwise(root_tokens: torch.Tensor, scores: PairwiseScores, budget: int) -> DraftTree:
     """The greedy path over :class:`~ddtree.core.pairwise.PairwiseScores`, ``min(budget, D)`` nodes deep."""
     depth = min(budget, scores.depth)
     if depth == 0:
@@ -242,7 +243,7 @@ def chain_pairwise(root_tokens: torch.Tensor, scores, budget: int) -> DraftTree:
                                   torch.cat([path.new_zeros(bsz, 1), path], dim=1).to(root_tokens.device))
 
 
-def best_first_pairwise(root_tokens: torch.Tensor, scores, budget: int) -> DraftTree:
+def best_first_pairwise(root_tokens: torch.Tensor, scores: PairwiseScores, budget: int) -> DraftTree:
     """DDTree over :class:`~ddtree.core.pairwise.PairwiseScores` with numpy: each level keeps the best
     ``budget`` of its parents' ``K`` children each."""
     if not isinstance(budget, int) or budget < 0:

@@ -20,7 +20,7 @@ class SamplingConfig:
     top_k: int | None = None
     top_p: float | None = None
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         if self.temperature is None or self.temperature < 0:
             raise ValueError(f"temperature must be >= 0 (0 is greedy), got {self.temperature}")
         if self.top_k is not None and (not isinstance(self.top_k, int) or self.top_k < 1):

@@ -4,8 +4,12 @@ proposer source flags that say which proposer put each node there."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    import networkx
 
 # Which proposer put a node in the tree (``DraftTree.sources`` bits): the drafter, prompt lookup, or both.
 DRAFTER, LOOKUP = 1, 2
@@ -85,7 +89,7 @@ class DraftTree:
                 table.setdefault(parent, {})[tok] = child
         return table
 
-    def to_networkx(self, row: int = 0):
+    def to_networkx(self, row: int = 0) -> networkx.DiGraph:
         """A ``networkx.DiGraph`` with edges parent -> child and node attributes token, depth, score.
         networkx is optional (the ``graph`` extra): nothing else in ddtree needs it."""
         try:
@@ -179,7 +183,7 @@ def graft_paths(tree: DraftTree, paths: list[list[tuple[list[int], list[float]]]
         scs = [float(x) for x in tree.scores[b].tolist()]
         src = [DRAFTER] * len(toks) if tree.sources is None else tree.sources[b].tolist()
         src[0] = 0
-        children = {}
+        children: dict[tuple[int, int], int] = {}
         for i in range(1, len(toks)):
             children.setdefault((pars[i], toks[i]), i)
         for branch, branch_scores in paths[b]:

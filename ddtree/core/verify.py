@@ -16,6 +16,8 @@ import torch
 from ddtree.core.sampling import SamplingConfig, choose_tokens
 from ddtree.core.tree import DraftTree
 
+_GREEDY = SamplingConfig()  # frozen, so one shared default is safe
+
 
 @dataclass
 class VerifyResult:
@@ -61,7 +63,7 @@ def accept_longest_branch(tree: DraftTree, choices: torch.Tensor, length: int | 
 def verify_tree(
     tree: DraftTree,
     logits: torch.Tensor,
-    sampling: SamplingConfig = SamplingConfig(),
+    sampling: SamplingConfig = _GREEDY,
     generator: torch.Generator | None = None,
     length: int | None = None,
 ) -> VerifyResult:

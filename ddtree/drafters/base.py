@@ -16,6 +16,7 @@ from typing import Protocol
 
 import torch
 
+from ddtree.core.builders import TreeBuilder
 from ddtree.core.pairwise import PairwiseScores, pairwise_builder
 from ddtree.core.tree import DraftTree, graft_paths
 
@@ -108,7 +109,7 @@ def takes_host_counts(context: DraftContext) -> bool:
     return any(p.name == "host_counts" or p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
 
 
-def check_drafter(drafter) -> None:
+def check_drafter(drafter: object) -> None:
     """Refuse, by name, a drafter that lacks a part of the protocol (before any state is built)."""
     missing = [name for name in DRAFTER_PARTS if not hasattr(drafter, name)]
     if missing:
@@ -116,7 +117,7 @@ def check_drafter(drafter) -> None:
                         "subclass ddtree.Drafter (which gives needs_hidden_states=True) or define them")
 
 
-def check_proposal(proposal, context=None) -> Proposal:
+def check_proposal(proposal: object, context: object | None = None) -> Proposal:
     """``proposal`` when it is a :class:`Proposal`; else a TypeError that says how to wrap what was returned
     (at once, not as an AttributeError inside the round)."""
     if isinstance(proposal, Proposal):
@@ -128,15 +129,16 @@ def check_proposal(proposal, context=None) -> Proposal:
     raise TypeError(f"{who} returned a {what}, not a ddtree Proposal: {hint}")
 
 
-def proposal_tree(proposal: Proposal, root_tokens: torch.Tensor, builder, budget: int) -> DraftTree:
+def proposal_tree(proposal: Proposal, root_tokens: torch.Tensor, builder: TreeBuilder, budget: int) -> DraftTree:
     """The tree a proposal asks for under ``budget`` draft nodes: ``builder``'s pairwise form over
     ``proposal.pairwise`` when both exist (each child scored given its own parent), else ``builder`` over the
     per-depth ``logprobs``; then ``proposal.paths`` grafted in under the same budget."""
-    pairwise = None if proposal.pairwise is None else pairwise_builder(builder)
-    if pairwise is not None:
-        tree = pairwise(root_tokens, proposal.pairwise, budget)
+    scores = proposal.pairwise
+    pairwise = None if scores is None else pairwise_builder(builder)
+    if pairwise is not None and scores is not None:
+        tree = pairwise(root_tokens, scores, budget)
     else:
         tree = builder(root_tokens, proposal.logprobs, budget)
-    if proposal.has_paths:
+    if proposal.paths is not None and proposal.has_paths:
         tree = graft_paths(tree, proposal.paths, budget)
     return tree

@@ -10,10 +10,14 @@ others are ``None``.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
 from ddtree.drafters.base import Drafter
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 
 def build_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
@@ -56,7 +60,7 @@ def extract_context_feature(hidden_states: Sequence[torch.Tensor], layer_ids: Se
     return torch.cat([hidden_states[i + 1].to(device) for i in ids], dim=-1)
 
 
-def borrow_target_parts(target) -> tuple:
+def borrow_target_parts(target: PreTrainedModel) -> tuple:
     """The target's input embedding and lm_head, which a DFlash drafter uses as its own. Borrowed, not owned:
     returned as a tuple, so they are registered nowhere."""
     parts = (target.get_input_embeddings(), target.get_output_embeddings())
@@ -71,7 +75,7 @@ class FeatureDrafter(Drafter):
     """What DFlash and DFlash2 drafters share once bound to a target: the model and its settings, the target's
     embedding and lm_head (borrowed, never copied), and the feature read of its ``target_layer_ids``."""
 
-    def _bind(self, model, target) -> None:
+    def _bind(self, model, target) -> None:  # untyped: model is a DFlash or DFlash2 model, read duck-typed
         self.model = model
         self.config = model.config
         self.block_size = model.config.block_size
@@ -84,7 +88,7 @@ class FeatureDrafter(Drafter):
         return extract_context_feature(hidden_states, self.target_layer_ids, device=self.model.fc.weight.device)
 
 
-def refuse_other_architecture(config: dict, architecture: str, class_name: str, where) -> None:
+def refuse_other_architecture(config: dict, architecture: str, class_name: str, where: object) -> None:
     """Refuse a checkpoint whose ``architectures`` name another drafter than ``architecture`` (none named: kept)."""
     names = config.get("architectures") if isinstance(config, dict) else None
     names = [names] if isinstance(names, str) else list(names or [])

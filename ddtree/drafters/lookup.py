@@ -19,11 +19,15 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from ddtree.drafters.base import DraftContext, Drafter, Proposal, check_proposal
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 """Bit flags of :attr:`DraftTree.sources`: which proposer put a node in the tree (3: both)."""
 
@@ -34,7 +38,8 @@ DEFAULT_CONFIDENCE = (0.35, 0.6, 0.75, 0.85)
 """Per-token confidence of a lookup match of 1, 2, 3 and >= 4 tokens."""
 
 
-def lookup_continuation(tokens: np.ndarray, depth: int, max_ngram: int = 4, min_ngram: int = 1) -> tuple[list[int], int]:
+def lookup_continuation(tokens: np.ndarray, depth: int, max_ngram: int = 4,
+                        min_ngram: int = 1) -> tuple[list[int], int]:
     """The ``depth`` tokens after the latest earlier occurrence of the longest matching suffix.
 
     The copy may run into the text it predicts (as LZ77 copies do): a match ``p``
@@ -68,7 +73,7 @@ class PromptLookup(Drafter):
     needs_hidden_states = False
 
     def __init__(self, vocab_size: int, block_size: int = 8, max_ngram: int = 4, min_ngram: int = 1,
-                 confidence: Sequence[float] = DEFAULT_CONFIDENCE):
+                 confidence: Sequence[float] = DEFAULT_CONFIDENCE) -> None:
         if block_size < 2:
             raise ValueError(f"block_size must be >= 2 (the root and at least one proposed token), got {block_size}")
         if not 1 <= min_ngram <= max_ngram:
@@ -81,10 +86,10 @@ class PromptLookup(Drafter):
         self.confidence = tuple(float(c) for c in confidence)
 
     @classmethod
-    def for_target(cls, target, **options) -> PromptLookup:
+    def for_target(cls, target: PreTrainedModel, **options: Any) -> PromptLookup:
         return cls(target.get_output_embeddings().weight.shape[0], **options)
 
-    def context_features(self, hidden_states) -> None:
+    def context_features(self, hidden_states: Sequence[torch.Tensor]) -> None:
         return None
 
     def new_context(self, batch_size: int = 1) -> LookupContext:
@@ -98,19 +103,20 @@ class PromptLookup(Drafter):
 class LookupContext(DraftContext):
     """Each row's committed tokens, in a growing buffer (appends copy only the new tokens)."""
 
-    def __init__(self, lookup: PromptLookup, batch_size: int):
+    def __init__(self, lookup: PromptLookup, batch_size: int) -> None:
         self.lookup = lookup
         self.buffers = [np.zeros(64, dtype=np.int64) for _ in range(batch_size)]
         self.lengths = [0] * batch_size
 
-    def append(self, features, tokens: torch.Tensor, counts: torch.Tensor | None = None,
+    def append(self, features: torch.Tensor | None, tokens: torch.Tensor, counts: torch.Tensor | None = None,
                host_counts: Sequence[int] | None = None) -> None:
         rows = tokens.detach().cpu().numpy()
+        row_counts: list[int]
         if counts is None:
-            counts = [rows.shape[1]] * rows.shape[0]
+            row_counts = [rows.shape[1]] * rows.shape[0]
         else:
-            counts = list(host_counts) if host_counts is not None else counts.tolist()
-        for b, (row, count) in enumerate(zip(rows, counts)):
+            row_counts = list(host_counts) if host_counts is not None else counts.tolist()
+        for b, (row, count) in enumerate(zip(rows, row_counts)):
             need = self.lengths[b] + count
             if need > self.buffers[b].shape[0]:
                 grown = np.zeros(max(need, 2 * self.buffers[b].shape[0]), dtype=np.int64)
@@ -127,7 +133,7 @@ class LookupContext(DraftContext):
     def continuations(self, root_tokens: torch.Tensor) -> list[tuple[list[int], int]]:
         lk = self.lookup
         roots = root_tokens.view(-1).tolist()
-        out = []
+        out: list[tuple[list[int], int]] = []
         for b, root in enumerate(roots):
             seq = np.append(self.buffers[b][: self.lengths[b]], root)
             out.append(lookup_continuation(seq, lk.block_size - 1, lk.max_ngram, lk.min_ngram))
@@ -135,7 +141,7 @@ class LookupContext(DraftContext):
 
     def paths(self, root_tokens: torch.Tensor) -> list[list[tuple[list[int], list[float]]]]:
         """Per row, the lookup branch as ``(tokens, cumulative scores)`` (no branch when nothing matches)."""
-        out = []
+        out: list[list[tuple[list[int], list[float]]]] = []
         for cont, n in self.continuations(root_tokens):
             step = self.lookup.score(n) if n else 0.0
             out.append([(cont, [step * (d + 1) for d in range(len(cont))])] if cont else [])
@@ -158,7 +164,8 @@ class LookupContext(DraftContext):
 class WithLookup(Drafter):
     """A model drafter plus a prompt-lookup branch, merged into one tree per round under the same budget."""
 
-    def __init__(self, drafter, lookup: PromptLookup | None = None, vocab_size: int | None = None, **options):
+    def __init__(self, drafter: Drafter, lookup: PromptLookup | None = None, vocab_size: int | None = None,
+                 **options: Any) -> None:
         self.drafter = drafter
         if lookup is None:
             if vocab_size is None:
@@ -170,7 +177,7 @@ class WithLookup(Drafter):
         self.needs_hidden_states = drafter.needs_hidden_states
         self.cpu_linear_model = getattr(drafter, "cpu_linear_model", None)
 
-    def context_features(self, hidden_states):
+    def context_features(self, hidden_states: Sequence[torch.Tensor]) -> torch.Tensor | None:
         return self.drafter.context_features(hidden_states)
 
     def new_context(self, batch_size: int = 1) -> MergedContext:
@@ -181,14 +188,15 @@ class MergedContext(DraftContext):
     """The model drafter's context and the lookup's, fed the same tokens; proposals keep every field of the
     model's (its pairwise scores, its own paths) and add the lookup branch to its paths."""
 
-    def __init__(self, model_context, lookup_context: LookupContext):
+    def __init__(self, model_context: DraftContext, lookup_context: LookupContext) -> None:
         self.model, self.lookup = model_context, lookup_context
 
-    def append(self, features, tokens, counts=None, host_counts=None) -> None:
+    def append(self, features: torch.Tensor | None, tokens: torch.Tensor, counts: torch.Tensor | None = None,
+               host_counts: Sequence[int] | None = None) -> None:
         self.model.append(features, tokens, counts, host_counts=host_counts)
         self.lookup.append(None, tokens, counts, host_counts=host_counts)
 
-    def select_rows(self, rows) -> None:
+    def select_rows(self, rows: torch.Tensor) -> None:
         self.model.select_rows(rows)
         self.lookup.select_rows(rows)
 

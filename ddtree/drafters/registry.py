@@ -57,6 +57,8 @@ def drafter_class(config: dict, where: str = "the drafter config") -> type:
     return DFlashDrafter
 
 
-def drafter_class_for_model(model) -> type | None:
+def drafter_class_for_model(model: object) -> type | None:
     """The registered class whose raw model ``model`` is (a ``DFlashDraftModel`` -> ``DFlashDrafter``), else None."""
-    return next((cls for cls in _DRAFTERS.values() if isinstance(model, cls.model_class)), None)
+    # register_drafter checked each class for model_class (duck-typed classes, so the dict holds plain types)
+    return next((cls for cls in _DRAFTERS.values()
+                 if isinstance(model, cls.model_class)), None)  # type: ignore[attr-defined]

@@ -62,7 +62,7 @@ def read_weights(files: list[Path]) -> dict[str, torch.Tensor]:
     return state
 
 
-def check_header_shapes(shapes: dict, own: dict, path, kind: str = "drafter") -> None:
+def check_header_shapes(shapes: dict, own: dict, path: str | os.PathLike[str], kind: str = "drafter") -> None:
     """The checkpoint's tensor names and shapes (from its headers) against those its config implies."""
     missing, unexpected = sorted(set(own) - set(shapes)), sorted(set(shapes) - set(own))
     if missing or unexpected:

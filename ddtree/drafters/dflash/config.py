@@ -8,9 +8,12 @@ import warnings
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple, cast
 
 from ddtree.drafters.features import build_target_layer_ids, check_target_layer_ids
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 FULL, SLIDING = "full_attention", "sliding_attention"
 
@@ -36,7 +39,7 @@ KNOWN_DFLASH_KEYS = frozenset(DFLASH_FIELDS) | {"logit_scale", "draft_vocab_size
 class LayerAttention(NamedTuple):
     """How one drafter layer attends over ``[context ; block]``: resolved from the config as the authors do."""
 
-    index: int
+    index: int  # type: ignore[assignment]  # the layer's index; shadowing tuple.index is intended
     type: str
     causal: bool  # a slot at position p sees keys at k <= p only
     window: int | None  # p - k < window (and k - p < window when not causal); None: no window
@@ -76,10 +79,11 @@ def check_sizes(d: dict) -> None:
                 "fix or re-download config.json"
             )
     heads, kv = d.get("num_attention_heads"), d.get("num_key_value_heads")
-    if heads % kv:
+    if heads is not None and kv is not None and heads % kv:
         raise ValueError(f"drafter config num_attention_heads ({heads}) is not a multiple of num_key_value_heads "
                          f"({kv}); fix config.json")
-    if d.get("head_dim") is None and d["hidden_size"] % heads:
+    if d.get("head_dim") is None and heads is not None and d.get("hidden_size") is not None \
+            and d["hidden_size"] % heads:
         raise ValueError(f"drafter config hidden_size ({d['hidden_size']}) is not a multiple of num_attention_heads "
                          f"({heads}) and no head_dim is given; fix config.json")
 
@@ -119,7 +123,7 @@ class DFlashConfig:
     hidden_act: str = "silu"
     extra: dict = field(default_factory=dict, repr=False)
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         if self.head_dim is None:
             self.head_dim = self.hidden_size // self.num_attention_heads
         if self.layer_types is None:
@@ -186,6 +190,7 @@ class DFlashConfig:
         warns then).
         """
         override = self.causal if self.causal is not None else self.is_causal
+        assert self.layer_types is not None  # set by __post_init__
         return [LayerAttention(i, t, bool(override) if override is not None else t == SLIDING,
                                self.sliding_window if t == SLIDING else None, self.attention_sink_bias)
                 for i, t in enumerate(self.layer_types)]
@@ -211,7 +216,8 @@ class DFlashConfig:
                 "embedding fills the slots to predict) and no target layers; pass the drafter's directory, not the "
                 f"target's (architectures: {d.get('architectures')})"
             )
-        dflash_block = (d.get("dflash_config") or {}).get("block_size") if isinstance(d.get("dflash_config"), dict) else None
+        raw_dflash = d.get("dflash_config")
+        dflash_block = (raw_dflash or {}).get("block_size") if isinstance(raw_dflash, dict) else None
         missing = [k for k in REQUIRED_FIELDS if d.get(k) is None and not (k == "block_size" and dflash_block)]
         if missing:
             raise ValueError(
@@ -227,7 +233,8 @@ class DFlashConfig:
         num_target = d.get("num_target_layers")
         if num_target is None:
             raise ValueError("the drafter config has no num_target_layers (the target's decoder layer count)")
-        def draft_value(name, top=None):  # dflash_config wins over the top level, as the authors read it
+        # dflash_config wins over the top level, as the authors read it
+        def draft_value(name: str, top: str | None = None) -> Any:
             top = top or name
             if name in dflash:
                 d.pop(top, None)
@@ -300,7 +307,8 @@ class DFlashConfig:
     def unknown_keys(cls, data: dict) -> list[str]:
         """The keys of a raw ``config.json`` dict that ddtree does not read (``dflash_config.*`` spelled out)."""
         dflash = data.get("dflash_config") or {}
-        fields = set(cls.__dataclass_fields__) - {"causal", "use_swa", "swa_window_size", "attention_sink_bias", "extra"}
+        fields = set(cls.__dataclass_fields__) - {"causal", "use_swa", "swa_window_size", "attention_sink_bias",
+                                                  "extra"}
         unknown = sorted(k for k in data if k not in KNOWN_KEYS and k not in fields)
         return unknown + sorted(f"dflash_config.{k}" for k in dflash if k not in KNOWN_DFLASH_KEYS)
 
@@ -311,6 +319,7 @@ class DFlashConfig:
             warnings.warn(f"{where}: ddtree does not read {', '.join(unknown)}; if one of them changes what the "
                           "drafter proposes, its drafts will differ from the trainer's (see docs/drafters.md)",
                           stacklevel=3)
+        assert self.layer_types is not None  # set by __post_init__
         if SLIDING in self.layer_types and not self.use_sliding_window and self.swa_window_size is None:
             warnings.warn(
                 f"{where}: sliding layers with sliding_window={self.sliding_window} but use_sliding_window is not "
@@ -321,7 +330,7 @@ class DFlashConfig:
     @classmethod
     def for_target(
         cls,
-        target_config,
+        target_config: PretrainedConfig,
         *,
         num_hidden_layers: int = 1,
         block_size: int = 16,
@@ -344,7 +353,7 @@ class DFlashConfig:
         return cls(
             hidden_size=tc.hidden_size,
             num_attention_heads=heads,
-            num_key_value_heads=num_key_value_heads or getattr(tc, "num_key_value_heads", heads),
+            num_key_value_heads=cast(int, num_key_value_heads or getattr(tc, "num_key_value_heads", heads)),
             head_dim=head_dim or getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads,
             intermediate_size=intermediate_size or tc.intermediate_size,
             num_hidden_layers=num_hidden_layers,

@@ -3,10 +3,21 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING, Protocol, cast
 
 import torch
 
 from ddtree.drafters.base import DraftContext, Proposal
+
+if TYPE_CHECKING:
+    from ddtree.drafters.features import FeatureDrafter
+
+
+class _BlockHead(Protocol):
+    """The DFlash drafter's head, as :meth:`DFlashContext.propose` calls it (a protocol: the drafter module
+    imports this one)."""
+
+    def block_logprobs(self, hidden: torch.Tensor) -> torch.Tensor: ...
 
 
 class DFlashContext(DraftContext):
@@ -27,7 +38,7 @@ class DFlashContext(DraftContext):
 
     trim_sliding = True  # False keeps every sliding-layer key (the tests compare both)
 
-    def __init__(self, drafter, batch_size: int = 1):
+    def __init__(self, drafter: FeatureDrafter, batch_size: int = 1) -> None:
         self.drafter = drafter
         self.kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # [B, Hkv, capacity + 1, d]; the last is scratch
         self.lengths = torch.zeros(batch_size, dtype=torch.long)
@@ -77,9 +88,9 @@ class DFlashContext(DraftContext):
         positions = self.lengths[:, None] + torch.arange(t, device=device)  # [B, T]
         new = model.context_kv(model.project_context(features), positions)
         ends = [n + c for n, c in zip(self.host_lengths, host_counts)]
-        self._reserve(max(ends), new)
+        kv = self._reserve(max(ends), new)
         uniform = all(c == t for c in host_counts) and len(set(self.host_lengths)) == 1
-        for (kb, vb), (k, v), off in zip(self.kv, new, self._offsets()):
+        for (kb, vb), (k, v), off in zip(kv, new, self._offsets()):
             if uniform:
                 at = self.host_lengths[0] - off
                 kb[:, :, at : at + t] = k
@@ -94,13 +105,14 @@ class DFlashContext(DraftContext):
         self.host_lengths = ends
         self._trim()
 
-    def _reserve(self, need: int, like: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """Room for positions up to ``need`` in every layer's buffer (each grown by doubling)."""
-        grown = []
+    def _reserve(self, need: int,
+                 like: list[tuple[torch.Tensor, torch.Tensor]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Room for positions up to ``need`` in every layer's buffer (each grown by doubling); returns the buffers."""
+        grown: list[tuple[torch.Tensor, torch.Tensor]] = []
         for i, ((k, v), off) in enumerate(zip(like, self._offsets())):
             old = None if self.kv is None else self.kv[i]
             cap = 0 if old is None else old[0].shape[2] - 1
-            if need - off <= cap:
+            if old is not None and need - off <= cap:
                 grown.append(old)
                 continue
             bsz, heads, _, dim = k.shape
@@ -112,14 +124,16 @@ class DFlashContext(DraftContext):
                 vb[:, :, :cap] = old[1][:, :, :cap]
             grown.append((kb, vb))
         self.kv = grown
+        return grown
 
     def _trim(self) -> None:
         """Drop the sliding layers' keys no block can see any more (once a window's worth has piled up)."""
-        if not self.sliding or not self.trim_sliding or self.kv is None:
+        window = self.window
+        if not self.sliding or not self.trim_sliding or self.kv is None or window is None:
             return
-        front = max(0, min(self.host_lengths) - self.window + 1)
+        front = max(0, min(self.host_lengths) - window + 1)
         drop = front - self.front
-        if drop < max(self.window, 64):
+        if drop < max(window, 64):
             return
         for i in self.sliding:
             k, v = self.kv[i]
@@ -164,4 +178,4 @@ class DFlashContext(DraftContext):
             key_mask = key_mask[:, None, None]  # [B, 1, 1, S]; each layer adds its own rule by position
         hidden = model(model.embed_block(block, embed), block_pos, context_kv=kv, key_mask=key_mask,
                        context_offsets=offsets, contiguous=not ragged)[:, 1:]
-        return Proposal(drafter.block_logprobs(hidden))
+        return Proposal(cast(_BlockHead, drafter).block_logprobs(hidden))  # DFlash2Context has its own propose

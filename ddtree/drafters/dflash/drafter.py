@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+from typing import TYPE_CHECKING, cast
+
 import torch
 import torch.nn.functional as F
 
@@ -14,20 +17,24 @@ from ddtree.drafters.features import FeatureDrafter, check_target_layer_ids, ref
 from ddtree.runtime.distributed import Lockstep, full_tensor, module_fingerprint
 from ddtree.targets import cpu_linear
 
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig, PreTrainedModel
+
 ARCHITECTURE = "DFlashDraftModel"
 
 
-def target_vocab_size(target) -> int:
+def target_vocab_size(target: PreTrainedModel) -> int:
     head = target.get_output_embeddings()
     return head.weight.shape[0]
 
 
-def check_compatible(config: DFlashConfig, target) -> None:
+def check_compatible(config: DFlashConfig, target: PreTrainedModel) -> None:
     """Raise a ValueError naming the mismatch when a drafter cannot serve ``target`` (a model)."""
     check_compatible_config(config, target.config, vocab_size=target_vocab_size(target))
 
 
-def check_compatible_config(config: DFlashConfig, target_config, vocab_size: int | None = None) -> None:
+def check_compatible_config(config: DFlashConfig, target_config: PretrainedConfig,
+                            vocab_size: int | None = None) -> None:
     """The same check from the target's config alone (``vocab_size``: its lm_head rows when known), so that a
     wrong pair is refused before either model's weights are downloaded or read."""
     tc = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
@@ -38,7 +45,7 @@ def check_compatible_config(config: DFlashConfig, target_config, vocab_size: int
             f"drafter {field} {want} does not match the target's {tc.hidden_size}: "
             "use a drafter trained for this target"
         )
-    vocab = vocab_size if vocab_size is not None else tc.vocab_size
+    vocab: int = vocab_size if vocab_size is not None else tc.vocab_size
     if vocab != config.vocab_size:
         raise ValueError(
             f"drafter vocab size {config.vocab_size} does not match the target's lm_head ({vocab}): "
@@ -50,7 +57,7 @@ def check_compatible_config(config: DFlashConfig, target_config, vocab_size: int
             f"the drafter was trained for a target with {config.num_target_layers} decoder layers, this target "
             f"has {tc.num_hidden_layers}: use a drafter trained for this target"
         )
-    if not 0 <= config.mask_token_id < vocab:
+    if config.mask_token_id is None or not 0 <= config.mask_token_id < vocab:
         raise ValueError(f"mask_token_id {config.mask_token_id} is outside the target's vocabulary (size {vocab})")
 
 
@@ -64,11 +71,13 @@ class DFlashDrafter(FeatureDrafter):
 
     model_class = DFlashDraftModel
 
-    def __init__(self, model: DFlashDraftModel, target, draft_vocab: str | int | torch.Tensor | None = "auto"):
+    def __init__(self, model: DFlashDraftModel, target: PreTrainedModel,
+                 draft_vocab: str | int | torch.Tensor | None = "auto") -> None:
         self._lockstep = Lockstep.for_model(target)  # a tensor-parallel target's ranks bind together
         with self._lockstep.fail_together("binding the drafter to the target"):
             check_compatible(model.config, target)
         self._bind(model, target)
+        self.cpu_linear_model = model  # the draft step is a few-row forward too: cpu_linear routes it with the target's
         self.set_draft_vocab(draft_vocab)
 
     def set_draft_vocab(self, draft_vocab: str | int | torch.Tensor | None = "auto") -> None:
@@ -90,13 +99,14 @@ class DFlashDrafter(FeatureDrafter):
                                  "the drafter")
         self._slice_head(ids)
 
-    def _draft_vocab_ids(self, draft_vocab) -> torch.Tensor | None:
+    def _draft_vocab_ids(self, draft_vocab: str | int | torch.Tensor | None) -> torch.Tensor | None:
         """The token ids ``draft_vocab`` names (checked), or ``None`` for the full vocabulary."""
         vocab = self._target_parts[1].weight.shape[0]
         ranked = self.model.draft_vocab
         if isinstance(draft_vocab, str):
             if draft_vocab != "auto":
-                raise ValueError(f"draft_vocab must be 'auto', None, an int or a tensor of token ids, got {draft_vocab!r}")
+                raise ValueError(f"draft_vocab must be 'auto', None, an int or a tensor of token ids, "
+                                 f"got {draft_vocab!r}")
             ids = ranked
         elif draft_vocab is None or (isinstance(draft_vocab, int) and draft_vocab == 0):
             ids = None
@@ -125,28 +135,27 @@ class DFlashDrafter(FeatureDrafter):
         bias = None if bias is None else full_tensor(bias.detach())
         ids = ids.to(device).sort().values
         self.draft_vocab = ids
-        self._head_slice = (weight.to(device)[ids].contiguous(), None if bias is None else bias.to(device)[ids].contiguous())
+        self._head_slice = (weight.to(device)[ids].contiguous(),
+                            None if bias is None else bias.to(device)[ids].contiguous())
 
     @classmethod
-    def from_pretrained(cls, path, target, *, dtype=None, device=None, draft_vocab="auto") -> DFlashDrafter:
+    def from_pretrained(cls, path: str | os.PathLike[str], target: PreTrainedModel, *, dtype: torch.dtype | None = None,
+                        device: torch.device | str | None = None,
+                        draft_vocab: str | int | torch.Tensor | None = "auto") -> DFlashDrafter:
         """Bind a published DFlash drafter directory to ``target`` (``dtype``: the file's unless given; ``device``:
         the target's input embedding's). A checkpoint of another architecture is refused: load any drafter with
         :func:`ddtree.loading.drafter.load_drafter`, which picks the class from ``architectures``."""
         file, data = read_config_json(path, "DFlash")
         refuse_other_architecture(data, ARCHITECTURE, cls.__name__, file)
         cls.check_config(file, target.config, vocab_size=target_vocab_size(target))  # before any weight is read
-        dev = device if device is not None else target.get_input_embeddings().weight.device
+        dev = device if device is not None else cast(torch.Tensor, target.get_input_embeddings().weight).device
         return cls(DFlashDraftModel.from_pretrained(path, dtype=dtype, device=dev), target, draft_vocab=draft_vocab)
 
     @staticmethod
-    def check_config(config_file, target_config, vocab_size: int | None = None) -> None:
+    def check_config(config_file: str | os.PathLike[str], target_config: PretrainedConfig,
+                     vocab_size: int | None = None) -> None:
         """Refuse, from the two configs alone, a drafter that cannot serve the target (before any weight is read)."""
         check_compatible_config(DFlashConfig.from_pretrained(config_file), target_config, vocab_size=vocab_size)
-
-    @property
-    def cpu_linear_model(self) -> DFlashDraftModel:
-        """The draft step is a few-row forward as well: ``cpu_linear`` routes this model along with the target."""
-        return self.model
 
     def new_context(self, batch_size: int = 1) -> DFlashContext:
         return DFlashContext(self, batch_size)
@@ -155,10 +164,11 @@ class DFlashDrafter(FeatureDrafter):
         """Log-probs over the target's vocabulary (``-inf`` outside a draft vocabulary), float32."""
         lm_head = self._target_parts[1]
         hidden = hidden.to(lm_head.weight.dtype)
-        if self._head_slice is None:  # the target's own module: its tensor-parallel or device hooks apply
+        head_slice, ids = self._head_slice, self.draft_vocab  # set together by _slice_head
+        if head_slice is None or ids is None:  # the target's own module: its tensor-parallel or device hooks apply
             logits = self.model.process_logits(lm_head(hidden.to(lm_head.weight.device)).float())
             return log_softmax_inplace(logits.contiguous()).to(hidden.device)
         linear = cpu_linear.linear if cpu_linear.routed(self.model.fc) else F.linear  # routed with the model
-        sub = log_softmax_inplace(self.model.process_logits(linear(hidden, *self._head_slice).float()).contiguous())
+        sub = log_softmax_inplace(self.model.process_logits(linear(hidden, *head_slice).float()).contiguous())
         out = sub.new_full((*sub.shape[:-1], lm_head.weight.shape[0]), float("-inf"))
-        return out.index_copy_(-1, self.draft_vocab, sub)
+        return out.index_copy_(-1, ids, sub)

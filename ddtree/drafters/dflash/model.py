@@ -18,6 +18,7 @@ import os
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -37,6 +38,8 @@ from ddtree.drafters.dflash.checkpoint import (
 )
 from ddtree.drafters.dflash.config import DFlashConfig, LayerAttention
 
+LayerKV = tuple[torch.Tensor, torch.Tensor]  # one layer's keys and values, [B, Hkv, S, d] each
+
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
@@ -54,22 +57,26 @@ class RMSNorm(nn.Module):
 class RotaryEmbedding(nn.Module):
     """cos/sin tables for absolute positions, any RoPE type transformers knows."""
 
+    inv_freq: torch.Tensor  # a buffer
+
     def __init__(self, config: DFlashConfig):
         super().__init__()
         from transformers import Qwen3Config
         from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
+        head_dim = config.head_dim
+        assert head_dim is not None  # DFlashConfig.__post_init__ sets it
         rope_cfg = Qwen3Config(
             hidden_size=config.hidden_size,
             num_attention_heads=config.num_attention_heads,
-            head_dim=config.head_dim,
+            head_dim=head_dim,
             max_position_embeddings=config.max_position_embeddings,
             rope_parameters=dict(config.rope_parameters),
         )
         rope_type = config.rope_parameters.get("rope_type", "default")
         if rope_type == "default":
             base = float(config.rope_parameters["rope_theta"])
-            dim = config.head_dim
+            dim = head_dim
             inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
             scaling = 1.0
         else:
@@ -103,7 +110,7 @@ def additive(visible: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor |
     return mask if mask.dim() == 4 else mask[:, None]
 
 
-def _contiguous(context_positions, block_positions, context_len: int) -> bool:
+def _contiguous(context_positions: torch.Tensor | None, block_positions: torch.Tensor, context_len: int) -> bool:
     """True when keys sit at ``0 .. C+Q-1`` with the block last (positions omitted count as such)."""
     q_len = block_positions.shape[1]
     want_blk = torch.arange(context_len, context_len + q_len, device=block_positions.device)
@@ -131,6 +138,7 @@ class DFlashAttention(nn.Module):
         super().__init__()
         self.spec = spec
         h, d = config.hidden_size, config.head_dim
+        assert d is not None  # DFlashConfig.__post_init__ sets it
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_attention_heads, config.num_key_value_heads, d
         self.q_proj = nn.Linear(h, self.num_heads * d, bias=config.attention_bias)
         self.k_proj = nn.Linear(h, self.num_kv_heads * d, bias=config.attention_bias)
@@ -149,7 +157,8 @@ class DFlashAttention(nn.Module):
         v = self.v_proj(x).view(bsz, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
         return apply_rope(k, cos, sin), v
 
-    def forward(self, x, cos, sin, context_kv, mask):
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, context_kv: LayerKV,
+                mask: torch.Tensor | None) -> torch.Tensor:
         """``mask``: the layer's additive mask, or None to let the kernel apply the layer's rule itself."""
         bsz, q_len, _ = x.shape
         q = self.q_norm(self.q_proj(x).view(bsz, q_len, self.num_heads, self.head_dim)).transpose(1, 2)
@@ -157,9 +166,11 @@ class DFlashAttention(nn.Module):
         k_blk, v_blk = self.project_kv(x, cos, sin)
         k_ctx, v_ctx = context_kv
         k, v = torch.cat([k_ctx, k_blk], dim=2), torch.cat([v_ctx, v_blk], dim=2)
-        rule = {} if mask is not None else {"causal": self.spec.causal, "window": self.spec.window}
+        # with a mask the mask carries the rule; without one the kernel applies it (block_attention's defaults
+        # are no window, not causal)
+        causal, window = (False, None) if mask is not None else (self.spec.causal, self.spec.window)
         out = block_attention(q, k, v, additive_mask=mask, scale=self.scaling,
-                              sinks=getattr(self, "attention_sink_bias", None), **rule)
+                              sinks=getattr(self, "attention_sink_bias", None), causal=causal, window=window)
         return self.o_proj(out.transpose(1, 2).reshape(bsz, q_len, -1))
 
 
@@ -170,7 +181,7 @@ class DFlashMLP(nn.Module):
         self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
-    def forward(self, x):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
@@ -183,7 +194,8 @@ class DFlashLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, x, cos, sin, context_kv, mask):
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, context_kv: LayerKV,
+                mask: torch.Tensor | None) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, context_kv, mask)
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -209,6 +221,11 @@ class DFlashDraftModel(nn.Module):
         self.draft_vocab: torch.Tensor | None = None
 
     @property
+    def decoder_layers(self) -> Sequence[DFlashLayer]:
+        """``layers``, typed: a ``ModuleList`` yields plain modules to the type checker."""
+        return cast("Sequence[DFlashLayer]", self.layers)
+
+    @property
     def block_size(self) -> int:
         return self.config.block_size
 
@@ -230,7 +247,7 @@ class DFlashDraftModel(nn.Module):
             x = x * scale
         mask_emb = getattr(self, "mask_embedding", None)
         if mask_emb is not None:
-            x = torch.where((block == self.config.mask_token_id)[..., None], mask_emb.to(x), x)
+            x = torch.where(block.eq(cast(int, self.config.mask_token_id))[..., None], mask_emb.to(x), x)
         return x
 
     def process_logits(self, logits: torch.Tensor) -> torch.Tensor:
@@ -256,7 +273,7 @@ class DFlashDraftModel(nn.Module):
     def context_kv(self, context: torch.Tensor, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per-layer keys/values of projected context features at their own token positions."""
         cos, sin = self.rotary(positions, context.dtype)
-        return [layer.self_attn.project_kv(context, cos, sin) for layer in self.layers]
+        return [layer.self_attn.project_kv(context, cos, sin) for layer in self.decoder_layers]
 
     def forward(
         self,
@@ -295,7 +312,7 @@ class DFlashDraftModel(nn.Module):
         if key_mask is not None and key_mask.dtype == torch.bool:
             key_mask = additive(key_mask, x.dtype)
         keys = []
-        for layer, off, clen in zip(self.layers, offsets, lens):
+        for layer, off, clen in zip(self.decoder_layers, offsets, lens):
             rule = (layer.self_attn.spec.causal, layer.self_attn.spec.window, off, clen)
             keys.append(rule)
             if kernel_rule or rule in masks:
@@ -312,7 +329,7 @@ class DFlashDraftModel(nn.Module):
                 mask = torch.zeros(1, 1, 1, 1, dtype=x.dtype, device=x.device)
             masks[rule] = mask
         cos, sin = self.rotary(block_positions, x.dtype)
-        for layer, kv, rule in zip(self.layers, context_kv, keys):
+        for layer, kv, rule in zip(self.decoder_layers, context_kv, keys):
             x = layer(x, cos, sin, kv, masks.get(rule))
         return self.norm(x)
 

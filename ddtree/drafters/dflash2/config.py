@@ -12,6 +12,7 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, cast
 
 from ddtree.drafters.dflash.config import FULL, SLIDING, DFlashConfig, read_config_json
 
@@ -32,7 +33,7 @@ def is_dflash2(path: str | os.PathLike) -> bool:
     return isinstance(data, dict) and ARCHITECTURE in (data.get("architectures") or [])
 
 
-def _positive_int(name: str, value) -> int:
+def _positive_int(name: str, value: object) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ValueError(f"DFlash2 config: {name} must be a positive int, got {value!r}; fix config.json")
     return value
@@ -58,7 +59,7 @@ class DFlash2Config:
     is_causal: bool | None = None
     use_sliding_window: bool = False
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         for name in DFLASH2_FIELDS:
             _positive_int(name, getattr(self, name))
         hidden = self.base.hidden_size
@@ -69,7 +70,7 @@ class DFlash2Config:
             raise ValueError(f"DFlash2 config: selector_top_k {self.selector_top_k} exceeds the vocabulary "
                              f"({self.base.vocab_size})")
 
-    def __getattr__(self, name):  # the DFlash fields (hidden_size, block_size, ...) read through
+    def __getattr__(self, name: str) -> Any:  # the DFlash fields (hidden_size, block_size, ...) read through
         if name == "base":
             raise AttributeError(name)
         return getattr(self.base, name)
@@ -79,15 +80,19 @@ class DFlash2Config:
         return self.base.hidden_size // self.conv_group_size
 
     @property
+    def _layer_types(self) -> list[str]:
+        return cast("list[str]", self.base.layer_types)  # DFlashConfig.__post_init__ always sets them
+
+    @property
     def layer_causal(self) -> list[bool]:
         if self.is_causal is not None:
             return [bool(self.is_causal)] * self.base.num_hidden_layers
-        return [t == SLIDING for t in self.base.layer_types]
+        return [t == SLIDING for t in self._layer_types]
 
     @property
     def layer_window(self) -> list[int | None]:
         on = self.use_sliding_window
-        return [self.base.sliding_window if t == SLIDING and on else None for t in self.base.layer_types]
+        return [self.base.sliding_window if t == SLIDING and on else None for t in self._layer_types]
 
     @classmethod
     def from_dict(cls, d: dict) -> DFlash2Config:
@@ -96,7 +101,7 @@ class DFlash2Config:
         d = dict(d)
         dflash = dict(d.get("dflash_config") or {})
 
-        def value(name, default=None):
+        def value(name: str, default: object = None) -> Any:
             return dflash[name] if name in dflash else d.get(name, default)
 
         missing = [n for n in DFLASH2_FIELDS if value(n) is None]

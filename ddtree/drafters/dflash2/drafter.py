@@ -2,19 +2,28 @@
 
 from __future__ import annotations
 
+import os
+from typing import TYPE_CHECKING, cast
+
+import torch
+
 from ddtree.drafters.dflash.config import read_config_json
 from ddtree.drafters.dflash2.config import ARCHITECTURE, DFlash2Config
 from ddtree.drafters.dflash2.context import DFlash2Context
 from ddtree.drafters.dflash2.model import DFlash2DraftModel
 from ddtree.drafters.features import FeatureDrafter, check_target_layer_ids, refuse_other_architecture
 
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig, PreTrainedModel
 
-def check_compatible(config: DFlash2Config, target) -> None:
+
+def check_compatible(config: DFlash2Config, target: PreTrainedModel) -> None:
     """Raise a ValueError naming the mismatch when a DFlash2 drafter cannot serve ``target``."""
     check_compatible_config(config, target.config, vocab_size=target.get_output_embeddings().weight.shape[0])
 
 
-def check_compatible_config(config: DFlash2Config, target_config, vocab_size: int | None = None) -> None:
+def check_compatible_config(config: DFlash2Config, target_config: PretrainedConfig,
+                            vocab_size: int | None = None) -> None:
     """The same check from the target's config alone (``vocab_size``: its lm_head rows when known), so that a
     wrong pair is refused before either model's weights are downloaded or read."""
     tc = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
@@ -40,12 +49,14 @@ class DFlash2Drafter(FeatureDrafter):
 
     model_class = DFlash2DraftModel
 
-    def __init__(self, model: DFlash2DraftModel, target):
+    def __init__(self, model: DFlash2DraftModel, target: PreTrainedModel) -> None:
         check_compatible(model.config, target)
         self._bind(model, target)
 
     @classmethod
-    def from_pretrained(cls, path, target, *, dtype=None, device=None, draft_vocab="auto") -> DFlash2Drafter:
+    def from_pretrained(cls, path: str | os.PathLike[str], target: PreTrainedModel, *, dtype: torch.dtype | None = None,
+                        device: torch.device | str | None = None,
+                        draft_vocab: str | int | torch.Tensor | None = "auto") -> DFlash2Drafter:
         """Bind a published DFlash2 directory to ``target``. ``draft_vocab`` is accepted for a uniform loader
         call, but only as the full vocabulary (``"auto"``, ``None`` or 0): the selector reads every logit."""
         if not (draft_vocab is None or draft_vocab == "auto" or (isinstance(draft_vocab, int) and draft_vocab == 0)):
@@ -54,11 +65,12 @@ class DFlash2Drafter(FeatureDrafter):
         file, data = read_config_json(path, "DFlash2")
         refuse_other_architecture(data, ARCHITECTURE, cls.__name__, file)
         check_compatible(DFlash2Config.from_dict(data), target)  # before any weight is read
-        dev = device if device is not None else target.get_input_embeddings().weight.device
+        dev = device if device is not None else cast(torch.Tensor, target.get_input_embeddings().weight).device
         return cls(DFlash2DraftModel.from_pretrained(path, dtype=dtype, device=dev), target)
 
     @staticmethod
-    def check_config(config_file, target_config, vocab_size: int | None = None) -> None:
+    def check_config(config_file: str | os.PathLike[str], target_config: PretrainedConfig,
+                     vocab_size: int | None = None) -> None:
         """Refuse, from the two configs alone, a drafter that cannot serve the target (before any weight is read)."""
         check_compatible_config(DFlash2Config.from_pretrained(config_file), target_config, vocab_size=vocab_size)
 

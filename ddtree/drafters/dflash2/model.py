@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Sequence
 from pathlib import Path
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -30,7 +32,7 @@ from ddtree.drafters.dflash.checkpoint import (
     read_weights,
     weight_files,
 )
-from ddtree.drafters.dflash.model import DFlashAttention, DFlashMLP, RMSNorm, RotaryEmbedding, apply_rope
+from ddtree.drafters.dflash.model import DFlashAttention, DFlashMLP, LayerKV, RMSNorm, RotaryEmbedding, apply_rope
 from ddtree.drafters.dflash2.config import DFlash2Config
 
 CODEBOOKS = ("candidate_selector.predecessor_codebook", "candidate_selector.successor_codebook")
@@ -53,7 +55,7 @@ class GroupedDynamicConv(nn.Module):
         """Dynamic kernels ``[B, T, 2, K, G]`` from the normed input ``u``."""
         return self.kernel_projection(u).view(*u.shape[:-1], 2, self.kernel_size, -1)
 
-    def apply(self, x: torch.Tensor, dynamic: torch.Tensor, which: int) -> torch.Tensor:
+    def convolve(self, x: torch.Tensor, dynamic: torch.Tensor, which: int) -> torch.Tensor:
         t = x.shape[1]
         dyn = dynamic[:, :, which].repeat_interleave(self.group_size, dim=-1)  # [B, T, K, H]
         weight = self.base_kernel[which].to(x.dtype) + dyn  # [B, T, K, H]
@@ -80,11 +82,12 @@ class DFlash2Attention(nn.Module):
 
     project_kv = DFlashAttention.project_kv  # the same projections and names as a DFlash layer's
 
-    def forward(self, x, cos, sin, context_kv, visible):
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, context_kv: LayerKV,
+                visible: torch.Tensor | None) -> torch.Tensor:
         bsz, q_len, _ = x.shape
         q = self.q_norm(self.q_proj(x).view(bsz, q_len, self.num_heads, self.head_dim)).transpose(1, 2)
         q = apply_rope(q, cos, sin)
-        k_blk, v_blk = self.project_kv(x, cos, sin)
+        k_blk, v_blk = self.project_kv(x, cos, sin)  # type: ignore[misc]  # borrowed from DFlashAttention
         k = torch.cat([context_kv[0], k_blk], dim=2)
         v = torch.cat([context_kv[1], v_blk], dim=2)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=visible, scale=self.head_dim**-0.5,
@@ -103,14 +106,15 @@ class DFlash2Layer(nn.Module):
         self.attention_conv = GroupedDynamicConv(h, config.conv_kernel_size, config.conv_group_size)
         self.mlp_conv = GroupedDynamicConv(h, config.conv_kernel_size, config.conv_group_size)
 
-    def forward(self, x, cos, sin, context_kv, visible):
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, context_kv: LayerKV,
+                visible: torch.Tensor | None) -> torch.Tensor:
         u = self.input_layernorm(x)
         dyn = self.attention_conv.kernels(u)
-        a = self.self_attn(self.attention_conv.apply(u, dyn, 0), cos, sin, context_kv, visible)
-        x = x + self.attention_conv.apply(a, dyn, 1)
+        a = self.self_attn(self.attention_conv.convolve(u, dyn, 0), cos, sin, context_kv, visible)
+        x = x + self.attention_conv.convolve(a, dyn, 1)
         u = self.post_attention_layernorm(x)
         dyn = self.mlp_conv.kernels(u)
-        return x + self.mlp_conv.apply(self.mlp(self.mlp_conv.apply(u, dyn, 0)), dyn, 1)
+        return x + self.mlp_conv.convolve(self.mlp(self.mlp_conv.convolve(u, dyn, 0)), dyn, 1)
 
 
 class CandidateSelector(nn.Module):
@@ -123,7 +127,8 @@ class CandidateSelector(nn.Module):
         self.predecessor_codebook = nn.Embedding(config.vocab_size, config.selector_rank)
         self.successor_codebook = nn.Embedding(config.vocab_size, config.selector_rank)
 
-    def scores(self, hidden: torch.Tensor, logits: torch.Tensor, roots: torch.Tensor):
+    def scores(self, hidden: torch.Tensor, logits: torch.Tensor,
+               roots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Raw selector scores for every (previous candidate, candidate) pair, in one batched op.
 
         ``hidden`` ``[B, D, H]`` and ``logits`` ``[B, D, V]`` of slots ``1 .. D``; ``roots`` ``[B]``.
@@ -141,7 +146,7 @@ class CandidateSelector(nn.Module):
         table = unary[:, 1:, None, :] + torch.einsum("bdir,bdr,bdjr->bdij", pred, proj[:, 1:], succ[:, 1:])
         return cand, first, table
 
-    def pairwise(self, hidden, logits, roots) -> PairwiseScores:
+    def pairwise(self, hidden: torch.Tensor, logits: torch.Tensor, roots: torch.Tensor) -> PairwiseScores:
         """The selector's log-probs (softmax over each slot's candidates), float32."""
         cand, first, table = self.scores(hidden, logits, roots)
         return PairwiseScores(cand, first.float().log_softmax(-1), table.float().log_softmax(-1))
@@ -201,11 +206,14 @@ class DFlash2DraftModel(nn.Module):
                              f"{self.config.hidden_size})")
         return self.hidden_norm(self.fc(features.to(self.fc.weight.dtype)))
 
-    def context_kv(self, context: torch.Tensor, positions: torch.Tensor):
+    def context_kv(self, context: torch.Tensor, positions: torch.Tensor) -> list[LayerKV]:
         cos, sin = self.rotary(positions, context.dtype)
-        return [layer.self_attn.project_kv(context, cos, sin) for layer in self.layers]
+        layers = cast("Sequence[DFlash2Layer]", self.layers)  # a ModuleList yields plain modules to the checker
+        # project_kv is DFlashAttention's, borrowed: DFlash2Attention has the same projections under the same names
+        return [layer.self_attn.project_kv(context, cos, sin) for layer in layers]  # type: ignore[misc]
 
-    def forward(self, block_embeds, block_positions, context_kv, lengths: torch.Tensor | None = None):
+    def forward(self, block_embeds: torch.Tensor, block_positions: torch.Tensor, context_kv: Sequence[LayerKV],
+                lengths: torch.Tensor | None = None) -> torch.Tensor:
         """Final-normed hidden states ``[B, Q, H]`` of the block (``block_embeds`` already scaled).
 
         ``context_kv``: per-layer keys/values of the context, column ``c`` at position ``c``;
@@ -221,7 +229,7 @@ class DFlash2DraftModel(nn.Module):
     def logits(self, hidden: torch.Tensor, lm_head: nn.Module) -> torch.Tensor:
         """``lm_head(hidden) * output_multiplier``, then the softcap when the config sets one."""
         cfg = self.config
-        logits = lm_head(hidden.to(lm_head.weight.dtype)) * cfg.output_multiplier
+        logits = lm_head(hidden.to(cast(torch.Tensor, lm_head.weight).dtype)) * cfg.output_multiplier
         cap = cfg.final_logit_softcapping
         if cap is not None and cap > 0:
             logits = torch.tanh(logits / cap) * cap
