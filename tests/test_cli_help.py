@@ -105,7 +105,8 @@ def short_form(example: str, pair, tmp) -> list[str]:
                       "--num-prompts", "4", "--max-new-tokens", "8", "--gen-batch", "4", "--steps", "2",
                       "--eval-every", "2", "--save-every", "2", "--eval-blocks", "8", "--seqs-per-step", "2",
                       "--anchors-per-seq", "2", "--log-every", "1", "--heldout-frac", "0.5", "--block-size", "4",
-                      "--draft-vocab", "0", "--vocab-subset", "0", "--topk", "4", "--threads", "1"]
+                      "--draft-vocab", "0", "--vocab-subset", "0", "--topk", "4", "--threads", "1",
+                      "--accept-prompts", "1", "--accept-new-tokens", "4"]
     raise AssertionError(f"no short form for {example!r}")
 
 
