@@ -124,9 +124,10 @@ def test_readme_blocks_run_as_written():
     for line, code, _ in blocks:
         names = dict(scope) if line in hf else {}  # the Use block stands alone, as a reader would paste it
         exec(compile(code, f"README.md:{line}", "exec"), names)
-        if line in hf:
-            new = names["out"][0, names["prompt_ids"].shape[1]:]
-            assert new.tolist() == greedy(names["target"], names["prompt_ids"], len(new))[: len(new)]
+        if line in hf:  # the block may load its own target and inputs: check against those
+            prompt = names["inputs"]["input_ids"] if "inputs" in names else names["prompt_ids"]
+            new = names["out"][0, prompt.shape[1]:]
+            assert new.tolist() == greedy(names["target"], prompt, len(new))[: len(new)]
 
 
 def _table_parts() -> dict[str, tuple[str, list[str] | None]]:
