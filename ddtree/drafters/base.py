@@ -69,6 +69,25 @@ class DraftContext(Protocol):
         ...
 
 
+class StaticDraftContext(Protocol):
+    """A drafter context in fixed buffers, for the static (compiled) round: every shape follows from the batch,
+    the capacity and the block, never from values, and nothing is read back from the device.
+
+    Row ``b``'s committed context fills positions ``0 .. lengths[b] - 1``; the round passes ``lengths`` (a
+    device tensor) to each call. ``append`` writes ``T`` positions per row at ``lengths .. lengths + T - 1``
+    whatever the row accepted: positions past the row's new length are stale, hidden from ``propose`` and
+    overwritten later. ``reserve`` (on the host, outside the compiled step) makes room for ``capacity``
+    positions."""
+
+    capacity: int
+
+    def propose(self, root_tokens: torch.Tensor, lengths: torch.Tensor) -> Proposal: ...
+
+    def append(self, features: torch.Tensor | None, tokens: torch.Tensor, lengths: torch.Tensor) -> None: ...
+
+    def reserve(self, capacity: int) -> None: ...
+
+
 class Drafter(Protocol):
     """What a round needs from a drafter: which target features to read, and a fresh context per generation.
 

@@ -40,6 +40,7 @@ from ddtree.generation.options import (
 )
 from ddtree.generation.round import speculative_round
 from ddtree.generation.state import DecodeState, RoundEngine
+from ddtree.generation.static_round import StaticSteps, check_static_support
 from ddtree.loading.drafter import resolve_drafter
 from ddtree.loading.pair import load_pair
 from ddtree.runtime.distributed import Lockstep, module_fingerprint
@@ -159,14 +160,17 @@ class SpeculativeGenerator:
             self.lockstep.agree(_drafter_identity(drafter), "the drafter")
         self.target = target.eval()
         self.options = options
-        self.cpu_linear = _route_cpu_linear(target, options.cpu_linear)
+        self.cpu_linear = _route_cpu_linear(target, False if options.compile else options.cpu_linear)
         if self.cpu_linear and getattr(drafter, "cpu_linear_model", None) is not None:
             _route_cpu_linear(drafter.cpu_linear_model, "auto")  # the draft step is a few-row forward as well
         self.drafter = drafter
-        attention = options.attention
+        attention = "sdpa" if options.compile else options.attention  # the static round's dense mask
         self.backend = get_backend(attention) if isinstance(attention, (str, type(None))) else attention
         self.backend.prepare(self.target)
         self.tokenizer = tokenizer
+        self._static_steps: dict[tuple, StaticSteps] = {}  # compiled static-round steps by builder and budget
+        if options.compile:
+            check_static_support(self)
         self._costs = RoundCosts()  # round costs of this model on this machine, learned by every "auto" call
 
     @classmethod
@@ -385,6 +389,18 @@ class SpeculativeGenerator:
             raise ValueError("transformers streamers take one sequence: stream a batch with stream(), which yields "
                              "each row's tokens per round")
         return StreamerFeed(streamer, state.prompts[0][None])
+
+    @property
+    def compile(self) -> bool | str:
+        """``options.compile``: whether tree rounds run as the static, compiled round."""
+        return self._options.compile
+
+    def static_steps(self, budget: int) -> StaticSteps:
+        """The static round's steps for this builder and ``budget`` (compiled on first use, then kept)."""
+        key = (self.builder, budget)
+        if key not in self._static_steps:
+            self._static_steps[key] = StaticSteps(self, budget, self._options.compile)
+        return self._static_steps[key]
 
     def budget_policy(self, budget: int | str | BudgetPolicy, *,
                       builder: TreeBuilder | None = None) -> BudgetPolicy | None:

@@ -26,7 +26,7 @@ from ddtree.targets.forward import PREFILL_CHUNK, check_prefill_chunk
 
 PER_CALL = ("tree_budget", "builder", "prefill_chunk")
 """Settings a single ``generate`` / ``stream`` / ``start`` call may override."""
-MODEL_SETTINGS = ("attention", "cpu_linear", "threads")
+MODEL_SETTINGS = ("attention", "cpu_linear", "threads", "compile")
 """Settings that prepare the models or the process: set on the generator, refused per call."""
 
 
@@ -44,6 +44,7 @@ class GeneratorOptions:
     cpu_linear: bool | str = False
     threads: int | str | None = None
     prefill_chunk: int | None = PREFILL_CHUNK
+    compile: bool | str = False
 
     def __post_init__(self) -> None:
         if self.tree_budget is not None:
@@ -53,6 +54,7 @@ class GeneratorOptions:
         check_cpu_linear(self.cpu_linear)
         check_threads(self.threads)
         check_prefill_chunk(self.prefill_chunk)
+        check_compile(self)
 
     def replace(self, **changes: Any) -> GeneratorOptions:
         """A checked copy with ``changes``; an unknown name is refused with the list of settings."""
@@ -74,6 +76,26 @@ def check_attention(attention: Any) -> None:
     elif not hasattr(attention, "prepare") or not hasattr(attention, "tree_forward_kwargs"):
         raise TypeError(f"attention must be a backend name (e.g. 'auto', 'sdpa') or a tree-attention backend "
                         f"object with prepare and tree_forward_kwargs, got {type(attention).__name__}")
+
+
+def check_compile(options: GeneratorOptions) -> None:
+    """``compile``: ``False``, ``True`` (inductor; CUDA graphs on CUDA) or a ``torch.compile`` backend name; it
+    runs the static round, which takes a fixed tree budget, the dense-mask attention and torch's own linears."""
+    value = options.compile
+    if not (isinstance(value, bool) or (isinstance(value, str) and value)):
+        raise ValueError(f"compile must be True, False or a torch.compile backend name, got {value!r}")
+    if value is False:
+        return
+    budget = options.tree_budget
+    if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 1):
+        raise ValueError(f"compile=True needs a fixed int tree_budget >= 1 (each tree size is its own compiled "
+                         f"graph), got {budget!r}; pass tree_budget=N or compile=False")
+    if options.attention not in ("auto", "sdpa", None):
+        raise ValueError(f"compile=True verifies with the dense tree mask (attention='sdpa'), got attention="
+                         f"{options.attention!r}; leave attention='auto' or pass 'sdpa'")
+    if options.cpu_linear is True:
+        raise ValueError("compile=True compiles torch's own linear layers; cpu_linear=True routes them elsewhere. "
+                         "Pass cpu_linear=False (or 'auto', which then stays off)")
 
 
 def check_cpu_linear(mode: Any) -> None:

@@ -33,6 +33,7 @@ from ddtree.core.verify import VerifyResult, verify_tree
 from ddtree.drafters.base import DraftContext, check_proposal, proposal_tree
 from ddtree.generation.prefill import prefill_padded
 from ddtree.generation.state import DecodeState, RoundRecord, RoundResult
+from ddtree.generation.static_round import static_budget, static_round, to_static
 from ddtree.targets.cache import (
     cache_length,
     check_cache_length,
@@ -56,7 +57,17 @@ def speculative_round(state: DecodeState) -> RoundResult:
             return _prefill(state)
         if state.policy is None:
             return _plain_step(state)
+        if state.generator.compile:
+            return _static_tree_round(state)
         return _tree_round(state, state.policy)
+
+
+def _static_tree_round(state: DecodeState) -> RoundResult:
+    """A tree round as the static, compiled steps (``compile=True``; see :mod:`ddtree.generation.static_round`)."""
+    steps = state.generator.static_steps(static_budget(state))
+    if state.static is None:
+        state.static = to_static(state)
+    return static_round(state, steps, state.static)
 
 
 def _prefill(state: DecodeState) -> RoundResult:

@@ -48,6 +48,11 @@ class RoundEngine(Protocol):
     @property
     def pad_token_id(self) -> int: ...
 
+    @property
+    def compile(self) -> bool | str: ...
+
+    def static_steps(self, budget: int) -> Any: ...
+
 
 @dataclass
 class RoundRecord:
@@ -108,6 +113,7 @@ class DecodeState:
     draft_takes_host_counts: bool | None = None  # whether draft.append takes host_counts (read once)
     prefilled: bool = False
     rounds: int = 0  # verify rounds (or plain decode steps) after the prefill
+    static: Any = None  # the static round's buffers and rows (compile=True), made by its first round
     accepted_by_source: dict[str, int] = field(default_factory=lambda: {"drafter": 0, "lookup": 0, "both": 0})
 
     def __post_init__(self) -> None:

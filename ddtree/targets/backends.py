@@ -23,6 +23,7 @@ This module is the documented home of :func:`get_backend` and :class:`TreeAttent
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -41,34 +42,54 @@ from ddtree.targets.registration import (
 )
 
 
+def window_plan(model: Any) -> dict[str | None, int | None] | None:
+    """The sliding window of each attention layer kind, as a tree mask needs it: ``{None: window}`` when every
+    attention layer shares one window (``None``: full attention), else ``{layer type: window}`` over the
+    config's layer types (linear-attention types absent: they take no mask). ``None`` when windows differ
+    within one layer type, which no per-kind mask can express."""
+    description = describe(model)
+    windows = description.windows
+    kinds = set(windows.values())
+    if len(kinds) <= 1:
+        return {None: next(iter(kinds), None)}
+    types = description.layer_types
+    by_type: dict[str | None, int | None] = {}
+    for idx, window in windows.items():
+        kind = types[idx] if idx < len(types) else None
+        if kind is None or by_type.setdefault(kind, window) != window:
+            return None
+    return by_type
+
+
+def masks_for_plan(plan: dict[str | None, int | None], layer_types: Sequence[str],
+                   mask: Callable[[int | None], torch.Tensor]) -> torch.Tensor | dict[str, torch.Tensor | None]:
+    """One mask (``mask(window)``) per entry of a :func:`window_plan`: a tensor for a single kind, else a dict
+    keyed by layer type, ``None`` for the types without attention (how HF models take per-kind masks)."""
+    if None in plan:
+        return mask(plan[None])
+    masks: dict[str, torch.Tensor | None] = {str(kind): mask(window) for kind, window in plan.items()}
+    for kind in set(layer_types) - set(masks):
+        masks[kind] = None  # linear-attention layers take no attention mask
+    return masks
+
+
 def dense_tree_mask(model: Any, tree: DraftTree, prefix_len: int, dtype: torch.dtype,
                     prefix_valid: torch.Tensor | None = None) -> torch.Tensor | dict[str, torch.Tensor | None]:
     """The dense additive tree mask for ``model``: one tensor when every attention layer has the same window,
     else a dict keyed by the config's layer types (how HF models take per-layer-kind masks).
     ``prefix_valid`` hides a batch's padding columns (see :func:`ddtree.core.masks.tree_attention_mask`)."""
-    description = describe(model)
-    windows = description.windows
-    kinds = set(windows.values())
+    plan = window_plan(model)
+    if plan is None:
+        raise ValueError(
+            f"{type(model).__name__} has attention layers with different windows that its config's layer_types "
+            "do not separate, so one dense mask per layer kind cannot express them; use attention=\"split\""
+        )
 
     def mask(window: int | None) -> torch.Tensor:
         return tree_attention_mask(tree.visibility, prefix_len, dtype, sliding_window=window, depths=tree.depths,
                                    prefix_valid=prefix_valid)
 
-    if len(kinds) <= 1:
-        return mask(next(iter(kinds), None))
-    types = description.layer_types
-    by_type: dict[str, int | None] = {}
-    for idx, window in windows.items():
-        kind = types[idx] if idx < len(types) else None
-        if kind is None or by_type.setdefault(kind, window) != window:
-            raise ValueError(
-                f"{type(model).__name__} has attention layers with different windows that its config's layer_types "
-                "do not separate, so one dense mask per layer kind cannot express them; use attention=\"split\""
-            )
-    masks: dict[str, torch.Tensor | None] = {kind: mask(window) for kind, window in by_type.items()}
-    for kind in set(types) - set(masks):
-        masks[kind] = None  # linear-attention layers take no attention mask
-    return masks
+    return masks_for_plan(plan, describe(model).layer_types, mask)
 
 
 def prepare_target(model: Any) -> None:

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Protocol, cast
 import torch
 
 from ddtree.drafters.base import DraftContext, Proposal
+from ddtree.drafters.dflash.static_context import StaticDFlashContext
 
 if TYPE_CHECKING:
     from ddtree.drafters.features import FeatureDrafter
@@ -151,6 +152,23 @@ class DFlashContext(DraftContext):
         self.lengths = self.lengths.index_select(0, rows.to(self.lengths.device))
         if self.kv is not None:
             self.kv = [(k.index_select(0, rows.to(k.device)), v.index_select(0, rows.to(v.device))) for k, v in self.kv]
+
+    def to_static(self, capacity: int) -> StaticDFlashContext:
+        """This context's keys and values in fixed buffers of ``capacity`` positions per row (column =
+        position), for the static round. Keys a sliding layer dropped stay zero there: its window hides them."""
+        if self.kv is None:
+            raise RuntimeError("the drafter has no context yet: append the prompt's target features first")
+        if capacity < max(self.host_lengths):
+            raise ValueError(f"capacity {capacity} is below the longest row's {max(self.host_lengths)} positions")
+        kv = []
+        for (k, v), off in zip(self.kv, self._offsets()):
+            kb = k.new_zeros(k.shape[0], k.shape[1], capacity, k.shape[3])
+            vb = v.new_zeros(v.shape[0], v.shape[1], capacity, v.shape[3])
+            end = min(k.shape[2] - 1 + off, capacity)  # the last column of a buffer is its scratch
+            kb[:, :, off:end] = k[:, :, : end - off]
+            vb[:, :, off:end] = v[:, :, : end - off]
+            kv.append((kb, vb))
+        return StaticDFlashContext(self.drafter, kv)
 
     @torch.no_grad()
     def propose(self, root_tokens: torch.Tensor) -> Proposal:

@@ -1,0 +1,248 @@
+"""The static round (``compile=True``): every tree round as three fixed-shape device steps, compiled once.
+
+After the usual prefill, the target cache and the drafter context move into preallocated, row-packed
+buffers (:class:`~ddtree.targets.static_cache.RowPackedCache`, the context's ``to_static``), and each round is
+
+1. ``draft``: the drafter's block and the tree under the fixed budget (a tree always has ``budget + 1`` nodes
+   for best-first, ``min(budget, D) + 1`` for the chain: the shapes never depend on values);
+2. ``verify``: one target forward over the tree at columns ``lengths .. lengths + N - 1`` of every row, with a
+   ``[B, 1, N, capacity]`` mask built on the device from the lengths;
+3. the target's choice at each node (between the steps, so a sampled draw uses the generation's own RNG);
+4. ``commit``: the acceptance walk, the accepted nodes' keys/values copied down in place, their features
+   written into the drafter context, new lengths and roots;
+
+then the round's one host read of the packed accepted tokens. Rows that finish keep their place (their
+lengths stop growing) so the batch shape holds; capacities grow by doubling outside the steps, so a
+generation uses a handful of graphs. Each step runs under ``torch.compile(fullgraph=True)`` (on CUDA with
+``mode="reduce-overhead"``, CUDA graphs); ``compile="eager"`` or another backend name picks a
+``torch.compile`` backend, and the steps' equality with the dynamic round is tested uncompiled and compiled.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, cast
+
+import torch
+
+from ddtree.budget.policy import FixedBudget
+from ddtree.core.sampling import choose_tokens
+from ddtree.core.tree import DraftTree
+from ddtree.core.verify import accept_longest_branch
+from ddtree.drafters.base import StaticDraftContext, proposal_tree
+from ddtree.generation.state import DecodeState, RoundRecord, RoundResult
+from ddtree.targets.backends import masks_for_plan, window_plan
+from ddtree.targets.cache import cache_kwargs
+from ddtree.targets.description import describe
+from ddtree.targets.static_cache import RowPackedCache, commit_packed, packed_tree_mask
+
+CAPACITY_STEP = 256
+"""Capacities are this many columns times a power of two, so a generation meets few distinct shapes."""
+
+
+def capacity_for(need: int) -> int:
+    """The smallest bucketed capacity of at least ``need`` columns."""
+    cap = CAPACITY_STEP
+    while cap < need:
+        cap *= 2
+    return cap
+
+
+def check_static_support(generator: Any) -> None:
+    """Refuse, before any decoding, what the static round cannot run, naming the reason and the way out."""
+    target = generator.target
+    if describe(target).stateful:
+        raise ValueError(
+            f"compile=True runs attention-only targets; {type(target).__name__} has stateful (linear-attention) "
+            "layers whose per-node state the static round does not preallocate yet. Use compile=False"
+        )
+    if window_plan(target) is None:
+        raise ValueError(f"compile=True needs one window per layer type; {type(target).__name__}'s windows differ "
+                         "within a type. Use compile=False")
+    backend = getattr(generator.backend, "name", None)
+    if backend not in ("sdpa", "auto", "fused", "split"):
+        raise ValueError(f"compile=True verifies with a dense mask through sdpa; attention={backend!r} is not "
+                         "supported with it. Use attention=\"sdpa\" or compile=False")
+
+
+@dataclass
+class StaticRows:
+    """One generation's static buffers and its physical rows (``rows[i]`` is the prompt row of buffer row
+    ``i``; finished rows stay, with ``alive`` False)."""
+
+    cache: RowPackedCache
+    draft: StaticDraftContext
+    lengths: torch.Tensor  # [R] committed positions per buffer row
+    roots: torch.Tensor  # [R] each row's last emitted token
+    alive: torch.Tensor  # [R] bool
+    rows: list[int]
+    host_lengths: list[int]
+    host_alive: list[bool]
+
+
+@functools.cache
+def _takes_cache_position(owner: type) -> bool:
+    return "cache_position" in inspect.signature(owner.forward).parameters
+
+
+class StaticSteps:
+    """The three steps of a static round for one target, drafter, builder and budget, compiled on first use.
+
+    Held by the generator (they are derived from its models and settings, and compiling is slow), keyed by
+    the builder and budget."""
+
+    def __init__(self, generator: Any, budget: int, compile: bool | str) -> None:
+        self.target = generator.target
+        self.drafter = generator.drafter
+        self.builder = generator.builder
+        self.budget = budget
+        plan = window_plan(self.target)
+        assert plan is not None  # check_static_support refused the rest
+        self.plan = plan
+        self.layer_types = list(describe(self.target).layer_types)
+        self.dtype = generator.dtype
+        self.cache_keyword = next(iter(cache_kwargs(self.target, None)))
+        self.cache_position = _takes_cache_position(type(self.target))
+        if self.drafter.needs_hidden_states:
+            _install_output_hooks(self.target)
+        self.draft = _compiled(self._draft, compile)
+        self.verify = _compiled(self._verify, compile)
+        self.commit = _compiled(self._commit, compile)
+
+    def _draft(self, draft: StaticDraftContext, roots: torch.Tensor, lengths: torch.Tensor) -> DraftTree:
+        return proposal_tree(draft.propose(roots, lengths), roots, self.builder, self.budget)
+
+    def _verify(self, cache: RowPackedCache, tree: DraftTree,
+                lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        n = tree.num_nodes
+        cache.set_write_columns(lengths[:, None] + torch.arange(n, device=lengths.device))
+        capacity = cache.keys[0].shape[2]
+
+        def mask(window: int | None) -> torch.Tensor:
+            return packed_tree_mask(tree.visibility, tree.depths, lengths, capacity, self.dtype, window)
+
+        extra: dict[str, Any] = {self.cache_keyword: cache}
+        if self.cache_position:  # transformers that derive it from the cache's length otherwise; unused by it
+            extra["cache_position"] = torch.arange(n, device=lengths.device)
+        hidden = self.drafter.needs_hidden_states
+        out = self.target(input_ids=tree.tokens, position_ids=lengths[:, None] + tree.depths,
+                          attention_mask=masks_for_plan(self.plan, self.layer_types, mask), use_cache=True,
+                          output_hidden_states=hidden, **extra)
+        features = self.drafter.context_features(out.hidden_states) if hidden else None
+        return out.logits, features
+
+    def _commit(self, cache: RowPackedCache, draft: StaticDraftContext, tree: DraftTree, choices: torch.Tensor,
+                features: torch.Tensor | None, lengths: torch.Tensor,
+                alive: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        n = tree.num_nodes
+        result = accept_longest_branch(tree, choices, length=n)
+        commit_packed(cache.keys, cache.values, lengths, result.accepted)
+        path = result.accepted.clamp(min=0)
+        if features is not None:
+            features = features.gather(1, path[..., None].expand(-1, -1, features.shape[-1]))
+        path_tokens = tree.tokens.gather(1, path)
+        draft.append(features, path_tokens, lengths)
+        new_lengths = lengths + torch.where(alive, result.num_accepted, torch.zeros_like(result.num_accepted))
+        packed = torch.cat([result.num_accepted[:, None], result.bonus[:, None].long(), result.accepted,
+                            path_tokens.long()], dim=1)
+        return packed, new_lengths, result.bonus
+
+
+def _install_output_hooks(target: Any) -> None:
+    """One tiny eager forward with ``output_hidden_states``: transformers installs the hooks that collect
+    hidden states on first use, under a thread lock a compiled step cannot trace."""
+    device = target.get_input_embeddings().weight.device
+    with torch.inference_mode():
+        target(input_ids=torch.zeros(1, 1, dtype=torch.long, device=device), use_cache=False,
+               output_hidden_states=True)
+
+
+def _compiled(fn: Callable, compile: bool | str) -> Callable:
+    """``fn`` under ``torch.compile(fullgraph=True)`` (inductor; CUDA graphs on CUDA), another backend by name,
+    or as it is for ``compile=False`` (the static round uncompiled: the tests' reference)."""
+    if compile is False:
+        return fn
+    if compile is True:
+        mode = "reduce-overhead" if torch.cuda.is_available() else None
+        return torch.compile(fn, fullgraph=True, dynamic=False, mode=mode)
+    return torch.compile(fn, fullgraph=True, dynamic=False, backend=compile)
+
+
+def static_budget(state: DecodeState) -> int:
+    """The fixed budget the static round compiles for (``compile=True`` takes an int ``tree_budget``)."""
+    policy = state.policy
+    if not isinstance(policy, FixedBudget):
+        raise ValueError("compile=True needs a fixed int tree_budget (each tree size is its own compiled graph); "
+                         f"got the policy {type(policy).__name__}. Pass tree_budget=N or compile=False")
+    return policy.budget
+
+
+def to_static(state: DecodeState) -> StaticRows:
+    """Move a prefilled generation's cache and drafter context into static buffers."""
+    draft = state.catch_up_draft()
+    to_static_draft = getattr(draft, "to_static", None)
+    if to_static_draft is None:
+        raise ValueError(f"compile=True needs a drafter context with to_static (DFlash); "
+                         f"{type(draft).__name__} has none. Use compile=False")
+    capacity = capacity_for(max(state.host_lengths) + state.generator.drafter.block_size + 1)
+    cache = RowPackedCache.from_cache(state.cache, state.host_lengths, capacity)
+    lengths = cast(torch.Tensor, state.lengths)  # set by the prefill
+    rows = StaticRows(cache=cache, draft=to_static_draft(capacity), lengths=lengths.clone(),
+                      roots=cast(torch.Tensor, state.roots).clone(),
+                      alive=torch.ones(len(state.active), dtype=torch.bool, device=lengths.device),
+                      rows=list(state.active), host_lengths=list(state.host_lengths),
+                      host_alive=[True] * len(state.active))
+    state.cache = cache
+    return rows
+
+
+def static_round(state: DecodeState, steps: StaticSteps, rows: StaticRows) -> RoundResult:
+    """One static round for every buffer row (finished ones ride along unseen); returns what each row committed."""
+    timer = state.timer
+    budget = steps.budget
+    need = max(n for n, a in zip(rows.host_lengths, rows.host_alive) if a) + budget + 1
+    if need > rows.cache.capacity:
+        capacity = capacity_for(need)
+        rows.cache = rows.cache.grown(capacity)
+        rows.draft.reserve(capacity)
+        state.cache = rows.cache
+    with timer.stage("draft"):
+        tree = steps.draft(rows.draft, rows.roots, rows.lengths)
+    with timer.stage("verify"):
+        logits, features = steps.verify(rows.cache, tree, rows.lengths)
+        choices = choose_tokens(logits, state.sampling, state.rng)
+    with timer.stage("commit"):
+        packed, lengths, roots = steps.commit(rows.cache, rows.draft, tree, choices, features, rows.lengths,
+                                              rows.alive)
+        rows.lengths, rows.roots = lengths.clone(), roots.clone()  # outputs a later replay may overwrite
+        host = packed.tolist()  # the round's one host read
+    n = tree.num_nodes
+    tokens: list[list[int]] = [[] for _ in state.prompts]
+    acceptance: list[int | None] = [None] * len(state.prompts)
+    finished: list[int] = []
+    for i, row in enumerate(rows.rows):
+        if not rows.host_alive[i]:
+            continue
+        count, bonus = host[i][0], host[i][1]
+        path_tokens = host[i][2 + n : 2 + n + count]
+        acceptance[row] = count
+        state.acceptance[row].append(count)
+        if state.record:
+            state.records[row].append(RoundRecord(rows.host_lengths[i], tree.row(i), host[i][2 : 2 + count], bonus))
+        rows.host_lengths[i] += count
+        tokens[row] = state.emit(row, path_tokens[1:] + [bonus])
+        if state.finished[row]:
+            finished.append(row)
+            rows.host_alive[i] = False
+    state.budgets.append(budget)
+    state.rounds += 1
+    state.host_lengths = [n for n, a in zip(rows.host_lengths, rows.host_alive) if a]
+    if finished:
+        rows.alive = torch.tensor(rows.host_alive, dtype=torch.bool, device=rows.lengths.device)
+        state.active = [row for row, a in zip(rows.rows, rows.host_alive) if a]
+        if not state.active:
+            state.cache = state.draft = None
+    return RoundResult(tokens, acceptance, finished)
