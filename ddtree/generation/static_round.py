@@ -199,6 +199,16 @@ def to_static(state: DecodeState) -> StaticRows:
     return rows
 
 
+def _choose(logits: torch.Tensor, state: DecodeState, rows: StaticRows) -> torch.Tensor:
+    """The target's choice at every node. A sampled draw covers the live rows only, so the generation's RNG
+    advances exactly as in the dynamic round, which drops finished rows."""
+    if state.sampling.greedy or all(rows.host_alive):
+        return choose_tokens(logits, state.sampling, state.rng)
+    live = torch.tensor([i for i, a in enumerate(rows.host_alive) if a], dtype=torch.long, device=logits.device)
+    drawn = choose_tokens(logits.index_select(0, live), state.sampling, state.rng)
+    return torch.zeros(logits.shape[:2], dtype=drawn.dtype, device=drawn.device).index_copy_(0, live, drawn)
+
+
 def static_round(state: DecodeState, steps: StaticSteps, rows: StaticRows) -> RoundResult:
     """One static round for every buffer row (finished ones ride along unseen); returns what each row committed."""
     timer = state.timer
@@ -213,7 +223,7 @@ def static_round(state: DecodeState, steps: StaticSteps, rows: StaticRows) -> Ro
         tree = steps.draft(rows.draft, rows.roots, rows.lengths)
     with timer.stage("verify"):
         logits, features = steps.verify(rows.cache, tree, rows.lengths)
-        choices = choose_tokens(logits, state.sampling, state.rng)
+        choices = _choose(logits, state, rows)
     with timer.stage("commit"):
         packed, lengths, roots = steps.commit(rows.cache, rows.draft, tree, choices, features, rows.lengths,
                                               rows.alive)

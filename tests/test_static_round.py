@@ -1,0 +1,177 @@
+"""The static round (``compile=...``): fixed-shape steps traced whole by ``torch.compile(fullgraph=True)``.
+
+Each case runs a generation twice, through the dynamic round and through the static one, and checks the
+tokens, every round's tree and accepted path, and the acceptance (equal to each other and to a recompute
+against HF ``generate``), with zero graph breaks and one host read per round. Most cases compile with the
+``aot_eager`` backend (dynamo's full trace and AOT autograd's functionalisation, which is what CUDA graphs
+need, without inductor's code generation); one case runs inductor itself, which takes minutes on a CPU.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_generator import expected_acceptance, reference
+from tiny import family_target, tiny_drafter, tiny_target
+
+from ddtree import SpeculativeGenerator
+from ddtree.drafters.dflash.drafter import DFlashDrafter
+from ddtree.drafters.lookup import PromptLookup
+from ddtree.generation import static_round
+from ddtree.generation.round import speculative_round
+from ddtree.runtime.host_reads import count_host_reads
+
+PROMPTS = [[5, 17, 42, 8, 9, 33], [7, 7, 21, 60, 12, 5, 44, 3, 19], [11, 4], [90, 2, 36, 51, 8, 14, 27]]
+NEW = 20
+BACKEND = "aot_eager"
+
+
+@pytest.fixture(scope="module")
+def pair():
+    target = tiny_target("qwen3")
+    return target, DFlashDrafter(tiny_drafter(target, block_size=5), target)
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    yield
+    torch._dynamo.reset()
+
+
+def graph_breaks() -> int:
+    return sum(torch._dynamo.utils.counters["graph_break"].values())
+
+
+def run(gen, prompts, count_reads=False, **options):
+    """A generation round by round; returns the state and each steady round's host reads."""
+    state = gen.start(prompts, max_new_tokens=NEW, record_trees=True, **options)
+    speculative_round(state)
+    reads = []
+    while not state.done:
+        if not count_reads:  # a read-counting dispatch mode cannot run under torch.compile
+            speculative_round(state)
+            continue
+        with count_host_reads() as counted:
+            result = speculative_round(state)
+        if not result.finished and state.rounds > 1:  # the first round converts the buffers
+            reads.append(counted.count)
+    return state, reads
+
+
+def assert_one_read_per_round(target, drafter, prompts, compiled, **settings):
+    """The static round with its steps run as plain Python (a read-counting dispatch mode cannot run inside a
+    compiled graph, and a read inside one would have broken the full trace): one host read per round, and the
+    compiled run's tokens and acceptance."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(static_round, "_compiled", lambda fn, compile: fn)
+        gen = SpeculativeGenerator(target, drafter, compile=BACKEND, **settings)
+        state, reads = run(gen, prompts, count_reads=True, stop_token_ids=())
+    assert reads and reads == [1] * len(reads)
+    assert state.new_tokens == compiled.new_tokens and state.acceptance == compiled.acceptance
+
+
+def assert_same_rounds(static, dynamic, rows):
+    assert static.new_tokens == dynamic.new_tokens
+    assert static.acceptance == dynamic.acceptance
+    for b in range(rows):
+        assert len(static.records[b]) == len(dynamic.records[b])
+        for mine, theirs in zip(static.records[b], dynamic.records[b]):
+            assert mine.start == theirs.start
+            assert torch.equal(mine.tree.tokens, theirs.tree.tokens)
+            assert torch.equal(mine.tree.parents, theirs.tree.parents)
+            assert mine.accepted == theirs.accepted and mine.bonus == theirs.bonus
+
+
+def assert_target_acceptance(target, state, prompts):
+    for b, prompt in enumerate(prompts):
+        ref = reference(target, prompt, new=NEW + 8)[0].tolist()  # past the cut: a last round verifies beyond it
+        assert state.new_tokens[b] == ref[len(prompt) : len(prompt) + NEW]
+        assert state.acceptance[b] == [expected_acceptance(rec, ref) for rec in state.records[b]]
+
+
+@pytest.mark.parametrize("builder,budget,rows", [("best_first", 6, 1), ("best_first", 6, 4), ("chain", 4, 4)])
+def test_static_round_traces_whole_and_equals_the_dynamic_round(pair, builder, budget, rows):
+    target, drafter = pair
+    prompts = PROMPTS[:rows]
+    dynamic, _ = run(SpeculativeGenerator(target, drafter, tree_budget=budget, builder=builder), prompts,
+                     stop_token_ids=())
+    gen = SpeculativeGenerator(target, drafter, tree_budget=budget, builder=builder, compile=BACKEND)
+    static, _ = run(gen, prompts, stop_token_ids=())
+    assert graph_breaks() == 0
+    assert_one_read_per_round(target, drafter, prompts, static, tree_budget=budget, builder=builder)
+    assert_same_rounds(static, dynamic, rows)
+    assert_target_acceptance(target, static, prompts)
+    assert isinstance(static.static.cache, static_round.RowPackedCache) and static.cache is None  # freed at the end
+
+
+def test_sampled_static_round_draws_what_the_dynamic_round_draws(pair):
+    target, drafter = pair
+    options = dict(do_sample=True, temperature=0.8, seed=11, stop_token_ids=())
+    dynamic, _ = run(SpeculativeGenerator(target, drafter, tree_budget=6), PROMPTS, **options)
+    static, _ = run(SpeculativeGenerator(target, drafter, tree_budget=6, compile=BACKEND), PROMPTS, **options)
+    assert graph_breaks() == 0
+    assert_same_rounds(static, dynamic, len(PROMPTS))
+    for b in range(len(PROMPTS)):
+        assert [len(rec.accepted) for rec in static.records[b]] == static.acceptance[b]
+
+
+def test_rows_that_stop_early_ride_along_and_capacity_grows(pair, monkeypatch):
+    """A stop token ends some rows rounds before the others (they stay in the buffers, unseen), and a small
+    capacity step makes the buffers grow mid-generation (a new graph, the same tokens)."""
+    target, drafter = pair
+    monkeypatch.setattr(static_round, "CAPACITY_STEP", 8)
+    free, _ = run(SpeculativeGenerator(target, drafter, tree_budget=6), PROMPTS, stop_token_ids=())
+    stop = free.new_tokens[2][5]  # row 2's sixth token ends it early; other rows stop where it appears in theirs
+    dynamic, _ = run(SpeculativeGenerator(target, drafter, tree_budget=6), PROMPTS, stop_token_ids=(stop,))
+    static, _ = run(SpeculativeGenerator(target, drafter, tree_budget=6, compile=BACKEND), PROMPTS,
+                    stop_token_ids=(stop,))
+    assert len(static.new_tokens[2]) <= 6 < max(len(t) for t in static.new_tokens)
+    assert graph_breaks() == 0
+    assert_same_rounds(static, dynamic, len(PROMPTS))
+    assert static.static.cache.capacity > 8  # grew from the patched step
+
+
+@pytest.mark.parametrize("family", ["mistral", "gemma3"])
+def test_windowed_targets_mask_by_position_in_the_packed_cache(family):
+    """One window for every layer (mistral) and alternating windowed/full layers (gemma3: a mask per layer
+    type), with prompts past the window."""
+    target = family_target(family)
+    drafter = DFlashDrafter(tiny_drafter(target, block_size=5), target)
+    prompts = [p * 2 for p in PROMPTS[:2]]
+    dynamic, _ = run(SpeculativeGenerator(target, drafter, tree_budget=6), prompts, stop_token_ids=())
+    static, _ = run(SpeculativeGenerator(target, drafter, tree_budget=6, compile=BACKEND), prompts,
+                    stop_token_ids=())
+    assert graph_breaks() == 0
+    assert_same_rounds(static, dynamic, len(prompts))
+    assert_target_acceptance(target, static, prompts)
+
+
+def test_inductor_compiled_round_equals_the_dynamic_round():
+    """``compile=True`` itself (inductor's generated code), float32, batch 1."""
+    target = tiny_target("qwen3", dtype=torch.float32)
+    drafter = DFlashDrafter(tiny_drafter(target, block_size=5), target)
+    prompt = [PROMPTS[1]]
+    dynamic, _ = run(SpeculativeGenerator(target, drafter, tree_budget=6), prompt, stop_token_ids=())
+    gen = SpeculativeGenerator(target, drafter, tree_budget=6, compile=True)
+    static, _ = run(gen, prompt, stop_token_ids=())
+    assert graph_breaks() == 0
+    assert_same_rounds(static, dynamic, 1)
+    assert_target_acceptance(target, static, prompt)
+
+
+def test_what_the_static_round_cannot_run_is_refused_with_the_way_out(pair):
+    target, drafter = pair
+    with pytest.raises(ValueError, match="fixed int tree_budget"):
+        SpeculativeGenerator(target, drafter, tree_budget="auto", compile=True)
+    with pytest.raises(ValueError, match="attention='sdpa'"):
+        SpeculativeGenerator(target, drafter, tree_budget=4, attention="split", compile=True)
+    with pytest.raises(ValueError, match="compile must be"):
+        SpeculativeGenerator(target, drafter, tree_budget=4, compile="")
+    hybrid = family_target("qwen3_5")
+    with pytest.raises(ValueError, match="stateful"):
+        SpeculativeGenerator(hybrid, DFlashDrafter(tiny_drafter(hybrid), hybrid), tree_budget=4, compile=True)
+    gen = SpeculativeGenerator(target, PromptLookup(target.config.vocab_size), tree_budget=4, compile=BACKEND)
+    with pytest.raises(ValueError, match="to_static"):
+        gen.generate(torch.tensor([PROMPTS[0]]), max_new_tokens=4)
