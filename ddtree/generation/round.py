@@ -13,7 +13,8 @@ later call runs one round for the active rows:
 6. one host read: each row's accepted count, bonus, path and path tokens (one packed tensor), from which
    the host knows every row's new length; nothing else in a round waits for the device;
 7. ``commit_accepted``: compact the cache per row; the drafter context gets
-   the accepted nodes' features.
+   the accepted nodes' features;
+8. ``state.stats.observe`` counts the round from the host read; each row's tokens are emitted.
 
 With budget 0 (no policy) a round is one plain decode step per row.
 """
