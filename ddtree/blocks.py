@@ -27,7 +27,8 @@ from ddtree.drafters.registry import register_drafter
 from ddtree.generation.inputs import GenerationSettings, StreamerFeed, prompt_rows, resolve_generation, streamed
 from ddtree.generation.prefill import Prefilled, prefill
 from ddtree.generation.round import speculative_round
-from ddtree.generation.state import DecodeState, RoundRecord, RoundResult
+from ddtree.generation.state import DecodeState, RoundResult
+from ddtree.generation.stats import RoundRecord
 from ddtree.runtime.distributed import Lockstep, fail_together
 from ddtree.runtime.threads import ThreadInfo, configure_threads, thread_info
 from ddtree.targets import cpu_linear

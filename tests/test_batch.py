@@ -187,12 +187,12 @@ def test_cache_holds_only_committed_tokens_over_a_long_batch():
         speculative_round(state)
         if state.done:
             break
-        committed = [len(prompts[r]) + len(state.new_tokens[r]) - 1 for r in state.active]  # the root is pending
-        assert state.lengths.tolist() == committed
-        assert cache_length(state.cache) == max(committed)
+        committed = [len(prompts[r]) + len(state.new_tokens[r]) - 1 for r in state.rows.active]  # the root is pending
+        assert state.on_device.lengths.tolist() == committed and state.rows.host_lengths == committed
+        assert cache_length(state.on_device.cache) == max(committed)
         assert state.catch_up_draft().lengths.tolist() == committed  # (after the prefill: the deferred prompt)
-        assert state.draft.capacity <= 2 * max(committed) + 64
-        widths.append(cache_length(state.cache))
+        assert state.on_device.draft.capacity <= 2 * max(committed) + 64
+        widths.append(cache_length(state.on_device.cache))
     assert sum(len(t) for t in state.new_tokens) == 2000
     assert max(widths) <= 30 + 500
 

@@ -108,10 +108,10 @@ def test_hybrid_prefill_gives_each_row_its_unpadded_state(budget):
     for b, prompt in enumerate(prompts):
         one = gen.start(prompt, max_new_tokens=4)
         speculative_round(one)
-        assert int(batch.roots[b]) == int(one.roots[0])
-        for got, want in zip(_row_states(batch.cache, b), _row_states(one.cache, 0)):
+        assert int(batch.on_device.roots[b]) == int(one.on_device.roots[0])
+        for got, want in zip(_row_states(batch.on_device.cache, b), _row_states(one.on_device.cache, 0)):
             assert all(torch.equal(g, w) for g, w in zip(got, want))
-        for (k, v, _), (k1, v1, _) in zip(_kv_layers(batch.cache), _kv_layers(one.cache)):
+        for (k, v, _), (k1, v1, _) in zip(_kv_layers(batch.on_device.cache), _kv_layers(one.on_device.cache)):
             assert (torch.equal(k[b, :, width - len(prompt):], k1[0])
                     and torch.equal(v[b, :, width - len(prompt):], v1[0]))
 

@@ -151,14 +151,14 @@ def test_the_first_token_does_not_wait_for_the_drafters_last_chunk(kind, lengths
     state = gen.start(prompts if len(prompts) > 1 else prompts[0], max_new_tokens=NEW)
     first = speculative_round(state)
     assert all(len(t) == 1 for t in first.tokens)
-    in_context = state.draft.lengths.tolist()
+    in_context = state.on_device.draft.lengths.tolist()
     width = max(lengths)  # a padded attention batch is chunked over its padded width, a hybrid's row by row
     last = [width - (width - 1) // chunk * chunk] * len(lengths) if kind == "qwen3" else \
         [n - (n - 1) // chunk * chunk for n in lengths]
     assert in_context == [max(0, n - k) for n, k in zip(lengths, last)]  # every chunk but the last
-    assert len(state.deferred) == (1 if kind == "qwen3" else len(lengths))  # the hybrid prefills row by row
+    assert len(state.on_device.deferred) == (1 if kind == "qwen3" else len(lengths))  # the hybrid prefills row by row
     draft = state.catch_up_draft()
-    assert draft.lengths.tolist() == lengths and not state.deferred
+    assert draft.lengths.tolist() == lengths and not state.on_device.deferred
     for row, prompt in enumerate(prompts):
         ids = torch.tensor([prompt])
         with torch.no_grad():

@@ -103,7 +103,8 @@ def test_static_round_traces_whole_and_equals_the_dynamic_round(pair, builder, b
     assert_one_read_per_round(target, drafter, prompts, static, tree_budget=budget, builder=builder)
     assert_same_rounds(static, dynamic, rows)
     assert_target_acceptance(target, static, prompts)
-    assert isinstance(static.static.cache, static_round.RowPackedCache) and static.cache is None  # freed at the end
+    assert isinstance(static.on_device.static.cache, static_round.RowPackedCache)
+    assert static.on_device.cache is None  # freed at the end
 
 
 def test_sampled_static_round_draws_what_the_dynamic_round_draws(pair):
@@ -130,7 +131,7 @@ def test_rows_that_stop_early_ride_along_and_capacity_grows(pair, monkeypatch):
     assert len(static.new_tokens[2]) <= 6 < max(len(t) for t in static.new_tokens)
     assert graph_breaks() == 0
     assert_same_rounds(static, dynamic, len(PROMPTS))
-    assert static.static.cache.capacity > 8  # grew from the patched step
+    assert static.on_device.static.cache.capacity > 8  # grew from the patched step
 
 
 @pytest.mark.parametrize("family", ["mistral", "gemma3"])

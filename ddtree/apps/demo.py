@@ -15,7 +15,7 @@ import torch
 
 from ddtree.drafters.lookup import PromptLookup, WithLookup
 from ddtree.generation.generator import GenerationOutput, SpeculativeGenerator
-from ddtree.generation.state import RoundRecord
+from ddtree.generation.stats import RoundRecord
 from ddtree.runtime.threads import configure_threads
 
 DEFAULT_PROMPT = "Explain in a few sentences why the sky is blue."

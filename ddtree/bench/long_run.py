@@ -68,7 +68,7 @@ def cache_bytes(cache) -> int:
 
 def drafter_context_bytes(state) -> int:
     """Bytes the generation's drafter context holds (its buffers, capacity included)."""
-    nbytes = getattr(state.draft, "nbytes", None)
+    nbytes = getattr(state.on_device.draft, "nbytes", None)
     return nbytes() if nbytes is not None else 0
 
 
@@ -124,7 +124,7 @@ def stream_pass(gen, input_ids: torch.Tensor, new: int, checkpoints: list[int]) 
                 "rss_mb": rss_bytes() / 2**20,
                 "python_objects_delta": python_objects() - objects_before,
                 "drafter_context_bytes": drafter_context_bytes(state),
-                "cache_bytes": cache_bytes(state.cache) if state.cache is not None else 0,
+                "cache_bytes": cache_bytes(state.on_device.cache) if state.on_device.cache is not None else 0,
             })
         last = time.perf_counter()  # the sampling above is not part of the next round
     total = time.perf_counter() - t0

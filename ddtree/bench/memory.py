@@ -176,7 +176,8 @@ def child(args) -> dict:
         if device.type == "cuda":
             torch.cuda.synchronize()
         extra["drafter_after_first_s"] = context_seconds[0] - extra["drafter_context_s"]
-        draft_bytes = state.draft.nbytes() if hasattr(state.draft, "nbytes") else 0
+        draft = state.on_device.draft
+        draft_bytes = draft.nbytes() if hasattr(draft, "nbytes") else 0
         while not state.done:
             speculative_round(state)
         extra["drafter_context_bytes"] = draft_bytes

@@ -39,8 +39,10 @@ from ddtree.generation.options import (
     split_call_options,
 )
 from ddtree.generation.round import speculative_round
+from ddtree.generation.rows import RowBook
 from ddtree.generation.state import DecodeState, RoundEngine
 from ddtree.generation.static_round import StaticSteps, check_static_support
+from ddtree.generation.stats import RoundStats
 from ddtree.loading.drafter import resolve_drafter
 from ddtree.loading.pair import load_pair
 from ddtree.runtime.distributed import Lockstep, module_fingerprint
@@ -318,10 +320,12 @@ class SpeculativeGenerator:
         seed = self.lockstep.share(seed if seed is not None else int(torch.randint(0, 2**62, (1,)).item()))
         rng.manual_seed(seed)
         return DecodeState(
-            generator=engine, prompts=[r.to(embed.device) for r in rows], max_new_tokens=settings.max_new_tokens,
-            sampling=settings.sampling, stops=frozenset(settings.stop_token_ids),
-            policy=self.budget_policy(budget, builder=builder), rng=rng, timer=StageTimer(embed.device),
-            record=record_trees, prefill_chunk=call.prefill_chunk,
+            generator=engine,
+            rows=RowBook([r.to(embed.device) for r in rows], settings.max_new_tokens,
+                         frozenset(settings.stop_token_ids)),
+            sampling=settings.sampling, policy=self.budget_policy(budget, builder=builder), rng=rng,
+            timer=StageTimer(embed.device), stats=RoundStats(len(rows), record=record_trees),
+            prefill_chunk=call.prefill_chunk,
         )
 
     def call_options(self, options: dict) -> GeneratorOptions:
@@ -377,7 +381,8 @@ class SpeculativeGenerator:
 
     def _hint(self, state: DecodeState) -> None:
         """Warn (once per call) when rows stopped at their first token on a prompt without the chat template."""
-        message = chat_template_warning(self.tokenizer, state.prompts, state.new_tokens, state.stops)
+        rows = state.rows
+        message = chat_template_warning(self.tokenizer, rows.prompts, rows.new_tokens, rows.stops)
         if message is not None:
             warnings.warn(message, UserWarning, stacklevel=3)
 
@@ -388,7 +393,7 @@ class SpeculativeGenerator:
         if state.batch_size > 1:
             raise ValueError("transformers streamers take one sequence: stream a batch with stream(), which yields "
                              "each row's tokens per round")
-        return StreamerFeed(streamer, state.prompts[0][None])
+        return StreamerFeed(streamer, state.rows.prompts[0][None])
 
     @property
     def compile(self) -> bool | str:
@@ -435,40 +440,41 @@ class SpeculativeGenerator:
 
     def _output(self, state: DecodeState, elapsed: float,
                 tree_budget: int | str | BudgetPolicy | None) -> GenerationOutput:
-        rows = state.batch_size
-        prompt_width = max(len(p) for p in state.prompts)
-        new_width = max(len(t) for t in state.new_tokens)
-        device = state.prompts[0].device
+        book, counted = state.rows, state.stats
+        rows = book.batch_size
+        prompt_width = max(len(p) for p in book.prompts)
+        new_width = max(len(t) for t in book.new_tokens)
+        device = book.prompts[0].device
         seq = torch.full((rows, prompt_width + new_width), self.pad_token_id, dtype=torch.long, device=device)
-        for b, (p, new) in enumerate(zip(state.prompts, state.new_tokens)):
+        for b, (p, new) in enumerate(zip(book.prompts, book.new_tokens)):
             seq[b, prompt_width - len(p) : prompt_width] = p
             seq[b, prompt_width : prompt_width + len(new)] = torch.tensor(new, dtype=torch.long, device=device)
-        pooled = [a for row in state.acceptance for a in row]
-        total = sum(len(t) for t in state.new_tokens)
+        pooled = [a for row in counted.acceptance for a in row]
+        total = sum(len(t) for t in book.new_tokens)
         stats = GenerationStats(
-            rounds=state.rounds,
+            rounds=counted.rounds,
             new_tokens=total,
             mean_acceptance=sum(pooled) / len(pooled) if pooled else 0.0,
             tokens_per_second=total / elapsed if elapsed > 0 else float("inf"),
             total_seconds=elapsed,
             seconds=dict(state.timer.seconds),
             tree_budget=self.tree_budget if tree_budget is None else tree_budget,
-            budgets=list(state.budgets),
+            budgets=list(counted.budgets),
             budget_policy=None if state.policy is None else state.policy.describe(),
             batch_size=rows,
-            accepted_by_source=dict(state.accepted_by_source) if any(state.accepted_by_source.values()) else None,
+            accepted_by_source=dict(counted.accepted_by_source) if any(counted.accepted_by_source.values()) else None,
             threads=thread_info().as_dict(),
         )
         one = rows == 1
         return GenerationOutput(
             seq,
-            state.acceptance[0] if one else state.acceptance,
+            counted.acceptance[0] if one else counted.acceptance,
             stats,
-            state.records[0] if one else state.records,
+            counted.records[0] if one else counted.records,
             prompt_length=prompt_width,
-            row_tokens=state.new_tokens,
+            row_tokens=book.new_tokens,
             text=None if self.tokenizer is None else [self.tokenizer.decode(t, skip_special_tokens=True)
-                                                      for t in state.new_tokens],
+                                                      for t in book.new_tokens],
         )
 
 

@@ -13,7 +13,8 @@ later call runs one round for the active rows:
 6. one host read: each row's accepted count, bonus, path and path tokens (one packed tensor), from which
    the host knows every row's new length; nothing else in a round waits for the device;
 7. ``commit_accepted``: compact the cache per row; the drafter context gets
-   the accepted nodes' features.
+   the accepted nodes' features;
+8. ``state.stats.observe`` counts the round from the host read; each row's tokens are emitted.
 
 With budget 0 (no policy) a round is one plain decode step per row.
 """
@@ -28,12 +29,13 @@ import torch
 from ddtree.budget.policy import BudgetPolicy
 from ddtree.core.masks import tree_position_ids
 from ddtree.core.sampling import choose_tokens
-from ddtree.core.tree import SOURCE_NAMES, DraftTree, root_only
+from ddtree.core.tree import DraftTree, root_only
 from ddtree.core.verify import VerifyResult, verify_tree
 from ddtree.drafters.base import DraftContext, check_proposal, proposal_tree
 from ddtree.generation.prefill import prefill_padded
-from ddtree.generation.state import DecodeState, RoundRecord, RoundResult
+from ddtree.generation.state import DecodeState, RoundResult
 from ddtree.generation.static_round import static_budget, static_round, to_static
+from ddtree.generation.stats import RoundRecord
 from ddtree.targets.cache import (
     cache_length,
     check_cache_length,
@@ -43,7 +45,6 @@ from ddtree.targets.cache import (
     stack_rows,
     truncate_front,
 )
-from ddtree.targets.cache import select_rows as select_cache_rows
 from ddtree.targets.description import describe
 from ddtree.targets.forward import chunked_prefill, target_forward
 
@@ -53,7 +54,7 @@ def speculative_round(state: DecodeState) -> RoundResult:
     if state.done:
         raise RuntimeError("this generation is finished: every row has stopped")
     with torch.inference_mode():
-        if not state.prefilled:
+        if not state.rows.prefilled:
             return _prefill(state)
         if state.policy is None:
             return _plain_step(state)
@@ -65,43 +66,43 @@ def speculative_round(state: DecodeState) -> RoundResult:
 def _static_tree_round(state: DecodeState) -> RoundResult:
     """A tree round as the static, compiled steps (``compile=True``; see :mod:`ddtree.generation.static_round`)."""
     steps = state.generator.static_steps(static_budget(state))
-    if state.static is None:
-        state.static = to_static(state)
-    return static_round(state, steps, state.static)
+    if state.on_device.static is None:
+        state.on_device.static = to_static(state)
+    return static_round(state, steps, state.on_device.static)
 
 
 def _prefill(state: DecodeState) -> RoundResult:
-    gen, timer = state.generator, state.timer
+    gen, timer, rows, held = state.generator, state.timer, state.rows, state.on_device
     target = gen.target
     device = target.get_input_embeddings().weight.device
-    host_lengths = [len(p) for p in state.prompts]
+    host_lengths = [len(p) for p in rows.prompts]
     lengths = torch.tensor(host_lengths, dtype=torch.long, device=device)
     width = max(host_lengths)
     padded = len(set(host_lengths)) > 1
-    ids = torch.full((len(state.prompts), width), gen.pad_token_id, dtype=torch.long, device=device)
-    for b, p in enumerate(state.prompts):
+    ids = torch.full((rows.batch_size, width), gen.pad_token_id, dtype=torch.long, device=device)
+    for b, p in enumerate(rows.prompts):
         ids[b, width - len(p):] = p.to(device)
-    state.cache = new_target_cache(target)
-    state.host_lengths = host_lengths
+    held.cache = new_target_cache(target)
+    rows.host_lengths = host_lengths
     plain = state.policy is None
     hidden = not plain and gen.drafter.needs_hidden_states
     with timer.stage("prefill"):
         if not plain:
-            state.draft = gen.drafter.new_context(len(state.prompts))
+            held.draft = gen.drafter.new_context(rows.batch_size)
         if padded and not describe(target).padded_prefill_exact:
             last = _prefill_each_row(state, hidden, width)
         else:
             append = None if plain else (lambda features, tokens, counts, last_chunk, host_counts:
                                          _to_context(state, last_chunk, features, tokens, counts, host_counts))
-            last = prefill_padded(target, ids, lengths, state.cache, drafter=gen.drafter, append=append,
+            last = prefill_padded(target, ids, lengths, held.cache, drafter=gen.drafter, append=append,
                                   chunk_size=state.prefill_chunk, host_lengths=host_lengths)
         roots = gen.lockstep.share(choose_tokens(last.to(device), state.sampling, state.rng))
-    state.lengths, state.roots, state.prefilled = lengths, roots, True
+    held.lengths, held.roots, rows.prefilled = lengths, roots, True
     first = roots.tolist()
-    tokens: list[list[int]] = [[] for _ in state.prompts]
-    for i, row in enumerate(state.active):
-        tokens[row] = state.emit(row, [first[i]])
-    return _finish_round(state, tokens, [None] * len(state.prompts))
+    tokens: list[list[int]] = [[] for _ in rows.prompts]
+    for i, row in enumerate(rows.active):
+        tokens[row] = rows.emit(row, [first[i]])
+    return _finish_round(state, tokens, [None] * rows.batch_size)
 
 
 def _to_context(state: DecodeState, last: bool, features: torch.Tensor | None, tokens: torch.Tensor,
@@ -109,9 +110,9 @@ def _to_context(state: DecodeState, last: bool, features: torch.Tensor | None, t
     """A prefill chunk's append to the drafter context: at once, or for a prompt's last chunk after the first
     token is out (:meth:`DecodeState.catch_up_draft`)."""
     if last:
-        state.deferred.append((features, tokens, counts, host_counts))
+        state.on_device.deferred.append((features, tokens, counts, host_counts))
     else:
-        state.append_draft(features, tokens, counts, host_counts)
+        state.on_device.append_draft(features, tokens, counts, host_counts)
 
 
 def _prefill_each_row(state: DecodeState, hidden: bool, width: int) -> torch.Tensor:
@@ -121,13 +122,14 @@ def _prefill_each_row(state: DecodeState, hidden: bool, width: int) -> torch.Ten
     context as that row's alone (the other rows append nothing). Returns the last logits ``[B, V]``."""
     gen = state.generator
     target = gen.target
-    rows = len(state.prompts)
+    prompts = state.rows.prompts
+    rows = len(prompts)
     caches: list[Any] = []
     last: list[torch.Tensor] = []
-    for b, prompt in enumerate(state.prompts):
+    for b, prompt in enumerate(prompts):
 
         def to_drafter(start: int, end: int, out: Any, b: int = b, prompt: torch.Tensor = prompt) -> None:
-            if state.draft is None:
+            if state.on_device.draft is None:
                 return
             t = end - start
             tokens = torch.zeros((rows, t), dtype=torch.long, device=prompt.device)
@@ -149,17 +151,18 @@ def _prefill_each_row(state: DecodeState, hidden: bool, width: int) -> torch.Ten
                                  layers=gen.drafter.target_layer_ids if hidden else None, on_chunk=to_drafter)
         caches.append(cache)
         last.append(logits)
-    state.cache = stack_rows(caches, [len(p) for p in state.prompts])
-    check_cache_length(state.cache, width, "prefill")
+    state.on_device.cache = stack_rows(caches, [len(p) for p in prompts])
+    check_cache_length(state.on_device.cache, width, "prefill")
     return torch.cat(last)
 
 
 def _plain_step(state: DecodeState) -> RoundResult:
-    target, cache = state.generator.target, state.cache
-    lengths, roots = cast(torch.Tensor, state.lengths), cast(torch.Tensor, state.roots)  # set by the prefill
+    rows, held = state.rows, state.on_device
+    target, cache = state.generator.target, held.cache
+    lengths, roots = cast(torch.Tensor, held.lengths), cast(torch.Tensor, held.roots)  # set by the prefill
     width = cache_length(cache)
     with state.timer.stage("verify"):
-        if all(n == width for n in state.host_lengths):
+        if all(n == width for n in rows.host_lengths):
             out = target_forward(target, roots.view(-1, 1), None, cache, hidden=False, last=1)
         else:
             valid = torch.cat([padding_mask(lengths, width), torch.ones_like(lengths[:, None], dtype=torch.bool)], 1)
@@ -168,60 +171,60 @@ def _plain_step(state: DecodeState) -> RoundResult:
         check_cache_length(cache, width + 1, "decode step")
         logits = out.logits[:, -1].to(roots.device)
         roots = state.generator.lockstep.share(choose_tokens(logits, state.sampling, state.rng))
-    state.roots = roots
-    state.lengths = lengths + 1
-    state.host_lengths = [n + 1 for n in state.host_lengths]
-    state.rounds += 1
+    held.roots = roots
+    held.lengths = lengths + 1
+    rows.host_lengths = [n + 1 for n in rows.host_lengths]
     chosen = roots.tolist()  # the step's one host read
-    tokens: list[list[int]] = [[] for _ in state.prompts]
-    acceptance: list[int | None] = [None] * len(state.prompts)
-    for i, row in enumerate(state.active):
+    state.stats.observe(rows.active, [1] * len(rows.active))
+    tokens: list[list[int]] = [[] for _ in rows.prompts]
+    acceptance: list[int | None] = [None] * rows.batch_size
+    for i, row in enumerate(rows.active):
         acceptance[row] = 1
-        state.acceptance[row].append(1)
-        tokens[row] = state.emit(row, [chosen[i]])
+        tokens[row] = rows.emit(row, [chosen[i]])
     return _finish_round(state, tokens, acceptance)
 
 
 def _tree_round(state: DecodeState, policy: BudgetPolicy) -> RoundResult:
     """Draft, build, verify and commit one tree per active row."""
     draft = cast(DraftContext, state.catch_up_draft())  # made by the prefill whenever there is a policy
-    context = max(state.host_lengths)
+    context = max(state.rows.host_lengths)
     with state.timer.stage("calibration"):
-        policy.prepare(context, len(state.active))
-    tree = _draft_tree(state, policy, draft, context)
+        policy.prepare(context, len(state.rows.active))
+    tree, budget = _draft_tree(state, policy, draft, context)
     out, result, verify_seconds = _verify(state, tree)
     with state.timer.stage("commit"):
         accepted = _read_accepted(tree, result)
         _commit(state, tree, out, result, accepted)
-    _count_sources(state, accepted)
-    emitted = _emit_accepted(state, tree, accepted, result)
+    _observe(state, tree, accepted, budget)
+    emitted = _emit_accepted(state, accepted, result)
     policy.observe([a for a in emitted.acceptance if a is not None], verify_seconds, context)
     return emitted
 
 
-def _draft_tree(state: DecodeState, policy: BudgetPolicy, draft: DraftContext, context: int) -> DraftTree:
-    """This round's trees: the drafter's proposal built under the policy's budget (lookup branches grafted in),
-    or the roots alone while the policy says no tree pays (rank 0 decides both under tensor parallelism)."""
-    gen, roots = state.generator, cast(torch.Tensor, state.roots)  # set by the prefill
+def _draft_tree(state: DecodeState, policy: BudgetPolicy, draft: DraftContext,
+                context: int) -> tuple[DraftTree, int]:
+    """This round's trees and budget: the drafter's proposal built under the policy's budget (lookup branches
+    grafted in), or the roots alone while the policy says no tree pays (rank 0 decides both under tensor
+    parallelism)."""
+    gen, roots = state.generator, cast(torch.Tensor, state.on_device.roots)  # set by the prefill
     if gen.lockstep.share(bool(policy.skip_draft)):
-        state.budgets.append(0)
-        return root_only(roots)
+        return root_only(roots), 0
     with state.timer.stage("draft"):
         proposal = check_proposal(draft.propose(roots), draft)
     with state.timer.stage("tree_build"):
         size = gen.lockstep.share(policy.choose(proposal.logprobs, context))  # each rank's clock differs
         tree = proposal_tree(proposal, roots, gen.builder, size)
-    state.budgets.append(size)
-    return tree
+    return tree, size
 
 
 def _verify(state: DecodeState, tree: DraftTree) -> tuple[Any, VerifyResult, float]:
     """One target forward over every row's tree at positions ``length + depth``, then the acceptance walk.
     Returns the forward's output, the :class:`VerifyResult` and the verify forward's seconds."""
-    gen, cache, lengths = state.generator, state.cache, cast(torch.Tensor, state.lengths)  # set by the prefill
+    held = state.on_device
+    gen, cache, lengths = state.generator, held.cache, cast(torch.Tensor, held.lengths)  # set by the prefill
     width = cache_length(cache)
     with state.timer.stage("mask"):
-        uniform = all(n == width for n in state.host_lengths)  # rows padded in the cache need a dense mask
+        uniform = all(n == width for n in state.rows.host_lengths)  # rows padded in the cache need a dense mask
         extra = {} if uniform else {"prefix_valid": padding_mask(lengths, width)}
         kwargs = gen.backend.tree_forward_kwargs(gen.target, tree, width, gen.dtype, **extra)
         positions = tree_position_ids(tree.depths, width if uniform else lengths)
@@ -275,73 +278,62 @@ def _read_accepted(tree: DraftTree, result: VerifyResult) -> AcceptedOnHost:
 def _commit(state: DecodeState, tree: DraftTree, out: Any, result: VerifyResult, host: AcceptedOnHost) -> None:
     """Keep each row's accepted nodes in the target cache and give their features to the drafter context
     (everything sized and branched from ``host``: no read)."""
-    gen = state.generator
-    width = cache_length(state.cache) - tree.num_nodes
+    gen, held, host_lengths = state.generator, state.on_device, state.rows.host_lengths
+    width = cache_length(held.cache) - tree.num_nodes
     accepted = result.accepted[:, : max(host.counts)]  # [A, L]: rows past their count hold -1
-    uniform = all(n == width for n in state.host_lengths)
-    commit_accepted(state.cache, width, accepted, None if uniform else state.lengths, paths=host.paths,
-                    host_lengths=state.host_lengths)
+    uniform = all(n == width for n in host_lengths)
+    commit_accepted(held.cache, width, accepted, None if uniform else held.lengths, paths=host.paths,
+                    host_lengths=host_lengths)
     path = accepted.clamp(min=0)
     features = gen.drafter.context_features(out.hidden_states) if gen.drafter.needs_hidden_states else None
     if features is not None:
         features = features.gather(1, path[..., None].expand(-1, -1, features.shape[-1]))
-    state.append_draft(features, tree.tokens.gather(1, path), result.num_accepted, host.counts)
+    state.on_device.append_draft(features, tree.tokens.gather(1, path), result.num_accepted, host.counts)
 
 
-def _count_sources(state: DecodeState, host: AcceptedOnHost) -> None:
-    """Accepted draft tokens by the proposer that put them in the tree (when the tree says)."""
-    if host.sources is None:
-        return
-    for flags in host.sources:
-        for flag in flags[1:]:
-            state.accepted_by_source[SOURCE_NAMES[flag]] += 1
+def _observe(state: DecodeState, tree: DraftTree, host: AcceptedOnHost, budget: int) -> None:
+    """Count the round from its one host read: acceptance, budget, accepted tokens by proposer, and each row's
+    tree when recording."""
+    rows = state.rows
+    records = None
+    if state.stats.record:
+        records = [RoundRecord(rows.host_lengths[i], tree.row(i), host.paths[i], host.bonus[i])
+                   for i in range(len(rows.active))]
+    state.stats.observe(rows.active, host.counts, budget=budget, sources=host.sources, records=records)
 
 
-def _emit_accepted(state: DecodeState, tree: DraftTree, host: AcceptedOnHost, result: VerifyResult) -> RoundResult:
-    """Emit each row's accepted tokens and bonus token, record the round, and advance the row tensors."""
-    tokens: list[list[int]] = [[] for _ in state.prompts]
-    acceptance: list[int | None] = [None] * len(state.prompts)
-    for i, row in enumerate(state.active):
-        count = host.counts[i]
-        acceptance[row] = count
-        state.acceptance[row].append(count)
-        if state.record:
-            state.records[row].append(RoundRecord(state.host_lengths[i], tree.row(i), host.paths[i], host.bonus[i]))
-        tokens[row] = state.emit(row, host.tokens[i][1:] + [host.bonus[i]])
-    lengths = cast(torch.Tensor, state.lengths)  # set by the prefill
-    state.lengths = lengths + result.num_accepted.to(lengths.device)
-    state.host_lengths = [n + c for n, c in zip(state.host_lengths, host.counts)]
-    state.roots = result.bonus
-    state.rounds += 1
+def _emit_accepted(state: DecodeState, host: AcceptedOnHost, result: VerifyResult) -> RoundResult:
+    """Emit each row's accepted tokens and bonus token, and advance the row tensors."""
+    rows, held = state.rows, state.on_device
+    tokens: list[list[int]] = [[] for _ in rows.prompts]
+    acceptance: list[int | None] = [None] * rows.batch_size
+    for i, row in enumerate(rows.active):
+        acceptance[row] = host.counts[i]
+        tokens[row] = rows.emit(row, host.tokens[i][1:] + [host.bonus[i]])
+    lengths = cast(torch.Tensor, held.lengths)  # set by the prefill
+    held.lengths = lengths + result.num_accepted.to(lengths.device)
+    rows.host_lengths = [n + c for n, c in zip(rows.host_lengths, host.counts)]
+    held.roots = result.bonus
     return _finish_round(state, tokens, acceptance)
 
 
 def _finish_round(state: DecodeState, tokens: list[list[int]], acceptance: list[int | None]) -> RoundResult:
     """Drop rows that finished this round from the cache, the drafter context and the row tensors."""
-    finished = [row for row in state.active if state.finished[row]]
+    rows = state.rows
+    finished = [row for row in rows.active if rows.finished[row]]
     if finished:
-        keep = [i for i, row in enumerate(state.active) if not state.finished[row]]
-        state.active = [state.active[i] for i in keep]
+        keep = rows.drop_finished()
         if keep:
-            lengths, roots = cast(torch.Tensor, state.lengths), cast(torch.Tensor, state.roots)  # set by the prefill
-            index = torch.tensor(keep, dtype=torch.long, device=lengths.device)
-            select_cache_rows(state.cache, index)
-            draft = state.draft
-            if draft is not None:
-                state.catch_up_draft()
-                draft.select_rows(index)
-            state.lengths = lengths.index_select(0, index)
-            state.host_lengths = [state.host_lengths[i] for i in keep]
-            state.roots = roots.index_select(0, index.to(roots.device))
+            state.catch_up_draft()  # the held-back prompt chunk still has every row
+            state.on_device.select_rows(keep)
             _trim_leading_padding(state)
         else:
-            state.cache = state.draft = None  # nothing left to decode: free the memory now
-            state.deferred.clear()
+            state.on_device.release()
     return RoundResult(tokens, acceptance, finished)
 
 
 def _trim_leading_padding(state: DecodeState) -> None:
     """Drop cache columns that are padding in every remaining row."""
-    extra = cache_length(state.cache) - max(state.host_lengths)
+    extra = cache_length(state.on_device.cache) - max(state.rows.host_lengths)
     if extra > 0:
-        truncate_front(state.cache, extra)
+        truncate_front(state.on_device.cache, extra)

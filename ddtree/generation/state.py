@@ -6,12 +6,11 @@ and advances it with :func:`ddtree.generation.round.speculative_round`. Two stat
 generator never see each other: interleave them, or run them from two threads
 one after the other.
 
-Rows are the prompts of a batch. Rows still generating are *active*; they are
-the rows of the target cache and of the drafter context, in ``active`` order.
-Each active row's committed tokens sit right-aligned in the cache (left
-padding, as HF pads), ``lengths[i]`` of them. ``host_lengths`` mirrors ``lengths`` as Python ints, kept up
-to date from what a round reads anyway (its accepted counts, once), so that widths, raggedness and slices are
-decided on the host without waiting for the device.
+The state is three parts, one per concern: ``rows`` (:class:`~ddtree.generation.rows.RowBook`, the host's
+bookkeeping of each row), ``on_device`` (:class:`DeviceState`, the target cache, the drafter context and the
+row tensors) and ``stats`` (:class:`~ddtree.generation.stats.RoundStats`, what the rounds did). Each active
+row's committed tokens sit right-aligned in the cache (left padding, as HF pads), ``on_device.lengths[i]`` of
+them, mirrored on the host by ``rows.host_lengths[i]``.
 """
 
 from __future__ import annotations
@@ -24,11 +23,13 @@ import torch
 from ddtree.budget.policy import BudgetPolicy
 from ddtree.core.builders import TreeBuilder
 from ddtree.core.sampling import SamplingConfig
-from ddtree.core.tree import DraftTree
 from ddtree.drafters.base import DraftContext, Drafter, takes_host_counts
+from ddtree.generation.rows import RowBook
+from ddtree.generation.stats import RoundRecord, RoundStats
 from ddtree.runtime.distributed import Lockstep
 from ddtree.runtime.timing import StageTimer
 from ddtree.targets.backends import TreeAttentionBackend
+from ddtree.targets.cache import select_rows as select_cache_rows
 from ddtree.targets.forward import PREFILL_CHUNK, TargetModel
 
 
@@ -55,19 +56,6 @@ class RoundEngine(Protocol):
 
 
 @dataclass
-class RoundRecord:
-    """One verify round of one row, kept when ``record_trees=True``: its tree and accepted node indices.
-
-    ``start`` is the root's position (the row's committed tokens before the round).
-    """
-
-    start: int
-    tree: DraftTree
-    accepted: list[int]
-    bonus: int
-
-
-@dataclass
 class RoundResult:
     """What one round committed, per row of the batch (inactive rows: ``[]`` and ``None``).
 
@@ -84,67 +72,18 @@ class RoundResult:
 
 
 @dataclass
-class DecodeState:
-    """One generation: target cache, drafter context, per-row progress, RNG and budget trace."""
+class DeviceState:
+    """What the device holds for the active rows, in ``RowBook.active`` order: the target cache, the drafter
+    context (with the prefill's held-back appends), each row's committed length and its root token."""
 
-    generator: RoundEngine
-    prompts: list[torch.Tensor]
-    max_new_tokens: int
-    sampling: SamplingConfig
-    stops: frozenset[int]
-    policy: BudgetPolicy | None  # None: plain target-only decoding (budget 0)
-    rng: torch.Generator
-    timer: StageTimer
-    record: bool = False
-    prefill_chunk: int | None = PREFILL_CHUNK  # prompt tokens per prefill forward; None: the whole prompt at once
-    new_tokens: list[list[int]] = field(default_factory=list)
-    acceptance: list[list[int]] = field(default_factory=list)
-    records: list[list[RoundRecord]] = field(default_factory=list)
-    finished: list[bool] = field(default_factory=list)
-    budgets: list[int] = field(default_factory=list)
-    active: list[int] = field(default_factory=list)
     cache: Any = None
     draft: DraftContext | None = None
     deferred: list[tuple] = field(default_factory=list)  # drafter-context appends held back (see catch_up_draft):
     # (features, tokens, counts, host_counts)
     lengths: torch.Tensor | None = None  # [A] committed tokens per active row, in the cache
-    host_lengths: list[int] = field(default_factory=list)  # the same on the host, kept from the round's one read
     roots: torch.Tensor | None = None  # [A] each active row's last emitted token, not yet in the cache
     draft_takes_host_counts: bool | None = None  # whether draft.append takes host_counts (read once)
-    prefilled: bool = False
-    rounds: int = 0  # verify rounds (or plain decode steps) after the prefill
-    static: Any = None  # the static round's buffers and rows (compile=True), made by its first round
-    accepted_by_source: dict[str, int] = field(default_factory=lambda: {"drafter": 0, "lookup": 0, "both": 0})
-
-    def __post_init__(self) -> None:
-        rows = len(self.prompts)
-        self.new_tokens = [[] for _ in range(rows)]
-        self.acceptance = [[] for _ in range(rows)]
-        self.records = [[] for _ in range(rows)]
-        self.finished = [False] * rows
-        self.active = list(range(rows))
-
-    @property
-    def batch_size(self) -> int:
-        return len(self.prompts)
-
-    @property
-    def done(self) -> bool:
-        return self.prefilled and not self.active
-
-    def catch_up_draft(self) -> DraftContext | None:
-        """The drafter context with the prompt's last prefill chunk taken in.
-
-        The prefill hands that chunk's features to the drafter after it has emitted the first token, not
-        before: the first token then waits on the target's prefill alone, and the drafter's share moves
-        into the first tree round (which calls this first). A custom loop that reads ``draft`` right after
-        the prefill calls this too."""
-        if self.deferred:
-            with torch.inference_mode(), self.timer.stage("prefill"):
-                for features, tokens, counts, host_counts in self.deferred:
-                    self.append_draft(features, tokens, counts, host_counts)
-            self.deferred.clear()
-        return self.draft
+    static: Any = None  # the static round's buffers and rows (compile=True), made by its first tree round
 
     def append_draft(self, features: torch.Tensor | None, tokens: torch.Tensor, counts: torch.Tensor | None,
                      host_counts: list[int] | None) -> None:
@@ -158,16 +97,76 @@ class DecodeState:
         else:
             draft.append(features, tokens, counts)
 
-    def emit(self, row: int, tokens: list[int]) -> list[int]:
-        """Append a row's tokens, cut at its first stop token (kept) and at ``max_new_tokens``; returns what was
-        appended (the round's output for the row: streams hand out exactly this). Sets ``finished[row]``."""
-        room = max(0, self.max_new_tokens - len(self.new_tokens[row]))
-        kept = list(tokens[:room])
-        for i, tok in enumerate(kept):
-            if tok in self.stops:
-                kept = kept[: i + 1]
-                self.finished[row] = True
-                break
-        self.new_tokens[row].extend(kept)
-        self.finished[row] = self.finished[row] or len(self.new_tokens[row]) >= self.max_new_tokens
-        return kept
+    def take_deferred(self) -> None:
+        """Give the held-back appends to the drafter context, in order."""
+        for features, tokens, counts, host_counts in self.deferred:
+            self.append_draft(features, tokens, counts, host_counts)
+        self.deferred.clear()
+
+    def select_rows(self, keep: list[int]) -> None:
+        """Keep only the active rows at positions ``keep`` (in order) in the cache, the context and the tensors."""
+        lengths, roots = self.lengths, self.roots
+        assert lengths is not None and roots is not None, "the prefill sets the row tensors"
+        assert not self.deferred, "held-back appends are taken in before rows change"
+        index = torch.tensor(keep, dtype=torch.long, device=lengths.device)
+        select_cache_rows(self.cache, index)
+        if self.draft is not None:
+            self.draft.select_rows(index)
+        self.lengths = lengths.index_select(0, index)
+        self.roots = roots.index_select(0, index.to(roots.device))
+
+    def release(self) -> None:
+        """Drop the cache and the drafter context: nothing is left to decode, so free the memory now."""
+        self.cache = self.draft = None
+        self.deferred.clear()
+
+
+@dataclass
+class DecodeState:
+    """One generation: its rows (host), its device state, its round statistics, and its settings, RNG and timer."""
+
+    generator: RoundEngine
+    rows: RowBook
+    sampling: SamplingConfig
+    policy: BudgetPolicy | None  # None: plain target-only decoding (budget 0)
+    rng: torch.Generator
+    timer: StageTimer
+    stats: RoundStats
+    prefill_chunk: int | None = PREFILL_CHUNK  # prompt tokens per prefill forward; None: the whole prompt at once
+    on_device: DeviceState = field(default_factory=DeviceState)
+
+    @property
+    def batch_size(self) -> int:
+        return self.rows.batch_size
+
+    @property
+    def done(self) -> bool:
+        return self.rows.prefilled and not self.rows.active
+
+    @property
+    def new_tokens(self) -> list[list[int]]:
+        """Each row's tokens so far (``rows.new_tokens``)."""
+        return self.rows.new_tokens
+
+    @property
+    def acceptance(self) -> list[list[int]]:
+        """Each row's acceptance per round so far (``stats.acceptance``)."""
+        return self.stats.acceptance
+
+    @property
+    def records(self) -> list[list[RoundRecord]]:
+        """Each row's recorded rounds so far, with ``record_trees=True`` (``stats.records``)."""
+        return self.stats.records
+
+    def catch_up_draft(self) -> DraftContext | None:
+        """The drafter context with the prompt's last prefill chunk taken in.
+
+        The prefill hands that chunk's features to the drafter after it has emitted the first token, not
+        before: the first token then waits on the target's prefill alone, and the drafter's share moves
+        into the first tree round (which calls this first). A custom loop that reads the drafter context
+        right after the prefill takes it from here."""
+        held = self.on_device
+        if held.deferred:
+            with torch.inference_mode(), self.timer.stage("prefill"):
+                held.take_deferred()
+        return held.draft

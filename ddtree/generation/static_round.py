@@ -33,7 +33,8 @@ from ddtree.core.sampling import choose_tokens
 from ddtree.core.tree import DraftTree
 from ddtree.core.verify import accept_longest_branch
 from ddtree.drafters.base import StaticDraftContext, proposal_tree
-from ddtree.generation.state import DecodeState, RoundRecord, RoundResult
+from ddtree.generation.state import DecodeState, RoundResult
+from ddtree.generation.stats import RoundRecord
 from ddtree.targets.backends import masks_for_plan, window_plan
 from ddtree.targets.cache import cache_kwargs
 from ddtree.targets.description import describe
@@ -84,7 +85,7 @@ class StaticRows:
 
 
 @functools.cache
-def _takes_cache_position(owner: type) -> bool:
+def _takes_cache_position(owner: type[torch.nn.Module]) -> bool:
     return "cache_position" in inspect.signature(owner.forward).parameters
 
 
@@ -105,7 +106,7 @@ class StaticSteps:
         self.layer_types = list(describe(self.target).layer_types)
         self.dtype = generator.dtype
         self.cache_keyword = next(iter(cache_kwargs(self.target, None)))
-        self.cache_position = _takes_cache_position(type(self.target))
+        self.cache_position = _takes_cache_position(type(self.target))  # type: ignore[arg-type]  # hashable class
         if self.drafter.needs_hidden_states:
             _install_output_hooks(self.target)
         self.draft = _compiled(self._draft, compile)
@@ -182,20 +183,21 @@ def static_budget(state: DecodeState) -> int:
 
 def to_static(state: DecodeState) -> StaticRows:
     """Move a prefilled generation's cache and drafter context into static buffers."""
+    held, book = state.on_device, state.rows
     draft = state.catch_up_draft()
     to_static_draft = getattr(draft, "to_static", None)
     if to_static_draft is None:
         raise ValueError(f"compile=True needs a drafter context with to_static (DFlash); "
                          f"{type(draft).__name__} has none. Use compile=False")
-    capacity = capacity_for(max(state.host_lengths) + state.generator.drafter.block_size + 1)
-    cache = RowPackedCache.from_cache(state.cache, state.host_lengths, capacity)
-    lengths = cast(torch.Tensor, state.lengths)  # set by the prefill
+    capacity = capacity_for(max(book.host_lengths) + state.generator.drafter.block_size + 1)
+    cache = RowPackedCache.from_cache(held.cache, book.host_lengths, capacity)
+    lengths = cast(torch.Tensor, held.lengths)  # set by the prefill
     rows = StaticRows(cache=cache, draft=to_static_draft(capacity), lengths=lengths.clone(),
-                      roots=cast(torch.Tensor, state.roots).clone(),
-                      alive=torch.ones(len(state.active), dtype=torch.bool, device=lengths.device),
-                      rows=list(state.active), host_lengths=list(state.host_lengths),
-                      host_alive=[True] * len(state.active))
-    state.cache = cache
+                      roots=cast(torch.Tensor, held.roots).clone(),
+                      alive=torch.ones(len(book.active), dtype=torch.bool, device=lengths.device),
+                      rows=list(book.active), host_lengths=list(book.host_lengths),
+                      host_alive=[True] * len(book.active))
+    held.cache = cache
     return rows
 
 
@@ -211,14 +213,14 @@ def _choose(logits: torch.Tensor, state: DecodeState, rows: StaticRows) -> torch
 
 def static_round(state: DecodeState, steps: StaticSteps, rows: StaticRows) -> RoundResult:
     """One static round for every buffer row (finished ones ride along unseen); returns what each row committed."""
-    timer = state.timer
+    timer, book, held = state.timer, state.rows, state.on_device
     budget = steps.budget
     need = max(n for n, a in zip(rows.host_lengths, rows.host_alive) if a) + budget + 1
     if need > rows.cache.capacity:
         capacity = capacity_for(need)
         rows.cache = rows.cache.grown(capacity)
         rows.draft.reserve(capacity)
-        state.cache = rows.cache
+        held.cache = rows.cache
     with timer.stage("draft"):
         tree = steps.draft(rows.draft, rows.roots, rows.lengths)
     with timer.stage("verify"):
@@ -230,29 +232,29 @@ def static_round(state: DecodeState, steps: StaticSteps, rows: StaticRows) -> Ro
         rows.lengths, rows.roots = lengths.clone(), roots.clone()  # outputs a later replay may overwrite
         host = packed.tolist()  # the round's one host read
     n = tree.num_nodes
-    tokens: list[list[int]] = [[] for _ in state.prompts]
-    acceptance: list[int | None] = [None] * len(state.prompts)
+    tokens: list[list[int]] = [[] for _ in book.prompts]
+    acceptance: list[int | None] = [None] * len(book.prompts)
+    live = [i for i, a in enumerate(rows.host_alive) if a]
+    counts = [host[i][0] for i in live]
+    records = None
+    if state.stats.record:
+        records = [RoundRecord(rows.host_lengths[i], tree.row(i), host[i][2 : 2 + host[i][0]], host[i][1])
+                   for i in live]
+    state.stats.observe([rows.rows[i] for i in live], counts, budget=budget, records=records)
     finished: list[int] = []
-    for i, row in enumerate(rows.rows):
-        if not rows.host_alive[i]:
-            continue
-        count, bonus = host[i][0], host[i][1]
-        path_tokens = host[i][2 + n : 2 + n + count]
+    for i, count in zip(live, counts):
+        row = rows.rows[i]
         acceptance[row] = count
-        state.acceptance[row].append(count)
-        if state.record:
-            state.records[row].append(RoundRecord(rows.host_lengths[i], tree.row(i), host[i][2 : 2 + count], bonus))
         rows.host_lengths[i] += count
-        tokens[row] = state.emit(row, path_tokens[1:] + [bonus])
-        if state.finished[row]:
+        path_tokens = host[i][2 + n : 2 + n + count]
+        tokens[row] = book.emit(row, path_tokens[1:] + [host[i][1]])
+        if book.finished[row]:
             finished.append(row)
             rows.host_alive[i] = False
-    state.budgets.append(budget)
-    state.rounds += 1
-    state.host_lengths = [n for n, a in zip(rows.host_lengths, rows.host_alive) if a]
+    book.host_lengths = [n for n, a in zip(rows.host_lengths, rows.host_alive) if a]
     if finished:
         rows.alive = torch.tensor(rows.host_alive, dtype=torch.bool, device=rows.lengths.device)
-        state.active = [row for row, a in zip(rows.rows, rows.host_alive) if a]
-        if not state.active:
-            state.cache = state.draft = None
+        book.active = [row for row, a in zip(rows.rows, rows.host_alive) if a]
+        if not book.active:
+            held.release()
     return RoundResult(tokens, acceptance, finished)

@@ -13,7 +13,7 @@ buffers; the caller's 4D mask decides what each query sees).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
@@ -73,7 +73,8 @@ class RowPackedCache(Cache):
     def __init__(self, keys: list[torch.Tensor], values: list[torch.Tensor]) -> None:
         if len(keys) != len(values) or not keys:
             raise ValueError(f"a row-packed cache needs keys and values for each layer, got {len(keys)}/{len(values)}")
-        super().__init__(layers=[RowPackedLayer(self, k, v) for k, v in zip(keys, values)])
+        self.packed = [RowPackedLayer(self, k, v) for k, v in zip(keys, values)]
+        super().__init__(layers=list(self.packed))
         bsz = keys[0].shape[0]
         self.write_columns = torch.zeros(bsz, 1, dtype=torch.long, device=keys[0].device)
 
@@ -83,11 +84,11 @@ class RowPackedCache(Cache):
 
     @property
     def keys(self) -> list[torch.Tensor]:
-        return [layer.keys for layer in self.layers]  # type: ignore[misc]
+        return [cast(torch.Tensor, layer.keys) for layer in self.packed]
 
     @property
     def values(self) -> list[torch.Tensor]:
-        return [layer.values for layer in self.layers]  # type: ignore[misc]
+        return [cast(torch.Tensor, layer.values) for layer in self.packed]
 
     def set_write_columns(self, columns: torch.Tensor) -> None:
         """Where the next forward's tokens go, ``[B, Q]`` columns (a row's positions, since rows are packed)."""
