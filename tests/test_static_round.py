@@ -55,7 +55,7 @@ def run(gen, prompts, count_reads=False, **options):
             continue
         with count_host_reads() as counted:
             result = speculative_round(state)
-        if not result.finished and state.rounds > 1:  # the first round converts the buffers
+        if not result.finished and state.stats.rounds > 1:  # the first round converts the buffers
             reads.append(counted.count)
     return state, reads
 
@@ -122,7 +122,7 @@ def test_rows_that_stop_early_ride_along_and_capacity_grows(pair, monkeypatch):
     """A stop token ends some rows rounds before the others (they stay in the buffers, unseen), and a small
     capacity step makes the buffers grow mid-generation (a new graph, the same tokens)."""
     target, drafter = pair
-    monkeypatch.setattr(static_round, "CAPACITY_STEP", 8)
+    monkeypatch.setattr(static_round, "CAPACITY_STEP", 32)  # 32 columns at first, 64 after one growth
     free, _ = run(SpeculativeGenerator(target, drafter, tree_budget=6), PROMPTS, stop_token_ids=())
     stop = free.new_tokens[2][5]  # row 2's sixth token ends it early; other rows stop where it appears in theirs
     dynamic, _ = run(SpeculativeGenerator(target, drafter, tree_budget=6), PROMPTS, stop_token_ids=(stop,))
@@ -131,13 +131,12 @@ def test_rows_that_stop_early_ride_along_and_capacity_grows(pair, monkeypatch):
     assert len(static.new_tokens[2]) <= 6 < max(len(t) for t in static.new_tokens)
     assert graph_breaks() == 0
     assert_same_rounds(static, dynamic, len(PROMPTS))
-    assert static.on_device.static.cache.capacity > 8  # grew from the patched step
+    assert static.on_device.static.cache.capacity == 64  # grew once from the patched step
 
 
-@pytest.mark.parametrize("family", ["mistral", "gemma3"])
+@pytest.mark.parametrize("family", ["gemma3"])
 def test_windowed_targets_mask_by_position_in_the_packed_cache(family):
-    """One window for every layer (mistral) and alternating windowed/full layers (gemma3: a mask per layer
-    type), with prompts past the window."""
+    """Alternating windowed and full layers (gemma3: a mask per layer type), with prompts past the window."""
     target = family_target(family)
     drafter = DFlashDrafter(tiny_drafter(target, block_size=5), target)
     prompts = [p * 2 for p in PROMPTS[:2]]
