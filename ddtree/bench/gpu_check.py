@@ -13,7 +13,9 @@ Writes into ``--out`` (default ``$OUT`` when set, else ``runs/gpu_check``): ``gp
 junit report), ``exactness/<check>.json`` (every case with its max abs error and tolerance),
 ``gpu_check.json`` (the environment, those rows, the scale-out rows, every failure), and
 ``attention_bench.json``, ``attention_bench_window.json`` and ``linear_bench.json`` (GDN hybrid verify
-at Qwen3.6-27B widths: 1k and 16k context, 16 and 64 nodes). Exits non-zero when a check fails, when
+at Qwen3.6-27B widths: 1k and 16k context, 16 and 64 nodes) and ``compiled_bench.json`` (the dynamic round
+against ``compile=True``, CUDA graphs, for the chain and best_first at budgets 4 to 64, on 8 layers at
+Qwen3-8B widths; GDN hybrids run the dynamic round only). Exits non-zero when a check fails, when
 pytest fails, or when no exactness test ran. ``--device cpu --level tiny`` runs it all on the CPU.
 ``scale_out`` (:mod:`ddtree.bench.scale_out`) runs a random-weight target at Qwen3-8B widths
 tensor-parallel over every GPU present (TP=1 on one GPU) and, with two GPUs or more, layer-split across
@@ -166,6 +168,12 @@ def main(argv: list[str] | None = None) -> int:
         sizes = (["--contexts", "256", "--nodes", "16", "--repeats", "3"] if args.quick else
                  ["--preset", "qwen36-27b", "--dtype", "bf16", "--contexts", "1k,16k", "--nodes", "16,64"])
         linear_bench(["--device", str(device), *sizes, "--out", str(out / "linear_bench.json")])
+        from ddtree.bench.compiled import main as compiled_bench
+
+        shapes = (["--preset", "tiny", "--budgets", "4", "--new-tokens", "16", "--repeats", "1"] if args.quick else
+                  ["--preset", "qwen3-8b", "--layers", "8", "--dtype", "bf16", "--context", "1024",
+                   "--budgets", "4,16,64", "--new-tokens", "64", "--deadline", "150"])
+        compiled_bench(["--device", str(device), *shapes, "--out", str(out / "compiled_bench.json")])
     return 1 if report["failures"] else 0
 
 

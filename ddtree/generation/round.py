@@ -191,12 +191,13 @@ def _tree_round(state: DecodeState, policy: BudgetPolicy) -> RoundResult:
     with state.timer.stage("calibration"):
         policy.prepare(context, len(state.rows.active))
     tree, budget = _draft_tree(state, policy, draft, context)
-    out, result, verify_seconds = _verify(state, tree)
+    out, result = _verify(state, tree)
     with state.timer.stage("commit"):
         accepted = _read_accepted(tree, result)
         _commit(state, tree, out, result, accepted)
     _observe(state, tree, accepted, budget)
     emitted = _emit_accepted(state, accepted, result)
+    verify_seconds = state.timer.last("verify")  # after the host read: on CUDA its events are complete
     policy.observe([a for a in emitted.acceptance if a is not None], verify_seconds, context)
     return emitted
 
@@ -217,9 +218,9 @@ def _draft_tree(state: DecodeState, policy: BudgetPolicy, draft: DraftContext,
     return tree, size
 
 
-def _verify(state: DecodeState, tree: DraftTree) -> tuple[Any, VerifyResult, float]:
+def _verify(state: DecodeState, tree: DraftTree) -> tuple[Any, VerifyResult]:
     """One target forward over every row's tree at positions ``length + depth``, then the acceptance walk.
-    Returns the forward's output, the :class:`VerifyResult` and the verify forward's seconds."""
+    Returns the forward's output and the :class:`VerifyResult`."""
     held = state.on_device
     gen, cache, lengths = state.generator, held.cache, cast(torch.Tensor, held.lengths)  # set by the prefill
     width = cache_length(cache)
@@ -228,7 +229,6 @@ def _verify(state: DecodeState, tree: DraftTree) -> tuple[Any, VerifyResult, flo
         extra = {} if uniform else {"prefix_valid": padding_mask(lengths, width)}
         kwargs = gen.backend.tree_forward_kwargs(gen.target, tree, width, gen.dtype, **extra)
         positions = tree_position_ids(tree.depths, width if uniform else lengths)
-    before = state.timer.seconds["verify"]
     with state.timer.stage("verify"):
         try:
             out = target_forward(gen.target, tree.tokens, positions, cache,
@@ -241,7 +241,7 @@ def _verify(state: DecodeState, tree: DraftTree) -> tuple[Any, VerifyResult, flo
         logits = out.logits.to(tree.tokens.device)
         # accepted padded to the tree's nodes, so the walk needs no read: the round reads once, after it
         result = gen.lockstep.share(verify_tree(tree, logits, state.sampling, state.rng, length=tree.num_nodes))
-    return out, result, state.timer.seconds["verify"] - before
+    return out, result
 
 
 @dataclass

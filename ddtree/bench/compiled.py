@@ -1,0 +1,137 @@
+"""``python -m ddtree.bench compiled``: the dynamic round against the static, compiled one, per method.
+
+A random-weight Qwen3 target (``--preset qwen3-8b``: Qwen3-8B's widths, ``--layers`` of them; ``tiny``: hidden
+64) and a one-layer DFlash drafter (block 16). Per method (chain, best_first at each budget) and mode
+(``eager``: the dynamic round; ``compiled``: ``compile=True``, inductor, CUDA graphs on CUDA) it runs one
+warm-up generation (which compiles) and then ``--repeats`` timed ones from a ``--context``-token prompt, and
+reports the median milliseconds per round and its share per stage, the tokens per round and the tokens/s.
+Random weights accept about one token per round, so tokens/s here is a per-round cost: with a trained pair,
+tokens/s is the tokens per round over these round times. A case that fails is reported with its error; the
+others still run. ``--deadline`` (seconds) skips the cases left when time runs out, so a one-call GPU check
+stays inside its limit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+PRESETS = {
+    "qwen3-8b": dict(hidden_size=4096, intermediate_size=12288, num_attention_heads=32, num_key_value_heads=8,
+                     head_dim=128, vocab_size=151936),
+    "tiny": dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                 vocab_size=97),
+}
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+BLOCK = 16
+
+
+def build_pair(preset: str, layers: int, device: torch.device, dtype: torch.dtype):
+    """A random target of ``preset`` widths and ``layers`` layers, and a one-layer DFlash drafter for it."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from ddtree.drafters.dflash.config import DFlashConfig
+    from ddtree.drafters.dflash.drafter import DFlashDrafter
+    from ddtree.drafters.dflash.model import DFlashDraftModel
+
+    widths = PRESETS[preset]
+    torch.manual_seed(0)
+    config = Qwen3Config(num_hidden_layers=layers, max_position_embeddings=32768, tie_word_embeddings=False,
+                         **widths)
+    with torch.device(device):
+        target = Qwen3ForCausalLM(config).to(dtype).eval()
+        dconfig = DFlashConfig.for_target(config, num_hidden_layers=1, block_size=BLOCK,
+                                          mask_token_id=widths["vocab_size"] - 1)
+        drafter = DFlashDraftModel(dconfig).to(dtype).eval()
+    return target, DFlashDrafter(drafter, target)
+
+
+def methods(budgets: list[int]) -> list[tuple[str, str, int]]:
+    """(label, builder, budget): the chain (its depth is the block's) and best_first at each budget."""
+    return [("chain", "chain", BLOCK - 1)] + [(f"best_first@{b}", "best_first", b) for b in budgets]
+
+
+def measure(target, drafter, builder: str, budget: int, compile: bool | str, prompt: torch.Tensor,
+            new_tokens: int, repeats: int) -> dict:
+    from ddtree.generation.generator import SpeculativeGenerator
+
+    gen = SpeculativeGenerator(target, drafter, tree_budget=budget, builder=builder, attention="sdpa",
+                               compile=compile)
+    t0 = time.perf_counter()
+    gen.generate(prompt, max_new_tokens=new_tokens, stop_token_ids=())  # warm-up: compiles the steps
+    warm = time.perf_counter() - t0
+    round_ms, per_token, shares, tps = [], [], [], []
+    for _ in range(repeats):
+        out = gen.generate(prompt, max_new_tokens=new_tokens, stop_token_ids=())
+        stats = out.stats
+        decode = stats.total_seconds - stats.seconds.get("prefill", 0.0)
+        rounds = max(stats.rounds, 1)
+        round_ms.append(1e3 * decode / rounds)
+        per_token.append(stats.mean_acceptance)
+        tps.append(stats.tokens_per_second)
+        staged = {k: v for k, v in stats.seconds.items() if k != "prefill" and v > 0}
+        shares.append({k: v / max(sum(staged.values()), 1e-12) for k, v in staged.items()})
+    return {"warmup_seconds": round(warm, 2), "ms_per_round": round(statistics.median(round_ms), 3),
+            "tokens_per_round": round(statistics.median(per_token), 3),
+            "tokens_per_second": round(statistics.median(tps), 2),
+            "stage_share": {k: round(statistics.median(s.get(k, 0.0) for s in shares), 3) for k in shares[0]}}
+
+
+def run(args: argparse.Namespace) -> dict:
+    device = torch.device(args.device)
+    target, drafter = build_pair(args.preset, args.layers, device, DTYPES[args.dtype])
+    torch.manual_seed(2)
+    prompt = torch.randint(3, PRESETS[args.preset]["vocab_size"] - 2, (1, args.context), device=device)
+    start = time.perf_counter()
+    rows = []
+    modes = [("eager", False), ("compiled", True if args.backend == "inductor" else args.backend)]
+    for label, builder, budget in methods([int(b) for b in args.budgets.split(",")]):
+        for mode, compile in modes:
+            row = {"method": label, "mode": mode, "budget": budget}
+            if args.deadline and time.perf_counter() - start > args.deadline:
+                row["skipped"] = f"past the {args.deadline} s deadline"
+            else:
+                try:
+                    row.update(measure(target, drafter, builder, budget, compile, prompt, args.new_tokens,
+                                       args.repeats))
+                except Exception as exc:  # report and go on: one failing case must not hide the others
+                    row["error"] = f"{type(exc).__name__}: {exc}"
+                    row["traceback"] = traceback.format_exc(limit=8)
+            rows.append(row)
+            print(json.dumps({k: v for k, v in row.items() if k != "traceback"}), flush=True)
+    eager = {r["method"]: r for r in rows if r["mode"] == "eager" and "ms_per_round" in r}
+    for r in rows:
+        if r["mode"] == "compiled" and "ms_per_round" in r and r["method"] in eager:
+            r["speedup_over_eager"] = round(eager[r["method"]]["ms_per_round"] / r["ms_per_round"], 3)
+    return {"preset": args.preset, "layers": args.layers, "dtype": args.dtype, "device": str(device),
+            "context": args.context, "new_tokens": args.new_tokens, "backend": args.backend, "rows": rows}
+
+
+def main(argv: list[str] | None = None) -> int:
+    from ddtree.apps.cli import parser
+
+    p = parser("python -m ddtree.bench compiled", __doc__.split("\n\n")[0])
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
+    p.add_argument("--layers", type=int, default=4, help="target decoder layers (at the preset's widths)")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
+    p.add_argument("--budgets", default="4,16,64", help="best_first budgets (the chain runs at the block's depth)")
+    p.add_argument("--context", type=int, default=256, help="prompt tokens")
+    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--backend", default="inductor", help="torch.compile backend of the compiled mode")
+    p.add_argument("--deadline", type=float, default=None, help="skip the cases left after this many seconds")
+    p.add_argument("--out", default=None, help="write the JSON report here")
+    args = p.parse_args(argv)
+    report = run(args)
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+    failed = [r for r in report["rows"] if "error" in r]
+    return 1 if failed else 0
