@@ -217,6 +217,56 @@ def check_batch(device, dtype, level: str) -> list[dict]:
     return rows
 
 
+def check_compiled(device, level: str) -> list[dict]:
+    """The static round (``compile=True``: inductor, CUDA graphs on CUDA; ``aot_eager`` at the tiny level, where
+    inductor would take minutes on a CPU) against the dynamic round, float32 with TF32 off: tokens and
+    acceptance equal, batch 1 and a ragged batch, chain and best_first. ``cudagraph_skips`` counts the steps
+    inductor ran without a CUDA graph (0 expected on CUDA)."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from ddtree.drafters.dflash.config import DFlashConfig
+    from ddtree.drafters.dflash.drafter import DFlashDrafter
+    from ddtree.drafters.dflash.model import DFlashDraftModel
+    from ddtree.generation.generator import SpeculativeGenerator
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    torch.manual_seed(0)
+    if level == "tiny":
+        dims, layers, new, compile = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                                          num_key_value_heads=2, head_dim=16), 2, 12, "aot_eager"
+    else:
+        dims = dict(hidden_size=1024, intermediate_size=3072, num_attention_heads=16, num_key_value_heads=8,
+                    head_dim=64)
+        layers, new, compile = 4, 48, True
+    cfg = Qwen3Config(vocab_size=4096, num_hidden_layers=layers, max_position_embeddings=4096, **dims)
+    target = Qwen3ForCausalLM(cfg).to(device=device, dtype=torch.float32).eval()
+    with torch.no_grad():
+        target.lm_head.weight.mul_(4.0)  # greedy continuations that are not one repeated token
+    dcfg = DFlashConfig.for_target(cfg, num_hidden_layers=1, block_size=8, mask_token_id=4095)
+    drafter = DFlashDrafter(DFlashDraftModel(dcfg).to(device=device, dtype=torch.float32).eval(), target)
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(0, 4000, (n,), generator=g).tolist() for n in (37, 12, 80)]
+    torch._dynamo.utils.counters.clear()
+    rows = []
+    for builder, budget in (("chain", 7), ("best_first", 16)):
+        dynamic = SpeculativeGenerator(target, drafter, tree_budget=budget, builder=builder, attention="sdpa")
+        static = SpeculativeGenerator(target, drafter, tree_budget=budget, builder=builder, compile=compile)
+        for batch in (prompts[:1], prompts):
+            want = dynamic.generate(batch, max_new_tokens=new, stop_token_ids=())
+            got = static.generate(batch, max_new_tokens=new, stop_token_ids=())
+            equal = sum(a == b and x == y for a, b, x, y in zip(got.row_tokens, want.row_tokens,
+                                                                  got.row_acceptance, want.row_acceptance))
+            mismatch = 1.0 - equal / len(batch)
+            rows.append(dict(builder=builder, budget=budget, batch=len(batch), compile=str(compile),
+                             graph_breaks=sum(torch._dynamo.utils.counters["graph_break"].values()),
+                             cudagraph_skips=sum(torch._dynamo.utils.counters["inductor"].get(k, 0)
+                                                 for k in ("cudagraph_skips",)),
+                             mean_acceptance=round(got.stats.mean_acceptance, 3), max_abs_err=mismatch, tol=0.0,
+                             ok=mismatch == 0.0 and not torch._dynamo.utils.counters["graph_break"]))
+    return rows
+
+
 def check_linear(device, dtype, tol, level: str = "full") -> list[dict]:
     """A GDN hybrid layer stack: every tree node's hidden state against its path decoded token by token,
     and the committed GDN state against that chain's. ``full``: Qwen3.6-27B widths (3 GDN + 1 attention
@@ -308,6 +358,7 @@ def _plan(level: str) -> dict:
         "batch_fp32": lambda d: check_batch(d, torch.float32, level),
         "gdn_fp32": lambda d: check_linear(d, torch.float32, FP32_TOL, level),
         "gdn_bf16": lambda d: check_linear(d, torch.bfloat16, GDN_BF16_TOL, level),
+        "compiled_fp32": lambda d: check_compiled(d, level),
     }
 
 

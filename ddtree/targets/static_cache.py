@@ -73,6 +73,8 @@ class RowPackedCache(Cache):
     def __init__(self, keys: list[torch.Tensor], values: list[torch.Tensor]) -> None:
         if len(keys) != len(values) or not keys:
             raise ValueError(f"a row-packed cache needs keys and values for each layer, got {len(keys)}/{len(values)}")
+        for buf in (*keys, *values):
+            mark_static(buf)
         self.packed = [RowPackedLayer(self, k, v) for k, v in zip(keys, values)]
         super().__init__(layers=list(self.packed))
         bsz = keys[0].shape[0]
@@ -126,6 +128,12 @@ class RowPackedCache(Cache):
             keys.append(torch.nn.functional.pad(k, (0, 0, 0, capacity - k.shape[2])))
             values.append(torch.nn.functional.pad(v, (0, 0, 0, capacity - v.shape[2])))
         return RowPackedCache(keys, values)
+
+
+def mark_static(buf: torch.Tensor) -> None:
+    """Tell the compiler ``buf`` keeps its address across calls, so a step that writes into it in place can
+    still be captured as a CUDA graph (made outside any compiled region)."""
+    torch._dynamo.mark_static_address(buf)
 
 
 def _attention_layer_count(cache: Any) -> int:

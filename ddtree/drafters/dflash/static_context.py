@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Protocol, cast
 import torch
 
 from ddtree.drafters.base import Proposal
+from ddtree.targets.static_cache import mark_static
 
 if TYPE_CHECKING:
     from ddtree.drafters.features import FeatureDrafter
@@ -28,6 +29,9 @@ class StaticDFlashContext:
     def __init__(self, drafter: FeatureDrafter, kv: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         self.drafter = drafter
         self.kv = kv
+        for k, v in kv:
+            mark_static(k)
+            mark_static(v)
 
     @property
     def capacity(self) -> int:
@@ -39,6 +43,9 @@ class StaticDFlashContext:
         grow = capacity - self.capacity
         self.kv = [(torch.nn.functional.pad(k, (0, 0, 0, grow)), torch.nn.functional.pad(v, (0, 0, 0, grow)))
                    for k, v in self.kv]
+        for k, v in self.kv:
+            mark_static(k)
+            mark_static(v)
 
     def propose(self, root_tokens: torch.Tensor, lengths: torch.Tensor) -> Proposal:
         drafter = self.drafter
