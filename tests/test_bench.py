@@ -203,6 +203,7 @@ def test_tree_build_command(tmp_path, capsys):
     assert [(r["budget"], r["vocab"], r["batch"], r["same_tree"]) for r in rows] == [
         (8, 500, 1, True), (32, 500, 1, True), (8, 500, 3, True), (32, 500, 3, True)]
     assert [r["heap_after_topk_ms"] is None for r in rows] == [False, False, True, True]  # the heap loop: batch 1
+    assert all(r["device_chain_ms"] > 0 and r["numpy_chain_ms"] > 0 for r in rows)
     assert "ratio after top-k" in capsys.readouterr().out
 
 
