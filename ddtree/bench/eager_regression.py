@@ -132,7 +132,8 @@ def prompt_ids(target: str | None, path: Path | None, num_prompts: int) -> list[
 
     tokenizer = AutoTokenizer.from_pretrained(target or smollm2_path())
     demo = encode_row({"messages": [{"role": "user", "content": DEFAULT_PROMPT}]}, tokenizer, None)
-    return [demo] + [p.input_ids for p in load_prompts(path, tokenizer, limit=num_prompts)]
+    more = load_prompts(path, tokenizer, limit=num_prompts) if num_prompts > 0 else []
+    return [demo] + [p.input_ids for p in more]
 
 
 EXAMPLES = [
@@ -149,7 +150,7 @@ def build_parser():
     p.add_argument("--target", default=None, help="target model directory (None: the shipped SmolLM2-135M pair)")
     p.add_argument("--drafter", default=None, help="drafter directory (None: the shipped drafter)")
     p.add_argument("--prompts", type=Path, default=None, help="JSONL prompt file (None: the bench's prompts)")
-    p.add_argument("--num-prompts", type=int, default=2, help="bench prompts after the demo's prompt")
+    p.add_argument("--num-prompts", type=int, default=2, help="bench prompts after the demo's prompt (0: the demo's alone)")
     p.add_argument("--methods", default=METHODS,
                    help="comma-separated: plain (target alone), chain (block size - 1 deep), NAME@BUDGET")
     p.add_argument("--max-new-tokens", type=int, default=96, help="tokens generated per prompt and method")
