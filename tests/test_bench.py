@@ -203,6 +203,7 @@ def test_tree_build_command(tmp_path, capsys):
     assert [(r["budget"], r["vocab"], r["batch"], r["same_tree"]) for r in rows] == [
         (8, 500, 1, True), (32, 500, 1, True), (8, 500, 3, True), (32, 500, 3, True)]
     assert [r["heap_after_topk_ms"] is None for r in rows] == [False, False, True, True]  # the heap loop: batch 1
+    assert all(r["device_chain_ms"] > 0 and r["numpy_chain_ms"] > 0 for r in rows)
     assert "ratio after top-k" in capsys.readouterr().out
 
 
@@ -400,3 +401,38 @@ def test_batch_bench_runs_auto_beside_plain_and_fixed_budgets():
     for run in (r for r in runs if r.method == "auto"):
         for acc in run.acceptance:
             assert set(acc) <= allowed and acc[0] > 1
+
+
+def test_eager_regression_runs_each_tree_in_its_own_process(saved_tiny_pair, tmp_path):
+    """This tree against itself on the tiny pair, one child process each: each child imports the tree it is
+    given, both agree token for token and acceptance for acceptance, and plain decoding accepts one a round."""
+    from ddtree.bench.eager_regression import NEW_TREE
+    from ddtree.bench.eager_regression import main as eager_main
+
+    target, drafter = saved_tiny_pair
+    assert eager_main(["--old", str(NEW_TREE), "--target", str(target), "--drafter", str(drafter),
+                       "--num-prompts", "1", "--methods", "plain,best_first@4", "--max-new-tokens", "5",
+                       "--repeats", "1", "--out", str(tmp_path)]) == 0
+    result = json.loads((tmp_path / "eager_regression.json").read_text())
+    rows = {r["method"]: r for r in result["rows"]}
+    assert list(rows) == ["plain", "best_first@4"] and result["meta"]["prompts"] == 2
+    assert all(r["identical"] and len(r["old_runs"]) == len(r["new_runs"]) == 1 for r in rows.values())
+    assert rows["plain"]["mean_acceptance"] == 1.0 and rows["best_first@4"]["mean_acceptance"] >= 1.0
+    assert rows["plain"]["new_tokens"] == rows["best_first@4"]["new_tokens"] <= 10
+    assert "| best_first@4 |" in (tmp_path / "eager_regression.md").read_text()
+
+
+def test_eager_regression_summary_flags_a_difference_between_trees():
+    from ddtree.bench.eager_regression import summarize
+
+    def run(seconds, tokens, acceptance):
+        return {"results": [{"prompt": 0, "method": "chain", "seconds": seconds, "tokens": tokens,
+                             "acceptance": acceptance}]}
+
+    same = {"old": [run(2.0, [5, 6, 7, 8], [2, 2]), run(4.0, [5, 6, 7, 8], [2, 2])],
+            "new": [run(1.0, [5, 6, 7, 8], [2, 2]), run(1.0, [5, 6, 7, 8], [2, 2])]}
+    (row,) = summarize(same, ["chain"])
+    assert row["identical"] and row["old_tok_s"] == 1.5 and row["new_tok_s"] == 4.0 and row["ratio"] == 4.0 / 1.5
+    assert (row["paired_min"], row["paired_max"]) == (2.0, 4.0) and row["mean_acceptance"] == 2.0
+    other_acceptance = {"old": same["old"], "new": [run(1.0, [5, 6, 7, 8], [3, 1]), same["new"][1]]}
+    assert not summarize(other_acceptance, ["chain"])[0]["identical"]

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from tiny import examples
 
 from ddtree.core import reference_builders as ref
-from ddtree.core.builders import beam, best_first, chain, ranked_topk, resolve_builder
+from ddtree.core.builders import beam, best_first, chain, ranked_topk, resolve_builder, top_stable
 from ddtree.core.pairwise import PairwiseScores, best_first_pairwise, chain_pairwise
 from ddtree.core.tree import DraftTree
 from ddtree.runtime.host_reads import count_host_reads
@@ -163,6 +163,52 @@ def test_ranked_topk_on_wide_tied_vocabularies(seed):
     for k in (1, 3, 6, 7, 50, 300, 776):
         got, want = ranked_topk(lp, k), ref.ranked_topk(lp, k)
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), k
+
+
+def python_ranked(lp: torch.Tensor, k: int) -> list:
+    """Each row's ``k`` best token ids by log-prob descending, then id ascending: a plain Python sort."""
+    rows = lp.reshape(-1, lp.shape[-1]).tolist()
+    return [sorted(range(len(row)), key=lambda t, row=row: (-row[t], t))[:k] for row in rows]
+
+
+def test_top_stable_equals_a_stable_sort_on_wide_tied_rows():
+    """Above the sort's size limit the selection runs on integer keys: ties (-0.0 with 0.0 among them), -inf and
+    +inf must come out as a stable descending sort would give them, for 32- and 16-bit floats."""
+    gen = torch.Generator().manual_seed(11)
+    x = (torch.randn(3, 3001, generator=gen) * 2).round() / 2
+    x[0, ::7], x[1, ::5], x[2, :40] = -0.0, float("-inf"), float("inf")
+    x[0, 3::11] = 0.0
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        y = x.to(dtype)
+        want = y.sort(dim=1, descending=True, stable=True)
+        for m in (1, 2, 3, 50, 3001, 5000):
+            values, indices = top_stable(y, m)
+            assert torch.equal(indices, want.indices[:, :m]), (dtype, m)
+            assert torch.equal(values, want.values[:, :m]) and values.dtype == dtype, (dtype, m)
+
+
+def test_ranked_topk_blocks_with_tied_best_tokens():
+    """Blocks whose best tokens tie, ties inside the finer blocks, ties in the vocabulary's last partial block,
+    and rows where every token is -inf but a few: the lowest ids still win at every step of the narrowing."""
+    gen = torch.Generator().manual_seed(4)
+    vocab = 5000  # not a multiple of the block size: a padded tail
+    lp = torch.full((3, 4, vocab), -7.0)
+    lp[0] = -torch.randint(0, 3, (4, vocab), generator=gen).float()  # ties everywhere
+    lp[1, :, torch.randperm(vocab, generator=gen)[:60]] = -1.0  # 60 ties, scattered over blocks
+    lp[1, :, 4990:] = -1.0  # and in the tail
+    lp[1, 1, [3, 4000]] = -0.0
+    lp[1, 1, 200] = 0.0
+    lp[2] = float("-inf")
+    lp[2, :, [4999, 17, 2600]] = torch.tensor([-2.0, -3.0, -2.0])
+    for dtype in (torch.float32, torch.bfloat16):
+        x = lp.to(dtype)
+        for k in (1, 2, 3, 4, 5, 8, 17, 39, 40, 41, 70, 200):
+            vals, toks = ranked_topk(x, k)
+            assert toks.reshape(-1, k).tolist() == python_ranked(x.float(), k), (dtype, k)
+            assert torch.equal(vals, x.gather(-1, toks)) and vals.dtype == dtype
+            if dtype == torch.float32:
+                want = ref.ranked_topk(x, k)
+                assert torch.equal(vals, want[0]) and torch.equal(toks, want[1]), k
 
 
 def pairwise_scores(gen: torch.Generator, batch: int, depth: int, k: int, kind: str) -> PairwiseScores:

@@ -10,5 +10,7 @@ SUBCOMMANDS = {
     "dflash2": ("ddtree.bench.dflash2", "DDTree over a DFlash2 selector's pairwise scores against its chain"),
     "hostreads": ("ddtree.bench.host_reads", "host reads per round (each a device wait on a GPU) by method and batch"),
     "compiled": ("ddtree.bench.compiled", "the dynamic round against compile=True, per method"),
+    "eager-regression": ("ddtree.bench.eager_regression",
+                         "the eager path's tokens/s against another source tree's, in alternating processes"),
     "memory": ("ddtree.bench.memory", "long prompts: peak memory and time to first token against HF generate"),
 }

@@ -40,7 +40,7 @@ def load_prompts(path: str | Path | None, tokenizer=None, vocab_size: int | None
         if "input_ids" in row:
             ids = [int(t) for t in row["input_ids"]]
         elif "messages" in row or "prompt" in row:
-            ids = _encode(row, tokenizer, vocab_size)
+            ids = encode_row(row, tokenizer, vocab_size)
         else:
             raise ValueError(f"{path}:{i + 1}: a prompt row needs 'messages', 'prompt' or 'input_ids'")
         if not ids:
@@ -58,7 +58,8 @@ def load_prompts(path: str | Path | None, tokenizer=None, vocab_size: int | None
     return prompts
 
 
-def _encode(row: dict, tokenizer, vocab_size: int | None) -> list[int]:
+def encode_row(row: dict, tokenizer, vocab_size: int | None) -> list[int]:
+    """One prompt row's ids: ``messages`` through the chat template, or plain text."""
     if tokenizer is not None:
         if "messages" in row and getattr(tokenizer, "chat_template", None):
             text = tokenizer.apply_chat_template(row["messages"], tokenize=False, add_generation_prompt=True)

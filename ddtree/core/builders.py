@@ -45,56 +45,60 @@ class TreeBuilder(Protocol):
 def ranked_topk(logprobs: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-``k`` per depth, ordered by log-prob descending then token id ascending.
 
-    ``topk`` picks among values tied at the ``k``-th place arbitrarily, and the lowest ids must win. Every
-    value above the ``k``-th is in ``topk``'s answer (fewer than ``k`` of them); the places left go to the
-    lowest ids equal to the ``k``-th value, found by :func:`_first_equal` in fixed shapes, so no host branch
-    decides whether a tie straddles the ``k``-th place.
+    ``topk`` picks among values tied at the ``k``-th place arbitrarily, and the lowest ids must win, so the
+    selection runs on keys that order by value and then by id (:func:`top_stable`), in fixed shapes: no host
+    branch decides whether a tie straddles the ``k``-th place. Few tokens are ranked: the vocabulary is cut
+    into blocks of ``_BLOCKS[0]`` tokens, and each of the top ``k`` tokens lies in one of the ``k`` blocks
+    whose best token ranks highest (a block outside them has ``k`` better tokens before its best). So one max
+    per block and a ranking of ``k`` blocks' tokens replace a top-k over the vocabulary; where those are many,
+    the same step narrows them again in finer blocks.
     """
     vocab = logprobs.shape[-1]
-    vals, toks = logprobs.topk(k, dim=-1)
-    by_tok = toks.argsort(dim=-1, stable=True)
-    vals, toks = vals.gather(-1, by_tok), toks.gather(-1, by_tok)
-    by_val = vals.argsort(dim=-1, descending=True, stable=True)
-    vals, toks = vals.gather(-1, by_val), toks.gather(-1, by_val)
-    if not 0 < k < vocab:
-        return vals, toks
-    kth = vals[..., k - 1:k]
-    place = torch.arange(k, device=logprobs.device)
-    above = (vals > kth).sum(dim=-1, keepdim=True)  # these lead the ranked list already
-    tied = _first_equal(logprobs, kth, k).gather(-1, (place - above).clamp(min=0))
-    toks = torch.where(place < above, toks, tied)
+    if not 0 <= k <= vocab:
+        raise ValueError(f"ranked_topk needs 0 <= k <= vocabulary size {vocab}, got k={k}")
+    if k == 0 or logprobs.dtype not in _KEYED:  # float64 has no room beside the id in a 64-bit key
+        toks = logprobs.sort(dim=-1, descending=True, stable=True).indices[..., :k]
+        return logprobs.gather(-1, toks), toks
+    lead = logprobs.shape[:-1]
+    rows = logprobs.reshape(-1, vocab).float()  # exact for 16-bit floats: same order, same ties
+    size = _BLOCKS[0]
+    if k * size >= vocab:
+        toks = top_stable(rows, k)[1]
+    else:
+        if vocab % size:  # whole blocks: the pads (-inf, ids past the vocabulary) lose every tie to a token
+            rows = torch.nn.functional.pad(rows, (0, size - vocab % size), value=float("-inf"))
+        blocks = rows.view(rows.shape[0], -1, size)
+        start = shape_constant(_block_starts, blocks.shape[1], size, rows.device).expand(rows.shape[0], -1)
+        blocks, start = _best_blocks(blocks, start, k)
+        for finer in _BLOCKS[1:]:
+            if k * size <= _FEW:
+                break
+            start = (start[..., None] + shape_constant(_block_starts, size // finer, finer, rows.device)).flatten(1)
+            blocks, start = _best_blocks(blocks.view(rows.shape[0], -1, finer), start, k)
+            size = finer
+        place = top_stable(blocks.flatten(1), k)[1]
+        toks = start.gather(1, place // size) + place % size
+    toks = toks.view(*lead, k)
     return logprobs.gather(-1, toks), toks
 
 
-_CHUNK = 128
+_KEYED = (torch.float32, torch.float16, torch.bfloat16)
+_BLOCKS = (128, 16)  # block sizes of ranked_topk, coarse to fine
+_FEW = 512  # tokens per row that ranked_topk ranks without narrowing further
 
 
-def _first_equal(logprobs: torch.Tensor, value: torch.Tensor, k: int) -> torch.Tensor:
-    """The ``k`` lowest token ids whose log-prob equals ``value`` ``[..., 1]``, the ``k``-th largest (fewer than
-    ``k`` values lie above it), ascending; where fewer match, the rest are clamped ids never used.
+def _best_blocks(blocks: torch.Tensor, start: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``k`` blocks of ``blocks`` ``[R, n, S]`` (contiguous, ascending ids) whose best token ranks highest,
+    kept in id order so their tokens still ascend by id, and their first ids (``start`` ``[R, n]``)."""
+    rows, n, size = blocks.shape
+    best = top_stable(blocks.amax(dim=-1), k)[1].sort(dim=1).values
+    flat = best + shape_constant(_block_starts, rows, n, blocks.device)[:, None]  # whole blocks: copies of rows
+    return blocks.view(rows * n, size).index_select(0, flat.flatten()).view(rows, k, size), start.gather(1, best)
 
-    Fixed shapes and one pass over the vocabulary (a max per chunk): a chunk holding a value ``>= value``
-    holds a match or one of the fewer than ``k`` values above it, so the first ``2k - 1`` such chunks hold
-    the first ``k`` matches. Those chunks alone are searched, by running counts and ``searchsorted``.
-    """
-    lead, vocab = logprobs.shape[:-1], logprobs.shape[-1]
-    rows = logprobs.reshape(-1, vocab)
-    if vocab % _CHUNK:  # pad with -inf: a pad entry may match only after every real match, and is never used
-        rows = torch.cat([rows, rows.new_full((rows.shape[0], _CHUNK - vocab % _CHUNK), float("-inf"))], dim=1)
-    value = value.reshape(-1, 1)
-    chunks = rows.unflatten(-1, (-1, _CHUNK))  # [R, n, C]
-    hit = (chunks.amax(dim=-1) >= value).cumsum(dim=-1, dtype=torch.int32)  # [R, n] chunks so far with a hit
-    wanted = min(2 * k - 1, chunks.shape[1])
-    nth = torch.arange(1, wanted + 1, dtype=torch.int32, device=rows.device).expand(rows.shape[0], wanted)
-    chunk = torch.searchsorted(hit, nth.contiguous())  # [R, wanted] the nth chunk with a hit, ascending
-    real = chunk < hit.shape[1]
-    chunk = chunk.clamp(max=hit.shape[1] - 1)
-    picked = chunks[torch.arange(rows.shape[0], device=rows.device)[:, None], chunk]  # [R, wanted, C]
-    matches = ((picked == value[..., None]) & real[..., None]).flatten(1).cumsum(dim=-1, dtype=torch.int32)
-    first = torch.arange(1, k + 1, dtype=torch.int32, device=rows.device).expand(rows.shape[0], k)
-    where = torch.searchsorted(matches, first.contiguous()).clamp(max=matches.shape[1] - 1)  # [R, k]
-    ids = (chunk.gather(1, where // _CHUNK) * _CHUNK + where % _CHUNK).view(*lead, k)
-    return ids.clamp(max=vocab - 1)
+
+@lru_cache(maxsize=256)
+def _block_starts(n: int, size: int, device: torch.device) -> torch.Tensor:
+    return torch.arange(0, n * size, size, device=device)
 
 
 def _check_inputs(root_tokens: torch.Tensor, logprobs: torch.Tensor, budget: int) -> None:
@@ -106,100 +110,158 @@ def _check_inputs(root_tokens: torch.Tensor, logprobs: torch.Tensor, budget: int
         raise ValueError(f"{root_tokens.numel()} root tokens for a batch of {logprobs.shape[0]} distributions")
 
 
-def top_stable(x: torch.Tensor, m: int) -> torch.Tensor:
-    """Per row, the first ``m`` indices of a stable descending sort of ``x`` ``[B, n]`` (ties: lower index)."""
-    return x.sort(dim=1, descending=True, stable=True).indices[:, :m]
+_SORT_MAX = 2048
 
 
-def _constant(table: _lru_cache_wrapper[T], *key: Hashable) -> T:
+def top_stable(x: torch.Tensor, m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row, the first ``m`` values and indices of a stable descending sort of ``x`` ``[B, n]`` (ties:
+    lower index). Small inputs take that sort (one call). Above ``_SORT_MAX`` entries, where a CPU's stable
+    sort is slow, floats of up to 32 bits take one ``topk`` over distinct integer keys whose order is the
+    sort's (:func:`_rank_keys`), or for ``m == 1`` an ``argmax``, which returns the first maximum."""
+    m = min(m, x.shape[1])
+    if x.numel() <= _SORT_MAX or x.dtype not in _KEYED or m == 0:
+        values, indices = x.sort(dim=1, descending=True, stable=True)
+        return values[:, :m], indices[:, :m]
+    indices = x.argmax(dim=1, keepdim=True) if m == 1 else _rank_keys(x).topk(m, dim=1).indices
+    return x.gather(1, indices), indices
+
+
+def _rank_keys(x: torch.Tensor) -> torch.Tensor:
+    """int64 keys of ``x`` ``[B, n]`` (floats of up to 32 bits), distinct within a row, larger for a larger
+    value and, between equal values, for a lower index: the float's sign and magnitude as one signed
+    integer (-0.0 ties 0.0), then the index."""
+    bits = x.float().view(torch.int32)
+    sign = bits >> 31  # 0 or -1
+    ordered = ((bits & 0x7FFFFFFF) ^ sign) - sign  # the magnitude, negated for negative floats
+    return torch.add(shape_constant(_index_keys, x.shape[1], x.device), ordered.long(), alpha=2**32)
+
+
+@lru_cache(maxsize=256)
+def _index_keys(n: int, device: torch.device) -> torch.Tensor:
+    """The low half of :func:`_rank_keys`: larger for a lower index."""
+    return 2**32 - 1 - torch.arange(n, device=device)
+
+
+def shape_constant(table: _lru_cache_wrapper[T], *key: Hashable) -> T:
     """A per-shape index table: cached in eager mode; built inline while ``torch.compile`` traces, where it
     becomes a constant of the graph (dynamo does not keep ``lru_cache``'s cache)."""
     return table.__wrapped__(*key) if torch.compiler.is_compiling() else table(*key)
 
 
-@lru_cache(maxsize=256)
-def _pair_table(parents: int, k: int, m: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """The (parent, rank) candidates that can make a level's top ``m``, in row-major key order.
+def candidate_code(parent: int, place: int) -> int:
+    """A candidate's code for :func:`assemble`: its parent's place in the depth-major concatenation of levels
+    (the root: the concatenation's size) in the high bits, its token's place in the token table in the low
+    32. The codes of one level's candidates are a per-shape table that the level's selection indexes."""
+    return parent << 32 | place
 
-    Both lists are in key order, so the ``(i+1)(j+1) - 1`` pairs ``(i', j') <= (i, j)`` all come before
-    ``(parent i, rank j)``: a pair with ``(i+1)(j+1) > m`` cannot make the top ``m``, and about
-    ``m * ln(m)`` pairs remain instead of ``m * k``. Built once per shape and kept on the device.
+
+@lru_cache(maxsize=256)
+def _growth_plan(
+    k: int, keep: int, max_depth: int, device: torch.device
+) -> tuple[torch.Tensor, list[torch.Tensor], list[tuple[torch.Tensor, int, torch.Tensor]]]:
+    """The index tables of :func:`grow_levels`: level 0's codes, the distinct rank tables, and per level
+    ``d >= 1`` its parent table, which rank table it uses and its codes.
+
+    A level's candidates are (parent ``i``, rank ``j``) pairs in row-major key order. Both lists are in key
+    order, so the ``(i+1)(j+1) - 1`` pairs ``(i', j') <= (i, j)`` all come before ``(i, j)``: a pair with
+    ``(i+1)(j+1) > keep`` cannot make the top ``keep``, and about ``keep * ln(keep)`` pairs remain instead of
+    ``keep * k``. Levels with as many parents share their tables.
     """
-    ii: list[int] = []
-    jj: list[int] = []
-    for i in range(parents):
-        width = min(m // (i + 1), k)
-        ii += [i] * width
-        jj += range(width)
-    return torch.tensor(ii, device=device), torch.tensor(jj, device=device)
+    sizes = [k]
+    pairs: list[tuple[int, list[int], list[int]]] = []  # per level: (rank table, parents, ranks)
+    by_parents: dict[int, tuple[int, list[int], list[int]]] = {}
+    for _ in range(1, max_depth):
+        if sizes[-1] not in by_parents:
+            ii = [i for i in range(sizes[-1]) for _ in range(min(keep // (i + 1), k))]
+            jj = [j for i in range(sizes[-1]) for j in range(min(keep // (i + 1), k))]
+            by_parents[sizes[-1]] = (len(by_parents), ii, jj)
+        pairs.append(by_parents[sizes[-1]])
+        sizes.append(min(keep, len(pairs[-1][1])))
+    total, offset, levels = sum(sizes), 0, []
+    for d, (group, ii, jj) in enumerate(pairs, start=1):
+        codes = [candidate_code(offset + i, d * k + j) for i, j in zip(ii, jj)]
+        levels.append((torch.tensor(ii, device=device), group, torch.tensor(codes, device=device)))
+        offset += sizes[d - 1]
+    ranks = [torch.tensor(jj, device=device) for _, _, jj in sorted(by_parents.values())]
+    return torch.tensor([candidate_code(total, j) for j in range(k)], device=device), ranks, levels
 
 
 def grow_levels(
-    vals: torch.Tensor, toks: torch.Tensor, keep: int, max_depth: int
-) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
+    vals: torch.Tensor, keep: int, max_depth: int
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Per depth, keep the ``keep`` best paths (by the tie rule) among extensions of the last level.
 
-    ``vals``/``toks`` are the ranked top-k lists ``[B, D, k]`` from :func:`ranked_topk`. Returns per level
-    (depth 1 first) the scores, tokens and parent index in the level before, each level in key order.
+    ``vals`` are the ranked top-k log-probs ``[B, D, k]`` from :func:`ranked_topk`. Returns per level
+    (depth 1 first), each level in key order, the path scores and the candidates' codes
+    (:func:`candidate_code`), whose token places index the ``[B, D * k]`` flattened top-k tokens.
     """
     bsz, _, k = vals.shape
-    scores, tokens, parents = [vals[:, 0]], [toks[:, 0]], [toks.new_zeros(bsz, k)]
-    for d in range(1, max_depth):
-        ii, jj = _constant(_pair_table, scores[-1].shape[1], k, keep, vals.device)
+    first, ranks, levels = shape_constant(_growth_plan, k, keep, max_depth, vals.device)
+    ranked = [vals.index_select(2, jj).unbind(1) for jj in ranks]  # [B, P] per depth, for each rank table
+    scores, codes = [vals[:, 0]], [first.expand(bsz, k)]
+    for d, (ii, group, level_codes) in enumerate(levels, start=1):
         # Row-major (parent, rank) order, so the stable selection breaks score ties by the key.
-        cand = scores[-1][:, ii] + vals[:, d, jj]
-        pick = top_stable(cand, keep)
-        scores.append(cand.gather(1, pick))
-        parents.append(ii[pick])
-        tokens.append(toks[:, d].gather(1, jj[pick]))
-    return scores, tokens, parents
+        best, pick = top_stable(scores[-1].index_select(1, ii) + ranked[group][d], keep)
+        scores.append(best)
+        codes.append(level_codes.take(pick))
+    return scores, codes
 
 
 def assemble(
     root_tokens: torch.Tensor,
     level_scores: list[torch.Tensor],
-    level_tokens: list[torch.Tensor],
-    level_parents: list[torch.Tensor],
+    level_codes: list[torch.Tensor],
+    token_table: torch.Tensor,
     budget: int,
 ) -> DraftTree:
     """The ``budget`` best candidates over all levels, indexed in pop order, as a :class:`DraftTree`.
 
-    Levels are concatenated depth-major, each already in key order, so a stable descending sort on
-    score realises the tie rule. Depths are the level numbers; visibility comes from walking all nodes
-    up to the root together, one level per step.
+    Levels are concatenated depth-major, each already in key order, so a stable descending selection on
+    score realises the tie rule. ``level_codes`` give each candidate's parent and its token's place in
+    ``token_table`` ``[B, X]`` (:func:`candidate_code`). Depths are the level numbers; visibility comes from
+    walking all nodes up to the root together.
     """
     bsz = root_tokens.shape[0]
     device = level_scores[0].device
-    sizes = [s.shape[1] for s in level_scores]
-    scores = torch.cat(level_scores, dim=1)
-    total = scores.shape[1]
-    # Parent ids in the concatenated numbering; `total` stands for the root.
-    offset, parent_ids = 0, [torch.full_like(level_parents[0], total)]
-    for size, p in zip(sizes[:-1], level_parents[1:]):
-        parent_ids.append(p + offset)
-        offset += size
-    order = top_stable(scores, min(budget, total))
-    n = order.shape[1] + 1
-    node = torch.arange(n, device=device)
-    final_index = torch.zeros(bsz, total + 1, dtype=torch.long, device=device)
-    final_index.scatter_(1, order, node[1:].expand(bsz, n - 1))
-    parents = torch.cat([node.new_full((bsz, 1), -1), final_index.gather(1, torch.cat(parent_ids, 1).gather(1, order))],
-                        dim=1)
-    depths = torch.cat([node.new_zeros(bsz, 1), _constant(_level_depths, tuple(sizes), device)[order]], dim=1)
-    up = parents.clamp(min=0)  # the root is its own parent here
-    steps = [node.expand(bsz, n)]
-    for _ in range(len(sizes)):
-        steps.append(up.gather(1, steps[-1]))
-    visibility = torch.zeros(bsz, n, n, dtype=torch.bool, device=device)
-    visibility.scatter_(2, torch.stack(steps, dim=2), True)
+    sizes = tuple(s.shape[1] for s in level_scores)
+    scores, order = top_stable(torch.cat(level_scores, dim=1), budget)
+    total, n = sum(sizes), order.shape[1] + 1
+    codes = torch.cat(level_codes, dim=1).gather(1, order)
+    node = shape_constant(_arange, n, device)
+    # The pop index of every candidate, and of the root at place `total`.
+    pop_index = torch.zeros(bsz, total + 1, dtype=torch.long, device=device)
+    pop_index.scatter_(1, order, node[1:].expand(bsz, n - 1))
+    parents = torch.cat([node.new_full((bsz, 1), -1), pop_index.gather(1, codes >> 32)], dim=1)
+    depths = torch.cat([node.new_zeros(bsz, 1), shape_constant(_level_depths, sizes, device).take(order)], dim=1)
     out = root_tokens.device
+    tokens = torch.cat([root_tokens.view(bsz, 1).long(), token_table.gather(1, codes & (2**32 - 1)).to(out)], 1)
     return DraftTree(
-        torch.cat([root_tokens.view(bsz, 1).long(), torch.cat(level_tokens, 1).gather(1, order).to(out)], dim=1),
+        tokens,
         parents.to(out),
         depths.to(out),
-        torch.cat([scores.new_zeros(bsz, 1), scores.gather(1, order)], dim=1).float().to(out),
-        visibility.to(out),
+        torch.cat([scores.new_zeros(bsz, 1), scores], dim=1).float().to(out),
+        _ancestors(parents, len(sizes)).to(out),
     )
+
+
+def _ancestors(parents: torch.Tensor, max_depth: int) -> torch.Tensor:
+    """Visibility ``[B, N, N]`` of a tree at most ``max_depth`` deep: each node's ancestors, gathered for all
+    nodes at once, doubling the hops covered per step (the root is its own parent here)."""
+    bsz, n = parents.shape
+    up = parents.clamp(min=0)
+    seen = shape_constant(_arange, n, parents.device).expand(bsz, n)[..., None]  # [B, N, hops covered]
+    reach = 1
+    while reach <= max_depth:
+        seen = torch.cat([seen, up.gather(1, seen.flatten(1)).view(bsz, n, reach)], dim=2)
+        reach *= 2
+        if reach <= max_depth:
+            up = up.gather(1, up)
+    return torch.zeros(bsz, n, n, dtype=torch.bool, device=parents.device).scatter_(2, seen, True)
+
+
+@lru_cache(maxsize=256)
+def _arange(n: int, device: torch.device) -> torch.Tensor:
+    return torch.arange(n, device=device)
 
 
 @lru_cache(maxsize=256)
@@ -225,7 +287,7 @@ def best_first(root_tokens: torch.Tensor, logprobs: torch.Tensor, budget: int) -
 def best_first_from_topk(root_tokens: torch.Tensor, vals: torch.Tensor, toks: torch.Tensor, budget: int) -> DraftTree:
     """:func:`best_first` after its top-k step (``vals``/``toks`` ``[B, D, min(budget, V)]`` from
     :func:`ranked_topk`), split out so benchmarks can time the tree growth alone."""
-    return assemble(root_tokens, *grow_levels(vals, toks, budget, vals.shape[1]), budget)
+    return assemble(root_tokens, *grow_levels(vals, budget, vals.shape[1]), toks.flatten(1), budget)
 
 
 def chain(root_tokens: torch.Tensor, logprobs: torch.Tensor, budget: int) -> DraftTree:
@@ -256,7 +318,7 @@ def beam(width: int, depth: int | None = None) -> TreeBuilder:
         if budget == 0 or max_depth == 0:
             return root_only(root_tokens, torch.float32)
         vals, toks = ranked_topk(logprobs[:, :max_depth].detach().float(), min(width, logprobs.shape[-1]))
-        return assemble(root_tokens, *grow_levels(vals, toks, width, max_depth), budget)
+        return assemble(root_tokens, *grow_levels(vals, width, max_depth), toks.flatten(1), budget)
 
     build.__name__ = f"beam_{width}x{depth if depth is not None else 'D'}"
     build.__qualname__ = build.__name__

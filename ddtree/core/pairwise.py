@@ -15,10 +15,19 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import lru_cache
 
 import torch
 
-from ddtree.core.builders import TreeBuilder, assemble, best_first, chain, top_stable
+from ddtree.core.builders import (
+    TreeBuilder,
+    assemble,
+    best_first,
+    candidate_code,
+    chain,
+    shape_constant,
+    top_stable,
+)
 from ddtree.core.tree import DraftTree, path_tree, root_only
 
 
@@ -89,19 +98,32 @@ def best_first_pairwise(root_tokens: torch.Tensor, scores: PairwiseScores, budge
     if budget == 0 or scores.depth == 0:
         return root_only(root_tokens, torch.float32)
     cands, first, table = scores.candidates.long(), scores.first.detach().float(), scores.table.detach().float()
-    k = cands.shape[2]
-    keep = top_stable(first, budget)  # each level is kept in key order: score, then parent, then id
-    level_scores, level_tokens, level_parents = [first.gather(1, keep)], [cands[:, 0].gather(1, keep)], [
-        torch.zeros_like(keep)]
-    for d in range(1, scores.depth):
+    bsz, depth, k = cands.shape
+    level0, levels = shape_constant(_pairwise_plan, k, budget, depth, cands.device)
+    best, keep = top_stable(first, budget)  # each level is kept in key order: score, then parent, then id
+    level_scores, level_codes = [best], [level0.take(keep)]
+    for d, level_codes_d in enumerate(levels, start=1):
         rows = table[:, d - 1].gather(1, keep[..., None].expand(-1, -1, k))  # [B, M, K]: the kept parents' rows
-        flat = (level_scores[-1][..., None] + rows).flatten(1)
-        pick = top_stable(flat, budget)
+        best, pick = top_stable((level_scores[-1][..., None] + rows).flatten(1), budget)
         keep = pick % k
-        level_scores.append(flat.gather(1, pick))
-        level_tokens.append(cands[:, d].gather(1, keep))
-        level_parents.append(pick // k)
-    return assemble(root_tokens, level_scores, level_tokens, level_parents, budget)
+        level_scores.append(best)
+        level_codes.append(level_codes_d.take(pick))
+    return assemble(root_tokens, level_scores, level_codes, cands.flatten(1), budget)
+
+
+@lru_cache(maxsize=256)
+def _pairwise_plan(k: int, budget: int, depth: int, device: torch.device) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """The codes (:func:`~ddtree.core.builders.candidate_code`) of level 0's candidates (indexed by candidate)
+    and of each deeper level's (indexed by parent place ``* k +`` candidate), for :func:`best_first_pairwise`."""
+    sizes = [min(budget, k)]
+    for _ in range(1, depth):
+        sizes.append(min(budget, sizes[-1] * k))
+    total, offset, levels = sum(sizes), 0, []
+    for d in range(1, depth):
+        codes = [candidate_code(offset + p // k, d * k + p % k) for p in range(sizes[d - 1] * k)]
+        levels.append(torch.tensor(codes, device=device))
+        offset += sizes[d - 1]
+    return torch.tensor([candidate_code(total, j) for j in range(k)], device=device), levels
 
 
 PairwiseBuilder = Callable[[torch.Tensor, PairwiseScores, int], DraftTree]
