@@ -436,3 +436,20 @@ def test_eager_regression_summary_flags_a_difference_between_trees():
     assert (row["paired_min"], row["paired_max"]) == (2.0, 4.0) and row["mean_acceptance"] == 2.0
     other_acceptance = {"old": same["old"], "new": [run(1.0, [5, 6, 7, 8], [3, 1]), same["new"][1]]}
     assert not summarize(other_acceptance, ["chain"])[0]["identical"]
+
+
+def test_compiled_bench_compares_the_rounds_and_checks_their_output(tmp_path):
+    """``bench compiled`` on the tiny preset (dynamo's ``eager`` backend, so it traces in seconds): both modes
+    of each method measured, and the compiled run's tokens and acceptance found equal to the dynamic run's."""
+    from ddtree.bench.compiled import main
+
+    out = tmp_path / "compiled.json"
+    code = main(["--device", "cpu", "--preset", "tiny", "--layers", "1", "--budgets", "4", "--context", "12",
+                 "--new-tokens", "6", "--repeats", "1", "--backend", "eager", "--out", str(out)])
+    report = json.loads(out.read_text())
+    assert code == 0
+    assert [(r["method"], r["mode"]) for r in report["rows"]] == [
+        ("chain", "eager"), ("chain", "compiled"), ("best_first@4", "eager"), ("best_first@4", "compiled")]
+    compiled = [r for r in report["rows"] if r["mode"] == "compiled"]
+    assert all(r["same_tokens_and_acceptance_as_eager"] and r["speedup_over_eager"] > 0 for r in compiled)
+    assert all(r["tokens_per_round"] >= 1 and r["ms_per_round"] > 0 for r in report["rows"])

@@ -1,14 +1,16 @@
 """``python -m ddtree.bench compiled``: the dynamic round against the static, compiled one, per method.
 
-A random-weight Qwen3 target (``--preset qwen3-8b``: Qwen3-8B's widths, ``--layers`` of them; ``tiny``: hidden
-64) and a one-layer DFlash drafter (block 16). Per method (chain, best_first at each budget) and mode
-(``eager``: the dynamic round; ``compiled``: ``compile=True``, inductor, CUDA graphs on CUDA) it runs one
-warm-up generation (which compiles) and then ``--repeats`` timed ones from a ``--context``-token prompt, and
-reports the median milliseconds per round and its share per stage, the tokens per round and the tokens/s.
-Random weights accept about one token per round, so tokens/s here is a per-round cost: with a trained pair,
-tokens/s is the tokens per round over these round times. A case that fails is reported with its error; the
-others still run. ``--deadline`` (seconds) skips the cases left when time runs out, so a one-call GPU check
-stays inside its limit.
+A random-weight Qwen3 target (``--preset qwen3-8b``: Qwen3-8B's widths, ``--layers`` of them; ``tiny``:
+hidden 64) and a one-layer DFlash drafter (block 16), or the shipped default pair (``--preset default-pair``,
+float32, the demo's prompt through the chat template). Per method (the chain at the drafter's depth,
+best_first at each budget) and mode (``eager``: the dynamic round; ``compiled``: ``compile=True``, inductor,
+CUDA graphs on CUDA) it runs one warm-up generation (which compiles) and then ``--repeats`` timed ones, and
+reports the median milliseconds per round and its share per stage, the tokens per round, the tokens/s, and
+whether the compiled run's tokens and acceptance equal the eager one's. Random weights accept about one
+token per round, so tokens/s there is a per-round cost: with a trained pair, tokens/s is the tokens per
+round over these round times. A case that fails is reported with its error; the others still run.
+``--deadline`` (seconds) skips the cases left when time runs out, so a one-call GPU check stays inside its
+limit.
 """
 
 from __future__ import annotations
@@ -52,9 +54,21 @@ def build_pair(preset: str, layers: int, device: torch.device, dtype: torch.dtyp
     return target, DFlashDrafter(drafter, target)
 
 
-def methods(budgets: list[int]) -> list[tuple[str, str, int]]:
+def methods(budgets: list[int], block: int = BLOCK) -> list[tuple[str, str, int]]:
     """(label, builder, budget): the chain (its depth is the block's) and best_first at each budget."""
-    return [("chain", "chain", BLOCK - 1)] + [(f"best_first@{b}", "best_first", b) for b in budgets]
+    return [("chain", "chain", block - 1)] + [(f"best_first@{b}", "best_first", b) for b in budgets]
+
+
+def default_pair() -> tuple:
+    """The shipped pair in float32 with torch's own linears, and the demo's prompt through its chat template."""
+    from ddtree.apps.demo import DEFAULT_PROMPT
+    from ddtree.generation.generator import SpeculativeGenerator
+
+    gen = SpeculativeGenerator.from_pretrained(dtype=torch.float32, cpu_linear=False)
+    ids = gen.tokenizer.apply_chat_template([{"role": "user", "content": DEFAULT_PROMPT}],
+                                            add_generation_prompt=True, return_tensors="pt")
+    ids = ids["input_ids"] if hasattr(ids, "keys") else ids
+    return gen.target, gen.drafter, ids
 
 
 def measure(target, drafter, builder: str, budget: int, compile: bool | str, prompt: torch.Tensor,
@@ -69,6 +83,7 @@ def measure(target, drafter, builder: str, budget: int, compile: bool | str, pro
     round_ms, per_token, shares, tps = [], [], [], []
     for _ in range(repeats):
         out = gen.generate(prompt, max_new_tokens=new_tokens, stop_token_ids=())
+        output = (out.sequences.tolist(), out.acceptance_lengths)
         stats = out.stats
         decode = stats.total_seconds - stats.seconds.get("prefill", 0.0)
         rounds = max(stats.rounds, 1)
@@ -80,18 +95,22 @@ def measure(target, drafter, builder: str, budget: int, compile: bool | str, pro
     return {"warmup_seconds": round(warm, 2), "ms_per_round": round(statistics.median(round_ms), 3),
             "tokens_per_round": round(statistics.median(per_token), 3),
             "tokens_per_second": round(statistics.median(tps), 2),
-            "stage_share": {k: round(statistics.median(s.get(k, 0.0) for s in shares), 3) for k in shares[0]}}
+            "stage_share": {k: round(statistics.median(s.get(k, 0.0) for s in shares), 3) for k in shares[0]},
+            "output": output}
 
 
 def run(args: argparse.Namespace) -> dict:
     device = torch.device(args.device)
-    target, drafter = build_pair(args.preset, args.layers, device, DTYPES[args.dtype])
-    torch.manual_seed(2)
-    prompt = torch.randint(3, PRESETS[args.preset]["vocab_size"] - 2, (1, args.context), device=device)
+    if args.preset == "default-pair":
+        target, drafter, prompt = default_pair()
+    else:
+        target, drafter = build_pair(args.preset, args.layers, device, DTYPES[args.dtype])
+        torch.manual_seed(2)
+        prompt = torch.randint(3, PRESETS[args.preset]["vocab_size"] - 2, (1, args.context), device=device)
     start = time.perf_counter()
     rows = []
     modes = [("eager", False), ("compiled", True if args.backend == "inductor" else args.backend)]
-    for label, builder, budget in methods([int(b) for b in args.budgets.split(",")]):
+    for label, builder, budget in methods([int(b) for b in args.budgets.split(",")], drafter.block_size):
         for mode, compile in modes:
             row = {"method": label, "mode": mode, "budget": budget}
             if args.deadline and time.perf_counter() - start > args.deadline:
@@ -104,11 +123,14 @@ def run(args: argparse.Namespace) -> dict:
                     row["error"] = f"{type(exc).__name__}: {exc}"
                     row["traceback"] = traceback.format_exc(limit=8)
             rows.append(row)
-            print(json.dumps({k: v for k, v in row.items() if k != "traceback"}), flush=True)
+            print(json.dumps({k: v for k, v in row.items() if k not in ("traceback", "output")}), flush=True)
     eager = {r["method"]: r for r in rows if r["mode"] == "eager" and "ms_per_round" in r}
     for r in rows:
         if r["mode"] == "compiled" and "ms_per_round" in r and r["method"] in eager:
             r["speedup_over_eager"] = round(eager[r["method"]]["ms_per_round"] / r["ms_per_round"], 3)
+            r["same_tokens_and_acceptance_as_eager"] = r["output"] == eager[r["method"]]["output"]
+    for r in rows:
+        r.pop("output", None)
     return {"preset": args.preset, "layers": args.layers, "dtype": args.dtype, "device": str(device),
             "context": args.context, "new_tokens": args.new_tokens, "backend": args.backend, "rows": rows}
 
@@ -118,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
 
     p = parser("python -m ddtree.bench compiled", __doc__.split("\n\n")[0])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
+    p.add_argument("--preset", choices=[*sorted(PRESETS), "default-pair"], default="tiny")
     p.add_argument("--layers", type=int, default=4, help="target decoder layers (at the preset's widths)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
     p.add_argument("--budgets", default="4,16,64", help="best_first budgets (the chain runs at the block's depth)")
@@ -133,5 +155,5 @@ def main(argv: list[str] | None = None) -> int:
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
-    failed = [r for r in report["rows"] if "error" in r]
+    failed = [r for r in report["rows"] if "error" in r or r.get("same_tokens_and_acceptance_as_eager") is False]
     return 1 if failed else 0
