@@ -91,7 +91,7 @@ def assert_target_acceptance(target, state, prompts):
         assert state.acceptance[b] == [expected_acceptance(rec, ref) for rec in state.records[b]]
 
 
-@pytest.mark.parametrize("builder,budget,rows", [("best_first", 6, 1), ("best_first", 6, 4), ("chain", 4, 4)])
+@pytest.mark.parametrize("builder,budget,rows", [("best_first", 6, 1), ("best_first", 6, 4)])  # chain: test_bench
 def test_static_round_traces_whole_and_equals_the_dynamic_round(pair, builder, budget, rows):
     target, drafter = pair
     prompts = PROMPTS[:rows]
