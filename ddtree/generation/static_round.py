@@ -55,6 +55,9 @@ def capacity_for(need: int) -> int:
 def check_static_support(generator: Any) -> None:
     """Refuse, before any decoding, what the static round cannot run, naming the reason and the way out."""
     target = generator.target
+    if generator.lockstep.active:
+        raise ValueError("compile=True runs in one process; a tensor-parallel target (torchrun) runs the dynamic "
+                         "round, which keeps the ranks in lockstep. Use compile=False")
     if describe(target).stateful:
         raise ValueError(
             f"compile=True runs attention-only targets; {type(target).__name__} has stateful (linear-attention) "
