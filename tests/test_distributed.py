@@ -74,10 +74,16 @@ def tp_results(pairs) -> list[dict]:
     return [json.loads((pairs / f"checks_rank{r}.json").read_text()) for r in range(RANKS)]
 
 
+@pytest.fixture(scope="module")
+def single_cases(pairs) -> dict:
+    """``tp_worker.cases`` of each kind in this one process, the reference the ranks must equal."""
+    return {kind: tp_worker.cases(tp_worker.load(pairs, kind)) for kind in tp_worker.KINDS}
+
+
 @needs_accelerate
-def test_tensor_parallel_equals_single_process(pairs, tp_results):
+def test_tensor_parallel_equals_single_process(tp_results, single_cases):
     for kind in tp_worker.KINDS:
-        single = tp_worker.cases(tp_worker.load(pairs, kind))
+        single = single_cases[kind]
         assert single["chain/scripted"]["acceptance"] != single["best_first/scripted"]["acceptance"]
         assert max(single["best_first/scripted"]["acceptance"]) > 2  # acceptance worth comparing
         for r, res in enumerate(tp_results):
@@ -90,8 +96,8 @@ def test_tensor_parallel_equals_single_process(pairs, tp_results):
 
 
 @needs_accelerate
-def test_ranks_share_budget_and_seed_decisions(pairs, tp_results):
-    reference = tp_worker.cases(tp_worker.load(pairs, "llama"))["plain"]["tokens"][0]
+def test_ranks_share_budget_and_seed_decisions(tp_results, single_cases):
+    reference = single_cases["llama"]["plain"]["tokens"][0]
     for kind in tp_worker.KINDS:
         rank0, rank1 = (res[kind] for res in tp_results)
         skew0, skew1 = rank0["skewed"], rank1["skewed"]

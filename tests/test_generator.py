@@ -37,12 +37,19 @@ def expected_acceptance(record, ref_tokens: list[int]) -> int:
     return best + 1
 
 
+@pytest.fixture(scope="module")
+def references():
+    """HF greedy of each of ``PROMPTS`` on a fresh ``tiny_target`` of each kind (the weights ``tiny_pair`` has),
+    computed once for every builder and budget."""
+    return {kind: {tuple(p): reference(tiny_target(kind), p) for p in PROMPTS} for kind in ("qwen3", "llama")}
+
+
 @pytest.mark.parametrize("builder,budget", CONFIGS)
-def test_lossless_greedy_and_acceptance_matches_recompute(tiny_pair, builder, budget):
+def test_lossless_greedy_and_acceptance_matches_recompute(tiny_pair, references, builder, budget):
     target, draft = tiny_pair
     gen = SpeculativeGenerator(target, draft, tree_budget=budget, builder=builder)
     for prompt in PROMPTS:
-        ref = reference(target, prompt)
+        ref = references[target.config.model_type][tuple(prompt)]
         out = gen.generate(torch.tensor([prompt]), max_new_tokens=NEW, record_trees=True)
         assert torch.equal(out.sequences, ref)
         ref_tokens = ref[0].tolist()

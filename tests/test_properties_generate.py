@@ -169,8 +169,10 @@ def describe(case) -> None:
 @given(case=cases())
 def test_greedy_equals_hf_and_acceptance_equals_a_walk_of_each_tree(case):
     target, prompt, new = target_of(case["kind"]), case["prompt"], case["new"]
-    # The reference runs past max_new_tokens so the last round's walk sees every node it may accept.
-    reference = hf_greedy(target, prompt, new + 130)
+    # The reference runs past max_new_tokens: far enough for every position a FuzzDrafter proposal reads (its
+    # context stays under prompt + new, its block reaches block_size - 1 further), then, after the run, for the
+    # deepest node of any recorded tree, so the last round's walk sees every node it may accept.
+    reference = hf_greedy(target, prompt, new + 2 * case["block_size"])
     continuation = reference[len(prompt):]
     stops = None
     if case["stop"] == "from_output":
@@ -184,6 +186,9 @@ def test_greedy_equals_hf_and_acceptance_equals_a_walk_of_each_tree(case):
             break
     gen = make_generator(case, reference)
     out = gen.generate(torch.tensor([prompt]), max_new_tokens=new, stop_token_ids=stops, record_trees=True)
+    deepest = max((r.start + int(r.tree.depths.max()) for r in out.rounds), default=0)
+    if deepest >= len(reference):
+        reference = hf_greedy(target, prompt, deepest + 1 - len(prompt))
     assert out.new_tokens[0].tolist() == expected
     describe(case)
     event(f"longest acceptance {max(out.acceptance_lengths, default=0)}")
