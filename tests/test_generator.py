@@ -198,6 +198,7 @@ def test_options_are_checked_once_when_made_and_each_refusal_names_its_fix(tiny_
         "attention": ("flashy", ValueError, "unknown attention backend 'flashy'"),
         "cpu_linear": ("yes", ValueError, "cpu_linear must be True, False or 'auto'"),
         "threads": (0, ValueError, "threads must be 'auto', an int >= 1 or None"),
+        "compile": ("", ValueError, "compile must be True, False or a torch.compile backend name"),
         "prefill_chunk": (0, ValueError, "prefill_chunk must be an int >= 1"),
     }
     assert set(bad) == {f.name for f in dataclasses.fields(GeneratorOptions)}  # every setting has its check
