@@ -161,6 +161,20 @@ def test_inductor_compiled_round_equals_the_dynamic_round():
     assert_target_acceptance(target, static, prompt)
 
 
+def test_a_per_call_builder_and_budget_get_their_own_steps(pair):
+    """``generate(builder=..., tree_budget=...)`` on a compiled generator runs that builder at that budget (its
+    own steps), the same tokens and trees as a generator built with them."""
+    target, drafter = pair
+    gen = SpeculativeGenerator(target, drafter, tree_budget=6, compile="eager")
+    prompt = [PROMPTS[3]]
+    mine = gen.generate(prompt, max_new_tokens=8, builder="chain", tree_budget=3, record_trees=True)
+    built = SpeculativeGenerator(target, drafter, tree_budget=3, builder="chain").generate(
+        prompt, max_new_tokens=8, record_trees=True)
+    assert mine.row_tokens == built.row_tokens and mine.row_acceptance == built.row_acceptance
+    assert all(r.tree.num_nodes == 4 for r in mine.row_rounds[0])  # chain of 3 under the call's budget
+    assert {(getattr(b, "__name__", b), n) for b, n in gen._static_steps} == {("chain", 3)}
+
+
 def test_what_the_static_round_cannot_run_is_refused_with_the_way_out(pair):
     target, drafter = pair
     with pytest.raises(ValueError, match="fixed int tree_budget"):

@@ -400,11 +400,13 @@ class SpeculativeGenerator:
         """``options.compile``: whether tree rounds run as the static, compiled round."""
         return self._options.compile
 
-    def static_steps(self, budget: int) -> StaticSteps:
-        """The static round's steps for this builder and ``budget`` (compiled on first use, then kept)."""
-        key = (self.builder, budget)
+    def static_steps(self, budget: int, builder: TreeBuilder | None = None) -> StaticSteps:
+        """The static round's steps for ``builder`` (default the generator's) and ``budget`` (compiled on first
+        use, then kept)."""
+        builder = builder or self.builder
+        key = (builder, budget)
         if key not in self._static_steps:
-            self._static_steps[key] = StaticSteps(self, budget, self._options.compile)
+            self._static_steps[key] = StaticSteps(self, builder, budget, self._options.compile)
         return self._static_steps[key]
 
     def budget_policy(self, budget: int | str | BudgetPolicy, *,
@@ -489,6 +491,9 @@ class _CallEngine:
     def __init__(self, generator: SpeculativeGenerator, builder: TreeBuilder) -> None:
         self._generator = generator
         self.builder = builder
+
+    def static_steps(self, budget: int) -> StaticSteps:
+        return self._generator.static_steps(budget, self.builder)
 
     def __getattr__(self, name: str) -> Any:
         if name == "_generator":  # not set yet (copy, pickle): no recursion

@@ -29,6 +29,7 @@ from typing import Any, cast
 import torch
 
 from ddtree.budget.policy import FixedBudget
+from ddtree.core.builders import TreeBuilder
 from ddtree.core.sampling import choose_tokens
 from ddtree.core.tree import DraftTree
 from ddtree.core.verify import accept_longest_branch
@@ -98,10 +99,10 @@ class StaticSteps:
     Held by the generator (they are derived from its models and settings, and compiling is slow), keyed by
     the builder and budget."""
 
-    def __init__(self, generator: Any, budget: int, compile: bool | str) -> None:
+    def __init__(self, generator: Any, builder: TreeBuilder, budget: int, compile: bool | str) -> None:
         self.target = generator.target
         self.drafter = generator.drafter
-        self.builder = generator.builder
+        self.builder = builder
         self.budget = budget
         plan = window_plan(self.target)
         assert plan is not None  # check_static_support refused the rest
