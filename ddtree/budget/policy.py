@@ -95,6 +95,13 @@ class AutoBudget(BudgetPolicy):
     neighbour of the best is tried after 2 drafting rounds, then 4, 8, ... up to ``explore_every``,
     back to 2 whenever the best budget changes (longer where the neighbour is priced well below the best,
     so that a try costs at most ``retry_cost`` of the rounds' time).
+
+    At batch > 1 one budget serves every row: the verify is one forward over ``[B, nodes]``, so a row given
+    a smaller tree would save nothing unless the whole batch's width shrank. The batch's budget maximises
+    ``sum over rows of E[tokens | n]`` over the verify's seconds at ``B x (n + 1)`` nodes; a row whose
+    tree does not pay brings about 1 token (the bonus a plain step brings too), so it adds nothing to the
+    case for a bigger tree while still costing its share of the wider verify. Separate per-row shapes
+    would need a ragged verify.
     """
 
     def __init__(
@@ -109,8 +116,8 @@ class AutoBudget(BudgetPolicy):
         costs: RoundCosts | None = None,
         start: int = 4,
         explore_every: int = 16,
-        retry_every: int = 64,
-        retry_cost: float = 0.02,
+        retry_every: int = 128,
+        retry_cost: float = 0.01,
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:
         if not candidates or any(int(c) < 1 for c in candidates):
@@ -149,6 +156,8 @@ class AutoBudget(BudgetPolicy):
         self._retry: dict | None = None  # this round retries the losing option (see ``prepare``)
         self._shifts: dict[tuple[int, int], int] = {}  # the costs' shift counts the retry schedule has seen
         self._winners: dict[tuple[int, int], bool] = {}  # whether plain won, as the retry schedule last saw
+        self._reference: dict[tuple[int, int], float] = {}  # plain's rate when the schedule last moved
+        self.moved = 1.25  # plain, winning, moved by more than this factor: retry drafting soon
         self._round_start: float | None = None
         self._pending: dict | None = None  # the round in flight: what it ran, for the costs
         self._predicted_rows: torch.Tensor | None = None  # [B, D] p_d of the chosen tree per row
@@ -259,8 +268,8 @@ class AutoBudget(BudgetPolicy):
         drafting rounds, :meth:`RoundCosts.plain_rate` and :meth:`RoundCosts.drafted_rate`): the faster one
         runs, and the other is retried once it was last measured ``interval`` rounds ago. The interval
         doubles each time a retry confirms the winner (up to ``retry_every``; never so short that a retry
-        costs more than ``retry_cost`` of the rounds' time), and falls back to 2 when the winner changes or the round
-        seconds shift (load came or went: :attr:`RoundCosts.shifts`). A drafting retry uses the best
+        costs more than ``retry_cost`` of the rounds' time), and falls back to 2 when the winner changes or the
+        round seconds shift or a winning plain rate moves by a quarter (load came or went). A drafting retry uses the best
         measured tree. Where nothing is measured, a plain step comes first (the cheap one), then a tree at
         the start budget (smaller as the batch grows)."""
         now = self.clock()
@@ -291,19 +300,27 @@ class AutoBudget(BudgetPolicy):
             self._pending = {"plain": True, "batch": batch, "context": context_len, "retry": self._retry}
 
     def _retry_interval(self, key: tuple[int, int], plain: float, drafted: float) -> int:
-        """The retry interval at ``key``, back to 2 when its round seconds moved (the load came or went) or
-        the winner changed since the schedule last did."""
+        """The retry interval at ``key``: back to 2 when the round seconds shifted, or plain is winning and its
+        rate moved by more than ``moved`` (the load came or went: the loser was measured under another);
+        spaced anew when the winner changed."""
         shifts, winner = self.costs.shifts.get(key, 0), plain >= drafted
-        if self._shifts.setdefault(key, shifts) != shifts or self._winners.setdefault(key, winner) != winner:
-            self._shifts[key], self._winners[key] = shifts, winner
+        reference = self._reference.setdefault(key, plain)
+        # plain's rate is steady (one token per row per round): a move is the load's, not the drafter's
+        moved = winner and not reference / self.moved <= plain <= reference * self.moved
+        if self._shifts.setdefault(key, shifts) != shifts or moved:  # the loser was measured under another load
+            self.costs.intervals[key] = 2
+        elif self._winners.setdefault(key, winner) != winner:
             self.costs.intervals[key] = self._spaced(2, plain, drafted)
+        if moved or self._winners[key] != winner:
+            self._reference[key] = plain
+        self._shifts[key], self._winners[key] = shifts, winner
         if key not in self.costs.intervals:
             self.costs.intervals[key] = self._spaced(2, plain, drafted)
         return self.costs.intervals[key]
 
     def _spaced(self, interval: int, plain: float, drafted: float) -> int:
         """At least ``interval``, and enough rounds that one retry of the loser costs at most ``retry_cost``
-        of them (a loser at a third of the winner's rate waits about 33 rounds at 0.02)."""
+        of them (a loser at half the winner's rate waits 50 rounds at 0.01)."""
         loss = 1.0 - min(plain, drafted) / max(plain, drafted, 1e-12)
         return int(min(self.retry_every, max(interval, math.ceil(loss / self.retry_cost))))
 
@@ -320,6 +337,7 @@ class AutoBudget(BudgetPolicy):
         interval = self._spaced(2 if winner != retry["winner"] else 2 * interval, plain[0], drafted[0])
         self.costs.intervals[key] = interval
         self._shifts[key], self._winners[key] = self.costs.shifts.get(key, 0), winner == 0
+        self._reference[key] = plain[0]
 
     def _start_budget(self, batch: int) -> int:
         """The first tree's budget at ``batch`` rows: ``start`` nodes shared by the rows (a verify costs
@@ -386,6 +404,7 @@ class AutoBudget(BudgetPolicy):
             "expected_tokens": {n: round(e, 4) for n, e in self._expected.items()},
             "round_seconds": {n: round(s, 6) for n, (s, _) in seconds.items() if s is not None},
             "tokens_per_second": {n: round(r, 2) for n, (r, _) in rates.items()},
+            "row_expected_tokens": [round(e, 4) for e in rows[:, self.candidates.index(choice)].tolist()],
         }
         return choice
 
