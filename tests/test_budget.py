@@ -220,7 +220,7 @@ def test_auto_decodes_plainly_while_no_tree_pays_and_stays_exact():
     gen = SpeculativeGenerator(target, drafter)
     clock = ModelClock()
     policy = Modelled(FunctionLatency(lambda n, c, b=1: 0.01 * n), candidates=(1, 2, 4), overhead_seconds=0.005,
-                      clock=clock, retry_every=64)
+                      clock=clock, retry_every=64, retry_cost=0.02)
     out = gen.generate(prompt, max_new_tokens=120, tree_budget=policy)
     assert out.row_tokens[0] == ref
     assert out.acceptance_lengths == [1] * 119  # the drafter is never right
