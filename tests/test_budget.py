@@ -322,3 +322,23 @@ def test_batch_budget_sums_rows_and_hopeless_rows_add_only_their_bonus():
     assert chosen == max(rates, key=lambda n: (rates[n], -n)) and chosen < alone, (chosen, alone, rates)
     row_tokens = mixed.last["row_expected_tokens"]
     assert row_tokens[0] == pytest.approx(1 + min(chosen, 6)) and all(t < 1.2 for t in row_tokens[1:])
+
+
+def test_the_generation_saves_the_profile_when_every_row_has_stopped(tmp_path):
+    """The round calls ``finish`` once, when the last row stops: an AutoBudget with a profile writes its costs
+    there, and the next generation's policy starts from them (its table goes on counting the first's rounds)."""
+    torch.manual_seed(0)
+    target = tiny_target("llama")
+    gen = SpeculativeGenerator(target, tiny_drafter(target))
+    path = tmp_path / "costs.json"
+    calls = []
+
+    class Counted(AutoBudget):
+        def finish(self):
+            calls.append(self.rounds)
+            super().finish()
+
+    out = gen.generate([[5, 17, 3, 9], [8, 2, 44]], max_new_tokens=12, tree_budget=Counted(profile=path))
+    assert calls == [out.stats.budget_policy["rounds"]] and path.exists()
+    again = gen.generate([5, 17, 3, 9], max_new_tokens=12, tree_budget=AutoBudget(profile=path))
+    assert again.stats.budget_policy["costs"]["rounds"] > out.stats.budget_policy["rounds"]

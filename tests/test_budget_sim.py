@@ -319,3 +319,39 @@ def test_costs_fall_back_to_the_nearest_measured_key():
     assert costs.verify_seconds(5, 2, 100) == pytest.approx(0.06 + 0.005 * 1)
     assert costs.overhead_seconds(1, 5000) == pytest.approx(0.01)  # another context bucket: the nearest
     assert interpolate({4: 1.0}, 8) == 2.0 and interpolate({}, 3) is None
+
+
+def test_a_saved_profile_seeds_the_next_policy_and_a_corrupt_one_is_ignored(tmp_path, monkeypatch):
+    """``AutoBudget(profile=path)``: the first policy starts blind (a plain step, then the start budget) and saves
+    its costs when the generation ends; the next one, on the same file, decides from them at once (no plain
+    measuring round first, the first tree a measured budget). The write is atomic (no temporary left); a
+    corrupt file is ignored with a warning that names it, and overwritten by the next save."""
+    from ddtree.budget.profile import default_profile, load_profile
+
+    path = tmp_path / "profile.json"
+    first = auto(profile=path)
+    run = simulate(first, cpu_like(), Drafter(**STRONG), 1, 60)
+    assert run.choices[:2] == [0, first._start_budget(1)] and not path.exists()
+    first.finish()
+    assert load_profile(path).to_dict() == first.costs.to_dict()
+    assert [p.name for p in tmp_path.iterdir()] == ["profile.json"]
+    second = auto(profile=path)
+    seeded = simulate(second, cpu_like(), Drafter(**STRONG, seed=1), 1, 3)
+    measured = {int(n) - 1 for table in first.costs.describe()["verify_seconds"].values() for n in table}
+    assert seeded.choices[0] != 0 and seeded.choices[0] in measured
+    path.write_text('{"verify": {"512x1": {"3": {"value": ')  # a write cut short by a crash
+    with pytest.warns(UserWarning, match=str(path)):
+        third = auto(profile=path)
+    assert third.costs.rounds == 0
+    third.finish()
+    assert load_profile(path) is not None
+    monkeypatch.setenv("DDTREE_CACHE", str(tmp_path / "cache"))
+
+    class Pair:  # what default_profile reads from a generator
+        target = torch.nn.Embedding(4, 2)
+        drafter = object()
+
+    Pair.target.get_input_embeddings = lambda: Pair.target
+    name = default_profile(Pair())
+    assert name.parent == tmp_path / "cache" / "budget" and name.suffix == ".json"
+    assert default_profile(Pair()) == name

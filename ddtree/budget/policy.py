@@ -10,12 +10,14 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any, Protocol, cast
 
 import torch
 
 from ddtree.budget.costs import RoundCosts
 from ddtree.budget.latency import COST_MODEL, LatencyModel
+from ddtree.budget.profile import load_profile, save_profile
 from ddtree.core.builders import TreeBuilder, best_first
 
 DEFAULT_CANDIDATES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -28,9 +30,9 @@ class BudgetPolicy(Protocol):
     while ``skip_draft`` is true the round decodes one plain step without drafting.
     ``choose`` sees the round's draft log-probs ``[B, D, V]``; ``observe`` sees, after
     the round emitted, each row's accepted count (host ints the round read anyway) and
-    the verify forward's seconds; ``describe`` is what the generation's stats report.
-    Subclass it to inherit the defaults of ``prepare``, ``skip_draft``, ``observe`` and
-    ``describe``.
+    the verify forward's seconds; ``describe`` is what the generation's stats report;
+    ``finish`` runs once when every row has stopped. Subclass it to inherit the defaults of
+    ``prepare``, ``skip_draft``, ``observe``, ``describe`` and ``finish``.
     """
 
     skip_draft: bool = False
@@ -46,6 +48,10 @@ class BudgetPolicy(Protocol):
 
     def describe(self) -> dict:
         return {"policy": type(self).__name__}
+
+    def finish(self) -> None:
+        """The generation ended (every row stopped): a policy that keeps anything beyond it saves it here."""
+        return None
 
 
 class FixedBudget(BudgetPolicy):
@@ -96,6 +102,10 @@ class AutoBudget(BudgetPolicy):
     back to 2 whenever the best budget changes (longer where the neighbour is priced well below the best,
     so that a try costs at most ``retry_cost`` of the rounds' time).
 
+    ``profile``: a JSON file (:mod:`ddtree.budget.profile`; :func:`~ddtree.budget.profile.default_profile`
+    names one per machine and model pair in the ddtree cache) whose saved costs seed the policy when no
+    ``costs`` are given, and to which the costs are written when a generation ends.
+
     At batch > 1 one budget serves every row: the verify is one forward over ``[B, nodes]``, so a row given
     a smaller tree would save nothing unless the whole batch's width shrank. The batch's budget maximises
     ``sum over rows of E[tokens | n]`` over the verify's seconds at ``B x (n + 1)`` nodes; a row whose
@@ -119,6 +129,7 @@ class AutoBudget(BudgetPolicy):
         retry_every: int = 128,
         retry_cost: float = 0.01,
         clock: Callable[[], float] = time.perf_counter,
+        profile: str | Path | None = None,
     ) -> None:
         if not candidates or any(int(c) < 1 for c in candidates):
             raise ValueError(f"candidates must be non-empty tree budgets >= 1 (a plain step is always a choice), "
@@ -128,6 +139,9 @@ class AutoBudget(BudgetPolicy):
         if retry_every < 2:
             raise ValueError(f"retry_every must be >= 2 rounds, got {retry_every!r}")
         self.latency = latency
+        self.profile = None if profile is None else Path(profile)
+        if costs is None and self.profile is not None:
+            costs = load_profile(self.profile)
         self.costs = costs if costs is not None else RoundCosts()
         self.clock = clock
         self.builder = builder
@@ -268,10 +282,10 @@ class AutoBudget(BudgetPolicy):
         drafting rounds, :meth:`RoundCosts.plain_rate` and :meth:`RoundCosts.drafted_rate`): the faster one
         runs, and the other is retried once it was last measured ``interval`` rounds ago. The interval
         doubles each time a retry confirms the winner (up to ``retry_every``; never so short that a retry
-        costs more than ``retry_cost`` of the rounds' time), and falls back to 2 when the winner changes or the
-        round seconds shift or a winning plain rate moves by a quarter (load came or went). A drafting retry uses the best
-        measured tree. Where nothing is measured, a plain step comes first (the cheap one), then a tree at
-        the start budget (smaller as the batch grows)."""
+        costs more than ``retry_cost`` of the rounds' time), and falls back to 2 when the round seconds
+        shift or a winning plain rate moves by a quarter (load came or went), spaced anew when the winner
+        changes. A drafting retry uses the best measured tree. Where nothing is measured, a plain step comes
+        first (the cheap one), then a tree at the start budget (smaller as the batch grows)."""
         now = self.clock()
         self._book(now)
         self._round_start = now
@@ -451,6 +465,11 @@ class AutoBudget(BudgetPolicy):
                                    pending["verify"], pending["tokens"])
         if pending.get("retry") is not None:
             self._retried(pending["retry"], pending["batch"], pending["context"])
+
+    def finish(self) -> None:
+        """Save the learned costs to ``profile`` (when one is set)."""
+        if self.profile is not None:
+            save_profile(self.costs, self.profile)
 
     def describe(self) -> dict:
         depth = self.reached.numel() if self.reached is not None else 0

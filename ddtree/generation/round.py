@@ -185,6 +185,9 @@ def _tree_round(state: DecodeState, policy: BudgetPolicy) -> RoundResult:
     _count_sources(state, accepted)
     emitted = _emit_accepted(state, tree, accepted, result)
     policy.observe([a for a in emitted.acceptance if a is not None], verify_seconds, context)
+    finish = getattr(policy, "finish", None)  # a policy not derived from BudgetPolicy may lack it
+    if state.done and finish is not None:
+        finish()
     return emitted
 
 
