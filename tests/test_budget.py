@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from tiny import ScriptedDrafter, tiny_drafter, tiny_target
@@ -150,14 +152,17 @@ def test_auto_learns_from_its_rounds_without_a_profiling_stall():
     desc = out.stats.budget_policy
     assert len(forwards) == 1 + out.stats.rounds and "latency" not in desc
     budgets = out.stats.budgets
-    assert budgets[:2] == [4, 0]  # a first tree at the start budget, then a plain step to measure it
+    assert budgets[:2] == [0, 4]  # a plain step first (it measures what trees must beat), then the start budget
     assert set(budgets) <= {0} | set(desc["candidates"])
     learned = desc["costs"]["verify_seconds"]
     assert any(str(b + 1) in table for b in budgets if b for table in learned.values())
     assert desc["plain_round_seconds"] is not None and desc["rounds"] == len(budgets)
     again = gen.generate(torch.randint(0, 90, (1, 20)), max_new_tokens=24, tree_budget="auto")
     first = again.stats.budgets[0]
-    assert first in {int(n) - 1 for table in learned.values() for n in table}  # a budget measured by the first call
+    # from the measured rates at once: a plain step or a budget measured by the first call (never the start
+    # budget unmeasured), and the drafter's depth calibration carried over
+    assert first in {0} | {int(n) - 1 for table in learned.values() for n in table}
+    assert again.stats.budget_policy["depth_calibration"][:1] != [1.0]
     assert again.stats.budget_policy["costs"]["plain_seconds"]  # shared with the first call
 
 
@@ -173,49 +178,70 @@ class TickClock:
         return self.now
 
 
+class ModelClock:
+    """A fake clock the simulated rounds advance: the policy reads it, a :class:`Modelled` policy moves it."""
+
+    def __init__(self):
+        self.now, self.reads = 0.0, 0
+
+    def __call__(self) -> float:
+        self.reads += 1
+        return self.now
+
+
 class Modelled(AutoBudget):
-    """An AutoBudget whose verify forwards take exactly what its latency model says (not what the machine did)."""
+    """An AutoBudget whose rounds take exactly what its latency model says (not what the machine did): a plain
+    round ``latency(1 node)``, a drafting round ``overhead + latency(nodes)``, added to its :class:`ModelClock`."""
 
     def observe(self, accepted, verify_seconds, context_len):
-        nodes = 1 if self._pending["plain"] else self._pending["nodes"]
-        super().observe(accepted, self.latency.seconds(nodes, context_len, len(accepted)), context_len)
+        plain = self._pending["plain"]
+        nodes = 1 if plain else self._pending["nodes"]
+        seconds = self.latency.seconds(nodes, context_len, len(accepted))
+        self.clock.now += seconds + (0.0 if plain else self.fixed_overhead)
+        super().observe(accepted, seconds, context_len)
 
 
 def test_auto_decodes_plainly_while_no_tree_pays_and_stays_exact():
     """Verify cost proportional to the node count (a compute-bound batch), a plain round of 10 ms on a fake clock
-    and a drafter that is never right: after the start tree and one exploration the policy decodes plainly,
-    retrying a tree (a neighbour of the best one, measured longest ago) after 1, 3, 7 then 15 plain rounds (the
-    exploration intervals 2, 4, 8, 16). No wall-clock time enters the choice: the sequence of budgets is exact."""
+    and a drafter that is never right: a plain step first, then the start tree (55 ms for 1 token: 18 tokens/s
+    against plain's 100), then plain steps. The tree is retried once a retry costs at most ``retry_cost`` (0.02)
+    of the rounds' time: (1 - 18/100) / 0.02 -> 41 rounds after it was measured (round 2), at round 43, with the
+    tree now priced best (budget 1: the calibration expects nothing accepted), 25 ms, 40 tokens/s. The context
+    reaches 64 tokens at round 60, a new context bucket, whose schedule starts from the gap measured so far:
+    (1 - 40/100) / 0.02 = 30 rounds after round 44, round 74. No wall-clock time enters the choice: the
+    sequence of budgets is exact."""
     target = tiny_target("qwen3")
     prompt = [5, 17, 3, 9]
     ids = torch.tensor([prompt])
-    ref = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=40, do_sample=False,
+    ref = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=120, do_sample=False,
                           pad_token_id=0)[0, 4:].tolist()
     wrong = torch.tensor(prompt + [(t + 1) % 97 for t in ref] + [0] * 8)
     drafter = ScriptedDrafter(wrong, 97)
     gen = SpeculativeGenerator(target, drafter)
-    clock = TickClock(0.01)
+    clock = ModelClock()
     policy = Modelled(FunctionLatency(lambda n, c, b=1: 0.01 * n), candidates=(1, 2, 4), overhead_seconds=0.005,
-                      clock=clock)
-    out = gen.generate(prompt, max_new_tokens=40, tree_budget=policy)
+                      clock=clock, retry_every=64, retry_cost=0.02)
+    out = gen.generate(prompt, max_new_tokens=120, tree_budget=policy)
     assert out.row_tokens[0] == ref
-    assert out.acceptance_lengths == [1] * 39  # the drafter is never right
+    assert out.acceptance_lengths == [1] * 119  # the drafter is never right
     budgets = out.stats.budgets
     trees = [i for i, b in enumerate(budgets) if b > 0]
-    assert budgets == [4, 2, 0, 1] + [0] * 3 + [2] + [0] * 7 + [1] + [0] * 15 + [2] + [0] * 7
+    assert trees == [1, 43, 74] and [budgets[i] for i in trees] == [4, 1, 1], budgets
     assert desc_calibration_falls(out.stats.budget_policy)
     assert len(drafter.proposals) == len(trees)  # skipped rounds did not draft
     desc = out.stats.budget_policy
     assert desc["plain_rounds"] == budgets.count(0) and desc["plain_round_seconds"] == pytest.approx(0.01)
-    assert desc["verify_scale"] == 1.0 and clock.reads >= len(budgets)
-    # cheap trees and a drafter that is always right: every round drafts, the full budget-4 chain but for the
-    # neighbour (2) on the exploration schedule
+    assert desc["verify_scale"] == 1.0 and clock.reads == len(budgets)
+    # cheap trees and a drafter that is always right: after the plain step every round drafts, the full
+    # budget-4 chain but for its neighbour (2) tried once at round 2 (next after 20 rounds: it is priced at
+    # 0.61x the best); plain (0.23x the drafting rate) would be retried after about 39 rounds
     right = ScriptedDrafter(torch.tensor(prompt + ref + [0] * 8), 97)
     cheap = Modelled(FunctionLatency(lambda n, c, b=1: 0.01 + 0.0001 * n), candidates=(1, 2, 4),
-                     overhead_seconds=0.001, clock=TickClock(0.01))
+                     overhead_seconds=0.001, clock=ModelClock())
     out = SpeculativeGenerator(target, right).generate(prompt, max_new_tokens=40, tree_budget=cheap)
-    assert out.row_tokens[0] == ref and out.stats.budgets == [4, 2, 4, 2, 4, 4, 4, 2, 4]
-    assert out.acceptance_lengths[:-1] == [min(b, 4) + 1 for b in out.stats.budgets][:-1]  # every draft accepted
+    assert out.row_tokens[0] == ref[:40] and out.stats.budgets == [0, 4, 2] + [4] * 6, out.stats.budgets
+    accepted = [1 if b == 0 else min(b, 4) + 1 for b in out.stats.budgets]
+    assert out.acceptance_lengths[:-1] == accepted[:-1]  # every draft accepted
 
 
 def desc_calibration_falls(desc: dict) -> bool:
@@ -260,7 +286,8 @@ def test_auto_at_batch_three_is_lossless_and_accepts_what_each_budget_allows():
     for row, (p, ref) in enumerate(zip(prompts, refs)):
         assert out.row_tokens[row] == ref[len(p): len(p) + 30]
     budgets = out.stats.budgets
-    assert budgets[:2] == [4, 0] and set(budgets) <= {0} | set(desc_candidates(out))  # start tree, plain measured
+    # a plain step measured first, then the start budget shared by the rows (4 // 3 rows: budget 1)
+    assert budgets[:2] == [0, 1] and set(budgets) <= {0} | set(desc_candidates(out))
     desc = out.stats.budget_policy
     assert desc["last_round"]["batch"] == 3 and list(desc["costs"]["verify_seconds"]) == ["64x3"]
     allowed = [min(b, 4) + 1 for b in budgets]
@@ -269,3 +296,49 @@ def test_auto_at_batch_three_is_lossless_and_accepts_what_each_budget_allows():
 
 def desc_candidates(out) -> list[int]:
     return out.stats.budget_policy["candidates"]
+
+
+def test_batch_budget_sums_rows_and_hopeless_rows_add_only_their_bonus():
+    """One budget for the batch (the verify is rectangular): the argmax over n of the rows' summed E[tokens | n]
+    over the seconds of B x (n + 1) nodes. Rows the drafter has no idea about (uniform log-probs) bring about
+    one token whatever the budget, so next to a sure row they pull the choice down (they widen the verify
+    without adding to what a bigger tree earns)."""
+    per_node = 0.002
+    latency = FunctionLatency(lambda nodes, ctx, batch=1: 0.01 + per_node * nodes * batch, "per node")
+
+    def policy():
+        return AutoBudget(latency, candidates=(1, 2, 4, 8, 16), overhead_seconds=0.01)
+
+    sure = certain_logprobs(6, vocab=50)
+    hopeless = torch.full((3, 6, 50), -math.log(50))
+    alone = policy().choose(sure, 100)
+    mixed = policy()
+    batch = torch.cat([sure, hopeless])
+    chosen = mixed.choose(batch, 100)
+    rows = mixed.row_reach(batch)
+    expected = mixed.expected_tokens(rows)  # [B, C]
+    total = expected.sum(dim=0)
+    rates = {n: float(total[i]) / (0.01 + 0.01 + per_node * (n + 1) * 4) for i, n in enumerate(mixed.candidates)}
+    assert chosen == max(rates, key=lambda n: (rates[n], -n)) and chosen < alone, (chosen, alone, rates)
+    row_tokens = mixed.last["row_expected_tokens"]
+    assert row_tokens[0] == pytest.approx(1 + min(chosen, 6)) and all(t < 1.2 for t in row_tokens[1:])
+
+
+def test_the_generation_saves_the_profile_when_every_row_has_stopped(tmp_path):
+    """The round calls ``finish`` once, when the last row stops: an AutoBudget with a profile writes its costs
+    there, and the next generation's policy starts from them (its table goes on counting the first's rounds)."""
+    torch.manual_seed(0)
+    target = tiny_target("llama")
+    gen = SpeculativeGenerator(target, tiny_drafter(target))
+    path = tmp_path / "costs.json"
+    calls = []
+
+    class Counted(AutoBudget):
+        def finish(self):
+            calls.append(self.rounds)
+            super().finish()
+
+    out = gen.generate([[5, 17, 3, 9], [8, 2, 44]], max_new_tokens=12, tree_budget=Counted(profile=path))
+    assert calls == [out.stats.budget_policy["rounds"]] and path.exists()
+    again = gen.generate([5, 17, 3, 9], max_new_tokens=12, tree_budget=AutoBudget(profile=path))
+    assert again.stats.budget_policy["costs"]["rounds"] > out.stats.budget_policy["rounds"]

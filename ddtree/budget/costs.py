@@ -5,7 +5,15 @@ Every round's own seconds feed one table (:class:`RoundCosts`), keyed by the con
 
 - ``verify[nodes]``: the target forward over a tree of ``nodes`` nodes per row;
 - ``overhead``: the rest of a drafting round (draft, tree build, mask, commit, emit);
-- ``plain``: a whole round that does not draft (one token per row).
+- ``plain``: a whole round that does not draft (one token per row);
+- ``drafted``: a whole drafting round, its seconds and its committed tokens (all rows): their ratio is the
+  measured rate of drafting that the policy compares with plain rounds';
+- ``intervals``: how many rounds the policy waits before trying the option that is losing again (its
+  exploration schedule, shared so that a later generation does not start by re-trying it);
+- ``reached``, ``predicted``: the policy's calibration of the drafter's path probabilities by depth (the
+  pair's, not the machine's, but learned alongside and shared the same way);
+- ``shifts``: how many lasting changes (the drift rule) the round seconds here have seen: a new one
+  means the load moved, and the policy retries soon.
 
 Each entry is an :class:`Estimate`: an exponentially weighted mean that skips a lone outlier
 (a paused consumer, a page fault) but moves to a lasting change (a competing process starts or
@@ -21,6 +29,8 @@ import math
 from pathlib import Path
 from typing import Any, cast
 
+import torch
+
 from ddtree.budget.latency import context_bucket
 
 
@@ -34,16 +44,17 @@ class Estimate:
         self.stamp = -1  # the round it was last measured in
         self._surprises: list[float] = []
 
-    def update(self, seconds: float, stamp: int) -> None:
+    def update(self, seconds: float, stamp: int) -> bool:
         """``stamp`` counts rounds: a value last measured over ``stale_after`` rounds ago is replaced outright
-        (what it measured may be gone: an entry tried only on the exploration schedule must follow load)."""
+        (what it measured may be gone: an entry tried only on the exploration schedule must follow load).
+        Returns whether the value moved to a lasting change (the drift rule)."""
         stale = stamp - self.stamp > self.stale_after
         self.stamp = stamp
         self.count += 1
         if self.value is None or stale:
             self.value = seconds
             self._surprises.clear()
-            return
+            return False
         ratio = seconds / max(self.value, 1e-12)
         if ratio > self.outlier or ratio * self.outlier < 1.0:
             if self._surprises and (self._surprises[-1] > self.value) != (seconds > self.value):
@@ -52,9 +63,11 @@ class Estimate:
             if len(self._surprises) >= self.drift_after:  # a lasting change, not an outlier
                 self.value = sorted(self._surprises)[len(self._surprises) // 2]
                 self._surprises.clear()
-            return
+                return True
+            return False
         self._surprises.clear()
         self.value += self.weight * (seconds - self.value)
+        return False
 
     def to_dict(self) -> dict:
         return {"value": self.value, "count": self.count, "stamp": self.stamp}
@@ -82,6 +95,12 @@ class RoundCosts:
         self.verify: dict[Key, dict[int, Estimate]] = {}
         self.overhead: dict[Key, Estimate] = {}
         self.plain: dict[Key, Estimate] = {}
+        self.drafted: dict[Key, Estimate] = {}  # seconds of a drafting round
+        self.tokens: dict[Key, Estimate] = {}  # committed tokens of a drafting round (a plain mean: no outliers)
+        self.intervals: dict[Key, int] = {}
+        self.shifts: dict[Key, int] = {}
+        self.reached: torch.Tensor | None = None  # the policy's depth calibration sums (see AutoBudget)
+        self.predicted: torch.Tensor | None = None
         self.rounds = 0  # rounds recorded: each entry's stamp says how long ago it was measured
 
     @staticmethod
@@ -90,20 +109,39 @@ class RoundCosts:
 
     # ------------------------------------------------------------------ recording
 
-    def record_tree(self, nodes: int, batch: int, context: int, round_seconds: float, verify_seconds: float) -> None:
-        """A drafting round over ``nodes`` nodes per row: its verify forward and the rest of the round."""
+    def record_tree(self, nodes: int, batch: int, context: int, round_seconds: float, verify_seconds: float,
+                    tokens: int | None = None) -> None:
+        """A drafting round over ``nodes`` nodes per row: its verify forward and the rest of the round, and the
+        tokens it committed over all rows (when given)."""
         self.rounds += 1
         stamp = self.rounds
         key = self.key(batch, context)
         table = self.verify.setdefault(key, {})
-        table.setdefault(int(nodes), Estimate(**self.options)).update(verify_seconds, stamp)
+        moved = table.setdefault(int(nodes), Estimate(**self.options)).update(verify_seconds, stamp)
         rest = max(0.0, round_seconds - verify_seconds)
-        self.overhead.setdefault(key, Estimate(**self.options)).update(rest, stamp)
+        moved |= self.overhead.setdefault(key, Estimate(**self.options)).update(rest, stamp)
+        if tokens is not None:
+            self.drafted.setdefault(key, Estimate(**self.options)).update(round_seconds, stamp)
+            if key not in self.tokens:
+                self.tokens[key] = self._seed_tokens(key)
+            self.tokens[key].update(float(tokens), stamp)
+        self.shifts[key] = self.shifts.get(key, 0) + int(moved)
+
+    def _seed_tokens(self, key: Key) -> Estimate:
+        """A new key's tokens per drafting round start from the nearest key's, per row: one round's count
+        alone is too noisy to compare rates with."""
+        mean = _mean()
+        near = self._nearest(self.tokens, key)
+        if near is not None:
+            mean.value = cast(float, self.tokens[near].value) * key[1] / near[1]
+        return mean
 
     def record_plain(self, batch: int, context: int, round_seconds: float) -> None:
         """A round that did not draft."""
         self.rounds += 1
-        self.plain.setdefault(self.key(batch, context), Estimate(**self.options)).update(round_seconds, self.rounds)
+        key = self.key(batch, context)
+        moved = self.plain.setdefault(key, Estimate(**self.options)).update(round_seconds, self.rounds)
+        self.shifts[key] = self.shifts.get(key, 0) + int(moved)
 
     # ------------------------------------------------------------------ reading
 
@@ -148,6 +186,30 @@ class RoundCosts:
         """The plain-round estimate at this exact key (``None`` when never measured here)."""
         return self.plain.get(self.key(batch, context))
 
+    def plain_rate(self, batch: int, context: int) -> tuple[float, int] | None:
+        """Measured tokens per second of plain rounds here (else at the nearest measured key, rescaled to this
+        batch) and the round they were last measured in."""
+        seconds = self.plain_seconds(batch, context)
+        near = self._nearest(self.plain, self.key(batch, context))
+        if seconds is None or near is None:
+            return None
+        return batch / max(seconds, 1e-12), self.plain[near].stamp
+
+    def drafted_rate(self, batch: int, context: int) -> tuple[float, int] | None:
+        """Measured tokens per second of drafting rounds here (else at the nearest measured key, the same
+        ratio to that key's plain rate) and the round they were last measured in."""
+        key = self.key(batch, context)
+        near = self._nearest(self.drafted, key)
+        if near is None or near not in self.tokens:
+            return None
+        rate = cast(float, self.tokens[near].value) / max(cast(float, self.drafted[near].value), 1e-12)
+        if near != key:
+            here, there = self.plain_rate(batch, context), self.plain_rate(near[1], near[0])
+            if here is None or there is None:
+                return None
+            rate *= here[0] / there[0]
+        return rate, self.drafted[near].stamp
+
     def plain_seconds(self, batch: int, context: int) -> float | None:
         key = self.key(batch, context)
         near = self._nearest(self.plain, key)
@@ -176,6 +238,12 @@ class RoundCosts:
                        for k, t in sorted(self.verify.items())},
             "overhead": {name(k): e.to_dict() for k, e in sorted(self.overhead.items())},
             "plain": {name(k): e.to_dict() for k, e in sorted(self.plain.items())},
+            "drafted": {name(k): e.to_dict() for k, e in sorted(self.drafted.items())},
+            "tokens": {name(k): e.to_dict() for k, e in sorted(self.tokens.items())},
+            "intervals": {name(k): n for k, n in sorted(self.intervals.items())},
+            "shifts": {name(k): n for k, n in sorted(self.shifts.items())},
+            "calibration": None if self.reached is None or self.predicted is None else {
+                "reached": self.reached.tolist(), "predicted": self.predicted.tolist()},
             "rounds": self.rounds,
         }
 
@@ -189,9 +257,19 @@ class RoundCosts:
 
         for k, table in data.get("verify", {}).items():
             costs.verify[key(k)] = {int(n): Estimate.from_dict(e, **costs.options) for n, e in table.items()}
-        for part in ("overhead", "plain"):
+        for part in ("overhead", "plain", "drafted"):
             for k, e in data.get(part, {}).items():
                 getattr(costs, part)[key(k)] = Estimate.from_dict(e, **costs.options)
+        for k, e in data.get("tokens", {}).items():
+            mean = _mean()
+            mean.value, mean.count, mean.stamp = float(e["value"]), int(e["count"]), int(e.get("stamp", -1))
+            costs.tokens[key(k)] = mean
+        costs.intervals = {key(k): int(n) for k, n in data.get("intervals", {}).items()}
+        costs.shifts = {key(k): int(n) for k, n in data.get("shifts", {}).items()}
+        calibration = data.get("calibration")
+        if calibration:
+            costs.reached = torch.tensor(calibration["reached"], dtype=torch.float64)
+            costs.predicted = torch.tensor(calibration["predicted"], dtype=torch.float64)
         costs.rounds = int(data.get("rounds", 0))
         return costs
 
@@ -225,7 +303,16 @@ class RoundCosts:
                                for k, t in sorted(self.verify.items())},
             "overhead_seconds": {name(k): secs(e) for k, e in sorted(self.overhead.items())},
             "plain_seconds": {name(k): secs(e) for k, e in sorted(self.plain.items())},
+            "drafted_seconds": {name(k): secs(e) for k, e in sorted(self.drafted.items())},
+            "drafted_tokens": {name(k): secs(e) for k, e in sorted(self.tokens.items())},
+            "retry_intervals": {name(k): n for k, n in sorted(self.intervals.items())},
         }
+
+
+def _mean() -> Estimate:
+    """A moving mean of tokens per round: never an outlier (acceptance varies round to round), never stale
+    (a drafter's acceptance does not go away with load)."""
+    return Estimate(weight=0.15, outlier=math.inf, drift_after=1, stale_after=1 << 62)
 
 
 def _values(table: dict[int, Estimate]) -> dict[int, float]:

@@ -7,14 +7,17 @@ is highest, from round costs it measures as it goes (:mod:`ddtree.budget.costs`)
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any, Protocol, cast
 
 import torch
 
 from ddtree.budget.costs import RoundCosts
 from ddtree.budget.latency import COST_MODEL, LatencyModel
+from ddtree.budget.profile import load_profile, save_profile
 from ddtree.core.builders import TreeBuilder, best_first
 
 DEFAULT_CANDIDATES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -27,9 +30,9 @@ class BudgetPolicy(Protocol):
     while ``skip_draft`` is true the round decodes one plain step without drafting.
     ``choose`` sees the round's draft log-probs ``[B, D, V]``; ``observe`` sees, after
     the round emitted, each row's accepted count (host ints the round read anyway) and
-    the verify forward's seconds; ``describe`` is what the generation's stats report.
-    Subclass it to inherit the defaults of ``prepare``, ``skip_draft``, ``observe`` and
-    ``describe``.
+    the verify forward's seconds; ``describe`` is what the generation's stats report;
+    ``finish`` runs once when every row has stopped. Subclass it to inherit the defaults of
+    ``prepare``, ``skip_draft``, ``observe``, ``describe`` and ``finish``.
     """
 
     skip_draft: bool = False
@@ -45,6 +48,10 @@ class BudgetPolicy(Protocol):
 
     def describe(self) -> dict:
         return {"policy": type(self).__name__}
+
+    def finish(self) -> None:
+        """The generation ended (every row stopped): a policy that keeps anything beyond it saves it here."""
+        return None
 
 
 class FixedBudget(BudgetPolicy):
@@ -88,9 +95,23 @@ class AutoBudget(BudgetPolicy):
     Costs are learned from every round's own seconds (:class:`RoundCosts`, shared by the generator's
     generations) unless a ``latency`` model is given, which then prices verify forwards (times a
     learned ``scale``). ``clock`` is read once per round, in ``prepare``: inject a fake one to test
-    deterministically. Only candidates measured at this batch and context (or priced by ``latency``)
-    are chosen; the others, and a plain step, are tried on an exploration schedule: after 2 rounds,
-    then 4, 8, ... up to ``explore_every``, back to 2 whenever the best choice changes.
+    deterministically. Whether a round drafts at all is decided in :meth:`prepare` from measured rates
+    (plain rounds against drafting rounds, the loser retried on a backing-off schedule). Among tree
+    budgets, only those measured at this batch and context (or priced by ``latency``) are chosen; a
+    neighbour of the best is tried after 2 drafting rounds, then 4, 8, ... up to ``explore_every``,
+    back to 2 whenever the best budget changes (longer where the neighbour is priced well below the best,
+    so that a try costs at most ``retry_cost`` of the rounds' time).
+
+    ``profile``: a JSON file (:mod:`ddtree.budget.profile`; :func:`~ddtree.budget.profile.default_profile`
+    names one per machine and model pair in the ddtree cache) whose saved costs seed the policy when no
+    ``costs`` are given, and to which the costs are written when a generation ends.
+
+    At batch > 1 one budget serves every row: the verify is one forward over ``[B, nodes]``, so a row given
+    a smaller tree would save nothing unless the whole batch's width shrank. The batch's budget maximises
+    ``sum over rows of E[tokens | n]`` over the verify's seconds at ``B x (n + 1)`` nodes; a row whose
+    tree does not pay brings about 1 token (the bonus a plain step brings too), so it adds nothing to the
+    case for a bigger tree while still costing its share of the wider verify. Separate per-row shapes
+    would need a ragged verify.
     """
 
     def __init__(
@@ -105,14 +126,22 @@ class AutoBudget(BudgetPolicy):
         costs: RoundCosts | None = None,
         start: int = 4,
         explore_every: int = 16,
+        retry_every: int = 128,
+        retry_cost: float = 0.01,
         clock: Callable[[], float] = time.perf_counter,
+        profile: str | Path | None = None,
     ) -> None:
         if not candidates or any(int(c) < 1 for c in candidates):
             raise ValueError(f"candidates must be non-empty tree budgets >= 1 (a plain step is always a choice), "
                              f"got {candidates!r}")
         if explore_every < 2:
             raise ValueError(f"explore_every must be >= 2 rounds, got {explore_every!r}")
+        if retry_every < 2:
+            raise ValueError(f"retry_every must be >= 2 rounds, got {retry_every!r}")
         self.latency = latency
+        self.profile = None if profile is None else Path(profile)
+        if costs is None and self.profile is not None:
+            costs = load_profile(self.profile)
         self.costs = costs if costs is not None else RoundCosts()
         self.clock = clock
         self.builder = builder
@@ -123,9 +152,9 @@ class AutoBudget(BudgetPolicy):
         self.forget = forget
         self.ema = ema
         self.explore_every = explore_every
+        self.retry_every = retry_every
+        self.retry_cost = retry_cost
         self.scale = 1.0  # observed verify seconds over the latency model's (when one is given)
-        self.reached: torch.Tensor | None = None  # [D] decayed count of rounds that reached depth d
-        self.predicted: torch.Tensor | None = None  # [D] decayed sum of p_d over verified trees
         self.rounds = 0
         self.plain_rounds = 0
         self.explorations = 0
@@ -133,15 +162,38 @@ class AutoBudget(BudgetPolicy):
         self.last: dict = {}
         self.batch = 1
         self.skip_draft = False
-        self.best: int | None = None  # 0: plain; None: nothing measured yet
+        self.best: int | None = None  # the best measured tree budget at the last choice
         self._expected: dict[int, float] = {}  # E[tokens | n] summed over rows, at the last choice
         self._expected_batch = 1
         self._interval = 2
         self._explore_in = 2
-        self._explore_tree: int | None = None
+        self._retry: dict | None = None  # this round retries the losing option (see ``prepare``)
+        self._shifts: dict[tuple[int, int], int] = {}  # the costs' shift counts the retry schedule has seen
+        self._winners: dict[tuple[int, int], bool] = {}  # whether plain won, as the retry schedule last saw
+        self._reference: dict[tuple[int, int], float] = {}  # plain's rate when the schedule last moved
+        self.moved = 1.25  # plain, winning, moved by more than this factor: retry drafting soon
         self._round_start: float | None = None
         self._pending: dict | None = None  # the round in flight: what it ran, for the costs
         self._predicted_rows: torch.Tensor | None = None  # [B, D] p_d of the chosen tree per row
+
+    @property
+    def reached(self) -> torch.Tensor | None:
+        """``[D]`` decayed count of rounds that reached depth ``d`` (kept in the shared costs: it describes
+        the drafter on this target, so a later generation starts calibrated)."""
+        return self.costs.reached
+
+    @reached.setter
+    def reached(self, value: torch.Tensor | None) -> None:
+        self.costs.reached = value
+
+    @property
+    def predicted(self) -> torch.Tensor | None:
+        """``[D]`` decayed sum of ``p_d`` over verified trees (shared like :attr:`reached`)."""
+        return self.costs.predicted
+
+    @predicted.setter
+    def predicted(self, value: torch.Tensor | None) -> None:
+        self.costs.predicted = value
 
     @classmethod
     def for_generator(cls, generator: Any, costs: RoundCosts | None = None, **options: Any) -> AutoBudget:
@@ -198,21 +250,15 @@ class AutoBudget(BudgetPolicy):
             known = measured is None or n + 1 in measured(context, batch)
         else:
             verify = self.costs.verify_seconds(n + 1, batch, context)
-            known = self.costs.verify_known(n + 1, batch, context)
+            table, factor = self.costs.verify_table(batch, context)
+            # one doubling past the largest measured count is priced by the last two's slope: trees grow
+            # a step at a time where a bigger verify costs little more (a GPU), and are measured once chosen
+            known = (self.costs.verify_known(n + 1, batch, context)
+                     or (len(table) >= 2 and (n + 1) * factor <= 2 * max(table)))
         overhead = self._overhead(batch, context)
         if verify is None or overhead is None:
             return None, False
         return overhead + verify, known
-
-    def plain_seconds(self, batch: int, context: int) -> float | None:
-        """Seconds of a round that does not draft: measured, else (with a latency model) its verify plus a
-        drafting round's overhead (an upper bound)."""
-        seconds = self.costs.plain_seconds(batch, context)
-        if seconds is None and self.latency is not None:
-            overhead = self._overhead(batch, context)
-            verify = self.scale * self.latency.seconds(1, context, batch)
-            seconds = verify + (overhead if overhead is not None else verify)
-        return seconds
 
     def _overhead(self, batch: int, context: int) -> float | None:
         if self.fixed_overhead is not None:
@@ -222,19 +268,6 @@ class AutoBudget(BudgetPolicy):
             return self.scale * self.latency.seconds(1, context, batch)
         return learned
 
-    def _rates(self, batch: int, context: int) -> dict[int, tuple[float, bool]]:
-        """Expected tokens per second of every option (0: plain), from the last choice's expected tokens
-        (rescaled to ``batch`` rows), and whether it is measured."""
-        out = {}
-        plain = self.plain_seconds(batch, context)
-        if plain is not None:
-            out[0] = (batch / max(plain, 1e-12), True)
-        for n, tokens in self._expected.items():
-            seconds, known = self.tree_seconds(n, batch, context)
-            if seconds is not None:
-                out[n] = (tokens * batch / self._expected_batch / max(seconds, 1e-12), known)
-        return out
-
     @staticmethod
     def _argmax(rates: dict[int, tuple[float, bool]]) -> int | None:
         known = [(r, -n, n) for n, (r, k) in rates.items() if k]
@@ -243,78 +276,113 @@ class AutoBudget(BudgetPolicy):
     # ------------------------------------------------------------------ BudgetPolicy
 
     def prepare(self, context_len: int, batch: int) -> None:
-        """Book the round that just ended against its costs, then decide whether this round drafts:
-        ``skip_draft`` while a plain step is measured to commit more tokens per second than the best tree,
-        or to measure a plain step on the exploration schedule."""
+        """Book the round that just ended against its costs, then decide whether this round drafts.
+
+        The comparison is between measured rates (committed tokens per second of plain rounds and of
+        drafting rounds, :meth:`RoundCosts.plain_rate` and :meth:`RoundCosts.drafted_rate`): the faster one
+        runs, and the other is retried once it was last measured ``interval`` rounds ago. The interval
+        doubles each time a retry confirms the winner (up to ``retry_every``; never so short that a retry
+        costs more than ``retry_cost`` of the rounds' time), and falls back to 2 when the round seconds
+        shift or a winning plain rate moves by a quarter (load came or went), spaced anew when the winner
+        changes. A drafting retry uses the best measured tree. Where nothing is measured, a plain step comes
+        first (the cheap one), then a tree at the start budget (smaller as the batch grows)."""
         now = self.clock()
         self._book(now)
         self._round_start = now
         self.batch = batch
-        self._explore_tree = None
-        self._explore_in -= 1
-        explore = self._explore_in <= 0
-        if explore:
-            self.explorations += 1
-            self._interval = min(2 * self._interval, self.explore_every)
-            self._explore_in = self._interval
-        rates = self._rates(batch, context_len)
-        best = self._argmax(rates)
-        if best != self.best:
-            self._interval = 2
-            self._explore_in = min(self._explore_in, self._interval)
-        self.best = best
-        if not self._expected:  # nothing drafted yet: draft to learn what trees give
-            self.skip_draft = False
-        elif 0 not in rates:  # a plain step never measured: measure it now
-            self.skip_draft = True
-        elif explore:
-            self.skip_draft = self._explore_target(rates, batch, context_len) == 0
+        self._retry = None
+        key = self.costs.key(batch, context_len)
+        plain = self.costs.plain_rate(batch, context_len)
+        drafted = self.costs.drafted_rate(batch, context_len)
+        if plain is None:
+            skip = True
+        elif drafted is None:
+            skip = False
         else:
-            self.skip_draft = best == 0
-        if self.skip_draft:
+            winner = 0 if plain[0] >= drafted[0] else 1
+            interval = self._retry_interval(key, plain[0], drafted[0])
+            other = drafted if winner == 0 else plain
+            if self.costs.rounds - other[1] >= interval:
+                self._retry = {"key": key, "winner": winner}
+                self.explorations += 1
+                skip = winner == 1
+            else:
+                skip = winner == 0
+        self.skip_draft = skip
+        if skip:
             self.plain_rounds += 1
-            self._pending = {"plain": True, "batch": batch, "context": context_len}
+            self._pending = {"plain": True, "batch": batch, "context": context_len, "retry": self._retry}
 
-    def _explore_target(self, rates: dict, batch: int, context: int) -> int:
-        """What an exploration round tries (0: a plain step): a hill-climbing step around the best tree (the
-        best measured one while plain wins), in the order plain, budgets. A neighbour never measured here
-        comes first (downwards while plain wins, upwards otherwise); else the option measured longest ago
-        (the best tree itself included while plain wins, so its cost and the drafter stay current)."""
-        plain_best = self.best in (0, None)
-        anchor = self.best if self.best is not None and not plain_best else self.best_tree(rates)
-        order = [0] + self.candidates
-        i = order.index(anchor)
-        up = [order[i + 1]] if i + 1 < len(order) else []
-        down = [order[i - 1]] if i >= 1 else []
-        near = down + up if plain_best else up + down
+    def _retry_interval(self, key: tuple[int, int], plain: float, drafted: float) -> int:
+        """The retry interval at ``key``: back to 2 when the round seconds shifted, or plain is winning and its
+        rate moved by more than ``moved`` (the load came or went: the loser was measured under another);
+        spaced anew when the winner changed."""
+        shifts, winner = self.costs.shifts.get(key, 0), plain >= drafted
+        reference = self._reference.setdefault(key, plain)
+        # plain's rate is steady (one token per row per round): a move is the load's, not the drafter's
+        moved = winner and not reference / self.moved <= plain <= reference * self.moved
+        if self._shifts.setdefault(key, shifts) != shifts or moved:  # the loser was measured under another load
+            self.costs.intervals[key] = 2
+        elif self._winners.setdefault(key, winner) != winner:
+            self.costs.intervals[key] = self._spaced(2, plain, drafted)
+        if moved or self._winners[key] != winner:
+            self._reference[key] = plain
+        self._shifts[key], self._winners[key] = shifts, winner
+        if key not in self.costs.intervals:
+            self.costs.intervals[key] = self._spaced(2, plain, drafted)
+        return self.costs.intervals[key]
+
+    def _spaced(self, interval: int, plain: float, drafted: float) -> int:
+        """At least ``interval``, and enough rounds that one retry of the loser costs at most ``retry_cost``
+        of them (a loser at half the winner's rate waits 50 rounds at 0.01)."""
+        loss = 1.0 - min(plain, drafted) / max(plain, drafted, 1e-12)
+        return int(min(self.retry_every, max(interval, math.ceil(loss / self.retry_cost))))
+
+    def _retried(self, retry: dict, batch: int, context: int) -> None:
+        """After a retry round is booked: the schedule backs off while the same option keeps winning (up to
+        ``retry_every`` rounds; a close race costs little whoever wins it), and starts again at 2 when the
+        other one wins (spaced out by ``retry_cost`` in both cases)."""
+        plain = self.costs.plain_rate(batch, context)
+        drafted = self.costs.drafted_rate(batch, context)
+        if plain is None or drafted is None:
+            return
+        key, interval = retry["key"], self.costs.intervals.get(retry["key"], 2)
+        winner = 0 if plain[0] >= drafted[0] else 1
+        interval = self._spaced(2 if winner != retry["winner"] else 2 * interval, plain[0], drafted[0])
+        self.costs.intervals[key] = interval
+        self._shifts[key], self._winners[key] = self.costs.shifts.get(key, 0), winner == 0
+        self._reference[key] = plain[0]
+
+    def _start_budget(self, batch: int) -> int:
+        """The first tree's budget at ``batch`` rows: ``start`` nodes shared by the rows (a verify costs
+        about the batch's total node count on a compute-bound device), at least the smallest candidate."""
+        fits = [c for c in self.candidates if c <= max(1, self.start // max(1, batch))]
+        return fits[-1] if fits else self.candidates[0]
+
+    def _neighbour(self, best: int, batch: int, context: int) -> int:
+        """A hill-climbing step from ``best``: a neighbouring budget never measured here (upwards first), else
+        the neighbour measured longest ago."""
+        i = self.candidates.index(best)
+        near = self.candidates[i + 1:i + 2] + self.candidates[max(0, i - 1):i]
+        if not near:
+            return best
         stamps = self.costs.verify_stamps(batch, context)
-        plain = self.costs.plain_estimate(batch, context)
-
-        def stamp(n: int) -> int:
-            if n == 0:
-                return plain.stamp if plain is not None else -1
-            return stamps.get(n + 1, -1)
-
-        unmeasured = [n for n in near if n != 0 and self.latency is None and n + 1 not in stamps]
-        options = near + ([anchor] if plain_best else [])
-        target = unmeasured[0] if unmeasured else min(options, key=lambda n: (stamp(n), n))
-        if target != 0:
-            self._explore_tree = target
-        return target
-
-    def best_tree(self, rates: dict) -> int:
-        """The tree budget of highest measured rate (the start budget before any is measured)."""
-        trees = {n: v for n, v in rates.items() if n != 0}
-        best = self._argmax(trees)
-        return self.start if best is None else best
+        unmeasured = [n for n in near if self.latency is None and n + 1 not in stamps]
+        return unmeasured[0] if unmeasured else min(near, key=lambda n: (stamps.get(n + 1, -1), n))
 
     def choose(self, logprobs: torch.Tensor, context_len: int) -> int:
         batch = logprobs.shape[0]
         seconds = {n: self.tree_seconds(n, batch, context_len) for n in self.candidates}
-        wanted = {n for n in self.candidates if seconds[n][1]} or {self.start}
-        if self._explore_tree is not None:
-            wanted.add(self._explore_tree)
+        measured = [n for n in self.candidates if seconds[n][1]]
+        wanted = set(measured) or {self._start_budget(batch)}
+        explore = False
+        if self._retry is None and measured:
+            self._explore_in -= 1
+            explore = self._explore_in <= 0
         top = max(wanted)
+        if explore:
+            above = [c for c in self.candidates if c > top]
+            top = max(top, above[0] if above else top)
         reach = self.row_reach(logprobs, top)  # the round's one host read for the policy
         rows = self.expected_tokens(reach)  # [B, C]
         expected = rows.sum(dim=0).tolist()
@@ -323,23 +391,34 @@ class AutoBudget(BudgetPolicy):
         rates = {n: (e / s, True) for n, e in zip(self.candidates, expected)
                  for s, k in [seconds[n]] if k and s is not None and n <= top}
         best = self._argmax(rates)  # None only when ``rates`` is empty: all its entries are measured
-        if self._explore_tree is not None:
-            choice = self._explore_tree
+        if best is not None and best != self.best:
+            self._interval = 2
+            self._explore_in = min(self._explore_in, self._interval) if not explore else self._explore_in
+        self.best = best if best is not None else self.best
+        if explore and best is not None:
+            choice = self._neighbour(best, batch, context_len)
+            self.explorations += 1
+            self._interval = min(2 * self._interval, self.explore_every)
+            if choice in rates:  # a neighbour priced well below the best waits longer (its retry costs more)
+                self._interval = self._spaced(self._interval, rates[best][0], rates[choice][0])
+            self._explore_in = self._interval
         elif best is not None:
             choice = best
         else:
-            choice = self.start
+            choice = self._start_budget(batch)
         self.choices[choice] = self.choices.get(choice, 0) + 1
         self._predicted_rows = reach[:, self.candidates.index(choice)]
-        self._pending = {"plain": False, "nodes": choice + 1, "batch": batch, "context": context_len}
+        self._pending = {"plain": False, "nodes": choice + 1, "batch": batch, "context": context_len,
+                         "retry": self._retry}
         self.last = {
             "context": context_len,
             "batch": batch,
             "chosen": choice,
-            "explored": self._explore_tree is not None,
+            "explored": explore,
             "expected_tokens": {n: round(e, 4) for n, e in self._expected.items()},
             "round_seconds": {n: round(s, 6) for n, (s, _) in seconds.items() if s is not None},
             "tokens_per_second": {n: round(r, 2) for n, (r, _) in rates.items()},
+            "row_expected_tokens": [round(e, 4) for e in rows[:, self.candidates.index(choice)].tolist()],
         }
         return choice
 
@@ -350,6 +429,7 @@ class AutoBudget(BudgetPolicy):
         if pending is None:
             return
         pending["verify"] = verify_seconds
+        pending["tokens"] = sum(int(a) for a in accepted)
         self.rounds += 1
         if pending["plain"]:
             return
@@ -382,12 +462,20 @@ class AutoBudget(BudgetPolicy):
             self.costs.record_plain(pending["batch"], pending["context"], seconds)
         else:
             self.costs.record_tree(pending["nodes"], pending["batch"], pending["context"], seconds,
-                                   pending["verify"])
+                                   pending["verify"], pending["tokens"])
+        if pending.get("retry") is not None:
+            self._retried(pending["retry"], pending["batch"], pending["context"])
+
+    def finish(self) -> None:
+        """Save the learned costs to ``profile`` (when one is set)."""
+        if self.profile is not None:
+            save_profile(self.costs, self.profile)
 
     def describe(self) -> dict:
         depth = self.reached.numel() if self.reached is not None else 0
         context, batch = self.last.get("context", 0), self.last.get("batch", self.batch)
         plain = self.costs.plain_seconds(batch, context)
+        drafted = self.costs.drafted_rate(batch, context)
         overhead = self._overhead(batch, context)
         return {
             "policy": "auto",
@@ -397,6 +485,8 @@ class AutoBudget(BudgetPolicy):
             "plain_rounds": self.plain_rounds,
             "explorations": self.explorations,
             "plain_round_seconds": None if plain is None else round(plain, 6),
+            "plain_tokens_per_second": None if plain is None else round(batch / max(plain, 1e-12), 2),
+            "drafted_tokens_per_second": None if drafted is None else round(drafted[0], 2),
             "choices": {str(k): v for k, v in sorted(self.choices.items())},
             "overhead_seconds": None if overhead is None else round(overhead, 6),
             "verify_scale": round(self.scale, 4),

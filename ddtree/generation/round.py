@@ -199,6 +199,9 @@ def _tree_round(state: DecodeState, policy: BudgetPolicy) -> RoundResult:
     emitted = _emit_accepted(state, accepted, result)
     verify_seconds = state.timer.last("verify")  # after the host read: on CUDA its events are complete
     policy.observe([a for a in emitted.acceptance if a is not None], verify_seconds, context)
+    finish = getattr(policy, "finish", None)  # a policy not derived from BudgetPolicy may lack it
+    if state.done and finish is not None:
+        finish()
     return emitted
 
 
