@@ -134,9 +134,10 @@ def test_rows_that_stop_early_ride_along_and_capacity_grows(pair, monkeypatch):
     assert static.on_device.static.cache.capacity == 64  # grew once from the patched step
 
 
-@pytest.mark.parametrize("family", ["gemma3"])
+@pytest.mark.parametrize("family", ["cohere2"])
 def test_windowed_targets_mask_by_position_in_the_packed_cache(family):
-    """Alternating windowed and full layers (gemma3: a mask per layer type), with prompts past the window."""
+    """Windowed and full layers (cohere2, 3 sliding : 1 full: a mask per layer type), with prompts past the
+    window."""
     target = family_target(family)
     drafter = DFlashDrafter(tiny_drafter(target, block_size=5), target)
     prompts = [p * 2 for p in PROMPTS[:2]]
@@ -183,9 +184,12 @@ def test_what_the_static_round_cannot_run_is_refused_with_the_way_out(pair):
         SpeculativeGenerator(target, drafter, tree_budget=4, attention="split", compile=True)
     with pytest.raises(ValueError, match="compile must be"):
         SpeculativeGenerator(target, drafter, tree_budget=4, compile="")
-    hybrid = family_target("qwen3_5")
-    with pytest.raises(ValueError, match="stateful"):
-        SpeculativeGenerator(hybrid, DFlashDrafter(tiny_drafter(hybrid), hybrid), tree_budget=4, compile=True)
     gen = SpeculativeGenerator(target, PromptLookup(target.config.vocab_size), tree_budget=4, compile=BACKEND)
     with pytest.raises(ValueError, match="to_static"):
         gen.generate(torch.tensor([PROMPTS[0]]), max_new_tokens=4)
+
+
+def test_a_hybrid_target_is_refused_with_the_reason():
+    hybrid = family_target("qwen3_5")  # skipped where this transformers has no qwen3_5
+    with pytest.raises(ValueError, match="stateful"):
+        SpeculativeGenerator(hybrid, DFlashDrafter(tiny_drafter(hybrid), hybrid), tree_budget=4, compile=True)
