@@ -454,11 +454,11 @@ def test_the_gpu_exactness_checks_cover_every_part():
     from gpu_exactness import CHECKS
 
     assert set(CHECKS) == {"split_bf16", "split_fp32", "causal_bf16", "block_bf16", "model_fp32", "model_bf16",
-                           "batch_fp32", "gdn_fp32", "gdn_bf16"}
+                           "batch_fp32", "gdn_fp32", "gdn_bf16", "compiled_fp32"}
 
 
 @pytest.mark.parametrize("check", ["split_bf16", "split_fp32", "causal_bf16", "block_bf16", "model_fp32",
-                                   "model_bf16", "batch_fp32", "gdn_fp32", "gdn_bf16"])
+                                   "model_bf16", "batch_fp32", "gdn_fp32", "gdn_bf16", "compiled_fp32"])
 def test_gpu_exactness_check_passes_at_the_tiny_level_on_cpu(check):
     """The checks of ``tests/test_gpu.py`` at their tiny level: every case within tolerance on the CPU."""
     from gpu_exactness import run_check
