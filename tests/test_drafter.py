@@ -317,3 +317,16 @@ def test_block_logprobs_in_slices_are_log_softmax_to_the_bit(cap, monkeypatch):
     monkeypatch.setattr(sampling, "LOG_SOFTMAX_CHUNK", 3 * logits.shape[-1])  # 3 rows per slice: 8 rows
     got = drafter.block_logprobs(hidden)
     assert torch.equal(got, want)
+
+
+def test_a_drafter_for_a_target_with_rope_per_layer_type_takes_full_attentions():
+    """Gemma 3 keeps RoPE parameters per layer type (transformers 5.0 also leaves a top-level ``rope_theta:
+    None``): a drafter built for it takes the full-attention layers' base, never a missing one."""
+    from tiny import family_target
+
+    target = family_target("gemma3")
+    config = DFlashConfig.for_target(target.config, mask_token_id=MASK_ID)
+    full = target.config.get_text_config().rope_parameters["full_attention"]
+    assert config.rope_parameters["rope_theta"] == full["rope_theta"] == 1_000_000.0
+    assert config.rope_parameters["rope_type"] == "default"
+    tiny_drafter(target)  # builds (its rotary table reads the base)

@@ -347,8 +347,12 @@ class DFlashConfig:
         tc = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
         heads = num_attention_heads or tc.num_attention_heads
         rope = dict(getattr(tc, "rope_parameters", None) or {})
+        by_type = {k: v for k, v in rope.items() if isinstance(v, dict)}
+        if by_type:  # RoPE per layer type (Gemma 3): the drafter's layers attend fully, so take full attention's
+            rope = dict(by_type.get("full_attention") or next(iter(by_type.values())))
         rope.setdefault("rope_type", "default")
-        rope.setdefault("rope_theta", getattr(tc, "rope_theta", 10_000.0))
+        if rope.get("rope_theta") is None:
+            rope["rope_theta"] = getattr(tc, "rope_theta", None) or 10_000.0
         n_target = tc.num_hidden_layers
         return cls(
             hidden_size=tc.hidden_size,
