@@ -65,7 +65,7 @@ def assert_one_read_per_round(target, drafter, prompts, compiled, **settings):
     compiled graph, and a read inside one would have broken the full trace): one host read per round, and the
     compiled run's tokens and acceptance."""
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(static_round, "_compiled", lambda fn, compile: fn)
+        patch.setattr(static_round, "_compiled", lambda fn, compile, cuda=False: fn)
         gen = SpeculativeGenerator(target, drafter, compile=BACKEND, **settings)
         state, reads = run(gen, prompts, count_reads=True, stop_token_ids=())
     assert reads and reads == [1] * len(reads)

@@ -113,9 +113,10 @@ class StaticSteps:
         self.cache_position = _takes_cache_position(type(self.target))  # type: ignore[arg-type]  # hashable class
         if self.drafter.needs_hidden_states:
             _install_output_hooks(self.target)
-        self.draft = _compiled(self._draft, compile)
-        self.verify = _compiled(self._verify, compile)
-        self.commit = _compiled(self._commit, compile)
+        cuda = self.target.get_input_embeddings().weight.device.type == "cuda"
+        self.draft = _compiled(self._draft, compile, cuda)
+        self.verify = _compiled(self._verify, compile, cuda)
+        self.commit = _compiled(self._commit, compile, cuda)
 
     def _draft(self, draft: StaticDraftContext, roots: torch.Tensor, lengths: torch.Tensor) -> DraftTree:
         return proposal_tree(draft.propose(roots, lengths), roots, self.builder, self.budget)
@@ -165,13 +166,13 @@ def _install_output_hooks(target: Any) -> None:
                output_hidden_states=True)
 
 
-def _compiled(fn: Callable, compile: bool | str) -> Callable:
-    """``fn`` under ``torch.compile(fullgraph=True)`` (inductor; CUDA graphs on CUDA), another backend by name,
-    or as it is for ``compile=False`` (the static round uncompiled: the tests' reference)."""
+def _compiled(fn: Callable, compile: bool | str, cuda: bool = False) -> Callable:
+    """``fn`` under ``torch.compile(fullgraph=True)`` (inductor; CUDA graphs for a CUDA target), another backend
+    by name, or as it is for ``compile=False`` (the static round uncompiled: the tests' reference)."""
     if compile is False:
         return fn
     if compile is True:
-        mode = "reduce-overhead" if torch.cuda.is_available() else None
+        mode = "reduce-overhead" if cuda else None  # a CPU target on a CUDA machine gets no CUDA graphs
         return torch.compile(fn, fullgraph=True, dynamic=False, mode=mode)
     return torch.compile(fn, fullgraph=True, dynamic=False, backend=compile)
 
