@@ -92,9 +92,10 @@ def run_counted(gen, prompts, sampled: bool):
 def test_greedy_rounds_read_once_and_accept_what_the_target_would(target, references, kind, width, rows):
     prompts = PROMPTS[:rows]
     gen = SpeculativeGenerator(target, drafter(kind, target), tree_budget=4 * width, builder=spine_tree(width))
-    state, steady, _ = run_counted(gen, prompts, sampled=False)
+    state, steady, finishing = run_counted(gen, prompts, sampled=False)
     assert len(steady) >= 3
     assert [r.count for r in steady] == [1] * len(steady), [dict(r.by_site) for r in steady if r.count != 1]
+    assert [r.count for r in finishing] == [1] * len(finishing), [dict(r.by_site) for r in finishing]
     assert all(r.by_kind == {"tolist": 1} for r in steady)
     for b, prompt in enumerate(prompts):
         ref = references[tuple(prompt)]
@@ -110,9 +111,10 @@ def test_sampled_rounds_read_once_and_equal_the_library_built_trees(target, kind
     prompts = PROMPTS[:rows]
     model = drafter(kind, target)
     gen = SpeculativeGenerator(target, model, tree_budget=4 * width, builder=spine_tree(width))
-    state, steady, _ = run_counted(gen, prompts, sampled=True)
+    state, steady, finishing = run_counted(gen, prompts, sampled=True)
     assert len(steady) >= 3
     assert [r.count for r in steady] == [1] * len(steady), [dict(r.by_site) for r in steady if r.count != 1]
+    assert [r.count for r in finishing] == [1] * len(finishing), [dict(r.by_site) for r in finishing]
     same = SpeculativeGenerator(target, model, tree_budget=4 * width, builder=spine_tree(width, from_parents=True))
     again = same.generate(prompts, max_new_tokens=NEW, stop_token_ids=(), do_sample=True, temperature=0.8, seed=3)
     assert state.new_tokens == again.row_tokens
@@ -136,9 +138,10 @@ def test_rounds_with_the_shipped_builders_read_once(target, references, kind, bu
     """The device builders (and their pairwise forms for DFlash2) add no read to the round's one."""
     prompts = PROMPTS[:rows]
     gen = SpeculativeGenerator(target, drafter(kind, target), tree_budget=budget, builder=builder)
-    state, steady, _ = run_counted(gen, prompts, sampled=False)
+    state, steady, finishing = run_counted(gen, prompts, sampled=False)
     assert len(steady) >= 3
     assert [r.count for r in steady] == [1] * len(steady), [dict(r.by_site) for r in steady if r.count != 1]
+    assert [r.count for r in finishing] == [1] * len(finishing), [dict(r.by_site) for r in finishing]
     for b, prompt in enumerate(prompts):
         ref = references[tuple(prompt)]
         assert state.new_tokens[b] == ref[len(prompt):]
@@ -155,10 +158,11 @@ def test_split_attention_rounds_on_a_windowed_target_read_once(attention, width)
     ref = reference(windowed, prompt, new=NEW)[0].tolist()
     gen = SpeculativeGenerator(windowed, drafter("dflash", windowed), tree_budget=4 * width,
                                builder=spine_tree(width), attention=attention)
-    state, steady, _ = run_counted(gen, [prompt], sampled=False)
+    state, steady, finishing = run_counted(gen, [prompt], sampled=False)
     assert windowed.config._attn_implementation.startswith("ddtree_")
     assert len(steady) >= 3
     assert [r.count for r in steady] == [1] * len(steady), [dict(r.by_site) for r in steady if r.count != 1]
+    assert [r.count for r in finishing] == [1] * len(finishing), [dict(r.by_site) for r in finishing]
     assert state.new_tokens[0] == ref[len(prompt):]
     assert state.acceptance[0] == [expected_acceptance(rec, ref) for rec in state.records[0]]
     assert all(1 <= a <= 4 + 1 for a in state.acceptance[0])

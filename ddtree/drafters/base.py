@@ -12,7 +12,7 @@ from __future__ import annotations
 import inspect
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -64,8 +64,9 @@ class DraftContext(Protocol):
         """The proposal for the positions after each row's root (``root_tokens`` ``[B]`` or ``[B, 1]``)."""
         ...
 
-    def select_rows(self, rows: torch.Tensor) -> None:
-        """Keep only these rows (the others finished)."""
+    def select_rows(self, rows: torch.Tensor, host_rows: Sequence[int] | None = None) -> None:
+        """Keep only these rows (the others finished); ``host_rows``, the same rows as Python ints, is passed
+        only to a context whose signature has it (an older context without it still works)."""
         ...
 
 
@@ -121,11 +122,20 @@ OPTIONAL_DRAFTER_PARTS = ("cpu_linear_model",)  # read with a default; a subclas
 
 def takes_host_counts(context: DraftContext) -> bool:
     """Whether ``context.append`` takes ``host_counts`` (by name, or through ``**kwargs``)."""
+    return _takes(context.append, "host_counts")
+
+
+def takes_host_rows(context: DraftContext) -> bool:
+    """Whether ``context.select_rows`` takes ``host_rows`` (by name, or through ``**kwargs``)."""
+    return _takes(context.select_rows, "host_rows")
+
+
+def _takes(method: Any, name: str) -> bool:
     try:
-        params = inspect.signature(context.append).parameters.values()
+        params = inspect.signature(method).parameters.values()
     except (TypeError, ValueError):
         return False
-    return any(p.name == "host_counts" or p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
+    return any(p.name == name or p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
 
 
 def check_drafter(drafter: object) -> None:

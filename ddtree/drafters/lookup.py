@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from ddtree.drafters.base import DraftContext, Drafter, Proposal, check_proposal
+from ddtree.drafters.base import DraftContext, Drafter, Proposal, check_proposal, takes_host_rows
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -125,8 +125,8 @@ class LookupContext(DraftContext):
             self.buffers[b][self.lengths[b] : need] = row[:count]
             self.lengths[b] = need
 
-    def select_rows(self, rows: torch.Tensor) -> None:
-        keep = [int(r) for r in rows]
+    def select_rows(self, rows: torch.Tensor, host_rows: Sequence[int] | None = None) -> None:
+        keep = [int(r) for r in rows] if host_rows is None else list(host_rows)
         self.buffers = [self.buffers[i] for i in keep]
         self.lengths = [self.lengths[i] for i in keep]
 
@@ -196,9 +196,12 @@ class MergedContext(DraftContext):
         self.model.append(features, tokens, counts, host_counts=host_counts)
         self.lookup.append(None, tokens, counts, host_counts=host_counts)
 
-    def select_rows(self, rows: torch.Tensor) -> None:
-        self.model.select_rows(rows)
-        self.lookup.select_rows(rows)
+    def select_rows(self, rows: torch.Tensor, host_rows: Sequence[int] | None = None) -> None:
+        if host_rows is not None and takes_host_rows(self.model):
+            self.model.select_rows(rows, host_rows=host_rows)
+        else:
+            self.model.select_rows(rows)
+        self.lookup.select_rows(rows, host_rows)
 
     def propose(self, root_tokens: torch.Tensor) -> Proposal:
         proposal = check_proposal(self.model.propose(root_tokens), self.model)

@@ -23,7 +23,7 @@ import torch
 from ddtree.budget.policy import BudgetPolicy
 from ddtree.core.builders import TreeBuilder
 from ddtree.core.sampling import SamplingConfig
-from ddtree.drafters.base import DraftContext, Drafter, takes_host_counts
+from ddtree.drafters.base import DraftContext, Drafter, takes_host_counts, takes_host_rows
 from ddtree.generation.rows import RowBook
 from ddtree.generation.stats import RoundRecord, RoundStats
 from ddtree.runtime.distributed import Lockstep
@@ -111,7 +111,10 @@ class DeviceState:
         index = torch.tensor(keep, dtype=torch.long, device=lengths.device)
         select_cache_rows(self.cache, index)
         if self.draft is not None:
-            self.draft.select_rows(index)
+            if takes_host_rows(self.draft):
+                self.draft.select_rows(index, host_rows=list(keep))
+            else:
+                self.draft.select_rows(index)
         self.lengths = lengths.index_select(0, index)
         self.roots = roots.index_select(0, index.to(roots.device))
 

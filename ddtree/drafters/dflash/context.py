@@ -147,8 +147,10 @@ class DFlashContext(DraftContext):
             self.kv[i] = (shifted[0], shifted[1])
         self.front = front
 
-    def select_rows(self, rows: torch.Tensor) -> None:
-        self.host_lengths = [self.host_lengths[i] for i in rows.tolist()]
+    def select_rows(self, rows: torch.Tensor, host_rows: Sequence[int] | None = None) -> None:
+        """Keep ``rows``; ``host_rows``, the same as ints, spares reading them from the device."""
+        keep = rows.tolist() if host_rows is None else host_rows
+        self.host_lengths = [self.host_lengths[i] for i in keep]
         self.lengths = self.lengths.index_select(0, rows.to(self.lengths.device))
         if self.kv is not None:
             self.kv = [(k.index_select(0, rows.to(k.device)), v.index_select(0, rows.to(v.device))) for k, v in self.kv]
