@@ -37,7 +37,7 @@ from ddtree.drafters.base import StaticDraftContext, proposal_tree
 from ddtree.generation.state import DecodeState, RoundResult
 from ddtree.generation.stats import RoundRecord
 from ddtree.targets.backends import masks_for_plan, window_plan
-from ddtree.targets.cache import cache_kwargs
+from ddtree.targets.cache import cache_kwargs, new_target_cache
 from ddtree.targets.description import describe
 from ddtree.targets.static_cache import RowPackedCache, commit_packed, packed_tree_mask
 
@@ -59,11 +59,9 @@ def check_static_support(generator: Any) -> None:
     if generator.lockstep.active:
         raise ValueError("compile=True runs in one process; a tensor-parallel target (torchrun) runs the dynamic "
                          "round, which keeps the ranks in lockstep. Use compile=False")
-    if describe(target).stateful:
-        raise ValueError(
-            f"compile=True runs attention-only targets; {type(target).__name__} has stateful (linear-attention) "
-            "layers whose per-node state the static round does not preallocate yet. Use compile=False"
-        )
+    if describe(target).stateful and getattr(new_target_cache(target), "layers", None) is None:
+        raise ValueError(f"compile=True runs GDN hybrids on transformers' per-layer cache; this transformers gives "
+                         f"{type(target).__name__} a cache without layers (upgrade transformers, or compile=False)")
     if window_plan(target) is None:
         raise ValueError(f"compile=True needs one window per layer type; {type(target).__name__}'s windows differ "
                          "within a type. Use compile=False")
@@ -104,6 +102,7 @@ class StaticSteps:
         self.drafter = generator.drafter
         self.builder = builder
         self.budget = budget
+        self.max_depth = min(budget, self.drafter.block_size - 1)  # a DFlash block proposes block_size - 1 depths
         plan = window_plan(self.target)
         assert plan is not None  # check_static_support refused the rest
         self.plan = plan
@@ -125,6 +124,7 @@ class StaticSteps:
                 lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         n = tree.num_nodes
         cache.set_write_columns(lengths[:, None] + torch.arange(n, device=lengths.device))
+        cache.set_tree(tree.parents, tree.depths, self.max_depth)  # for GDN layers, if any
         capacity = cache.keys[0].shape[2]
 
         def mask(window: int | None) -> torch.Tensor:
@@ -146,6 +146,7 @@ class StaticSteps:
         n = tree.num_nodes
         result = accept_longest_branch(tree, choices, length=n)
         commit_packed(cache.keys, cache.values, lengths, result.accepted)
+        cache.commit_states(result.accepted[:, : self.max_depth + 1], alive)  # GDN layers, if any
         path = result.accepted.clamp(min=0)
         if features is not None:
             features = features.gather(1, path[..., None].expand(-1, -1, features.shape[-1]))
@@ -229,6 +230,7 @@ def static_round(state: DecodeState, steps: StaticSteps, rows: StaticRows) -> Ro
     with timer.stage("draft"):
         tree = steps.draft(rows.draft, rows.roots, rows.lengths)
     with timer.stage("verify"):
+        rows.cache.reserve_nodes(tree.num_nodes)
         logits, features = steps.verify(rows.cache, tree, rows.lengths)
         choices = _choose(logits, state, rows)
     with timer.stage("commit"):
