@@ -408,10 +408,12 @@ class StaticPending:
         """Buffers for ``nodes`` tree nodes next to a layer's conv window ``[B, C, K]`` and state
         ``[B, HV, Dk, Dv]``."""
         bsz, heads, dk, dv = state.shape
-        f32 = dict(dtype=torch.float32, device=state.device)
-        return cls(conv.new_zeros(bsz, conv.shape[1], nodes), torch.zeros(bsz, nodes, heads, dk, **f32),
-                   torch.zeros(bsz, nodes, heads, dk, **f32), torch.zeros(bsz, nodes, heads, dv, **f32),
-                   torch.zeros(bsz, nodes, heads, **f32), torch.zeros(bsz, nodes, heads, **f32))
+
+        def f32(*shape: int) -> torch.Tensor:
+            return torch.zeros(shape, dtype=torch.float32, device=state.device)
+
+        return cls(conv.new_zeros(bsz, conv.shape[1], nodes), f32(bsz, nodes, heads, dk), f32(bsz, nodes, heads, dk),
+                   f32(bsz, nodes, heads, dv), f32(bsz, nodes, heads), f32(bsz, nodes, heads))
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
         return (self.conv_inputs, self.q, self.k, self.v, self.decay, self.beta)

@@ -104,10 +104,11 @@ class StaticLinearLayer:
 
     def tree_forward(self, module: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
         owner = self.owner
-        if self.pending is None or owner.tree_parents is None:
+        parents, depths, index = owner.tree_parents, owner.tree_depths, owner.conv_index
+        if self.pending is None or parents is None or depths is None or index is None:
             raise RuntimeError("a static GDN forward needs RowPackedCache.reserve_nodes and set_tree first")
-        return static_tree_forward(module, hidden, self.conv, self.state, self.pending, owner.tree_parents,
-                                   owner.tree_depths, owner.conv_index, owner.max_depth)
+        return static_tree_forward(module, hidden, self.conv, self.state, self.pending, parents, depths, index,
+                                   owner.max_depth)
 
     def commit(self, accepted: torch.Tensor, alive: torch.Tensor) -> None:
         assert self.pending is not None  # a verify ran
