@@ -12,7 +12,13 @@ from ddtree.blocks import DraftTree, commit_accepted, new_target_cache
 from ddtree.core.masks import tree_position_ids
 from ddtree.targets.backends import get_backend
 from ddtree.targets.cache import cache_kwargs
-from ddtree.targets.linear_attention import _states, commit_linear_states, gdn_modules
+from ddtree.targets.linear_attention import (
+    LinearTreePlan,
+    _states,
+    commit_linear_states,
+    gdn_modules,
+    tree_conv_index,
+)
 
 TOL = 1e-10
 PROMPT = [3, 14, 15, 92, 65, 35, 89, 79, 32, 38, 46]
@@ -251,3 +257,17 @@ def test_the_description_names_the_stateful_kind_and_its_prefill_rules():
     assert describe(hybrid).prefill_step(1000, None) == 1000
     linear = [i for i, t in enumerate(hybrid.config.get_text_config().layer_types) if t == "linear_attention"]
     assert linear and not set(linear) & set(describe(hybrid).windows)
+
+
+@pytest.mark.parametrize("kernel", [1, 4, 6])
+def test_the_static_conv_table_equals_the_plan_s(kernel):
+    """The static round's conv window table (tensor ops) is the dynamic plan's (numpy), on ragged random trees
+    deeper than the kernel, and on chains."""
+    for seed in range(4):
+        tree = _random_tree(17, seed, batch=3)
+        want = LinearTreePlan.from_tree(tree).conv_index(kernel, "cpu")
+        assert torch.equal(tree_conv_index(tree.parents, tree.depths, kernel), want)
+    chain = DraftTree.from_parents(torch.zeros(2, 9, dtype=torch.long), torch.arange(-1, 8).expand(2, 9))
+    plan = LinearTreePlan.from_tree(chain)
+    plan.is_chain = False  # the plan's table even where its forward takes the strided view
+    assert torch.equal(tree_conv_index(chain.parents, chain.depths, kernel), plan.conv_index(kernel, "cpu"))
