@@ -6,10 +6,12 @@ buffers (:class:`~ddtree.targets.static_cache.RowPackedCache`, the context's ``t
 1. ``draft``: the drafter's block and the tree under the fixed budget (a tree always has ``budget + 1`` nodes
    for best-first, ``min(budget, D) + 1`` for the chain: the shapes never depend on values);
 2. ``verify``: one target forward over the tree at columns ``lengths .. lengths + N - 1`` of every row, with a
-   ``[B, 1, N, capacity]`` mask built on the device from the lengths;
+   ``[B, 1, N, capacity]`` mask built on the device from the lengths (a GDN hybrid's linear-attention layers
+   run each node from its parent's state, in the cache's fixed state buffers: see
+   :mod:`ddtree.targets.static_cache`);
 3. the target's choice at each node (between the steps, so a sampled draw uses the generation's own RNG);
-4. ``commit``: the acceptance walk, the accepted nodes' keys/values copied down in place, their features
-   written into the drafter context, new lengths and roots;
+4. ``commit``: the acceptance walk, the accepted nodes' keys/values copied down in place (and GDN states
+   replayed along each row's path), their features written into the drafter context, new lengths and roots;
 
 then the round's one host read of the packed accepted tokens. Rows that finish keep their place (their
 lengths stop growing) so the batch shape holds; capacities grow by doubling outside the steps, so a
