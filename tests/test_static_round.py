@@ -253,12 +253,14 @@ def hybrid_case():
 
 @pytest.mark.parametrize("builder,budget", [("best_first", 6), ("chain", 4)])
 @pytest.mark.parametrize("rows", [1, 4])
-def test_gdn_hybrid_static_round_equals_the_dynamic_round(hybrid_case, builder, budget, rows):
+def test_gdn_hybrid_static_round_equals_the_dynamic_round(hybrid_case, builder, budget, rows, monkeypatch):
     """A GDN hybrid (qwen3_5: 3 GDN : 1 attention), float64: the conv windows and recurrent states in fixed
     buffers, each tree node's state from its parent's, each row's accepted path committed in place. At
-    batch 4 the prompts are ragged (1 to 20 tokens) and stop tokens end rows 0 and 2 early while the
-    others go on."""
+    batch 4 the prompts are ragged (1 to 20 tokens), stop tokens end rows 0 and 2 early while the
+    others go on, and the attention buffers grow mid-generation (the GDN states stay where they are)."""
     target, prompts, free, stops = hybrid_case
+    if rows == 4:
+        monkeypatch.setattr(static_round, "CAPACITY_STEP", 32)  # 32 columns at first, 64 after one growth
     picked = [1] if rows == 1 else list(range(4))
     prompts, free = [prompts[b] for b in picked], [free[b] for b in picked]
     references = [torch.tensor(p + f + [0] * 8) for p, f in zip(prompts, free)]
@@ -278,6 +280,7 @@ def test_gdn_hybrid_static_round_equals_the_dynamic_round(hybrid_case, builder, 
         assert len(accs) > 1 and any(len(set(r)) > 1 for r in zip(*accs))  # rows accept differently in one round
     assert max(max(a) for a in static.acceptance) >= 4  # deep paths reach the GDN commit
     assert len(static.on_device.static.cache.linear) == 3  # the GDN layers ran in the static buffers
+    assert static.on_device.static.cache.capacity == (64 if rows == 4 else 256)
     assert_one_read_per_round(target, drafter, prompts, static, stop_token_ids=stops, **settings)
 
 

@@ -18,6 +18,12 @@ each row's accepted path from the committed state: the last accepted node's stat
 the conv window along the path become the cache. Keeping inputs instead of per-node
 states is what makes a 64-node tree affordable on a 27B target (design.md).
 
+The static round (``compile=True``) runs the same arithmetic in fixed shapes, with no host reads:
+:func:`static_tree_forward` (the conv table in tensor ops, the recurrence once per depth up to a bound for
+every node, each node keeping its own depth's step) and :func:`static_commit` (each row's accepted path
+replayed over a fixed number of masked steps), on buffers that
+:class:`~ddtree.targets.static_cache.RowPackedCache` holds and the patched forward finds in its cache.
+
 ``prepare(model)`` patches the GDN modules' ``forward`` on the instances (reversible with
 :func:`unprepare`); without a tree they run transformers' forward untouched. :class:`GatedDeltaNet` is this
 module behind :class:`ddtree.targets.layer_kinds.StatefulLayerKind`, the interface the rest of the target
