@@ -431,8 +431,10 @@ def static_tree_forward(module: Any, hidden: torch.Tensor, conv_state: torch.Ten
     """:func:`gdn_tree_forward` in fixed shapes, for the static round: the same conv windows (gathered by
     :func:`tree_conv_index`) and the same per-node recurrence, run for every node at each depth ``0 ..
     max_depth`` from its parent's state (the committed state at depth 0) and kept where the node has that
-    depth, so each node's state is exactly one :func:`_delta_step` from its parent's. The committed state is
-    not written: the per-node inputs go to ``pending`` in place, for :func:`static_commit`'s replay."""
+    depth, so each node's state is exactly one :func:`_delta_step` from its parent's (``max_depth + 1`` steps
+    of ``N`` nodes where the dynamic round takes ``N``: the price of shapes that never depend on the tree).
+    The committed state is not written: the per-node inputs go to ``pending`` in place, for
+    :func:`static_commit`'s replay."""
     bsz, n, _ = hidden.shape
     mixed, z, b, a = _project(module, hidden)
     kernel = conv_state.shape[-1]
