@@ -278,7 +278,7 @@ def test_gdn_hybrid_static_round_equals_the_dynamic_round(hybrid_case, builder, 
         assert len(static.new_tokens[0]) < NEW and len(static.new_tokens[2]) < NEW == len(static.new_tokens[1])
         accs = [a for a in static.acceptance if len(a) > 3]
         assert len(accs) > 1 and any(len(set(r)) > 1 for r in zip(*accs))  # rows accept differently in one round
-    assert max(max(a) for a in static.acceptance) >= 4  # deep paths reach the GDN commit
+    assert max(max(a) for a in static.acceptance if a) >= 4  # deep paths reach the GDN commit
     assert len(static.on_device.static.cache.linear) == 3  # the GDN layers ran in the static buffers
     assert static.on_device.static.cache.capacity == (64 if rows == 4 else 256)
     assert_one_read_per_round(target, drafter, prompts, static, stop_token_ids=stops, **settings)
