@@ -84,8 +84,8 @@ class RowPackedLayer(CacheLayerMixin):
 class StaticLinearLayer:
     """One GDN layer in the static round: each row's committed conv window ``[B, C, K]`` and recurrent state
     ``[B, HV, Dk, Dv]`` in fixed buffers, and the last verify's per-node inputs (:class:`StaticPending`), which
-    the commit replays instead of keeping a state per node (a state is ``HV * Dk * Dv`` numbers, the inputs a
-    few hundred)."""
+    the commit replays instead of keeping a state per node (a state is ``HV * Dk * Dv`` numbers, a node's
+    inputs ``HV * (2 * Dk + Dv + 2)``: about 40 times fewer at Qwen3.6's ``Dk = Dv = 128``)."""
 
     runs_static_tree = True  # what the patched GDN forward looks for in its cache
     is_sliding = False
