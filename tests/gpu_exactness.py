@@ -220,14 +220,15 @@ def check_batch(device, dtype, level: str) -> list[dict]:
 def check_compiled(device, level: str) -> list[dict]:
     """The static round (``compile=True``: inductor, CUDA graphs on CUDA; ``aot_eager`` at the tiny level, where
     inductor would take minutes on a CPU) against the dynamic round, float32 with TF32 off: tokens and
-    acceptance equal, batch 1 and a ragged batch, best_first@16 (the bench adds the chain).
+    acceptance equal, best_first@16 (the bench adds the chain), on a Qwen3 target at batch 1 and a ragged
+    batch, and on a Qwen3.5-style GDN hybrid (3 GDN : 1 attention) at the ragged batch.
     ``cudagraph_skips`` counts the steps inductor ran without a CUDA graph (0 expected on CUDA)."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
+    from ddtree.bench.linear import hybrid_target
     from ddtree.drafters.dflash.config import DFlashConfig
     from ddtree.drafters.dflash.drafter import DFlashDrafter
     from ddtree.drafters.dflash.model import DFlashDraftModel
-    from ddtree.generation.generator import SpeculativeGenerator
 
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
@@ -239,26 +240,38 @@ def check_compiled(device, level: str) -> list[dict]:
         dims = dict(hidden_size=1024, intermediate_size=3072, num_attention_heads=16, num_key_value_heads=8,
                     head_dim=64)
         layers, new, compile = 4, 48, True
-    cfg = Qwen3Config(vocab_size=4096, num_hidden_layers=layers, max_position_embeddings=4096, **dims)
-    target = Qwen3ForCausalLM(cfg).to(device=device, dtype=torch.float32).eval()
-    with torch.no_grad():
-        target.lm_head.weight.mul_(4.0)  # greedy continuations that are not one repeated token
-    dcfg = DFlashConfig.for_target(cfg, num_hidden_layers=1, block_size=8, mask_token_id=4095)
-    drafter = DFlashDrafter(DFlashDraftModel(dcfg).to(device=device, dtype=torch.float32).eval(), target)
+    vocab = 4096
+    cfg = Qwen3Config(vocab_size=vocab, num_hidden_layers=layers, max_position_embeddings=4096, **dims)
+
+    def pair(target):
+        with torch.no_grad():
+            target.lm_head.weight.mul_(4.0)  # greedy continuations that are not one repeated token
+        dcfg = DFlashConfig.for_target(target.config, num_hidden_layers=1, block_size=8, mask_token_id=vocab - 1)
+        return target, DFlashDrafter(DFlashDraftModel(dcfg).to(device=device, dtype=torch.float32).eval(), target)
+
+    qwen3 = pair(Qwen3ForCausalLM(cfg).to(device=device, dtype=torch.float32).eval())
+    hybrid = pair(hybrid_target("tiny", 4, vocab=vocab, dtype=torch.float32, device=device))
     g = torch.Generator().manual_seed(2)
     prompts = [torch.randint(0, 4000, (n,), generator=g).tolist() for n in (37, 12, 80)]
     torch._dynamo.utils.counters.clear()
+    return (_compiled_rows("qwen3", *qwen3, (prompts[:1], prompts), new, compile)
+            + _compiled_rows("gdn_hybrid", *hybrid, (prompts,), new, compile))
+
+
+def _compiled_rows(name, target, drafter, batches, new, compile) -> list[dict]:
+    from ddtree.generation.generator import SpeculativeGenerator
+
     rows = []
     for builder, budget in (("best_first", 16),):  # each (builder, budget) compiles its own steps: one here
         dynamic = SpeculativeGenerator(target, drafter, tree_budget=budget, builder=builder, attention="sdpa")
         static = SpeculativeGenerator(target, drafter, tree_budget=budget, builder=builder, compile=compile)
-        for batch in (prompts[:1], prompts):
+        for batch in batches:
             want = dynamic.generate(batch, max_new_tokens=new, stop_token_ids=())
             got = static.generate(batch, max_new_tokens=new, stop_token_ids=())
             equal = sum(a == b and x == y for a, b, x, y in zip(got.row_tokens, want.row_tokens,
                                                                   got.row_acceptance, want.row_acceptance))
             mismatch = 1.0 - equal / len(batch)
-            rows.append(dict(builder=builder, budget=budget, batch=len(batch), compile=str(compile),
+            rows.append(dict(target=name, builder=builder, budget=budget, batch=len(batch), compile=str(compile),
                              graph_breaks=sum(torch._dynamo.utils.counters["graph_break"].values()),
                              cudagraph_skips=sum(torch._dynamo.utils.counters["inductor"].get(k, 0)
                                                  for k in ("cudagraph_skips",)),

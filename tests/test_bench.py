@@ -438,13 +438,17 @@ def test_eager_regression_summary_flags_a_difference_between_trees():
     assert not summarize(other_acceptance, ["chain"])[0]["identical"]
 
 
-def test_compiled_bench_compares_the_rounds_and_checks_their_output(tmp_path):
-    """``bench compiled`` on the tiny preset (dynamo's ``eager`` backend, so it traces in seconds): both modes
-    of each method measured, and the compiled run's tokens and acceptance found equal to the dynamic run's."""
+@pytest.mark.parametrize("preset,layers", [("tiny", 1), ("tiny-hybrid", 4)])
+def test_compiled_bench_compares_the_rounds_and_checks_their_output(tmp_path, preset, layers):
+    """``bench compiled`` on the tiny presets, attention-only and GDN hybrid (dynamo's ``eager`` backend, so it
+    traces in seconds): both modes of each method measured, and the compiled run's tokens and acceptance found
+    equal to the dynamic run's."""
     from ddtree.bench.compiled import main
 
+    if preset.endswith("hybrid"):
+        pytest.importorskip("transformers.models.qwen3_5")  # the hybrid is qwen3_5 where this transformers has it
     out = tmp_path / "compiled.json"
-    code = main(["--device", "cpu", "--preset", "tiny", "--layers", "1", "--budgets", "4", "--context", "12",
+    code = main(["--device", "cpu", "--preset", preset, "--layers", str(layers), "--budgets", "4", "--context", "12",
                  "--new-tokens", "6", "--repeats", "1", "--backend", "eager", "--out", str(out)])
     report = json.loads(out.read_text())
     assert code == 0

@@ -12,7 +12,17 @@ from ddtree.blocks import DraftTree, commit_accepted, new_target_cache
 from ddtree.core.masks import tree_position_ids
 from ddtree.targets.backends import get_backend
 from ddtree.targets.cache import cache_kwargs
-from ddtree.targets.linear_attention import _states, commit_linear_states, gdn_modules
+from ddtree.targets.linear_attention import (
+    LinearTreePlan,
+    StaticPending,
+    _states,
+    commit_linear_states,
+    gdn_modules,
+    gdn_tree_forward,
+    static_commit,
+    static_tree_forward,
+    tree_conv_index,
+)
 
 TOL = 1e-10
 PROMPT = [3, 14, 15, 92, 65, 35, 89, 79, 32, 38, 46]
@@ -251,3 +261,48 @@ def test_the_description_names_the_stateful_kind_and_its_prefill_rules():
     assert describe(hybrid).prefill_step(1000, None) == 1000
     linear = [i for i, t in enumerate(hybrid.config.get_text_config().layer_types) if t == "linear_attention"]
     assert linear and not set(linear) & set(describe(hybrid).windows)
+
+
+@pytest.mark.parametrize("kernel", [1, 4, 6])
+def test_the_static_conv_table_equals_the_plan_s(kernel):
+    """The static round's conv window table (tensor ops) is the dynamic plan's (numpy), on ragged random trees
+    deeper than the kernel, and on chains."""
+    for seed in range(4):
+        tree = _random_tree(17, seed, batch=3)
+        want = LinearTreePlan.from_tree(tree).conv_index(kernel, "cpu")
+        assert torch.equal(tree_conv_index(tree.parents, tree.depths, kernel), want)
+    chain = DraftTree.from_parents(torch.zeros(2, 9, dtype=torch.long), torch.arange(-1, 8).expand(2, 9))
+    plan = LinearTreePlan.from_tree(chain)
+    plan.is_chain = False  # the plan's table even where its forward takes the strided view
+    assert torch.equal(tree_conv_index(chain.parents, chain.depths, kernel), plan.conv_index(kernel, "cpu"))
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_next"])
+def test_the_static_tree_forward_and_commit_equal_the_dynamic_ones(family):
+    """One GDN layer: the static round's fixed-shape forward gives the dynamic forward's outputs bit for bit,
+    and its in-place commit the dynamic commit's conv windows and states for live rows (paths of different
+    lengths), while a finished row's stay as they were."""
+    model = family_target(family)
+    module = gdn_modules(model)[0]
+    cache = _prefill(model, torch.tensor([PROMPT, PROMPT[::-1]]))
+    tree = _random_tree(12, seed=7, batch=2)
+    hidden = torch.randn(2, 12, model.config.hidden_size, generator=torch.Generator().manual_seed(1),
+                         dtype=torch.float64)
+    deepest = tree.depths.argmax(dim=1).tolist()
+    paths = [_path(tree, deepest[0], 0), _path(tree, 3, 1)]
+    accepted = torch.tensor([p + [-1] * (12 - len(p)) for p in paths])
+    max_depth = int(tree.depths.max())
+    conv, state = (t.clone() for t in _states(cache, module.layer_idx))
+    with torch.no_grad():
+        want = gdn_tree_forward(module, hidden, LinearTreePlan.from_tree(tree), cache)
+        commit_linear_states(cache, accepted)
+        for alive in ([True, True], [True, False]):
+            bufs = conv.clone(), state.clone()
+            pending = StaticPending.empty(*bufs, 12)
+            got = static_tree_forward(module, hidden, *bufs, pending, tree.parents, tree.depths,
+                                      tree_conv_index(tree.parents, tree.depths, conv.shape[-1]), max_depth)
+            assert torch.equal(got, want)
+            static_commit(*bufs, pending, accepted[:, : max_depth + 1], torch.tensor(alive))
+            for row, live in enumerate(alive):
+                expected = _states(cache, module.layer_idx) if live else (conv, state)
+                assert all(torch.equal(b[row], e[row]) for b, e in zip(bufs, expected))

@@ -11,15 +11,18 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_batch import RowDecoys
 from test_generator import expected_acceptance, reference
+from test_hybrid_batch import _case
 from tiny import family_target, tiny_drafter, tiny_target
 
-from ddtree import SpeculativeGenerator
+from ddtree import Proposal, SpeculativeGenerator
 from ddtree.drafters.dflash.drafter import DFlashDrafter
 from ddtree.drafters.lookup import PromptLookup
 from ddtree.generation import static_round
 from ddtree.generation.round import speculative_round
 from ddtree.runtime.host_reads import count_host_reads
+from ddtree.targets.cache import new_target_cache
 
 PROMPTS = [[5, 17, 42, 8, 9, 33], [7, 7, 21, 60, 12, 5, 44, 3, 19], [11, 4], [90, 2, 36, 51, 8, 14, 27]]
 NEW = 20
@@ -60,14 +63,14 @@ def run(gen, prompts, count_reads=False, **options):
     return state, reads
 
 
-def assert_one_read_per_round(target, drafter, prompts, compiled, **settings):
+def assert_one_read_per_round(target, drafter, prompts, compiled, stop_token_ids=(), **settings):
     """The static round with its steps run as plain Python (a read-counting dispatch mode cannot run inside a
     compiled graph, and a read inside one would have broken the full trace): one host read per round, and the
     compiled run's tokens and acceptance."""
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(static_round, "_compiled", lambda fn, compile, cuda=False: fn)
         gen = SpeculativeGenerator(target, drafter, compile=BACKEND, **settings)
-        state, reads = run(gen, prompts, count_reads=True, stop_token_ids=())
+        state, reads = run(gen, prompts, count_reads=True, stop_token_ids=stop_token_ids)
     assert reads and reads == [1] * len(reads)
     assert state.new_tokens == compiled.new_tokens and state.acceptance == compiled.acceptance
 
@@ -189,7 +192,110 @@ def test_what_the_static_round_cannot_run_is_refused_with_the_way_out(pair):
         gen.generate(torch.tensor([PROMPTS[0]]), max_new_tokens=4)
 
 
-def test_a_hybrid_target_is_refused_with_the_reason():
-    hybrid = family_target("qwen3_5")  # skipped where this transformers has no qwen3_5
-    with pytest.raises(ValueError, match="stateful"):
-        SpeculativeGenerator(hybrid, DFlashDrafter(tiny_drafter(hybrid), hybrid), tree_budget=4, compile=True)
+class StaticDecoys(RowDecoys):
+    """``RowDecoys`` (a known continuation, the true token pushed to rank 1 at a depth that varies by row and
+    round) with a static context that proposes the same in tensor ops: trees accepted deep and differently
+    per row, so the GDN states follow long, branching paths (a random DFlash drafter rarely passes depth 1)."""
+
+    def new_context(self, batch_size=1):
+        ctx = super().new_context(batch_size)
+        ctx.to_static = lambda capacity: _StaticDecoyContext(self, list(ctx.rows), capacity)
+        return ctx
+
+
+class _StaticDecoyContext:
+    def __init__(self, drafter, rows, capacity):
+        self.drafter, self.capacity = drafter, capacity
+        refs = [drafter.references[min(r, len(drafter.references) - 1)] for r in rows]
+        self.ends = torch.tensor([len(r) for r in refs])
+        width = int(self.ends.max())
+        self.refs = torch.stack([torch.nn.functional.pad(r, (0, width - len(r))) for r in refs])
+        self.salts = torch.tensor([drafter.salts[r] for r in rows])
+
+    def reserve(self, capacity):
+        self.capacity = max(self.capacity, capacity)
+
+    def append(self, features, tokens, lengths):
+        pass  # the proposals follow the rows' lengths alone
+
+    def propose(self, root_tokens, lengths):
+        depth, vocab = self.drafter.block_size - 1, self.drafter.vocab
+        slots = torch.arange(1, depth + 1)
+        pos = lengths[:, None] + slots  # slot k proposes the reference at the root's position + k
+        right = self.refs.gather(1, pos.clamp(max=self.refs.shape[1] - 1))
+        hit = (pos < self.ends[:, None])[..., None] & (torch.arange(vocab) == right[..., None])
+        lp = torch.where(hit, 10.0, -30.0).log_softmax(-1)
+        clock = self.salts + lengths  # RowDecoys' decoy rule, per row
+        at = 1 + clock % depth
+        decoy = ((at < depth) & (clock % 3 == 0))[:, None] & (slots == at[:, None])
+        return Proposal(torch.where(decoy[..., None], lp.roll(1, -1), lp))
+
+
+def _cut(tokens, stops):
+    """``tokens`` up to and including the first stop token."""
+    ends = [i for i, t in enumerate(tokens) if t in stops]
+    return tokens[: ends[0] + 1] if ends else tokens
+
+
+def _layered_cache_or_skip(target):
+    """Skip where this transformers gives the hybrid a cache without per-layer objects (``compile=True``
+    refuses it there, saying so)."""
+    if getattr(new_target_cache(target), "layers", None) is None:
+        pytest.skip("this transformers' hybrid cache has no layers: compile=True refuses it")
+
+
+@pytest.fixture(scope="module")
+def hybrid_case():
+    case = _case("qwen3_5")  # skipped where this transformers has no qwen3_5
+    _layered_cache_or_skip(case[0])
+    return case
+
+
+@pytest.mark.parametrize("builder,budget", [("best_first", 6), ("chain", 4)])
+@pytest.mark.parametrize("rows", [1, 4])
+def test_gdn_hybrid_static_round_equals_the_dynamic_round(hybrid_case, builder, budget, rows, monkeypatch):
+    """A GDN hybrid (qwen3_5: 3 GDN : 1 attention), float64: the conv windows and recurrent states in fixed
+    buffers, each tree node's state from its parent's, each row's accepted path committed in place. At
+    batch 4 the prompts are ragged (1 to 20 tokens), stop tokens end rows 0 and 2 early while the
+    others go on, and the attention buffers grow mid-generation (the GDN states stay where they are)."""
+    target, prompts, free, stops = hybrid_case
+    if rows == 4:
+        monkeypatch.setattr(static_round, "CAPACITY_STEP", 32)  # 32 columns at first, 64 after one growth
+    picked = [1] if rows == 1 else list(range(4))
+    prompts, free = [prompts[b] for b in picked], [free[b] for b in picked]
+    references = [torch.tensor(p + f + [0] * 8) for p, f in zip(prompts, free)]
+    drafter = StaticDecoys(references, target.config.vocab_size, list(range(rows)))
+    settings = dict(tree_budget=budget, builder=builder)
+    dynamic, _ = run(SpeculativeGenerator(target, drafter, **settings), prompts, stop_token_ids=stops)
+    static, _ = run(SpeculativeGenerator(target, drafter, compile=BACKEND, **settings), prompts,
+                    stop_token_ids=stops)
+    assert graph_breaks() == 0
+    assert_same_rounds(static, dynamic, rows)
+    for b, prompt in enumerate(prompts):
+        assert static.new_tokens[b] == _cut(free[b][:NEW], stops)  # HF greedy (stops only cut its free run)
+        assert static.acceptance[b] == [expected_acceptance(r, prompt + free[b]) for r in static.records[b]]
+    if rows == 4:
+        assert len(static.new_tokens[0]) < NEW and len(static.new_tokens[2]) < NEW == len(static.new_tokens[1])
+        accs = [a for a in static.acceptance if len(a) > 3]
+        assert len(accs) > 1 and any(len(set(r)) > 1 for r in zip(*accs))  # rows accept differently in one round
+    assert max(max(a) for a in static.acceptance if a) >= 4  # deep paths reach the GDN commit
+    assert len(static.on_device.static.cache.linear) == 3  # the GDN layers ran in the static buffers
+    assert static.on_device.static.cache.capacity == (64 if rows == 4 else 256)
+    assert_one_read_per_round(target, drafter, prompts, static, stop_token_ids=stops, **settings)
+
+
+@pytest.mark.parametrize("sampled", [False, True])
+def test_gdn_hybrid_with_the_dflash_drafter(sampled):
+    """The DFlash drafter's static context on a GDN hybrid (its features from the hybrid's layers), a ragged
+    batch, float32; greedy (acceptance against HF ``generate``) and sampled (the dynamic round's draws)."""
+    target = family_target("qwen3_5", dtype=torch.float32)
+    _layered_cache_or_skip(target)
+    drafter = DFlashDrafter(tiny_drafter(target, block_size=5), target)
+    options = dict(do_sample=True, temperature=0.8, seed=11) if sampled else {}
+    dynamic, _ = run(SpeculativeGenerator(target, drafter, tree_budget=6), PROMPTS, stop_token_ids=(), **options)
+    static, _ = run(SpeculativeGenerator(target, drafter, tree_budget=6, compile=BACKEND), PROMPTS,
+                    stop_token_ids=(), **options)
+    assert graph_breaks() == 0
+    assert_same_rounds(static, dynamic, len(PROMPTS))
+    if not sampled:
+        assert_target_acceptance(target, static, PROMPTS)

@@ -1,7 +1,9 @@
 """``python -m ddtree.bench compiled``: the dynamic round against the static, compiled one, per method.
 
 A random-weight Qwen3 target (``--preset qwen3-8b``: Qwen3-8B's widths, ``--layers`` of them; ``tiny``:
-hidden 64) and a one-layer DFlash drafter (block 16), or the shipped default pair (``--preset default-pair``,
+hidden 64), or a Qwen3.5-style GDN hybrid (``qwen36-27b-hybrid``: Qwen3.6-27B's widths; ``tiny-hybrid``; every
+4th layer attention, the others GDN), and a one-layer DFlash drafter (block 16), or the shipped default pair
+(``--preset default-pair``,
 float32, the demo's prompt through the chat template). Per method (the chain at the drafter's depth,
 best_first at each budget) and mode (``eager``: the dynamic round; ``compiled``: ``compile=True``, inductor,
 CUDA graphs on CUDA) it runs one warm-up generation (which compiles) and then ``--repeats`` timed ones, and
@@ -30,6 +32,8 @@ PRESETS = {
     "tiny": dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                  vocab_size=97),
 }
+HYBRID_PRESETS = {"qwen36-27b-hybrid": ("qwen36-27b", 151936), "tiny-hybrid": ("tiny", 97)}
+"""GDN hybrids: the :mod:`ddtree.bench.linear` preset of their widths, and the vocabulary."""
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 BLOCK = 16
 
@@ -38,18 +42,24 @@ def build_pair(preset: str, layers: int, device: torch.device, dtype: torch.dtyp
     """A random target of ``preset`` widths and ``layers`` layers, and a one-layer DFlash drafter for it."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
+    from ddtree.bench.linear import hybrid_target
     from ddtree.drafters.dflash.config import DFlashConfig
     from ddtree.drafters.dflash.drafter import DFlashDrafter
     from ddtree.drafters.dflash.model import DFlashDraftModel
 
-    widths = PRESETS[preset]
     torch.manual_seed(0)
-    config = Qwen3Config(num_hidden_layers=layers, max_position_embeddings=32768, tie_word_embeddings=False,
-                         **widths)
+    if preset in HYBRID_PRESETS:
+        widths, vocab = HYBRID_PRESETS[preset]
+        target = hybrid_target(widths, layers, vocab=vocab, dtype=dtype, device=device)
+        config = target.config
+    else:
+        vocab = PRESETS[preset]["vocab_size"]
+        config = Qwen3Config(num_hidden_layers=layers, max_position_embeddings=32768, tie_word_embeddings=False,
+                             **PRESETS[preset])
+        with torch.device(device):
+            target = Qwen3ForCausalLM(config).to(dtype).eval()
     with torch.device(device):
-        target = Qwen3ForCausalLM(config).to(dtype).eval()
-        dconfig = DFlashConfig.for_target(config, num_hidden_layers=1, block_size=BLOCK,
-                                          mask_token_id=widths["vocab_size"] - 1)
+        dconfig = DFlashConfig.for_target(config, num_hidden_layers=1, block_size=BLOCK, mask_token_id=vocab - 1)
         drafter = DFlashDraftModel(dconfig).to(dtype).eval()
     return target, DFlashDrafter(drafter, target)
 
@@ -106,7 +116,8 @@ def run(args: argparse.Namespace) -> dict:
     else:
         target, drafter = build_pair(args.preset, args.layers, device, DTYPES[args.dtype])
         torch.manual_seed(2)
-        prompt = torch.randint(3, PRESETS[args.preset]["vocab_size"] - 2, (1, args.context), device=device)
+        vocab = target.get_input_embeddings().weight.shape[0]
+        prompt = torch.randint(3, vocab - 2, (1, args.context), device=device)
     start = time.perf_counter()
     rows = []
     modes = [("eager", False), ("compiled", True if args.backend == "inductor" else args.backend)]
@@ -140,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
 
     p = parser("python -m ddtree.bench compiled", __doc__.split("\n\n")[0])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--preset", choices=[*sorted(PRESETS), "default-pair"], default="tiny")
+    p.add_argument("--preset", choices=[*sorted(PRESETS), *sorted(HYBRID_PRESETS), "default-pair"], default="tiny")
     p.add_argument("--layers", type=int, default=4, help="target decoder layers (at the preset's widths)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
     p.add_argument("--budgets", default="4,16,64", help="best_first budgets (the chain runs at the block's depth)")

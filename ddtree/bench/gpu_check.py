@@ -15,7 +15,8 @@ junit report), ``exactness/<check>.json`` (every case with its max abs error and
 ``attention_bench.json``, ``attention_bench_window.json`` and ``linear_bench.json`` (GDN hybrid verify
 at Qwen3.6-27B widths: 1k and 16k context, 16 and 64 nodes) and ``compiled_bench.json`` (the dynamic round
 against ``compile=True``, CUDA graphs, for the chain and best_first at budgets 4 to 64, on 8 layers at
-Qwen3-8B widths; GDN hybrids run the dynamic round only). Exits non-zero when a check fails, when
+Qwen3-8B widths) and ``compiled_bench_hybrid.json`` (the same for a GDN hybrid at Qwen3.6-27B widths, 4
+layers, the chain and best_first@16). Exits non-zero when a check fails, when
 pytest fails, or when no exactness test ran. ``--device cpu --level tiny`` runs it all on the CPU.
 ``scale_out`` (:mod:`ddtree.bench.scale_out`) runs a random-weight target at Qwen3-8B widths
 tensor-parallel over every GPU present (TP=1 on one GPU) and, with two GPUs or more, layer-split across
@@ -174,6 +175,11 @@ def main(argv: list[str] | None = None) -> int:
                   ["--preset", "qwen3-8b", "--layers", "8", "--dtype", "bf16", "--context", "1024",
                    "--budgets", "4,16,64", "--new-tokens", "64", "--deadline", "150"])
         compiled_bench(["--device", str(device), *shapes, "--out", str(out / "compiled_bench.json")])
+        hybrid = (["--preset", "tiny-hybrid", "--layers", "4", "--budgets", "4", "--new-tokens", "16", "--repeats",
+                   "1"] if args.quick else
+                  ["--preset", "qwen36-27b-hybrid", "--layers", "4", "--dtype", "bf16", "--context", "1024",
+                   "--budgets", "16", "--new-tokens", "32", "--repeats", "2", "--deadline", "60"])
+        compiled_bench(["--device", str(device), *hybrid, "--out", str(out / "compiled_bench_hybrid.json")])
     return 1 if report["failures"] else 0
 
 

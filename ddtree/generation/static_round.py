@@ -6,10 +6,12 @@ buffers (:class:`~ddtree.targets.static_cache.RowPackedCache`, the context's ``t
 1. ``draft``: the drafter's block and the tree under the fixed budget (a tree always has ``budget + 1`` nodes
    for best-first, ``min(budget, D) + 1`` for the chain: the shapes never depend on values);
 2. ``verify``: one target forward over the tree at columns ``lengths .. lengths + N - 1`` of every row, with a
-   ``[B, 1, N, capacity]`` mask built on the device from the lengths;
+   ``[B, 1, N, capacity]`` mask built on the device from the lengths (a GDN hybrid's linear-attention layers
+   run each node from its parent's state, in the cache's fixed state buffers: see
+   :mod:`ddtree.targets.static_cache`);
 3. the target's choice at each node (between the steps, so a sampled draw uses the generation's own RNG);
-4. ``commit``: the acceptance walk, the accepted nodes' keys/values copied down in place, their features
-   written into the drafter context, new lengths and roots;
+4. ``commit``: the acceptance walk, the accepted nodes' keys/values copied down in place (and GDN states
+   replayed along each row's path), their features written into the drafter context, new lengths and roots;
 
 then the round's one host read of the packed accepted tokens. Rows that finish keep their place (their
 lengths stop growing) so the batch shape holds; capacities grow by doubling outside the steps, so a
@@ -37,7 +39,7 @@ from ddtree.drafters.base import StaticDraftContext, proposal_tree
 from ddtree.generation.state import DecodeState, RoundResult
 from ddtree.generation.stats import RoundRecord
 from ddtree.targets.backends import masks_for_plan, window_plan
-from ddtree.targets.cache import cache_kwargs
+from ddtree.targets.cache import cache_kwargs, new_target_cache
 from ddtree.targets.description import describe
 from ddtree.targets.static_cache import RowPackedCache, commit_packed, packed_tree_mask
 
@@ -59,11 +61,9 @@ def check_static_support(generator: Any) -> None:
     if generator.lockstep.active:
         raise ValueError("compile=True runs in one process; a tensor-parallel target (torchrun) runs the dynamic "
                          "round, which keeps the ranks in lockstep. Use compile=False")
-    if describe(target).stateful:
-        raise ValueError(
-            f"compile=True runs attention-only targets; {type(target).__name__} has stateful (linear-attention) "
-            "layers whose per-node state the static round does not preallocate yet. Use compile=False"
-        )
+    if describe(target).stateful and getattr(new_target_cache(target), "layers", None) is None:
+        raise ValueError(f"compile=True runs GDN hybrids on transformers' per-layer cache; this transformers gives "
+                         f"{type(target).__name__} a cache without layers (upgrade transformers, or compile=False)")
     if window_plan(target) is None:
         raise ValueError(f"compile=True needs one window per layer type; {type(target).__name__}'s windows differ "
                          "within a type. Use compile=False")
@@ -104,6 +104,7 @@ class StaticSteps:
         self.drafter = generator.drafter
         self.builder = builder
         self.budget = budget
+        self.max_depth = min(budget, self.drafter.block_size - 1)  # a DFlash block proposes block_size - 1 depths
         plan = window_plan(self.target)
         assert plan is not None  # check_static_support refused the rest
         self.plan = plan
@@ -125,6 +126,7 @@ class StaticSteps:
                 lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         n = tree.num_nodes
         cache.set_write_columns(lengths[:, None] + torch.arange(n, device=lengths.device))
+        cache.set_tree(tree.parents, tree.depths, self.max_depth)  # for GDN layers, if any
         capacity = cache.keys[0].shape[2]
 
         def mask(window: int | None) -> torch.Tensor:
@@ -146,6 +148,7 @@ class StaticSteps:
         n = tree.num_nodes
         result = accept_longest_branch(tree, choices, length=n)
         commit_packed(cache.keys, cache.values, lengths, result.accepted)
+        cache.commit_states(result.accepted[:, : self.max_depth + 1], alive)  # GDN layers, if any
         path = result.accepted.clamp(min=0)
         if features is not None:
             features = features.gather(1, path[..., None].expand(-1, -1, features.shape[-1]))
@@ -229,6 +232,7 @@ def static_round(state: DecodeState, steps: StaticSteps, rows: StaticRows) -> Ro
     with timer.stage("draft"):
         tree = steps.draft(rows.draft, rows.roots, rows.lengths)
     with timer.stage("verify"):
+        rows.cache.reserve_nodes(tree.num_nodes)
         logits, features = steps.verify(rows.cache, tree, rows.lengths)
         choices = _choose(logits, state, rows)
     with timer.stage("commit"):

@@ -18,6 +18,12 @@ each row's accepted path from the committed state: the last accepted node's stat
 the conv window along the path become the cache. Keeping inputs instead of per-node
 states is what makes a 64-node tree affordable on a 27B target (design.md).
 
+The static round (``compile=True``) runs the same arithmetic in fixed shapes, with no host reads:
+:func:`static_tree_forward` (the conv table in tensor ops, the recurrence once per depth up to a bound for
+every node, each node keeping its own depth's step) and :func:`static_commit` (each row's accepted path
+replayed over a fixed number of masked steps), on buffers that
+:class:`~ddtree.targets.static_cache.RowPackedCache` holds and the patched forward finds in its cache.
+
 ``prepare(model)`` patches the GDN modules' ``forward`` on the instances (reversible with
 :func:`unprepare`); without a tree they run transformers' forward untouched. :class:`GatedDeltaNet` is this
 module behind :class:`ddtree.targets.layer_kinds.StatefulLayerKind`, the interface the rest of the target
@@ -239,10 +245,26 @@ def gdn_tree_forward(module: Any, hidden: torch.Tensor, plan: LinearTreePlan, ca
         index = plan.conv_index(kernel, ext.device)
         windows = ext.gather(2, index[:, None, :].expand(bsz, ext.shape[1], n * kernel))  # [B, C, N*K]
         windows = windows.view(bsz, -1, n, kernel).transpose(1, 2)  # [B, N, C, K]
+    q, k, v, g, beta = _node_inputs(module, windows, b, a, hidden.dtype)
+    pending = _Pending(conv_inputs, q, k, v, g, beta, _recurrent_fn(module))
+    _PENDING.setdefault(cache, {})[module.layer_idx] = pending
+
+    if plan.is_chain and n >= CHUNKED_CHAIN_FROM:
+        core = _run(_chunk_fn(module), q, k, v, g, beta, state, False)[0]
+    else:
+        core = _tree_recurrence(pending.fn, pending, plan, state)  # [B, N, HV, Dv]
+    return _output(module, core, z)
+
+
+def _node_inputs(module: Any, windows: torch.Tensor, b: torch.Tensor, a: torch.Tensor,
+                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each node's recurrence inputs ``(q, k, v, g, beta)`` from its conv window ``[B, N, C, K]`` and gates."""
+    bsz, n = windows.shape[:2]
+    weight = module.conv1d.weight  # [C, 1, K]
     conv = (windows * weight[:, 0]).sum(-1)  # the depthwise conv at each node's last tap: [B, N, C]
     if module.conv1d.bias is not None:  # (a multiply-sum: torch's depthwise conv1d is slow on few positions)
         conv = conv + module.conv1d.bias
-    conv = _activation(module, conv).to(hidden.dtype)
+    conv = _activation(module, conv).to(dtype)
     q, k, v = torch.split(conv, [module.key_dim, module.key_dim, module.value_dim], dim=-1)
     q = q.reshape(bsz, n, -1, module.head_k_dim)
     k = k.reshape(bsz, n, -1, module.head_k_dim)
@@ -252,13 +274,12 @@ def gdn_tree_forward(module: Any, hidden: torch.Tensor, plan: LinearTreePlan, ca
         q, k = q.repeat_interleave(group, dim=2), k.repeat_interleave(group, dim=2)
     beta = b.sigmoid()
     g = -module.A_log.float().exp() * F.softplus(a.float() + module.dt_bias)
-    pending = _Pending(conv_inputs, q, k, v, g, beta, _recurrent_fn(module))
-    _PENDING.setdefault(cache, {})[module.layer_idx] = pending
+    return q, k, v, g, beta
 
-    if plan.is_chain and n >= CHUNKED_CHAIN_FROM:
-        core = _run(_chunk_fn(module), q, k, v, g, beta, state, False)[0]
-    else:
-        core = _tree_recurrence(pending.fn, pending, plan, state)  # [B, N, HV, Dv]
+
+def _output(module: Any, core: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+    """The layer's gated norm and output projection of the recurrence outputs ``core`` ``[B, N, HV, Dv]``."""
+    bsz, n = core.shape[:2]
     core = module.norm(core.reshape(-1, module.head_v_dim), z.reshape(-1, module.head_v_dim))
     return module.out_proj(core.reshape(bsz, n, -1))
 
@@ -306,23 +327,35 @@ def _levels_in_torch(p: _Pending, plan: LinearTreePlan, state: torch.Tensor) -> 
     """transformers' reference gated delta rule (float32, q/k l2-normalised, q scaled), one depth per step."""
     bsz, n = plan.batch, plan.num_nodes
     out_dtype = p.v.dtype
-    q, k, v, g, beta = (x.reshape(bsz * n, *x.shape[2:]).to(torch.float32) for x in (p.q, p.k, p.v, p.g, p.beta))
-    q = _l2norm(q)
-    k = _l2norm(k)
-    q = q / (q.shape[-1] ** 0.5)
-    decay = g.exp()[..., None, None]  # [BN, HV, 1, 1]
-    beta = beta[..., None]
+    q, k, v, decay, beta = _normalised(*(x.reshape(bsz * n, *x.shape[2:]) for x in (p.q, p.k, p.v, p.g, p.beta)))
     state = state.to(torch.float32)
     out = v.new_empty(v.shape)  # [BN, HV, Dv]
     for ids, parent_slot in plan.levels:
-        s = state.index_select(0, parent_slot) * decay[ids]
-        k_t = k[ids]
-        kv_mem = (s * k_t.unsqueeze(-1)).sum(dim=-2)
-        delta = (v[ids] - kv_mem) * beta[ids]
-        s = s + k_t.unsqueeze(-1) * delta.unsqueeze(-2)
-        out[ids] = (s * q[ids].unsqueeze(-1)).sum(dim=-2)
-        state = s
+        state, out[ids] = _delta_step(state.index_select(0, parent_slot), q[ids], k[ids], v[ids], decay[ids],
+                                      beta[ids])
     return out.view(bsz, n, *out.shape[1:]).to(out_dtype)
+
+
+def _normalised(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                beta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The recurrence inputs as transformers' reference rule uses them: float32, q and k l2-normalised, q scaled
+    by the head size, and the decay ``exp(g)``."""
+    q, k, v, g, beta = (x.to(torch.float32) for x in (q, k, v, g, beta))
+    q = _l2norm(q)
+    k = _l2norm(k)
+    return q / (q.shape[-1] ** 0.5), k, v, g.exp(), beta
+
+
+def _delta_step(state: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, decay: torch.Tensor,
+                beta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One gated-delta step of transformers' reference rule for a batch of nodes (any leading dims): each
+    node's state ``[..., HV, Dk, Dv]`` after its input, and its output ``[..., HV, Dv]`` (inputs from
+    :func:`_normalised`)."""
+    s = state * decay[..., None, None]
+    kv_mem = (s * k.unsqueeze(-1)).sum(dim=-2)
+    delta = (v - kv_mem) * beta[..., None]
+    s = s + k.unsqueeze(-1) * delta.unsqueeze(-2)
+    return s, (s * q.unsqueeze(-1)).sum(dim=-2)
 
 
 _PROBED: dict = {}
@@ -346,6 +379,109 @@ def _torch_step_matches(fn: Callable[..., Any], dtype: torch.dtype, device: torc
         except Exception:  # a kernel that cannot run this probe: use it as it is
             _PROBED[key] = False
     return _PROBED[key]
+
+
+# --------------------------------------------------------------------------- the static (compiled) round
+
+
+def tree_conv_index(parents: torch.Tensor, depths: torch.Tensor, kernel: int) -> torch.Tensor:
+    """:meth:`LinearTreePlan.conv_index` in tensor ops (a compiled step builds it, reading nothing back):
+    ``[B, N*K]`` indices into ``[cached window (K) | tree inputs (N)]``, each node's window oldest first."""
+    bsz, n = parents.shape
+    up = parents.clamp(min=0)
+    node = torch.arange(n, device=parents.device).expand(bsz, n)  # walks up one ancestor per step back
+    taps = []
+    for back in range(kernel):  # the input `back` steps before each node
+        taps.append(torch.where(back <= depths, kernel + node, kernel - (back - depths)))
+        node = torch.where(back < depths, up.gather(1, node), node)
+    return torch.stack(taps[::-1], dim=-1).reshape(bsz, n * kernel)
+
+
+@dataclass
+class StaticPending:
+    """A static verify's per-node inputs in fixed buffers (overwritten by each verify, read by its commit):
+    the raw conv inputs and the recurrence inputs as :func:`_normalised` gives them."""
+
+    conv_inputs: torch.Tensor  # [B, C, N], the conv window's dtype
+    q: torch.Tensor  # [B, N, HV, Dk] float32
+    k: torch.Tensor
+    v: torch.Tensor  # [B, N, HV, Dv] float32
+    decay: torch.Tensor  # [B, N, HV] float32
+    beta: torch.Tensor  # [B, N, HV] float32
+
+    @classmethod
+    def empty(cls, conv: torch.Tensor, state: torch.Tensor, nodes: int) -> StaticPending:
+        """Buffers for ``nodes`` tree nodes next to a layer's conv window ``[B, C, K]`` and state
+        ``[B, HV, Dk, Dv]``."""
+        bsz, heads, dk, dv = state.shape
+
+        def f32(*shape: int) -> torch.Tensor:
+            return torch.zeros(shape, dtype=torch.float32, device=state.device)
+
+        return cls(conv.new_zeros(bsz, conv.shape[1], nodes), f32(bsz, nodes, heads, dk), f32(bsz, nodes, heads, dk),
+                   f32(bsz, nodes, heads, dv), f32(bsz, nodes, heads), f32(bsz, nodes, heads))
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return (self.conv_inputs, self.q, self.k, self.v, self.decay, self.beta)
+
+
+def static_tree_forward(module: Any, hidden: torch.Tensor, conv_state: torch.Tensor, state: torch.Tensor,
+                        pending: StaticPending, parents: torch.Tensor, depths: torch.Tensor, conv_index: torch.Tensor,
+                        max_depth: int) -> torch.Tensor:
+    """:func:`gdn_tree_forward` in fixed shapes, for the static round: the same conv windows (gathered by
+    :func:`tree_conv_index`) and the same per-node recurrence, run for every node at each depth ``0 ..
+    max_depth`` from its parent's state (the committed state at depth 0) and kept where the node has that
+    depth, so each node's state is exactly one :func:`_delta_step` from its parent's (``max_depth + 1`` steps
+    of ``N`` nodes where the dynamic round takes ``N``: the price of shapes that never depend on the tree).
+    The committed state is not written: the per-node inputs go to ``pending`` in place, for
+    :func:`static_commit`'s replay."""
+    bsz, n, _ = hidden.shape
+    mixed, z, b, a = _project(module, hidden)
+    kernel = conv_state.shape[-1]
+    weight = module.conv1d.weight
+    conv_inputs = mixed.transpose(1, 2)  # [B, C, N]
+    ext = torch.cat([conv_state.to(weight.dtype), conv_inputs.to(weight.dtype)], dim=-1)  # [B, C, K + N]
+    windows = ext.gather(2, conv_index[:, None, :].expand(bsz, ext.shape[1], n * kernel))
+    windows = windows.view(bsz, -1, n, kernel).transpose(1, 2)  # [B, N, C, K]
+    q, k, v, g, beta = _node_inputs(module, windows, b, a, hidden.dtype)
+    inputs = _normalised(q, k, v, g, beta)
+    for buf, x in zip(pending.tensors(), (conv_inputs, *inputs)):
+        buf.copy_(x)
+    q, k, v, decay, beta = inputs
+    shape = (bsz, n, *state.shape[1:])
+    committed = state.to(torch.float32)[:, None].expand(shape)
+    up = parents.clamp(min=0).view(bsz, n, 1, 1, 1).expand(shape)
+    states, out = committed, torch.zeros_like(v)
+    for depth in range(max_depth + 1):
+        s, o = _delta_step(states.gather(1, up) if depth else committed, q, k, v, decay, beta)
+        here = depths == depth
+        states = torch.where(here.view(bsz, n, 1, 1, 1), s, states)
+        out = torch.where(here.view(bsz, n, 1, 1), o, out)
+    return _output(module, out.to(hidden.dtype), z)
+
+
+def static_commit(conv_state: torch.Tensor, state: torch.Tensor, pending: StaticPending, accepted: torch.Tensor,
+                  alive: torch.Tensor) -> None:
+    """:func:`commit_linear_states` in fixed shapes, in place: each live row's state becomes its last accepted
+    node's, replayed from the committed state over the ``L`` columns of ``accepted`` (``[B, L]``, ``-1`` past
+    a row's path: those steps leave the state as it is), and its conv window the last ``K`` inputs along its
+    path (topped up from the old window). Finished rows (``alive`` False) keep theirs."""
+    bsz, length = accepted.shape
+    count = (accepted >= 0).sum(dim=1)
+    path = accepted.clamp(min=0)
+    channels, kernel = conv_state.shape[1:]
+    along = pending.conv_inputs.gather(2, path[:, None, :].expand(bsz, channels, length)).to(conv_state.dtype)
+    ext = torch.cat([conv_state, along], dim=-1)  # [B, C, K + L]: the window ends at the last accepted input
+    last = count[:, None] + torch.arange(kernel, device=accepted.device)
+    window = ext.gather(2, last[:, None, :].expand(bsz, channels, kernel))
+    s = state.to(torch.float32)
+    for step in range(length):
+        node = path[:, step]
+        picked = [x.gather(1, node.view(bsz, *[1] * (x.dim() - 1)).expand(bsz, 1, *x.shape[2:]))[:, 0]
+                  for x in (pending.q, pending.k, pending.v, pending.decay, pending.beta)]
+        s = torch.where((step < count).view(bsz, 1, 1, 1), _delta_step(s, *picked)[0], s)
+    conv_state.copy_(torch.where(alive.view(bsz, 1, 1), window, conv_state))
+    state.copy_(torch.where(alive.view(bsz, 1, 1, 1), s.to(state.dtype), state))
 
 
 # --------------------------------------------------------------------------- commit
@@ -442,9 +578,24 @@ class _Context:
 
 def _gdn_forward(self: Any, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
     ctx: _Context = self._ddtree_context
-    if ctx.plan is None:
-        return self._ddtree_original_forward(hidden_states, *args, **kwargs)
-    return gdn_tree_forward(self, hidden_states, ctx.plan, ctx.cache)
+    if ctx.plan is not None:
+        return gdn_tree_forward(self, hidden_states, ctx.plan, ctx.cache)
+    static = _static_layer(kwargs, self.layer_idx)
+    if static is not None:  # the static round's verify: its cache carries the tree and this layer's buffers
+        return static.tree_forward(self, hidden_states)
+    return self._ddtree_original_forward(hidden_states, *args, **kwargs)
+
+
+_CACHE_KEYWORDS = ("cache", "past_key_values", "cache_params")
+
+
+def _static_layer(kwargs: dict[str, Any], idx: int) -> Any:
+    """Layer ``idx`` of the forward's cache when it runs static tree forwards (the static round's
+    :class:`~ddtree.targets.static_cache.RowPackedCache`), else None."""
+    cache = next((kwargs[k] for k in _CACHE_KEYWORDS if kwargs.get(k) is not None), None)
+    layers = getattr(cache, "layers", None)
+    layer = layers[idx] if isinstance(layers, list) and idx < len(layers) else None
+    return layer if getattr(layer, "runs_static_tree", False) else None
 
 
 def _model_forward(self: Any, *args: Any, **kwargs: Any) -> Any:
@@ -452,7 +603,7 @@ def _model_forward(self: Any, *args: Any, **kwargs: Any) -> Any:
     ctx: _Context = self._ddtree_context
     if tree is None:
         return self._ddtree_original_forward(*args, **kwargs)
-    cache = next((kwargs[k] for k in ("cache", "past_key_values", "cache_params") if kwargs.get(k) is not None), None)
+    cache = next((kwargs[k] for k in _CACHE_KEYWORDS if kwargs.get(k) is not None), None)
     if cache is None:
         raise ValueError("a tree forward through GDN layers needs the target cache (pass it with "
                          "ddtree.targets.cache.cache_kwargs)")
