@@ -152,6 +152,28 @@ def test_windowed_targets_mask_by_position_in_the_packed_cache(family):
     assert_target_acceptance(target, static, prompts)
 
 
+def test_moe_experts_trace_in_a_fixed_shape_implementation():
+    """MoE (qwen3_moe): transformers' eager experts loop (its length depends on the tokens) is refused with the
+    way out; with ``batched_mm`` the verify traces whole and the static round equals the dynamic one."""
+    target = family_target("qwen3_moe")  # tiny.py picks the eager experts (grouped_mm takes no float64)
+    if not hasattr(target, "set_experts_implementation"):
+        pytest.skip("this transformers has no experts implementations to choose from")
+    drafter = DFlashDrafter(tiny_drafter(target, block_size=5), target)
+    with pytest.raises(ValueError, match="set_experts_implementation"):
+        SpeculativeGenerator(target, drafter, tree_budget=6, compile=BACKEND)
+    prompts = PROMPTS[:2]
+    target.set_experts_implementation("batched_mm")
+    try:
+        dynamic, _ = run(SpeculativeGenerator(target, drafter, tree_budget=6), prompts, stop_token_ids=())
+        static, _ = run(SpeculativeGenerator(target, drafter, tree_budget=6, compile=BACKEND), prompts,
+                        stop_token_ids=())
+        assert graph_breaks() == 0
+        assert_same_rounds(static, dynamic, len(prompts))
+        assert_target_acceptance(target, static, prompts)
+    finally:
+        target.set_experts_implementation("eager")
+
+
 def test_inductor_compiled_round_equals_the_dynamic_round():
     """``compile=True`` itself (inductor's generated code), float32, batch 1."""
     target = tiny_target("qwen3", dtype=torch.float32)

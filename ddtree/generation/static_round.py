@@ -64,6 +64,11 @@ def check_static_support(generator: Any) -> None:
     if describe(target).stateful and getattr(new_target_cache(target), "layers", None) is None:
         raise ValueError(f"compile=True runs GDN hybrids on transformers' per-layer cache; this transformers gives "
                          f"{type(target).__name__} a cache without layers (upgrade transformers, or compile=False)")
+    if _eager_experts(target):
+        raise ValueError(f"compile=True traces the whole verify; {type(target).__name__}'s MoE experts run "
+                         "transformers' 'eager' implementation, a loop over the experts each batch hits (its length "
+                         "depends on the tokens). Pick a fixed-shape one first, "
+                         "target.set_experts_implementation(\"batched_mm\"), or use compile=False")
     if window_plan(target) is None:
         raise ValueError(f"compile=True needs one window per layer type; {type(target).__name__}'s windows differ "
                          "within a type. Use compile=False")
@@ -71,6 +76,14 @@ def check_static_support(generator: Any) -> None:
     if backend not in ("sdpa", "auto", "fused", "split"):
         raise ValueError(f"compile=True verifies with a dense mask through sdpa; attention={backend!r} is not "
                          "supported with it. Use attention=\"sdpa\" or compile=False")
+
+
+def _eager_experts(target: Any) -> bool:
+    """Whether ``target`` has MoE experts that run transformers' eager loop (the only kind before its experts
+    implementations existed)."""
+    if not any(name.endswith("experts") for name, _ in target.named_modules()):
+        return False
+    return getattr(getattr(target, "config", None), "_experts_implementation", None) in (None, "eager")
 
 
 @dataclass
