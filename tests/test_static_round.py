@@ -143,9 +143,13 @@ def test_windowed_targets_mask_by_position_in_the_packed_cache(family):
     window."""
     target = family_target(family)
     drafter = DFlashDrafter(tiny_drafter(target, block_size=5), target)
-    prompts = [p * 2 for p in PROMPTS[:2]]
-    dynamic, _ = run(SpeculativeGenerator(target, drafter, tree_budget=6), prompts, stop_token_ids=())
-    static, _ = run(SpeculativeGenerator(target, drafter, tree_budget=6, compile=BACKEND), prompts,
+    assert_static_equals_dynamic(target, drafter, [p * 2 for p in PROMPTS[:2]])
+
+
+def assert_static_equals_dynamic(target, drafter, prompts, budget=6):
+    """Both rounds on ``prompts``: a whole trace, the same rounds, and the target's own tokens and acceptance."""
+    dynamic, _ = run(SpeculativeGenerator(target, drafter, tree_budget=budget), prompts, stop_token_ids=())
+    static, _ = run(SpeculativeGenerator(target, drafter, tree_budget=budget, compile=BACKEND), prompts,
                     stop_token_ids=())
     assert graph_breaks() == 0
     assert_same_rounds(static, dynamic, len(prompts))
@@ -161,15 +165,9 @@ def test_moe_experts_trace_in_a_fixed_shape_implementation():
     drafter = DFlashDrafter(tiny_drafter(target, block_size=5), target)
     with pytest.raises(ValueError, match="set_experts_implementation"):
         SpeculativeGenerator(target, drafter, tree_budget=6, compile=BACKEND)
-    prompts = PROMPTS[:2]
     target.set_experts_implementation("batched_mm")
     try:
-        dynamic, _ = run(SpeculativeGenerator(target, drafter, tree_budget=6), prompts, stop_token_ids=())
-        static, _ = run(SpeculativeGenerator(target, drafter, tree_budget=6, compile=BACKEND), prompts,
-                        stop_token_ids=())
-        assert graph_breaks() == 0
-        assert_same_rounds(static, dynamic, len(prompts))
-        assert_target_acceptance(target, static, prompts)
+        assert_static_equals_dynamic(target, drafter, PROMPTS[:2])
     finally:
         target.set_experts_implementation("eager")
 
