@@ -283,6 +283,8 @@ def test_the_static_tree_forward_and_commit_equal_the_dynamic_ones(family):
     and its in-place commit the dynamic commit's conv windows and states for live rows (paths of different
     lengths), while a finished row's stay as they were."""
     model = family_target(family)
+    if getattr(new_target_cache(model), "layers", None) is None:
+        pytest.skip("this transformers' hybrid cache has no layers: compile=True refuses it, so no static forward")
     module = gdn_modules(model)[0]
     cache = _prefill(model, torch.tensor([PROMPT, PROMPT[::-1]]))
     tree = _random_tree(12, seed=7, batch=2)
