@@ -10,10 +10,11 @@ checks that both ways). Helpers not listed here stay importable from their own m
 from ddtree.budget.latency import FunctionLatency, LatencyModel, ProfiledLatency
 from ddtree.budget.policy import AutoBudget, BudgetPolicy, FixedBudget
 from ddtree.core.builders import TreeBuilder, beam, best_first, chain, resolve_builder
+from ddtree.core.graft import Branches, graft_paths
 from ddtree.core.masks import tree_attention_mask, tree_position_ids
 from ddtree.core.pairwise import PairwiseScores, best_first_pairwise, chain_pairwise
 from ddtree.core.sampling import SamplingConfig, choose_tokens, processed_logprobs
-from ddtree.core.tree import DraftTree, graft_paths
+from ddtree.core.tree import DraftTree
 from ddtree.core.verify import VerifyResult, accept_longest_branch, verify_tree
 from ddtree.drafters.base import DraftContext, Drafter, Proposal, proposal_tree
 from ddtree.drafters.dflash.config import DFlashConfig
@@ -49,7 +50,8 @@ __all__ = [
     "Drafter", "DraftContext", "Proposal", "DFlashDrafter", "DFlashContext", "DFlashConfig", "DFlashDraftModel",
     "register_drafter",
     # tree
-    "DraftTree", "graft_paths", "proposal_tree", "TreeBuilder", "best_first", "chain", "beam", "resolve_builder",
+    "DraftTree", "Branches", "graft_paths", "proposal_tree", "TreeBuilder", "best_first", "chain", "beam",
+    "resolve_builder",
     # prompt lookup
     "PromptLookup", "WithLookup",
     # mask and positions

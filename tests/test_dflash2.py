@@ -7,6 +7,7 @@ import itertools
 import json
 import math
 
+import numpy as np
 import pytest
 import torch
 from test_generator import expected_acceptance, reference
@@ -450,8 +451,9 @@ def test_lookup_over_dflash2_keeps_the_pairwise_tree_and_grafts_the_lookup_branc
     """``WithLookup`` keeps every field of the DFlash2 proposal: each round's tree is the pairwise tree (each child
     scored given its own parent) with the lookup branch grafted in, and acceptance follows a walk of it."""
     from ddtree.core.builders import best_first
-    from ddtree.core.tree import LOOKUP, graft_paths
-    from ddtree.drafters.lookup import PromptLookup, WithLookup
+    from ddtree.core.graft import graft_paths
+    from ddtree.core.tree import LOOKUP
+    from ddtree.drafters.lookup import PromptLookup, WithLookup, lookup_continuation
 
     drafter = load_drafter(ddtree_checkpoint(target, tmp_path / "d2", seed=2), target)
     lookup = PromptLookup.for_target(target, block_size=drafter.block_size)
@@ -468,7 +470,11 @@ def test_lookup_over_dflash2_keeps_the_pairwise_tree_and_grafts_the_lookup_branc
     assert torch.equal(got.logprobs, want.logprobs)
     for name in ("candidates", "first", "table"):
         assert torch.equal(getattr(got.pairwise, name), getattr(want.pairwise, name)), name
-    assert got.paths == alone.paths(root)
+    branch = alone.paths(root)
+    for name in ("tokens", "scores", "lengths"):
+        assert torch.equal(getattr(got.paths, name), getattr(branch, name)), name
+    cont, n = lookup_continuation(np.append(prompt[0].numpy(), int(root)), drafter.block_size - 1)
+    assert branch.tokens[0, 0, : len(cont)].tolist() == cont and int(branch.lengths[0, 0]) == len(cont)
     # Generation: record what each round proposed, and rebuild its tree from scratch.
     seen = []
 

@@ -13,7 +13,8 @@ from tiny import tiny_drafter, tiny_target
 
 from ddtree import SpeculativeGenerator
 from ddtree.blocks import DFlashDrafter, best_first
-from ddtree.core.tree import DRAFTER, LOOKUP, graft_paths
+from ddtree.core.graft import graft_paths
+from ddtree.core.tree import DRAFTER, LOOKUP
 from ddtree.drafters.lookup import PromptLookup, WithLookup, lookup_continuation
 
 

@@ -1,10 +1,10 @@
 """A round reads the device once: its accepted counts and tokens, in one packed tensor.
 
-Counted with :func:`ddtree.runtime.host_reads.count_host_reads` on tiny float64 pairs, for DFlash and DFlash2
-proposals, chain-shaped and wider trees, batch 1 and a ragged batch, greedy and sampled. The tree builders of
-``ddtree.core.builders`` build on the device too; the first tests use a fixed-shape torch builder written here
-(so a read in a builder cannot hide one in the round), the last the shipped builders. The output and
-acceptance are checked alongside.
+Counted with :func:`ddtree.runtime.host_reads.count_host_reads` on tiny float64 pairs, for DFlash, DFlash2 and
+prompt-lookup proposals (alone and grafted), chain-shaped and wider trees, batch 1 and a ragged batch, greedy
+and sampled. The tree builders of ``ddtree.core.builders`` build on the device too; the first tests use a
+fixed-shape torch builder written here (so a read in a builder cannot hide one in the round), the later ones
+the shipped builders. The output and acceptance are checked alongside.
 """
 
 from __future__ import annotations
@@ -16,9 +16,11 @@ from test_generator import expected_acceptance, reference
 from tiny import tiny_drafter, tiny_target
 
 from ddtree import SpeculativeGenerator
-from ddtree.core.tree import DraftTree
+from ddtree.core.tree import LOOKUP, DraftTree
+from ddtree.drafters.dflash.drafter import DFlashDrafter
 from ddtree.drafters.dflash2.config import DFlash2Config
 from ddtree.drafters.dflash2.model import DFlash2DraftModel
+from ddtree.drafters.lookup import PromptLookup, WithLookup
 from ddtree.generation.round import speculative_round
 from ddtree.runtime.host_reads import count_host_reads
 
@@ -166,3 +168,31 @@ def test_split_attention_rounds_on_a_windowed_target_read_once(attention, width)
     assert state.new_tokens[0] == ref[len(prompt):]
     assert state.acceptance[0] == [expected_acceptance(rec, ref) for rec in state.records[0]]
     assert all(1 <= a <= 4 + 1 for a in state.acceptance[0])
+
+
+@pytest.mark.parametrize("merged", [False, True])
+@pytest.mark.parametrize("rows", [1, 4])
+@pytest.mark.parametrize("sampled", [False, True])
+def test_prompt_lookup_rounds_read_once(target, references, merged, rows, sampled):
+    """Prompt lookup alone and grafted into a DFlash tree: the n-gram match, the branch and the graft run on the
+    device, so the round still reads once; greedy acceptance is the walk's, sampled paths are root paths."""
+    prompts = [p * 2 for p in PROMPTS[:rows]]  # each prompt twice: the lookup branch has something to match
+    lookup = PromptLookup.for_target(target, block_size=5)
+    proposer = WithLookup(DFlashDrafter(drafter("dflash", target), target), lookup) if merged else lookup
+    gen = SpeculativeGenerator(target, proposer, tree_budget=6, builder="best_first" if merged else "chain")
+    state, steady, finishing = run_counted(gen, prompts, sampled=sampled)
+    assert len(steady) >= 3
+    assert [r.count for r in steady] == [1] * len(steady), [dict(r.by_site) for r in steady if r.count != 1]
+    assert [r.count for r in finishing] == [1] * len(finishing), [dict(r.by_site) for r in finishing]
+    lookup_nodes = sum(int((rec.tree.sources & LOOKUP).bool().sum()) for recs in state.records for rec in recs
+                       if rec.tree.sources is not None)
+    assert lookup_nodes > 0 if merged else all(rec.tree.sources is None for recs in state.records for rec in recs)
+    for b, prompt in enumerate(prompts):
+        if sampled:
+            for rec in state.records[b]:
+                parents = rec.tree.parents[0].tolist()
+                assert rec.accepted[0] == 0 and all(parents[c] == p for p, c in zip(rec.accepted, rec.accepted[1:]))
+            continue
+        ref = reference(target, prompt, new=NEW + 5)[0].tolist()  # past the end: the last round may accept beyond
+        assert state.new_tokens[b] == ref[len(prompt):len(prompt) + NEW]
+        assert state.acceptance[b] == [expected_acceptance(rec, ref) for rec in state.records[b]]

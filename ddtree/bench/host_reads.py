@@ -5,8 +5,9 @@ round makes is counted (:func:`ddtree.runtime.host_reads.count_host_reads`); on 
 device. The pair is tiny and random (a Qwen3 target of hidden 64 and 4 layers, vocabulary 97; a DFlash drafter
 of 2 layers, block 8; an untrained DFlash2 drafter of the same size), since reads depend on the code path, not
 on the weights. Rounds are counted after the prefill and two warm-up rounds. ``builder`` and ``lookup`` columns
-are the reads made inside the tree builders (:mod:`ddtree.core.builders`, :mod:`ddtree.core.pairwise`) and
-prompt lookup's n-gram matching (:mod:`ddtree.drafters.lookup`, host work by nature), ``round`` the rest.
+are the reads made inside the tree builders and the graft (:mod:`ddtree.core.builders`,
+:mod:`ddtree.core.pairwise`, :mod:`ddtree.core.graft`) and prompt lookup's n-gram matching
+(:mod:`ddtree.drafters.lookup`), ``round`` the rest.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from ddtree.generation.round import speculative_round
 from ddtree.runtime.host_reads import count_host_reads
 
 METHODS = ("chain", "best_first@4", "best_first@16", "lookup", "best_first@4+lookup", "dflash2@4")
-BUILDER_SITES = ("ddtree.core.builders", "ddtree.core.pairwise", "ddtree.core.tree")
+BUILDER_SITES = ("ddtree.core.builders", "ddtree.core.pairwise", "ddtree.core.graft", "ddtree.core.tree")
 LOOKUP_SITES = ("ddtree.drafters.lookup",)
 
 

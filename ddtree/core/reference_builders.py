@@ -3,7 +3,8 @@
 
 They copy the top-k lists to the host, grow the levels with numpy and copy the tree back, so a round never
 uses them; tests and ``python -m ddtree.bench tree-build`` do. The tie rule is the one documented at the top
-of :mod:`ddtree.core.builders`.
+of :mod:`ddtree.core.builders`. :func:`graft_paths` is the node-by-node yardstick of
+:func:`ddtree.core.graft.graft_paths`.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import torch
 
 from ddtree.core.builders import _check_inputs
 from ddtree.core.pairwise import PairwiseScores
-from ddtree.core.tree import DraftTree
+from ddtree.core.tree import DRAFTER, LOOKUP, DraftTree
 
 
 def ranked_topk(logprobs: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -269,3 +270,62 @@ def best_first_pairwise(root_tokens: torch.Tensor, scores: PairwiseScores, budge
         level_parents.append(parent)
         level_idx = j
     return _assemble(root_tokens, level_scores, level_tokens, level_parents, budget)
+
+
+def graft_paths(tree: DraftTree, paths: list[list[tuple[list[int], list[float]]]], budget: int) -> DraftTree:
+    """:func:`ddtree.core.graft.graft_paths` in Python, node by node: each branch walked down the tree through a
+    ``(parent, token) -> child`` table, the kept nodes sorted by ``(-score, depth, index)``, pads (copies of the
+    root that see only themselves) where a row has fewer candidates than the others keep."""
+    bsz = tree.batch_size
+    k = max((len(row) for row in paths), default=0)
+    d = max((len(toks) for row in paths for toks, _ in row), default=0)
+    if k == 0 or d == 0:
+        return tree
+    keep = min(budget, tree.num_nodes - 1 + k * d)
+    n = keep + 1
+    out_t, out_p, out_d, out_s, out_src, out_vis = [], [], [], [], [], []
+    for b in range(bsz):
+        toks = tree.tokens[b].tolist()
+        pars = tree.parents[b].tolist()
+        deps = tree.depths[b].tolist()
+        scs = [float(x) for x in tree.scores[b].tolist()]
+        src = [DRAFTER] * len(toks) if tree.sources is None else tree.sources[b].tolist()
+        src[0] = 0
+        children: dict[tuple[int, int], int] = {}
+        for i in range(1, len(toks)):
+            children.setdefault((pars[i], toks[i]), i)
+        for branch, branch_scores in paths[b]:
+            node = 0
+            for tok, score in zip(branch, branch_scores):
+                child = children.get((node, int(tok)))
+                if child is None:
+                    toks.append(int(tok))
+                    pars.append(node)
+                    deps.append(deps[node] + 1)
+                    scs.append(float(score))
+                    src.append(LOOKUP)
+                    child = len(toks) - 1
+                    children[(node, int(tok))] = child
+                else:
+                    scs[child] = max(scs[child], float(score))
+                    src[child] |= LOOKUP
+                node = child
+        order = sorted(range(1, len(toks)), key=lambda i: (-scs[i], deps[i], i))[:keep]
+        new_index = {0: 0}
+        for j, i in enumerate(order, start=1):
+            new_index[i] = j
+        pads = keep - len(order)
+        row_parents = [-1] + [new_index[pars[i]] for i in order] + [-1] * pads
+        out_t.append([toks[0]] + [toks[i] for i in order] + [toks[0]] * pads)
+        out_p.append(row_parents)
+        out_d.append([0] + [deps[i] for i in order] + [0] * pads)
+        out_s.append([0.0] + [scs[i] for i in order] + [float("-inf")] * pads)
+        out_src.append([0] + [src[i] for i in order] + [0] * pads)
+        vis = np.eye(n, dtype=bool)
+        for j in range(1, len(order) + 1):  # parents come first, so their rows are complete
+            vis[j] |= vis[row_parents[j]]
+        out_vis.append(vis)
+    device = tree.tokens.device
+    return DraftTree(torch.tensor(out_t, device=device), torch.tensor(out_p, device=device),
+                     torch.tensor(out_d, device=device), torch.tensor(out_s, dtype=tree.scores.dtype, device=device),
+                     torch.from_numpy(np.stack(out_vis)).to(device), torch.tensor(out_src, device=device))

@@ -17,8 +17,9 @@ from typing import Any, Protocol
 import torch
 
 from ddtree.core.builders import TreeBuilder
+from ddtree.core.graft import Branches, HostPaths, graft_paths
 from ddtree.core.pairwise import PairwiseScores, pairwise_builder
-from ddtree.core.tree import DraftTree, graft_paths
+from ddtree.core.tree import DraftTree
 
 
 @dataclass
@@ -26,9 +27,10 @@ class Proposal:
     """One round's proposal for each row.
 
     ``logprobs`` ``[B, D, V]``: a distribution per depth after the root, for the
-    tree builder. ``paths`` (optional): per row, ``(tokens, cumulative scores)``
-    branches from the root that :func:`ddtree.core.tree.graft_paths` adds to the
-    built tree under the same budget (prompt lookup uses them). ``pairwise``
+    tree builder. ``paths`` (optional): branches from each row's root that
+    :func:`ddtree.core.graft.graft_paths` adds to the built tree under the same
+    budget, as :class:`~ddtree.core.graft.Branches` (device tensors: prompt lookup's)
+    or per-row ``(tokens, cumulative scores)`` lists. ``pairwise``
     (optional): scores of each depth's candidates given the token before them
     (a DFlash2 selector); the round then grows the tree from them with the
     builder's pairwise form (:func:`ddtree.core.pairwise.pairwise_builder`), and
@@ -36,11 +38,14 @@ class Proposal:
     """
 
     logprobs: torch.Tensor
-    paths: list[list[tuple[list[int], list[float]]]] | None = None
+    paths: Branches | HostPaths | None = None
     pairwise: PairwiseScores | None = None
 
     @property
     def has_paths(self) -> bool:
+        """Whether there are branches to graft (from shapes for :class:`Branches`: no read)."""
+        if isinstance(self.paths, Branches):
+            return not self.paths.empty
         return self.paths is not None and any(self.paths)
 
 

@@ -6,7 +6,7 @@ last ``n`` committed tokens (plus the root) against everything committed
 before, longest ``n`` first, and proposes the continuation of the latest match.
 On its own it serves a target that has no trained drafter. :class:`WithLookup`
 adds its continuation as one more branch to a model drafter's tree, under the
-same node budget (see :func:`ddtree.core.tree.graft_paths`), so each round takes
+same node budget (see :func:`ddtree.core.graft.graft_paths`), so each round takes
 whichever source the target agrees with. Verification is unchanged, so the
 output stays exact whatever is proposed.
 
@@ -24,17 +24,13 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from ddtree.core.graft import Branches, as_branches
 from ddtree.drafters.base import DraftContext, Drafter, Proposal, check_proposal, takes_host_rows
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
-"""Bit flags of :attr:`DraftTree.sources`: which proposer put a node in the tree (3: both)."""
-
-
 DEFAULT_CONFIDENCE = (0.35, 0.6, 0.75, 0.85)
-
-
 """Per-token confidence of a lookup match of 1, 2, 3 and >= 4 tokens."""
 
 
@@ -99,66 +95,121 @@ class PromptLookup(Drafter):
         """Log-confidence of one token continued from an ``n``-token match."""
         return float(np.log(self.confidence[min(n, len(self.confidence)) - 1]))
 
+    def score_table(self, device: torch.device | str) -> torch.Tensor:
+        """``[1 + len(confidence), block_size - 1]``: row ``n`` the cumulative branch scores of an
+        ``n``-token match (``n`` past the table: its last row), row 0 unused (no match)."""
+        depth = self.block_size - 1
+        rows = [[0.0] * depth] + [[self.score(n) * (d + 1) for d in range(depth)]
+                                  for n in range(1, len(self.confidence) + 1)]
+        return torch.tensor(rows, dtype=torch.float32, device=device)
+
+    def logprob_table(self, device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per match length ``n`` (0: none), the log-prob of each token off the continuation and of its token:
+        ``log((1 - c) / (V - 1))`` and ``log(c)``, or a uniform ``-log(V)`` for no match."""
+        v = self.vocab_size
+        spread = [-float(np.log(v))] + [float(np.log((1.0 - c) / (v - 1))) for c in self.confidence]
+        hit = [-float(np.log(v))] + [float(np.log(c)) for c in self.confidence]
+        return (torch.tensor(spread, dtype=torch.float32, device=device),
+                torch.tensor(hit, dtype=torch.float32, device=device))
+
 
 class LookupContext(DraftContext):
-    """Each row's committed tokens, in a growing buffer (appends copy only the new tokens)."""
+    """Each row's committed tokens in one device buffer ``[B, capacity]``; the match runs as tensor ops, so a
+    round that looks up reads nothing back from the device (the host keeps an upper bound of each row's
+    length, exact when the round passes ``host_counts``, to size the buffer and the scan)."""
 
     def __init__(self, lookup: PromptLookup, batch_size: int) -> None:
         self.lookup = lookup
-        self.buffers = [np.zeros(64, dtype=np.int64) for _ in range(batch_size)]
-        self.lengths = [0] * batch_size
+        self.batch_size = batch_size
+        self.tokens: torch.Tensor | None = None  # [B, capacity], made on the first append's device
+        self.lengths: torch.Tensor | None = None  # [B]
+        self.host_lengths = [0] * batch_size  # upper bounds of ``lengths`` (equal when host counts are given)
 
     def append(self, features: torch.Tensor | None, tokens: torch.Tensor, counts: torch.Tensor | None = None,
                host_counts: Sequence[int] | None = None) -> None:
-        rows = tokens.detach().cpu().numpy()
-        row_counts: list[int]
-        if counts is None:
-            row_counts = [rows.shape[1]] * rows.shape[0]
-        else:
-            row_counts = list(host_counts) if host_counts is not None else counts.tolist()
-        for b, (row, count) in enumerate(zip(rows, row_counts)):
-            need = self.lengths[b] + count
-            if need > self.buffers[b].shape[0]:
-                grown = np.zeros(max(need, 2 * self.buffers[b].shape[0]), dtype=np.int64)
-                grown[: self.lengths[b]] = self.buffers[b][: self.lengths[b]]
-                self.buffers[b] = grown
-            self.buffers[b][self.lengths[b] : need] = row[:count]
-            self.lengths[b] = need
+        bsz, t = tokens.shape
+        device = tokens.device
+        if self.tokens is None or self.lengths is None:
+            self.tokens = torch.zeros(bsz, _CAPACITY_STEP, dtype=torch.long, device=device)
+            self.lengths = torch.zeros(bsz, dtype=torch.long, device=device)
+        need = max(self.host_lengths) + t + 1  # every row writes all t columns; one more for the root
+        if need > self.tokens.shape[1]:
+            grown = self.tokens.new_zeros(bsz, _capacity(need))
+            grown[:, : self.tokens.shape[1]] = self.tokens
+            self.tokens = grown
+        columns = self.lengths[:, None] + torch.arange(t, device=device)  # columns past a row's count: stale
+        self.tokens.scatter_(1, columns, tokens.long())
+        self.lengths = self.lengths + (t if counts is None else counts.to(device=device, dtype=torch.long))
+        added = [t] * bsz if counts is None or host_counts is None else list(host_counts)
+        self.host_lengths = [n + a for n, a in zip(self.host_lengths, added)]
 
     def select_rows(self, rows: torch.Tensor, host_rows: Sequence[int] | None = None) -> None:
         keep = [int(r) for r in rows] if host_rows is None else list(host_rows)
-        self.buffers = [self.buffers[i] for i in keep]
-        self.lengths = [self.lengths[i] for i in keep]
+        self.host_lengths = [self.host_lengths[i] for i in keep]
+        self.batch_size = len(keep)
+        if self.tokens is not None and self.lengths is not None:
+            index = rows.to(self.tokens.device)
+            self.tokens, self.lengths = self.tokens.index_select(0, index), self.lengths.index_select(0, index)
 
-    def continuations(self, root_tokens: torch.Tensor) -> list[tuple[list[int], int]]:
+    def continuations(self, root_tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per row, the ``block_size - 1`` tokens after the latest earlier occurrence of the longest suffix
+        (root included) that occurred before, and that suffix's length (0: no match, tokens 0): what
+        :func:`lookup_continuation` gives, for every row at once."""
         lk = self.lookup
-        roots = root_tokens.view(-1).tolist()
-        out: list[tuple[list[int], int]] = []
-        for b, root in enumerate(roots):
-            seq = np.append(self.buffers[b][: self.lengths[b]], root)
-            out.append(lookup_continuation(seq, lk.block_size - 1, lk.max_ngram, lk.min_ngram))
-        return out
+        depth = lk.block_size - 1
+        roots = root_tokens.view(-1).long()
+        bsz = roots.shape[0]
+        if self.tokens is None or self.lengths is None:  # nothing committed: nothing to match
+            zeros = torch.zeros(bsz, dtype=torch.long, device=roots.device)
+            return zeros[:, None].expand(bsz, depth).clone(), zeros
+        width = max(self.host_lengths) + 1  # the longest text with its root
+        seq = self.tokens[:, :width].scatter(1, self.lengths[:, None], roots[:, None])
+        total = self.lengths + 1  # each row's text, root included
+        found = torch.zeros_like(total)
+        start = torch.zeros_like(total)
+        for n in range(min(lk.max_ngram, width - 1), lk.min_ngram - 1, -1):
+            suffix = seq.gather(1, (total - n).clamp(min=0)[:, None] + torch.arange(n, device=seq.device))
+            windows = seq[:, : width - 1].unfold(1, n, 1)  # window j covers j .. j + n - 1
+            place = torch.arange(windows.shape[1], device=seq.device)
+            hit = (windows == suffix[:, None, :]).all(dim=-1) & (place <= (total - 1 - n)[:, None])
+            latest = torch.where(hit, place, -1).amax(dim=1)  # -1: no earlier occurrence
+            take = (found == 0) & (latest >= 0)
+            found = torch.where(take, n, found)
+            start = torch.where(take, latest + n, start)
+        period = torch.where(found > 0, total - start, 1)  # a match p back: the text repeats with period p
+        index = start[:, None] + torch.arange(depth, device=seq.device) % period[:, None]
+        return torch.where(found[:, None] > 0, seq.gather(1, index), 0), found
 
-    def paths(self, root_tokens: torch.Tensor) -> list[list[tuple[list[int], list[float]]]]:
-        """Per row, the lookup branch as ``(tokens, cumulative scores)`` (no branch when nothing matches)."""
-        out: list[list[tuple[list[int], list[float]]]] = []
-        for cont, n in self.continuations(root_tokens):
-            step = self.lookup.score(n) if n else 0.0
-            out.append([(cont, [step * (d + 1) for d in range(len(cont))])] if cont else [])
-        return out
+    def paths(self, root_tokens: torch.Tensor) -> Branches:
+        """Each row's lookup branch (one, of ``block_size - 1`` tokens; length 0 where nothing matches), scored
+        ``log(confidence[n]) * depth``."""
+        cont, found = self.continuations(root_tokens)
+        table = self.lookup.score_table(cont.device)  # [1 + len(confidence), D]
+        scores = table.index_select(0, found.clamp(max=table.shape[0] - 1))
+        lengths = torch.where(found > 0, cont.shape[1], 0)
+        return Branches(cont[:, None], scores[:, None], lengths[:, None])
 
     def propose(self, root_tokens: torch.Tensor) -> Proposal:
         lk = self.lookup
-        depth, vocab = lk.block_size - 1, lk.vocab_size
-        rows = root_tokens.numel()
-        lp = torch.full((rows, depth, vocab), -float(np.log(vocab)), device=root_tokens.device)
-        for b, (cont, n) in enumerate(self.continuations(root_tokens)):
-            if not cont:
-                continue
-            c = lk.confidence[min(n, len(lk.confidence)) - 1]
-            lp[b, : len(cont)] = float(np.log((1.0 - c) / (vocab - 1)))
-            lp[b, torch.arange(len(cont)), torch.tensor(cont)] = float(np.log(c))
+        cont, found = self.continuations(root_tokens)
+        bsz, depth = cont.shape
+        spread, hit = lk.logprob_table(cont.device)
+        n = found.clamp(max=spread.shape[0] - 1)
+        lp = spread.index_select(0, n)[:, None, None].expand(bsz, depth, lk.vocab_size).clone()
+        # Rows without a match write -log(V) over -log(V): unchanged.
+        lp.scatter_(2, cont[..., None], hit.index_select(0, n)[:, None, None].expand(bsz, depth, 1).contiguous())
         return Proposal(lp)
+
+
+_CAPACITY_STEP = 256
+
+
+def _capacity(need: int) -> int:
+    """Buffer widths of 256 columns times a power of two: few reallocations in a long generation."""
+    cap = _CAPACITY_STEP
+    while cap < need:
+        cap *= 2
+    return cap
 
 
 class WithLookup(Drafter):
@@ -206,5 +257,5 @@ class MergedContext(DraftContext):
     def propose(self, root_tokens: torch.Tensor) -> Proposal:
         proposal = check_proposal(self.model.propose(root_tokens), self.model)
         lookup = self.lookup.paths(root_tokens)
-        paths = lookup if proposal.paths is None else [own + extra for own, extra in zip(proposal.paths, lookup)]
+        paths = lookup if proposal.paths is None else as_branches(proposal.paths, lookup.scores).cat(lookup)
         return dataclasses.replace(proposal, paths=paths)

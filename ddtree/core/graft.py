@@ -1,0 +1,196 @@
+"""Extra branches grafted into a built tree under its budget (prompt lookup's continuation, a user's paths).
+
+:class:`Branches` holds each row's branches from its root as fixed-shape tensors; :func:`graft_paths` merges
+them into a :class:`~ddtree.core.tree.DraftTree` as tensor operations (a loop over branch depths, none over
+nodes), so a round that grafts reads nothing back from the device.
+
+The merge: a branch follows the tree's nodes while their tokens match and adds the rest as new nodes; a node
+on both keeps the higher score and both source flags. Then the ``keep`` best non-root candidates by (score
+descending, depth ascending, candidate index ascending) make the tree, ``keep = min(budget, N - 1 + K * D)``
+for a tree of ``N`` nodes and ``K`` branches of ``D`` tokens: every row gets the same, value-independent node
+count. Scores never rise from parent to child, so the kept nodes include their ancestors. A row with fewer
+candidates than ``keep`` (its branches matched the tree, or it has none, while the tree was smaller than the
+budget) is filled with pad nodes: copies of the root (its token, parent -1, depth 0, score -inf) that see only
+themselves, so the target computes for them what it computes for the root, and the walk never accepts one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ddtree.core.builders import top_stable
+from ddtree.core.tree import DRAFTER, LOOKUP, DraftTree
+
+HostPaths = list[list[tuple[list[int], list[float]]]]
+"""Branches as Python lists: per row, ``(tokens, cumulative scores)`` from the root."""
+
+
+@dataclass
+class Branches:
+    """Each row's extra branches from its root: ``tokens`` ``[B, K, D]``, cumulative ``scores`` ``[B, K, D]``
+    (non-increasing along a branch), ``lengths`` ``[B, K]`` (how many of a branch's ``D`` places are real; 0:
+    no branch). Entries past a branch's length are ignored."""
+
+    tokens: torch.Tensor
+    scores: torch.Tensor
+    lengths: torch.Tensor
+
+    @property
+    def empty(self) -> bool:
+        """No places at all (a shape fact, no read): grafting would change nothing."""
+        return self.tokens.shape[1] == 0 or self.tokens.shape[2] == 0
+
+    @classmethod
+    def from_lists(cls, paths: HostPaths, device: torch.device | str = "cpu",
+                   dtype: torch.dtype = torch.float32) -> Branches:
+        """The tensor form of per-row ``(tokens, scores)`` lists (rows padded to the most branches, branches
+        to the longest)."""
+        bsz = len(paths)
+        k = max((len(row) for row in paths), default=0)
+        d = max((len(toks) for row in paths for toks, _ in row), default=0)
+        tokens = torch.zeros(bsz, k, d, dtype=torch.long)
+        scores = torch.full((bsz, k, d), float("-inf"), dtype=torch.float64)
+        lengths = torch.zeros(bsz, k, dtype=torch.long)
+        for b, row in enumerate(paths):
+            for j, (toks, scs) in enumerate(row):
+                if len(toks) != len(scs):
+                    raise ValueError(f"row {b}'s branch {j} has {len(toks)} tokens and {len(scs)} scores")
+                tokens[b, j, : len(toks)] = torch.tensor(toks, dtype=torch.long)
+                scores[b, j, : len(scs)] = torch.tensor(scs, dtype=torch.float64)
+                lengths[b, j] = len(toks)
+        return cls(tokens.to(device), scores.to(dtype).to(device), lengths.to(device))
+
+    def cat(self, other: Branches) -> Branches:
+        """Both sets of branches, ``self``'s first (each row's branches side by side)."""
+        d = max(self.tokens.shape[2], other.tokens.shape[2])
+
+        def widen(x: torch.Tensor, fill: float) -> torch.Tensor:
+            return torch.nn.functional.pad(x, (0, d - x.shape[2]), value=fill)
+
+        return Branches(torch.cat([widen(self.tokens, 0), widen(other.tokens, 0)], dim=1),
+                        torch.cat([widen(self.scores, float("-inf")), widen(other.scores.to(self.scores.dtype),
+                                                                             float("-inf"))], dim=1),
+                        torch.cat([self.lengths, other.lengths], dim=1))
+
+
+def as_branches(paths: Branches | HostPaths, like: torch.Tensor) -> Branches:
+    """``paths`` as :class:`Branches` on ``like``'s device, scores in its dtype."""
+    if isinstance(paths, Branches):
+        return Branches(paths.tokens.to(like.device), paths.scores.to(device=like.device, dtype=like.dtype),
+                        paths.lengths.to(like.device))
+    return Branches.from_lists(paths, like.device, like.dtype)
+
+
+def graft_paths(tree: DraftTree, paths: Branches | HostPaths, budget: int) -> DraftTree:
+    """``tree`` with ``paths`` (:class:`Branches`, or per-row ``(tokens, scores)`` lists) merged in, the best
+    ``min(budget, N - 1 + K * D)`` non-root candidates kept (see the module docstring); ``sources`` flags each
+    node's proposers (drafter 1, branch 2, root and pads 0)."""
+    if not isinstance(paths, Branches) and len(paths) != tree.batch_size:
+        raise ValueError(f"paths are given for {len(paths)} rows, the tree has {tree.batch_size}")
+    branches = as_branches(paths, tree.scores)
+    if branches.tokens.shape[0] != tree.batch_size:
+        raise ValueError(f"branches are given for {branches.tokens.shape[0]} rows, the tree has {tree.batch_size}")
+    if branches.empty:
+        return tree
+    return _select(_merge(tree, branches), tree.tokens[:, 0], min(budget, tree.num_nodes - 1 +
+                                                                   branches.tokens.shape[1] * branches.tokens.shape[2]))
+
+
+@dataclass
+class _Candidates:
+    """The tree's nodes then one slot per branch place, ``[B, C]`` (``visibility`` ``[B, C, C]``); ``real``
+    marks the tree's nodes and the slots a branch filled."""
+
+    tokens: torch.Tensor
+    parents: torch.Tensor
+    depths: torch.Tensor
+    scores: torch.Tensor
+    sources: torch.Tensor
+    real: torch.Tensor
+    visibility: torch.Tensor
+
+
+def _merge(tree: DraftTree, branches: Branches) -> _Candidates:
+    """Walk every row's branches down the tree at once, one branch place per step: follow the first real
+    candidate with the branch's token under the current node, or fill the place's own slot."""
+    bsz, n = tree.tokens.shape
+    _, k, d = branches.tokens.shape
+    c = n + k * d
+    device = tree.tokens.device
+    extra = k * d
+
+    def grow(x: torch.Tensor, fill: float | int | bool) -> torch.Tensor:
+        return torch.cat([x, x.new_full((bsz, extra), fill)], dim=1)
+
+    sources = (tree.sources.long() if tree.sources is not None
+               else torch.full((bsz, n), DRAFTER, dtype=torch.long, device=device))
+    sources = torch.cat([sources.new_zeros(bsz, 1), sources[:, 1:]], dim=1)  # the root is nobody's proposal
+    cand = _Candidates(
+        tokens=grow(tree.tokens.long(), 0),
+        parents=grow(tree.parents.long(), -1),
+        depths=grow(tree.depths.long(), 0),
+        scores=grow(tree.scores, float("-inf")),
+        sources=grow(sources, 0),
+        real=torch.cat([torch.ones(bsz, n, dtype=torch.bool, device=device),
+                        torch.zeros(bsz, extra, dtype=torch.bool, device=device)], dim=1),
+        visibility=torch.nn.functional.pad(tree.visibility, (0, extra, 0, extra)),
+    )
+    index = torch.arange(c, device=device)
+    lengths = branches.lengths.to(device)
+    for j in range(k):
+        node = torch.zeros(bsz, dtype=torch.long, device=device)  # each row's walk starts at its root
+        for place in range(d):
+            slot = n + j * d + place
+            live = place < lengths[:, j]
+            token, score = branches.tokens[:, j, place], branches.scores[:, j, place]
+            match = cand.real & (cand.parents == node[:, None]) & (cand.tokens == token[:, None])
+            found = match.any(dim=1)
+            first = match.long().argmax(dim=1)  # the first match: argmax returns the first maximum
+            follow, add = live & found, live & ~found
+            hit = (index == first[:, None]) & follow[:, None]
+            cand.scores = torch.where(hit, torch.maximum(cand.scores, score[:, None]), cand.scores)
+            cand.sources = torch.where(hit, cand.sources | LOOKUP, cand.sources)
+            cand.tokens[:, slot] = torch.where(add, token, cand.tokens[:, slot])
+            cand.parents[:, slot] = torch.where(add, node, cand.parents[:, slot])
+            cand.depths[:, slot] = torch.where(add, cand.depths.gather(1, node[:, None])[:, 0] + 1,
+                                               cand.depths[:, slot])
+            cand.scores[:, slot] = torch.where(add, score, cand.scores[:, slot])
+            cand.sources[:, slot] = torch.where(add, LOOKUP, cand.sources[:, slot])
+            cand.real[:, slot] = add
+            above = cand.visibility.gather(1, node[:, None, None].expand(bsz, 1, c))[:, 0]  # the node's ancestors
+            cand.visibility[:, slot] = (above | (index == slot)) & add[:, None]
+            node = torch.where(follow, first, torch.where(add, slot, node))
+    return cand
+
+
+def _select(cand: _Candidates, roots: torch.Tensor, keep: int) -> DraftTree:
+    """The ``keep`` best non-root candidates of each row, in key order, as a tree; places no real candidate
+    fills become pad nodes (copies of the root that see only themselves)."""
+    bsz, c = cand.tokens.shape
+    device = cand.tokens.device
+    # Real candidates first, each group by depth: a stable descending selection on score then breaks ties
+    # by depth and candidate index, and never prefers a missing candidate to a real one scored -inf.
+    rest = torch.where(cand.real[:, 1:], cand.depths[:, 1:], c)
+    order = rest.sort(dim=1, stable=True).indices + 1
+    scores, pick = top_stable(cand.scores.gather(1, order), keep)
+    chosen = order.gather(1, pick)  # candidate index of each kept node, [B, keep]
+    real = cand.real.gather(1, chosen)
+    node = torch.arange(1, keep + 1, device=device).expand(bsz, keep)
+    place = torch.zeros(bsz, c, dtype=torch.long, device=device).scatter(1, chosen, node)  # new index by candidate
+    parent = place.gather(1, cand.parents.gather(1, chosen).clamp(min=0))
+    nodes = torch.cat([torch.zeros(bsz, 1, dtype=torch.long, device=device), chosen], dim=1)
+    live = torch.cat([torch.ones(bsz, 1, dtype=torch.bool, device=device), real], dim=1)
+    m = keep + 1
+    seen = cand.visibility.gather(1, nodes[:, :, None].expand(bsz, m, c)).gather(2, nodes[:, None, :].expand(bsz, m, m))
+    eye = torch.eye(m, dtype=torch.bool, device=device)
+    no = torch.full_like(chosen, -1)
+    return DraftTree(
+        tokens=torch.cat([roots[:, None], torch.where(real, cand.tokens.gather(1, chosen), roots[:, None])], dim=1),
+        parents=torch.cat([no[:, :1], torch.where(real, parent, no)], dim=1),
+        depths=torch.cat([no.new_zeros(bsz, 1), torch.where(real, cand.depths.gather(1, chosen), 0)], dim=1),
+        scores=torch.cat([cand.scores.new_zeros(bsz, 1), torch.where(real, scores, float("-inf"))], dim=1),
+        visibility=torch.where(live[:, :, None], seen, eye),
+        sources=torch.cat([no.new_zeros(bsz, 1), torch.where(real, cand.sources.gather(1, chosen), 0)], dim=1),
+    )
