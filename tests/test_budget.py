@@ -70,6 +70,29 @@ def test_candidate_trees_are_prefixes(builder):
         assert torch.allclose(reach[i], p.clamp(max=1))
 
 
+@pytest.mark.parametrize("kind", ["random", "tied", "tiny vocabulary"])
+def test_the_round_tree_cut_from_the_pricing_tree_is_the_built_one(kind):
+    """Best-first trees nest, so the policy's pricing tree, cut at the chosen budget, is exactly the tree the
+    builder grows there (node order, ties and all); another builder, other log-probs or a larger budget get
+    none (the round then builds its own)."""
+    gen = torch.Generator().manual_seed(3)
+    vocab = 3 if kind == "tiny vocabulary" else 40
+    lp = torch.randn(2, 5, vocab, generator=gen) * 2
+    lp = ((lp * 2).round() / 2 if kind == "tied" else lp).log_softmax(-1)
+    policy = AutoBudget(FunctionLatency(lambda n, c: 1.0), candidates=(1, 2, 4, 8, 16, 64))
+    roots = torch.tensor([7, 9])
+    policy.row_reach(lp, 16)
+    for n in (1, 2, 3, 4, 8, 16):
+        want = best_first(roots, lp, n)
+        got = policy.built_tree(lp, roots, n)
+        for name in ("tokens", "parents", "depths", "scores", "visibility"):
+            assert torch.equal(getattr(got, name), getattr(want, name)), (n, name)
+    assert policy.built_tree(lp, roots, 17) is None and policy.built_tree(lp.clone(), roots, 4) is None
+    other = AutoBudget(FunctionLatency(lambda n, c: 1.0), builder=chain, candidates=(1, 2, 4))
+    other.row_reach(lp, 4)
+    assert other.built_tree(lp, roots, 4) is None
+
+
 def _result(num_accepted: int) -> VerifyResult:
     path = torch.arange(num_accepted)[None]
     return VerifyResult(path, torch.tensor([num_accepted]), torch.tensor([0]), torch.zeros(1, 1))

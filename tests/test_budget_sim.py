@@ -118,10 +118,15 @@ class Run:
         return self.tokens / self.seconds
 
 
-def simulate(choice, machine: Machine, drafter: Drafter, batch: int, rounds: int, context: int = 256) -> Run:
-    """``choice``: an :class:`AutoBudget` (on a :class:`FakeClock`) or a fixed budget (0: plain decoding)."""
+def simulate(choice, machine: Machine, drafter: Drafter, batch: int, rounds: int, context: int = 256,
+             stall: Callable[[int], float] | None = None) -> Run:
+    """``choice``: an :class:`AutoBudget` (on a :class:`FakeClock`) or a fixed budget (0: plain decoding).
+    ``stall(round)``: how many times its work a round takes in wall time (other processes had the core); the
+    policy's clock counts wall time, or the work when it has a ``wall_clock`` beside it, and the verify
+    seconds it is given are wall seconds. ``Run.seconds`` is wall time."""
     policy = choice if isinstance(choice, AutoBudget) else None
     clock = policy.clock if policy is not None else FakeClock()
+    wall_clock = policy.wall_clock if policy is not None else None
     tokens, seconds, choices = 0, 0.0, []
     roots = torch.zeros(batch, dtype=torch.long)
     for r in range(rounds):
@@ -144,11 +149,14 @@ def simulate(choice, machine: Machine, drafter: Drafter, batch: int, rounds: int
             n = policy.choose(lp, context) if policy is not None else choice
             accepted = accepted_counts(best_first(roots, lp, n), path)
             spent, verify = machine.tree_round(batch, n + 1, context, r)
+        slow = 1.0 if stall is None else stall(r)
         if policy is not None:
-            policy.observe(accepted, verify, context)
-        clock.now += spent
+            policy.observe(accepted, verify * slow, context)
+        clock.now += spent if wall_clock is not None else spent * slow
+        if wall_clock is not None:
+            wall_clock.now += spent * slow
         tokens += sum(accepted)
-        seconds += spent
+        seconds += spent * slow
         choices.append(n)
         context += max(accepted)
     return Run(tokens, seconds, choices)
@@ -282,6 +290,32 @@ def test_costs_seed_a_later_generation_and_round_trip_through_json(tmp_path):
     (tmp_path / "bad.json").write_text("{not json")
     with pytest.raises(ValueError, match="RoundCosts.save"):
         RoundCosts.load(tmp_path / "bad.json")
+
+
+def test_a_work_clock_sees_through_a_competing_process():
+    """Another process takes the core at random (a round then lasts 3x its work in wall time): a policy on a
+    work clock (this process's CPU time, with the wall clock beside it to rescale the verify seconds) makes
+    exactly the choices it makes on the quiet machine; on the wall clock alone its choices follow the
+    scheduler, and its tokens per wall second fall below the work clock's."""
+    noise = torch.Generator().manual_seed(7)
+    stalls = [3.0 if torch.rand(1, generator=noise).item() < 0.3 else 1.0 for _ in range(160)]
+    quiet = simulate(auto(), cpu_like(), Drafter(**STRONG), 1, 160)
+    work = simulate(auto(wall_clock=FakeClock()), cpu_like(), Drafter(**STRONG), 1, 160, stall=stalls.__getitem__)
+    wall = simulate(auto(), cpu_like(), Drafter(**STRONG), 1, 160, stall=stalls.__getitem__)
+    assert work.choices == quiet.choices
+    assert wall.choices != quiet.choices and wall.rate < work.rate, (wall.rate, work.rate)
+
+
+def test_work_clock_is_cpu_time_only_for_a_one_thread_cpu_target(monkeypatch):
+    import time
+
+    from ddtree.runtime.timing import work_clock
+
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    assert work_clock("cpu") == (time.process_time, time.perf_counter)
+    assert work_clock("cuda:0") == (time.perf_counter, None)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 4)
+    assert work_clock("cpu") == (time.perf_counter, None)
 
 
 def test_policy_reads_its_clock_once_per_round():

@@ -19,6 +19,7 @@ from ddtree.budget.costs import RoundCosts
 from ddtree.budget.latency import COST_MODEL, LatencyModel
 from ddtree.budget.profile import load_profile, save_profile
 from ddtree.core.builders import TreeBuilder, best_first
+from ddtree.core.tree import DraftTree
 
 DEFAULT_CANDIDATES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
@@ -95,8 +96,11 @@ class AutoBudget(BudgetPolicy):
     Costs are learned from every round's own seconds (:class:`RoundCosts`, shared by the generator's
     generations) unless a ``latency`` model is given, which then prices verify forwards (times a
     learned ``scale``). ``clock`` is read once per round, in ``prepare``: inject a fake one to test
-    deterministically. Whether a round drafts at all is decided in :meth:`prepare` from measured rates
-    (plain rounds against drafting rounds, the loser retried on a backing-off schedule). Among tree
+    deterministically. It may count something other than wall time (:func:`work_clock`: this process's CPU
+    time, which other processes on the machine do not inflate); ``wall_clock`` then gives the wall time the
+    round's verify seconds are in, so they are rescaled to ``clock``'s units by the round's own ratio.
+    Whether a round drafts at all is decided in :meth:`prepare` from measured rates (plain rounds against
+    drafting rounds, the loser retried on a backing-off schedule). Among tree
     budgets, only those measured at this batch and context (or priced by ``latency``) are chosen; a
     neighbour of the best is tried after 2 drafting rounds, then 4, 8, ... up to ``explore_every``,
     back to 2 whenever the best budget changes (longer where the neighbour is priced well below the best,
@@ -129,6 +133,7 @@ class AutoBudget(BudgetPolicy):
         retry_every: int = 128,
         retry_cost: float = 0.01,
         clock: Callable[[], float] = time.perf_counter,
+        wall_clock: Callable[[], float] | None = None,
         profile: str | Path | None = None,
     ) -> None:
         if not candidates or any(int(c) < 1 for c in candidates):
@@ -144,6 +149,7 @@ class AutoBudget(BudgetPolicy):
             costs = load_profile(self.profile)
         self.costs = costs if costs is not None else RoundCosts()
         self.clock = clock
+        self.wall_clock = wall_clock
         self.builder = builder
         self.candidates = sorted({int(c) for c in candidates})
         self.start = min(self.candidates, key=lambda c: (abs(c - start), c))
@@ -173,8 +179,10 @@ class AutoBudget(BudgetPolicy):
         self._reference: dict[tuple[int, int], float] = {}  # plain's rate when the schedule last moved
         self.moved = 1.25  # plain, winning, moved by more than this factor: retry drafting soon
         self._round_start: float | None = None
+        self._wall_start: float | None = None
         self._pending: dict | None = None  # the round in flight: what it ran, for the costs
         self._predicted_rows: torch.Tensor | None = None  # [B, D] p_d of the chosen tree per row
+        self._built: tuple[torch.Tensor, DraftTree, int] | None = None  # the last reach tree, its input, budget
 
     @property
     def reached(self) -> torch.Tensor | None:
@@ -220,6 +228,7 @@ class AutoBudget(BudgetPolicy):
         if top == 0 or depth == 0:
             return torch.zeros(bsz, len(self.candidates), depth, dtype=torch.float64)
         tree = self.builder(torch.zeros(bsz, dtype=torch.long, device=logprobs.device), logprobs, top)
+        self._built = (logprobs, tree, top)
         probs = tree.scores[:, 1:].float().exp()  # [B, N-1]
         nodes = probs.shape[1]
         if nodes == 0:
@@ -229,6 +238,20 @@ class AutoBudget(BudgetPolicy):
         cum = per_depth.cumsum(dim=1)  # [B, N-1, D]: the first k nodes' reach by depth
         take = torch.tensor([min(n, nodes) - 1 for n in self.candidates], device=cum.device)
         return cum.index_select(1, take).clamp(max=1.0).cpu().double()
+
+    def built_tree(self, logprobs: torch.Tensor, roots: torch.Tensor, budget: int) -> DraftTree | None:
+        """The tree ``best_first`` grows from ``logprobs`` under ``budget``, cut from the larger one
+        :meth:`choose` grew from the same tensor to price the budgets (``None`` when it grew none, or its
+        builder is another). Best-first trees nest: the one under ``n`` nodes is the first ``n`` of any larger
+        one (one total order on candidates), so the round need not grow it again."""
+        if self._built is None or self._built[0] is not logprobs or self.builder is not best_first:
+            return None
+        _, tree, top = self._built
+        if budget > top:
+            return None
+        n = min(budget + 1, tree.num_nodes)  # fewer nodes than asked: the candidates ran out in both
+        return DraftTree(torch.cat([roots.view(-1, 1).long(), tree.tokens[:, 1:n]], dim=1), tree.parents[:, :n],
+                         tree.depths[:, :n], tree.scores[:, :n], tree.visibility[:, :n, :n])
 
     def reach_probabilities(self, logprobs: torch.Tensor, top: int | None = None) -> torch.Tensor:
         """``p_d(n)`` ``[len(candidates), D]`` averaged over rows."""
@@ -287,8 +310,9 @@ class AutoBudget(BudgetPolicy):
         changes. A drafting retry uses the best measured tree. Where nothing is measured, a plain step comes
         first (the cheap one), then a tree at the start budget (smaller as the batch grows)."""
         now = self.clock()
-        self._book(now)
-        self._round_start = now
+        wall = None if self.wall_clock is None else self.wall_clock()
+        self._book(now, wall)
+        self._round_start, self._wall_start = now, wall
         self.batch = batch
         self._retry = None
         key = self.costs.key(batch, context_len)
@@ -452,17 +476,21 @@ class AutoBudget(BudgetPolicy):
                 ratio = min(4.0, max(0.25, verify_seconds / modelled))
                 self.scale += self.ema * (ratio - self.scale)
 
-    def _book(self, now: float) -> None:
-        """The round that ran since the last ``prepare``: its wall seconds into the learned costs."""
+    def _book(self, now: float, wall: float | None = None) -> None:
+        """The round that ran since the last ``prepare``: its seconds (``clock``'s) into the learned costs, its
+        verify's rescaled from wall time when ``clock`` counts something else."""
         pending, self._pending = self._pending, None
         if pending is None or "verify" not in pending or self._round_start is None:
             return
         seconds = now - self._round_start
+        verify = pending["verify"]
+        if wall is not None and self._wall_start is not None and wall > self._wall_start:
+            verify = min(seconds, verify * seconds / (wall - self._wall_start))
         if pending["plain"]:
             self.costs.record_plain(pending["batch"], pending["context"], seconds)
         else:
-            self.costs.record_tree(pending["nodes"], pending["batch"], pending["context"], seconds,
-                                   pending["verify"], pending["tokens"])
+            self.costs.record_tree(pending["nodes"], pending["batch"], pending["context"], seconds, verify,
+                                   pending["tokens"])
         if pending.get("retry") is not None:
             self._retried(pending["retry"], pending["batch"], pending["context"])
 

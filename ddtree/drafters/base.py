@@ -163,16 +163,18 @@ def check_proposal(proposal: object, context: object | None = None) -> Proposal:
     raise TypeError(f"{who} returned a {what}, not a ddtree Proposal: {hint}")
 
 
-def proposal_tree(proposal: Proposal, root_tokens: torch.Tensor, builder: TreeBuilder, budget: int) -> DraftTree:
+def proposal_tree(proposal: Proposal, root_tokens: torch.Tensor, builder: TreeBuilder, budget: int,
+                  built: DraftTree | None = None) -> DraftTree:
     """The tree a proposal asks for under ``budget`` draft nodes: ``builder``'s pairwise form over
     ``proposal.pairwise`` when both exist (each child scored given its own parent), else ``builder`` over the
-    per-depth ``logprobs``; then ``proposal.paths`` grafted in under the same budget."""
+    per-depth ``logprobs`` (or ``built``, that tree when the caller has it already); then ``proposal.paths``
+    grafted in under the same budget."""
     scores = proposal.pairwise
     pairwise = None if scores is None else pairwise_builder(builder)
     if pairwise is not None and scores is not None:
         tree = pairwise(root_tokens, scores, budget)
     else:
-        tree = builder(root_tokens, proposal.logprobs, budget)
+        tree = builder(root_tokens, proposal.logprobs, budget) if built is None else built
     if proposal.paths is not None and proposal.has_paths:
         tree = graft_paths(tree, proposal.paths, budget)
     return tree

@@ -47,7 +47,7 @@ from ddtree.loading.drafter import resolve_drafter
 from ddtree.loading.pair import load_pair
 from ddtree.runtime.distributed import Lockstep, module_fingerprint
 from ddtree.runtime.threads import ThreadInfo, thread_info
-from ddtree.runtime.timing import StageTimer
+from ddtree.runtime.timing import StageTimer, work_clock
 from ddtree.targets.backends import get_backend
 
 
@@ -419,7 +419,8 @@ class SpeculativeGenerator:
         if isinstance(budget, int):
             return None if budget == 0 else FixedBudget(budget)
         if isinstance(budget, str):  # "auto", the one string check_budget accepts
-            return AutoBudget(builder=builder or self.builder, costs=self._costs)
+            clock, wall = work_clock(self.target.get_input_embeddings().weight.device)
+            return AutoBudget(builder=builder or self.builder, costs=self._costs, clock=clock, wall_clock=wall)
         return budget
 
     @property

@@ -27,6 +27,7 @@ from typing import Any, cast
 import torch
 
 from ddtree.budget.policy import BudgetPolicy
+from ddtree.core.builders import best_first
 from ddtree.core.masks import tree_position_ids
 from ddtree.core.sampling import choose_tokens
 from ddtree.core.tree import DraftTree, root_only
@@ -217,7 +218,9 @@ def _draft_tree(state: DecodeState, policy: BudgetPolicy, draft: DraftContext,
         proposal = check_proposal(draft.propose(roots), draft)
     with state.timer.stage("tree_build"):
         size = gen.lockstep.share(policy.choose(proposal.logprobs, context))  # each rank's clock differs
-        tree = proposal_tree(proposal, roots, gen.builder, size)
+        cut = getattr(policy, "built_tree", None)  # a policy that grew this round's tree while choosing
+        built = cut(proposal.logprobs, roots, size) if cut is not None and gen.builder is best_first else None
+        tree = proposal_tree(proposal, roots, gen.builder, size, built)
     return tree, size
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -69,3 +69,15 @@ class StageTimer:
     @property
     def total(self) -> float:
         return sum(self.seconds.values())
+
+
+def work_clock(device: torch.device | str) -> tuple[Callable[[], float], Callable[[], float] | None]:
+    """The clock a budget policy prices rounds with, and the wall clock beside it when they differ.
+
+    A CPU target run on one torch thread: this process's CPU time, which counts the round's own work and not
+    the time other processes take the core (under a competing process, wall seconds swing with the scheduler
+    while the work, and so which option is cheaper, stays the same). Elsewhere wall time (a GPU's work is not
+    the host's CPU time; several threads' CPU time overcounts their parallel parts)."""
+    if torch.device(device).type == "cpu" and torch.get_num_threads() == 1:
+        return time.process_time, time.perf_counter
+    return time.perf_counter, None
