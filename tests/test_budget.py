@@ -230,9 +230,9 @@ def test_auto_decodes_plainly_while_no_tree_pays_and_stays_exact():
     against plain's 100), then plain steps. The tree is retried once a retry costs at most ``retry_cost`` (0.02)
     of the rounds' time: (1 - 18/100) / 0.02 -> 41 rounds after it was measured (round 2), at round 43, with the
     tree now priced best (budget 1: the calibration expects nothing accepted), 25 ms, 40 tokens/s. The context
-    reaches 64 tokens at round 60, a new context bucket, whose schedule starts from the gap measured so far:
-    (1 - 40/100) / 0.02 = 30 rounds after round 44, round 74. No wall-clock time enters the choice: the
-    sequence of budgets is exact."""
+    reaches 64 tokens at round 60, a new context bucket, whose schedule starts from the gap measured so far and
+    counts its own rounds: (1 - 40/100) / 0.02 = 30 rounds after its first, round 90. No wall-clock time enters
+    the choice: the sequence of budgets is exact."""
     target = tiny_target("qwen3")
     prompt = [5, 17, 3, 9]
     ids = torch.tensor([prompt])
@@ -249,7 +249,7 @@ def test_auto_decodes_plainly_while_no_tree_pays_and_stays_exact():
     assert out.acceptance_lengths == [1] * 119  # the drafter is never right
     budgets = out.stats.budgets
     trees = [i for i, b in enumerate(budgets) if b > 0]
-    assert trees == [1, 43, 74] and [budgets[i] for i in trees] == [4, 1, 1], budgets
+    assert trees == [1, 43, 90] and [budgets[i] for i in trees] == [4, 1, 1], budgets
     assert desc_calibration_falls(out.stats.budget_policy)
     assert len(drafter.proposals) == len(trees)  # skipped rounds did not draft
     desc = out.stats.budget_policy

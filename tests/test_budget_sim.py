@@ -292,6 +292,36 @@ def test_costs_seed_a_later_generation_and_round_trip_through_json(tmp_path):
         RoundCosts.load(tmp_path / "bad.json")
 
 
+def test_retries_count_each_keys_own_rounds_when_rows_finish_one_by_one():
+    """Generations whose rows finish one by one pass through a batch size (a cost key) every few rounds; where
+    plain decoding wins at every one, the drafting retries stay as rare as at one key (each key's interval
+    counts that key's rounds), instead of one retry per key per generation."""
+    machine, drafter = cpu_like(), Drafter(**WEAK)
+    policy = auto()
+    drafted = []
+    for _ in range(12):  # generations
+        for r in range(48):
+            batch = 8 - r // 6  # 8 rows, one finishing every 6 rounds
+            lp = drafter.propose(batch)
+            policy.prepare(256, batch)
+            if policy.skip_draft:
+                spent, verify = machine.plain_round(batch, 256, r), machine.verify(batch, 1, 256, r)
+                accepted = [1] * batch
+            else:
+                n = policy.choose(lp, 256)
+                accepted = accepted_counts(best_first(torch.zeros(batch, dtype=torch.long), lp, n),
+                                           drafter.target_path(lp))
+                spent, verify = machine.tree_round(batch, n + 1, 256, r)
+            policy.observe(accepted, verify, 256)
+            policy.clock.now += spent
+            drafted.append(not policy.skip_draft)
+    later = drafted[4 * 48:]  # after four generations have met every key
+    # Eight keys, each run 6 rounds a generation: 48 of its own rounds in the last eight generations, under one
+    # retry interval of a tree that loses half or more (>= 50 rounds at retry_cost 0.01): at most one retry per
+    # key. Counted in the generation's rounds instead, each key retried in most generations (20 here).
+    assert sum(later) <= 8, sum(later)
+
+
 def test_a_work_clock_sees_through_a_competing_process():
     """Another process takes the core at random (a round then lasts 3x its work in wall time): a policy on a
     work clock (this process's CPU time, with the wall clock beside it to rescale the verify seconds) makes

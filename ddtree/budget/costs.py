@@ -13,7 +13,10 @@ Every round's own seconds feed one table (:class:`RoundCosts`), keyed by the con
 - ``reached``, ``predicted``: the policy's calibration of the drafter's path probabilities by depth (the
   pair's, not the machine's, but learned alongside and shared the same way);
 - ``shifts``: how many lasting changes (the drift rule) the round seconds here have seen: a new one
-  means the load moved, and the policy retries soon.
+  means the load moved, and the policy retries soon;
+- ``visits``, ``tried``: rounds run at each key, and the visit at which a plain and a drafting round last ran
+  there: the policy's retry intervals count a key's own rounds, so a generation that passes through many
+  keys (rows finishing one by one, the context growing) retries no more often than one that stays in one.
 
 Each entry is an :class:`Estimate`: an exponentially weighted mean that skips a lone outlier
 (a paused consumer, a page fault) but moves to a lasting change (a competing process starts or
@@ -99,6 +102,8 @@ class RoundCosts:
         self.tokens: dict[Key, Estimate] = {}  # committed tokens of a drafting round (a plain mean: no outliers)
         self.intervals: dict[Key, int] = {}
         self.shifts: dict[Key, int] = {}
+        self.visits: dict[Key, int] = {}
+        self.tried: dict[tuple[Key, str], int] = {}  # (key, "plain" | "drafted") -> visit when last run there
         self.reached: torch.Tensor | None = None  # the policy's depth calibration sums (see AutoBudget)
         self.predicted: torch.Tensor | None = None
         self.rounds = 0  # rounds recorded: each entry's stamp says how long ago it was measured
@@ -120,6 +125,7 @@ class RoundCosts:
         moved = table.setdefault(int(nodes), Estimate(**self.options)).update(verify_seconds, stamp)
         rest = max(0.0, round_seconds - verify_seconds)
         moved |= self.overhead.setdefault(key, Estimate(**self.options)).update(rest, stamp)
+        self._visit(key, "drafted")
         if tokens is not None:
             self.drafted.setdefault(key, Estimate(**self.options)).update(round_seconds, stamp)
             if key not in self.tokens:
@@ -142,6 +148,17 @@ class RoundCosts:
         key = self.key(batch, context)
         moved = self.plain.setdefault(key, Estimate(**self.options)).update(round_seconds, self.rounds)
         self.shifts[key] = self.shifts.get(key, 0) + int(moved)
+        self._visit(key, "plain")
+
+    def _visit(self, key: Key, kind: str) -> None:
+        self.visits[key] = self.visits.get(key, 0) + 1
+        self.tried[(key, kind)] = self.visits[key]
+
+    def since(self, batch: int, context: int, kind: str) -> int:
+        """Rounds run at this key since a ``kind`` round (``"plain"`` or ``"drafted"``) last ran here (all of
+        them when none ever did)."""
+        key = self.key(batch, context)
+        return self.visits.get(key, 0) - self.tried.get((key, kind), 0)
 
     # ------------------------------------------------------------------ reading
 
@@ -242,6 +259,8 @@ class RoundCosts:
             "tokens": {name(k): e.to_dict() for k, e in sorted(self.tokens.items())},
             "intervals": {name(k): n for k, n in sorted(self.intervals.items())},
             "shifts": {name(k): n for k, n in sorted(self.shifts.items())},
+            "visits": {name(k): n for k, n in sorted(self.visits.items())},
+            "tried": {f"{name(k)}:{kind}": n for (k, kind), n in sorted(self.tried.items())},
             "calibration": None if self.reached is None or self.predicted is None else {
                 "reached": self.reached.tolist(), "predicted": self.predicted.tolist()},
             "rounds": self.rounds,
@@ -266,6 +285,8 @@ class RoundCosts:
             costs.tokens[key(k)] = mean
         costs.intervals = {key(k): int(n) for k, n in data.get("intervals", {}).items()}
         costs.shifts = {key(k): int(n) for k, n in data.get("shifts", {}).items()}
+        costs.visits = {key(k): int(n) for k, n in data.get("visits", {}).items()}
+        costs.tried = {(key(k.split(":")[0]), k.split(":")[1]): int(n) for k, n in data.get("tried", {}).items()}
         calibration = data.get("calibration")
         if calibration:
             costs.reached = torch.tensor(calibration["reached"], dtype=torch.float64)

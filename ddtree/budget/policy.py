@@ -303,7 +303,8 @@ class AutoBudget(BudgetPolicy):
 
         The comparison is between measured rates (committed tokens per second of plain rounds and of
         drafting rounds, :meth:`RoundCosts.plain_rate` and :meth:`RoundCosts.drafted_rate`): the faster one
-        runs, and the other is retried once it was last measured ``interval`` rounds ago. The interval
+        runs, and the other is retried once it last ran ``interval`` rounds ago at this batch and context
+        bucket (its rounds, not the generation's: passing through many keys does not multiply retries). The interval
         doubles each time a retry confirms the winner (up to ``retry_every``; never so short that a retry
         costs more than ``retry_cost`` of the rounds' time), and falls back to 2 when the round seconds
         shift or a winning plain rate moves by a quarter (load came or went), spaced anew when the winner
@@ -325,8 +326,8 @@ class AutoBudget(BudgetPolicy):
         else:
             winner = 0 if plain[0] >= drafted[0] else 1
             interval = self._retry_interval(key, plain[0], drafted[0])
-            other = drafted if winner == 0 else plain
-            if self.costs.rounds - other[1] >= interval:
+            loser = "drafted" if winner == 0 else "plain"
+            if self.costs.since(batch, context_len, loser) >= interval:
                 self._retry = {"key": key, "winner": winner}
                 self.explorations += 1
                 skip = winner == 1

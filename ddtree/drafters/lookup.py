@@ -120,7 +120,6 @@ class LookupContext(DraftContext):
 
     def __init__(self, lookup: PromptLookup, batch_size: int) -> None:
         self.lookup = lookup
-        self.batch_size = batch_size
         self.tokens: torch.Tensor | None = None  # [B, capacity], made on the first append's device
         self.lengths: torch.Tensor | None = None  # [B]
         self.host_lengths = [0] * batch_size  # upper bounds of ``lengths`` (equal when host counts are given)
@@ -130,11 +129,11 @@ class LookupContext(DraftContext):
         bsz, t = tokens.shape
         device = tokens.device
         if self.tokens is None or self.lengths is None:
-            self.tokens = torch.zeros(bsz, _CAPACITY_STEP, dtype=torch.long, device=device)
+            self.tokens = torch.zeros(bsz, 256, dtype=torch.long, device=device)
             self.lengths = torch.zeros(bsz, dtype=torch.long, device=device)
         need = max(self.host_lengths) + t + 1  # every row writes all t columns; one more for the root
         if need > self.tokens.shape[1]:
-            grown = self.tokens.new_zeros(bsz, _capacity(need))
+            grown = self.tokens.new_zeros(bsz, max(need, 2 * self.tokens.shape[1]))  # doubling: few copies
             grown[:, : self.tokens.shape[1]] = self.tokens
             self.tokens = grown
         columns = self.lengths[:, None] + torch.arange(t, device=device)  # columns past a row's count: stale
@@ -146,7 +145,6 @@ class LookupContext(DraftContext):
     def select_rows(self, rows: torch.Tensor, host_rows: Sequence[int] | None = None) -> None:
         keep = [int(r) for r in rows] if host_rows is None else list(host_rows)
         self.host_lengths = [self.host_lengths[i] for i in keep]
-        self.batch_size = len(keep)
         if self.tokens is not None and self.lengths is not None:
             index = rows.to(self.tokens.device)
             self.tokens, self.lengths = self.tokens.index_select(0, index), self.lengths.index_select(0, index)
@@ -199,17 +197,6 @@ class LookupContext(DraftContext):
         # Rows without a match write -log(V) over -log(V): unchanged.
         lp.scatter_(2, cont[..., None], hit.index_select(0, n)[:, None, None].expand(bsz, depth, 1).contiguous())
         return Proposal(lp)
-
-
-_CAPACITY_STEP = 256
-
-
-def _capacity(need: int) -> int:
-    """Buffer widths of 256 columns times a power of two: few reallocations in a long generation."""
-    cap = _CAPACITY_STEP
-    while cap < need:
-        cap *= 2
-    return cap
 
 
 class WithLookup(Drafter):
