@@ -226,13 +226,15 @@ class Modelled(AutoBudget):
 
 def test_auto_decodes_plainly_while_no_tree_pays_and_stays_exact():
     """Verify cost proportional to the node count (a compute-bound batch), a plain round of 10 ms on a fake clock
-    and a drafter that is never right: a plain step first, then the start tree (55 ms for 1 token: 18 tokens/s
-    against plain's 100), then plain steps. The tree is retried once a retry costs at most ``retry_cost`` (0.02)
-    of the rounds' time: (1 - 18/100) / 0.02 -> 41 rounds after it was measured (round 2), at round 43, with the
-    tree now priced best (budget 1: the calibration expects nothing accepted), 25 ms, 40 tokens/s. The context
-    reaches 64 tokens at round 60, a new context bucket, whose schedule starts from the gap measured so far and
-    counts its own rounds: (1 - 40/100) / 0.02 = 30 rounds after its first, round 90. No wall-clock time enters
-    the choice: the sequence of budgets is exact."""
+    and a drafter that is confident and never right: a plain step first, then the start tree (55 ms for 1
+    token; it was expected to commit 5, and that expectation is the first key's prior: 3 tokens a drafting round,
+    55 tokens/s against plain's 100), then plain steps. The tree is retried once a retry costs at most
+    ``retry_cost`` (0.1) of the rounds' time: it loses 45% of a round 5.5 plain rounds long, so 0.45 * 5.5 / 0.1
+    -> 25 rounds after it was measured (round 2), at round 27, with the tree now priced best at budget 1 (the
+    calibration expects little), 25 ms. The context reaches 64 tokens at round 60, a new context bucket whose
+    rates start from the last one's (2.33 tokens, 93 tokens/s, within 7% of plain: a retry there costs little),
+    so it retries after 2 of its own rounds, then 4, 8, 16 as each retry confirms plain: 62, 67, 76, 93. No
+    wall-clock time enters the choice: the sequence of budgets is exact."""
     target = tiny_target("qwen3")
     prompt = [5, 17, 3, 9]
     ids = torch.tensor([prompt])
@@ -243,13 +245,13 @@ def test_auto_decodes_plainly_while_no_tree_pays_and_stays_exact():
     gen = SpeculativeGenerator(target, drafter)
     clock = ModelClock()
     policy = Modelled(FunctionLatency(lambda n, c, b=1: 0.01 * n), candidates=(1, 2, 4), overhead_seconds=0.005,
-                      clock=clock, retry_every=64, retry_cost=0.02)
+                      clock=clock, retry_every=64, retry_cost=0.1)
     out = gen.generate(prompt, max_new_tokens=120, tree_budget=policy)
     assert out.row_tokens[0] == ref
     assert out.acceptance_lengths == [1] * 119  # the drafter is never right
     budgets = out.stats.budgets
     trees = [i for i, b in enumerate(budgets) if b > 0]
-    assert trees == [1, 43, 90] and [budgets[i] for i in trees] == [4, 1, 1], budgets
+    assert trees == [1, 27, 62, 67, 76, 93] and [budgets[i] for i in trees] == [4, 1, 1, 1, 1, 1], budgets
     assert desc_calibration_falls(out.stats.budget_policy)
     assert len(drafter.proposals) == len(trees)  # skipped rounds did not draft
     desc = out.stats.budget_policy

@@ -20,7 +20,11 @@ Every round's own seconds feed one table (:class:`RoundCosts`), keyed by the con
 
 Each entry is an :class:`Estimate`: an exponentially weighted mean that skips a lone outlier
 (a paused consumer, a page fault) but moves to a lasting change (a competing process starts or
-stops) after ``drift_after`` surprises on the same side. A key never measured is read from the
+stops) after ``drift_after`` surprises on the same side; when one verify count moves so, the counts
+at that key last measured before the change follow by the same ratio (a table priced half under one
+load and half under another picks the wrong tree). The first key's tokens per drafting round start
+from what the policy expected of its first tree, as one round's worth, so one unlucky round does
+not decide against drafting. A key never measured is read from the
 nearest measured one (context bucket and batch, at the same total node count ``batch * nodes``).
 A table can be saved and loaded as JSON to seed a later run on the same machine and model.
 """
@@ -45,7 +49,10 @@ class Estimate:
         self.value: float | None = None
         self.count = 0
         self.stamp = -1  # the round it was last measured in
+        self.changed_at = -1  # the round the last lasting change began in (its first surprise)
         self._surprises: list[float] = []
+        self._first_surprise = -1
+        self.averaging = False  # a plain mean of the first 1 / weight values (a seeded prior counts as one)
 
     def update(self, seconds: float, stamp: int) -> bool:
         """``stamp`` counts rounds: a value last measured over ``stale_after`` rounds ago is replaced outright
@@ -62,14 +69,18 @@ class Estimate:
         if ratio > self.outlier or ratio * self.outlier < 1.0:
             if self._surprises and (self._surprises[-1] > self.value) != (seconds > self.value):
                 self._surprises.clear()  # a surprise on the other side: the run of one side is broken
+            if not self._surprises:
+                self._first_surprise = stamp
             self._surprises.append(seconds)
             if len(self._surprises) >= self.drift_after:  # a lasting change, not an outlier
                 self.value = sorted(self._surprises)[len(self._surprises) // 2]
                 self._surprises.clear()
+                self.changed_at = self._first_surprise
                 return True
             return False
         self._surprises.clear()
-        self.value += self.weight * (seconds - self.value)
+        weight = max(self.weight, 1.0 / self.count) if self.averaging else self.weight
+        self.value += weight * (seconds - self.value)
         return False
 
     def to_dict(self) -> dict:
@@ -115,21 +126,32 @@ class RoundCosts:
     # ------------------------------------------------------------------ recording
 
     def record_tree(self, nodes: int, batch: int, context: int, round_seconds: float, verify_seconds: float,
-                    tokens: int | None = None) -> None:
+                    tokens: int | None = None, expected: float | None = None) -> None:
         """A drafting round over ``nodes`` nodes per row: its verify forward and the rest of the round, and the
-        tokens it committed over all rows (when given)."""
+        tokens it committed over all rows (when given). ``expected``: the tokens the policy expected of the
+        round before it ran; where no key has measured tokens yet, it is their prior (one round's worth), so
+        that one unlucky first round does not settle the comparison with plain rounds."""
         self.rounds += 1
         stamp = self.rounds
         key = self.key(batch, context)
         table = self.verify.setdefault(key, {})
-        moved = table.setdefault(int(nodes), Estimate(**self.options)).update(verify_seconds, stamp)
+        entry = table.setdefault(int(nodes), Estimate(**self.options))
+        before = entry.value
+        moved = entry.update(verify_seconds, stamp)
+        if moved and before:  # the load changed: counts last measured before it follow by the same ratio
+            for other in table.values():
+                if other is not entry and other.value is not None and other.stamp < entry.changed_at:
+                    other.value *= cast(float, entry.value) / before
         rest = max(0.0, round_seconds - verify_seconds)
         moved |= self.overhead.setdefault(key, Estimate(**self.options)).update(rest, stamp)
         self._visit(key, "drafted")
         if tokens is not None:
             self.drafted.setdefault(key, Estimate(**self.options)).update(round_seconds, stamp)
             if key not in self.tokens:
-                self.tokens[key] = self._seed_tokens(key)
+                seed = self._seed_tokens(key)
+                if seed.value is None and expected is not None:
+                    seed.value, seed.count, seed.averaging = float(expected), 1, True
+                self.tokens[key] = seed
             self.tokens[key].update(float(tokens), stamp)
         self.shifts[key] = self.shifts.get(key, 0) + int(moved)
 
@@ -184,6 +206,12 @@ class RoundCosts:
         """``{nodes: round}`` of the verify forwards measured at exactly this batch and context bucket."""
         return {n: e.stamp for n, e in self.verify.get(self.key(batch, context), {}).items()}
 
+    def verify_changed(self, nodes: int, batch: int, context: int) -> int:
+        """The round the last lasting change of this verify forward's seconds began in (-1: none seen): node
+        counts measured before it were measured under another load."""
+        entry = self.verify.get(self.key(batch, context), {}).get(int(nodes))
+        return -1 if entry is None else entry.changed_at
+
     def verify_seconds(self, nodes: int, batch: int, context: int) -> float | None:
         """Interpolated in the node count; below the smallest measured count, its seconds; above the largest,
         extrapolated from the last two (never decreasing), or proportionally from a single one."""
@@ -226,6 +254,12 @@ class RoundCosts:
                 return None
             rate *= here[0] / there[0]
         return rate, self.drafted[near].stamp
+
+    def drafted_tokens(self, batch: int, context: int) -> float | None:
+        """Committed tokens (all rows) of a drafting round here, else at the nearest measured key per row."""
+        key = self.key(batch, context)
+        near = self._nearest(self.tokens, key)
+        return None if near is None else cast(float, self.tokens[near].value) * key[1] / near[1]
 
     def plain_seconds(self, batch: int, context: int) -> float | None:
         key = self.key(batch, context)

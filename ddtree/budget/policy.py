@@ -177,6 +177,7 @@ class AutoBudget(BudgetPolicy):
         self._shifts: dict[tuple[int, int], int] = {}  # the costs' shift counts the retry schedule has seen
         self._winners: dict[tuple[int, int], bool] = {}  # whether plain won, as the retry schedule last saw
         self._reference: dict[tuple[int, int], float] = {}  # plain's rate when the schedule last moved
+        self._held: dict[tuple[int, int], int] = {}  # intervals a load move cut short (restored if confirmed)
         self.moved = 1.25  # plain, winning, moved by more than this factor: retry drafting soon
         self._round_start: float | None = None
         self._wall_start: float | None = None
@@ -325,7 +326,7 @@ class AutoBudget(BudgetPolicy):
             skip = False
         else:
             winner = 0 if plain[0] >= drafted[0] else 1
-            interval = self._retry_interval(key, plain[0], drafted[0])
+            interval = self._retry_interval(key, plain[0], drafted[0], self._round_seconds(batch, context_len))
             loser = "drafted" if winner == 0 else "plain"
             if self.costs.since(batch, context_len, loser) >= interval:
                 self._retry = {"key": key, "winner": winner}
@@ -338,30 +339,51 @@ class AutoBudget(BudgetPolicy):
             self.plain_rounds += 1
             self._pending = {"plain": True, "batch": batch, "context": context_len, "retry": self._retry}
 
-    def _retry_interval(self, key: tuple[int, int], plain: float, drafted: float) -> int:
-        """The retry interval at ``key``: back to 2 when the round seconds shifted, or plain is winning and its
-        rate moved by more than ``moved`` (the load came or went: the loser was measured under another);
-        spaced anew when the winner changed."""
+    def _retry_interval(self, key: tuple[int, int], plain: float, drafted: float,
+                        seconds: tuple[float | None, float | None]) -> int:
+        """The retry interval at ``key``: 2 when the round seconds shifted, or plain is winning and its rate
+        moved by more than ``moved`` (the load came or went: the loser was measured under another), the
+        interval it cut short held to be restored if that retry confirms the winner (on a noisy machine plain's
+        rate moves by a quarter often: each move buys one early retry, not a new schedule); spaced anew when
+        the winner changed."""
         shifts, winner = self.costs.shifts.get(key, 0), plain >= drafted
         reference = self._reference.setdefault(key, plain)
         # plain's rate is steady (one token per row per round): a move is the load's, not the drafter's
         moved = winner and not reference / self.moved <= plain <= reference * self.moved
-        if self._shifts.setdefault(key, shifts) != shifts or moved:  # the loser was measured under another load
+        if self._shifts.setdefault(key, shifts) != shifts or moved:
+            self._held.setdefault(key, self.costs.intervals.get(key, 2))
             self.costs.intervals[key] = 2
         elif self._winners.setdefault(key, winner) != winner:
-            self.costs.intervals[key] = self._spaced(2, plain, drafted)
+            self.costs.intervals[key] = self._spaced(2, plain, drafted, *seconds)
         if moved or self._winners[key] != winner:
             self._reference[key] = plain
         self._shifts[key], self._winners[key] = shifts, winner
         if key not in self.costs.intervals:
-            self.costs.intervals[key] = self._spaced(2, plain, drafted)
+            self.costs.intervals[key] = self._spaced(2, plain, drafted, *seconds)
         return self.costs.intervals[key]
 
-    def _spaced(self, interval: int, plain: float, drafted: float) -> int:
+    def _spaced(self, interval: int, rate: float, other: float, seconds: float | None = None,
+                other_seconds: float | None = None) -> int:
         """At least ``interval``, and enough rounds that one retry of the loser costs at most ``retry_cost``
-        of them (a loser at half the winner's rate waits 50 rounds at 0.01)."""
-        loss = 1.0 - min(plain, drafted) / max(plain, drafted, 1e-12)
-        return int(min(self.retry_every, max(interval, math.ceil(loss / self.retry_cost))))
+        of them. A retry loses ``loss`` of its own round's tokens, and its round may be longer than the
+        winner's (a tree round at batch 8 lasts 2-3 plain rounds), so the wait is ``loss`` times the loser's
+        round seconds over the winner's, over ``retry_cost``: a loser at half the winner's rate, in a round
+        as long, waits 50 rounds at 0.01; in a round twice as long, 100."""
+        loss = 1.0 - min(rate, other) / max(rate, other, 1e-12)
+        length = 1.0
+        if seconds is not None and other_seconds is not None and min(seconds, other_seconds) > 0:
+            winner, loser = (seconds, other_seconds) if rate >= other else (other_seconds, seconds)
+            length = loser / winner
+        return int(min(self.retry_every, max(interval, math.ceil(loss * length / self.retry_cost - 1e-9))))
+
+    def _round_seconds(self, batch: int, context: int) -> tuple[float | None, float | None]:
+        """Seconds of a plain round and of a drafting round here, as measured (the spacing of retries)."""
+        plain = self.costs.plain_seconds(batch, context)
+        drafted = self.costs.drafted_rate(batch, context)
+        tokens = self.costs.drafted_tokens(batch, context)
+        if drafted is None or tokens is None:
+            return plain, None
+        return plain, tokens / max(drafted[0], 1e-12)
 
     def _retried(self, retry: dict, batch: int, context: int) -> None:
         """After a retry round is booked: the schedule backs off while the same option keeps winning (up to
@@ -373,7 +395,9 @@ class AutoBudget(BudgetPolicy):
             return
         key, interval = retry["key"], self.costs.intervals.get(retry["key"], 2)
         winner = 0 if plain[0] >= drafted[0] else 1
-        interval = self._spaced(2 if winner != retry["winner"] else 2 * interval, plain[0], drafted[0])
+        held = self._held.pop(key, 2)  # the interval before a load move cut it short: one early retry only
+        interval = self._spaced(2 if winner != retry["winner"] else max(2 * interval, held), plain[0], drafted[0],
+                                *self._round_seconds(batch, context))
         self.costs.intervals[key] = interval
         self._shifts[key], self._winners[key] = self.costs.shifts.get(key, 0), winner == 0
         self._reference[key] = plain[0]
@@ -424,7 +448,10 @@ class AutoBudget(BudgetPolicy):
             choice = self._neighbour(best, batch, context_len)
             self.explorations += 1
             self._interval = min(2 * self._interval, self.explore_every)
-            if choice in rates:  # a neighbour priced well below the best waits longer (its retry costs more)
+            stamps = self.costs.verify_stamps(batch, context_len)
+            current = stamps.get(choice + 1, -1) >= self.costs.verify_changed(best + 1, batch, context_len)
+            if choice in rates and current:  # a neighbour priced well below the best waits longer (a try costs
+                # more), unless its price is from before the best's seconds last changed (another load)
                 self._interval = self._spaced(self._interval, rates[best][0], rates[choice][0])
             self._explore_in = self._interval
         elif best is not None:
@@ -434,7 +461,8 @@ class AutoBudget(BudgetPolicy):
         self.choices[choice] = self.choices.get(choice, 0) + 1
         self._predicted_rows = reach[:, self.candidates.index(choice)]
         self._pending = {"plain": False, "nodes": choice + 1, "batch": batch, "context": context_len,
-                         "retry": self._retry}
+                         "retry": self._retry, "explored": explore and choice != best,
+                         "expected": self._expected.get(choice)}
         self.last = {
             "context": context_len,
             "batch": batch,
@@ -490,8 +518,11 @@ class AutoBudget(BudgetPolicy):
         if pending["plain"]:
             self.costs.record_plain(pending["batch"], pending["context"], seconds)
         else:
-            self.costs.record_tree(pending["nodes"], pending["batch"], pending["context"], seconds, verify,
-                                   pending["tokens"])
+            # an exploration round ran a neighbour of the best tree on purpose: its verify prices that budget,
+            # but the rate of drafting (against plain rounds) is the rate of the policy's own choices
+            tokens = None if pending.get("explored") else pending["tokens"]
+            self.costs.record_tree(pending["nodes"], pending["batch"], pending["context"], seconds, verify, tokens,
+                                   pending.get("expected"))
         if pending.get("retry") is not None:
             self._retried(pending["retry"], pending["batch"], pending["context"])
 
