@@ -34,6 +34,29 @@ def saved_tiny_pair(tmp_path_factory):
     return root / "target", root / "drafter"
 
 
+@pytest.fixture(scope="session")
+def readme_use_run():
+    """The README's Use block run once, as written (it loads the default SmolLM2 pair and generates up to 256
+    tokens): ``(its code, the names it left, what it printed)``. test_docs (every README block runs) and
+    test_pretrained (the snippet stops at the end of the turn) both check this one run."""
+    import contextlib
+    import io
+    from pathlib import Path
+
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    code = readme.split("## Use", 1)[1].split("```python", 1)[1].split("```", 1)[0]
+    scope: dict = {}
+    printed = io.StringIO()
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)  # a session fixture runs before the per-test one_thread
+    try:
+        with contextlib.redirect_stdout(printed):
+            exec(compile(code, "README.md", "exec"), scope)
+    finally:
+        torch.set_num_threads(before)
+    return code, scope, printed.getvalue()
+
+
 # --------------------------------------------------------------------------- property-based tests (hypothesis)
 
 SLOW_FACTOR = 20

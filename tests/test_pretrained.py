@@ -149,18 +149,16 @@ def test_the_shipped_drafter_lives_once_and_the_wheel_maps_it():
 
 @pytest.mark.smollm
 @smollm
-def test_readme_snippet_stops_at_the_end_of_the_turn(capsys):
-    """The README's Use snippet, run as written: generation ends at <|im_end|>, not in an invented next turn."""
-    readme = (Path(__file__).parents[1] / "README.md").read_text()
-    snippet = readme.split("## Use", 1)[1].split("```python", 1)[1].split("```", 1)[0]
-    scope: dict = {}
-    exec(compile(snippet, "README.md", "exec"), scope)
+def test_readme_snippet_stops_at_the_end_of_the_turn(readme_use_run):
+    """The README's Use snippet, run as written (once per session, conftest's ``readme_use_run``): generation
+    ends at <|im_end|>, not in an invented next turn."""
+    _, scope, printed = readme_use_run
     out, gen = scope["out"], scope["gen"]
     end = gen.tokenizer.convert_tokens_to_ids("<|im_end|>")
     tokens = out.row_tokens[0]
     assert tokens[-1] == end and end not in tokens[:-1] and len(tokens) < 256
     assert "<|im_start|>" not in gen.tokenizer.decode(tokens)
-    assert out.text[0].strip() and out.text[0] in capsys.readouterr().out
+    assert out.text[0].strip() and out.text[0] in printed
 
 
 def test_shipped_drafter_directory_has_one_safetensors_file():
