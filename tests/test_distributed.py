@@ -68,10 +68,18 @@ def pairs(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def tp_results(pairs) -> list[dict]:
-    proc = torchrun(str(WORKER), "checks", str(pairs), timeout=300)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return [json.loads((pairs / f"checks_rank{r}.json").read_text()) for r in range(RANKS)]
+def tp_run(pairs) -> subprocess.CompletedProcess:
+    """The ranks' checks, ended by an uncaught error on rank 1 once they are written (``tp_worker`` ``checks``)."""
+    return torchrun(str(WORKER), "checks", str(pairs), timeout=300)
+
+
+@pytest.fixture(scope="module")
+def tp_results(pairs, tp_run) -> list[dict]:
+    files = [pairs / f"checks_rank{r}.json" for r in range(RANKS)]
+    assert all(f.exists() for f in files), tp_run.stderr[-4000:]  # every check ran on every rank
+    results = [json.loads(f.read_text()) for f in files]
+    assert all("unexpected" not in r for r in results), tp_run.stderr[-4000:]
+    return results
 
 
 @pytest.fixture(scope="module")
@@ -129,8 +137,8 @@ def test_failing_rank_fails_every_rank_in_step(tp_results):
 
 
 @needs_accelerate
-def test_uncaught_error_on_one_rank_exits_every_rank(pairs):
-    proc = torchrun(str(WORKER), "bad-input", str(pairs), timeout=120)
+def test_uncaught_error_on_one_rank_exits_every_rank(tp_run, tp_results):
+    proc = tp_run  # the checks' run ends with rank 1's bad input, uncaught (tp_results: the checks got that far)
     assert proc.returncode != 0
     assert "RANK 1 ERROR ValueError: token id 500 in row 0 is outside the vocabulary" in proc.stderr
     assert "RANK 0 ERROR RankFailedError: rank 1 failed while checking generate's inputs" in proc.stderr

@@ -2,8 +2,10 @@
 
 ``python -m torch.distributed.run ... tests/tp_worker.py MODE ROOT``: ROOT holds
 the saved tiny pairs (``ROOT/<kind>/target``, ``ROOT/<kind>/drafter``). Each rank
-writes ``ROOT/<MODE>_rank<r>.json``. :func:`cases` is also what the test runs in
-one process, so both sides make exactly the same calls.
+writes ``ROOT/<MODE>_rank<r>.json``; ``checks``, once that is written, ends with
+``bad-input``'s uncaught error (whose exit status and messages the test reads).
+:func:`cases` is also what the test runs in one process, so both sides make
+exactly the same calls.
 """
 
 from __future__ import annotations
@@ -139,6 +141,12 @@ def main() -> int:
                 if kind == "llama":
                     result["failures"] = failures(root, gen, rank)
                     result["sharded_lm_head"] = type(gen.target.get_output_embeddings().weight).__name__
+                    llama = gen
+            # Every check is written; then the uncaught error ends the run, which must exit every rank (one
+            # torchrun instead of a second launch that loads the pair again only to fail).
+            (root / f"{mode}_rank{rank}.json").write_text(json.dumps(result))
+            llama.generate([5, 17, 500] if rank == 1 else [5, 17, 3], max_new_tokens=4)  # raises on every rank
+            result = {"unexpected": "no error"}
         elif mode == "bad-input":
             gen = load(root, "llama", tp_plan="auto")
             gen.generate([5, 17, 500] if rank == 1 else [5, 17, 3], max_new_tokens=4)  # raises on every rank
