@@ -227,14 +227,14 @@ class Modelled(AutoBudget):
 def test_auto_decodes_plainly_while_no_tree_pays_and_stays_exact():
     """Verify cost proportional to the node count (a compute-bound batch), a plain round of 10 ms on a fake clock
     and a drafter that is confident and never right: a plain step first, then the start tree (55 ms for 1
-    token; it was expected to commit 5, and that expectation is the first key's prior: 3 tokens a drafting round,
-    55 tokens/s against plain's 100), then plain steps. The tree is retried once a retry costs at most
-    ``retry_cost`` (0.1) of the rounds' time: it loses 45% of a round 5.5 plain rounds long, so 0.45 * 5.5 / 0.1
-    -> 25 rounds after it was measured (round 2), at round 27, with the tree now priced best at budget 1 (the
-    calibration expects little), 25 ms. The context reaches 64 tokens at round 60, a new context bucket whose
-    rates start from the last one's (2.33 tokens, 93 tokens/s, within 7% of plain: a retry there costs little),
-    so it retries after 2 of its own rounds, then 4, 8, 16 as each retry confirms plain: 62, 67, 76, 93. No
-    wall-clock time enters the choice: the sequence of budgets is exact."""
+    token; it was expected to commit 5, and that expectation is the first key's prior: 3 tokens, 55 tokens/s
+    against plain's 100). The first drafting round is no evidence to back off on, so it is retried after 2, at
+    round 4 (budget 1 now: the calibration expects little; 2.33 tokens in rounds still priced at 55 ms, the one
+    25 ms round a lone outlier). Confirmed, the wait doubles to 50 rounds (at least 0.58 * 5.5 / ``retry_cost``
+    0.1 = 32, the price of a retry: its rate loss times its round's length in plain rounds): round 55. The
+    context reaches 64 tokens at round 60, a new context bucket counting its own rounds: a first retry after 5
+    (priced from the last bucket's rates), round 65; then 10 and 20 as each retry confirms plain: 76, 97.
+    No wall-clock time enters the choice: the sequence of budgets is exact."""
     target = tiny_target("qwen3")
     prompt = [5, 17, 3, 9]
     ids = torch.tensor([prompt])
@@ -251,7 +251,7 @@ def test_auto_decodes_plainly_while_no_tree_pays_and_stays_exact():
     assert out.acceptance_lengths == [1] * 119  # the drafter is never right
     budgets = out.stats.budgets
     trees = [i for i, b in enumerate(budgets) if b > 0]
-    assert trees == [1, 27, 62, 67, 76, 93] and [budgets[i] for i in trees] == [4, 1, 1, 1, 1, 1], budgets
+    assert trees == [1, 4, 55, 65, 76, 97] and [budgets[i] for i in trees] == [4, 1, 1, 1, 1, 1], budgets
     assert desc_calibration_falls(out.stats.budget_policy)
     assert len(drafter.proposals) == len(trees)  # skipped rounds did not draft
     desc = out.stats.budget_policy
@@ -259,12 +259,13 @@ def test_auto_decodes_plainly_while_no_tree_pays_and_stays_exact():
     assert desc["verify_scale"] == 1.0 and clock.reads == len(budgets)
     # cheap trees and a drafter that is always right: after the plain step every round drafts, the full
     # budget-4 chain but for its neighbour (2) tried once at round 2 (next after 20 rounds: it is priced at
-    # 0.61x the best); plain (0.23x the drafting rate) would be retried after about 39 rounds
+    # 0.61x the best) and plain retried once at round 3 (its first round is no evidence yet); then plain
+    # (0.23x the drafting rate) would be retried after about 39 rounds
     right = ScriptedDrafter(torch.tensor(prompt + ref + [0] * 8), 97)
     cheap = Modelled(FunctionLatency(lambda n, c, b=1: 0.01 + 0.0001 * n), candidates=(1, 2, 4),
                      overhead_seconds=0.001, clock=ModelClock())
     out = SpeculativeGenerator(target, right).generate(prompt, max_new_tokens=40, tree_budget=cheap)
-    assert out.row_tokens[0] == ref[:40] and out.stats.budgets == [0, 4, 2] + [4] * 6, out.stats.budgets
+    assert out.row_tokens[0] == ref[:40] and out.stats.budgets == [0, 4, 2, 0] + [4] * 6, out.stats.budgets
     accepted = [1 if b == 0 else min(b, 4) + 1 for b in out.stats.budgets]
     assert out.acceptance_lengths[:-1] == accepted[:-1]  # every draft accepted
 

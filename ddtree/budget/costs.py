@@ -176,6 +176,12 @@ class RoundCosts:
         self.visits[key] = self.visits.get(key, 0) + 1
         self.tried[(key, kind)] = self.visits[key]
 
+    def samples(self, kind: str) -> int:
+        """The most rounds behind a ``kind`` rate (``"plain"`` or ``"drafted"``) at any key: 1 while only the
+        first such round of this table's life has run (which also paid first-call costs: kernels, shapes)."""
+        entries = self.plain if kind == "plain" else self.drafted
+        return max((e.count for e in entries.values()), default=0)
+
     def since(self, batch: int, context: int, kind: str) -> int:
         """Rounds run at this key since a ``kind`` round (``"plain"`` or ``"drafted"``) last ran here (all of
         them when none ever did)."""

@@ -328,6 +328,8 @@ class AutoBudget(BudgetPolicy):
             winner = 0 if plain[0] >= drafted[0] else 1
             interval = self._retry_interval(key, plain[0], drafted[0], self._round_seconds(batch, context_len))
             loser = "drafted" if winner == 0 else "plain"
+            if self.costs.samples(loser) < 2:  # the first round of a kind is no evidence to back off on (it
+                interval = 2  # also paid first-call costs: kernels, shapes)
             if self.costs.since(batch, context_len, loser) >= interval:
                 self._retry = {"key": key, "winner": winner}
                 self.explorations += 1
