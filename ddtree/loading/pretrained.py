@@ -14,14 +14,12 @@ folder as ``ddtree/models_data`` (``pyproject.toml`` maps it), so both
 
 from __future__ import annotations
 
-import contextlib
 import importlib.util
 import json
 import os
 import shutil
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -131,29 +129,6 @@ def _is_converted(d: Path) -> bool:
     ).is_file() and (d / ".ddtree-complete").is_file()
 
 
-@contextlib.contextmanager
-def _one_gguf_reader() -> Iterator[None]:
-    """transformers parses the GGUF's header (its 49k-token vocabulary included) once for the config, once for
-    the weights and once for the tokenizer; inside this block each file is parsed once and its reader (read-only,
-    over a memory map) shared."""
-    import gguf
-
-    real = gguf.GGUFReader
-    readers: dict = {}
-
-    def shared(path, mode="r"):
-        key = (os.fspath(path), mode)
-        if key not in readers:
-            readers[key] = real(path, mode)
-        return readers[key]
-
-    gguf.GGUFReader = shared  # transformers imports it from the package at each load
-    try:
-        yield
-    finally:
-        gguf.GGUFReader = real
-
-
 def convert_smollm2(out_dir: Path, dtype: torch.dtype = torch.bfloat16, quiet: bool = False) -> Path:
     """Dequantise the packaged GGUF into a plain HF directory ``out_dir`` (atomic: temp dir + rename)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
@@ -167,7 +142,7 @@ def convert_smollm2(out_dir: Path, dtype: torch.dtype = torch.bfloat16, quiet: b
     t0 = time.time()
     _log(f"first use: converting {gguf.name} to a plain HF model in {out_dir} (one time, ~20 s)", quiet)
     _log("[1/3] reading and dequantising the GGUF ...", quiet)
-    with _Progress("reading and dequantising the GGUF", quiet), _one_gguf_reader():
+    with _Progress("reading and dequantising the GGUF", quiet):
         q = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
         tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     _log(f"[2/3] rebuilding LlamaForCausalLM ({time.time() - t0:.1f}s) ...", quiet)
