@@ -261,11 +261,15 @@ class RoundCosts:
             rate *= here[0] / there[0]
         return rate, self.drafted[near].stamp
 
-    def drafted_tokens(self, batch: int, context: int) -> float | None:
-        """Committed tokens (all rows) of a drafting round here, else at the nearest measured key per row."""
+    def round_seconds(self, batch: int, context: int) -> tuple[float | None, float | None]:
+        """Seconds of a plain round and of a drafting round here (each ``None`` until measured somewhere): a
+        drafting round's are its tokens here over its rate here, so both follow the nearest key as the rates do."""
         key = self.key(batch, context)
-        near = self._nearest(self.tokens, key)
-        return None if near is None else cast(float, self.tokens[near].value) * key[1] / near[1]
+        near, rate = self._nearest(self.tokens, key), self.drafted_rate(batch, context)
+        if near is None or rate is None:
+            return self.plain_seconds(batch, context), None
+        tokens = cast(float, self.tokens[near].value) * key[1] / near[1]
+        return self.plain_seconds(batch, context), tokens / max(rate[0], 1e-12)
 
     def plain_seconds(self, batch: int, context: int) -> float | None:
         key = self.key(batch, context)

@@ -326,7 +326,7 @@ class AutoBudget(BudgetPolicy):
             skip = False
         else:
             winner = 0 if plain[0] >= drafted[0] else 1
-            interval = self._retry_interval(key, plain[0], drafted[0], self._round_seconds(batch, context_len))
+            interval = self._retry_interval(key, plain[0], drafted[0], self.costs.round_seconds(batch, context_len))
             loser = "drafted" if winner == 0 else "plain"
             if self.costs.samples(loser) < 2:  # the first round of a kind is no evidence to back off on (it
                 interval = 2  # also paid first-call costs: kernels, shapes)
@@ -378,14 +378,6 @@ class AutoBudget(BudgetPolicy):
             length = loser / winner
         return int(min(self.retry_every, max(interval, math.ceil(loss * length / self.retry_cost - 1e-9))))
 
-    def _round_seconds(self, batch: int, context: int) -> tuple[float | None, float | None]:
-        """Seconds of a plain round and of a drafting round here, as measured (the spacing of retries)."""
-        plain = self.costs.plain_seconds(batch, context)
-        drafted = self.costs.drafted_rate(batch, context)
-        tokens = self.costs.drafted_tokens(batch, context)
-        if drafted is None or tokens is None:
-            return plain, None
-        return plain, tokens / max(drafted[0], 1e-12)
 
     def _retried(self, retry: dict, batch: int, context: int) -> None:
         """After a retry round is booked: the schedule backs off while the same option keeps winning (up to
@@ -399,7 +391,7 @@ class AutoBudget(BudgetPolicy):
         winner = 0 if plain[0] >= drafted[0] else 1
         held = self._held.pop(key, 2)  # the interval before a load move cut it short: one early retry only
         interval = self._spaced(2 if winner != retry["winner"] else max(2 * interval, held), plain[0], drafted[0],
-                                *self._round_seconds(batch, context))
+                                *self.costs.round_seconds(batch, context))
         self.costs.intervals[key] = interval
         self._shifts[key], self._winners[key] = self.costs.shifts.get(key, 0), winner == 0
         self._reference[key] = plain[0]
