@@ -155,6 +155,19 @@ class RoundCosts:
             self.tokens[key].update(float(tokens), stamp)
         self.shifts[key] = self.shifts.get(key, 0) + int(moved)
 
+    def row_tokens_prior(self, batch: int, context: int, expected: float | None = None) -> Estimate:
+        """A generation's tokens per row per drafting round, before its first: the nearest key's per row (else
+        ``expected``, the tokens the policy expected of its first tree, over all rows), as one round's worth."""
+        mean = _mean()
+        near = self._nearest(self.tokens, self.key(batch, context))
+        if near is not None:
+            mean.value = cast(float, self.tokens[near].value) / near[1]
+        elif expected is not None:
+            mean.value = float(expected) / batch
+        if mean.value is not None:
+            mean.count, mean.averaging = 1, True
+        return mean
+
     def _seed_tokens(self, key: Key) -> Estimate:
         """A new key's tokens per drafting round start from the nearest key's, per row: one round's count
         alone is too noisy to compare rates with."""
@@ -246,14 +259,17 @@ class RoundCosts:
             return None
         return batch / max(seconds, 1e-12), self.plain[near].stamp
 
-    def drafted_rate(self, batch: int, context: int) -> tuple[float, int] | None:
+    def drafted_rate(self, batch: int, context: int, row_tokens: float | None = None) -> tuple[float, int] | None:
         """Measured tokens per second of drafting rounds here (else at the nearest measured key, the same
-        ratio to that key's plain rate) and the round they were last measured in."""
+        ratio to that key's plain rate) and the round they were last measured in. ``row_tokens``: committed
+        tokens per row of a drafting round to price instead of the table's (a generation's own: acceptance
+        belongs to the prompts, the seconds to the machine)."""
         key = self.key(batch, context)
         near = self._nearest(self.drafted, key)
-        if near is None or near not in self.tokens:
+        if near is None or (row_tokens is None and near not in self.tokens):
             return None
-        rate = cast(float, self.tokens[near].value) / max(cast(float, self.drafted[near].value), 1e-12)
+        tokens = cast(float, self.tokens[near].value) if row_tokens is None else row_tokens * near[1]
+        rate = tokens / max(cast(float, self.drafted[near].value), 1e-12)
         if near != key:
             here, there = self.plain_rate(batch, context), self.plain_rate(near[1], near[0])
             if here is None or there is None:

@@ -15,7 +15,7 @@ from typing import Any, Protocol, cast
 
 import torch
 
-from ddtree.budget.costs import RoundCosts
+from ddtree.budget.costs import Estimate, RoundCosts
 from ddtree.budget.latency import COST_MODEL, LatencyModel
 from ddtree.budget.profile import load_profile, save_profile
 from ddtree.core.builders import TreeBuilder, best_first
@@ -178,12 +178,20 @@ class AutoBudget(BudgetPolicy):
         self._winners: dict[tuple[int, int], bool] = {}  # whether plain won, as the retry schedule last saw
         self._reference: dict[tuple[int, int], float] = {}  # plain's rate when the schedule last moved
         self._held: dict[tuple[int, int], int] = {}  # intervals a load move cut short (restored if confirmed)
+        self._row_tokens: Estimate | None = None  # tokens per row of this generation's drafting rounds
         self.moved = 1.25  # plain, winning, moved by more than this factor: retry drafting soon
         self._round_start: float | None = None
         self._wall_start: float | None = None
         self._pending: dict | None = None  # the round in flight: what it ran, for the costs
         self._predicted_rows: torch.Tensor | None = None  # [B, D] p_d of the chosen tree per row
         self._built: tuple[torch.Tensor, DraftTree, int] | None = None  # the last reach tree, its input, budget
+
+    @property
+    def row_tokens(self) -> float | None:
+        """Committed tokens per row of this generation's drafting rounds (a running mean from the shared table's
+        figure, counted as one round): the rate of drafting compares with plain rounds' at this acceptance, since
+        acceptance belongs to the prompts (the table's is the last generations') and the seconds to the machine."""
+        return None if self._row_tokens is None else self._row_tokens.value
 
     @property
     def reached(self) -> torch.Tensor | None:
@@ -319,19 +327,25 @@ class AutoBudget(BudgetPolicy):
         self._retry = None
         key = self.costs.key(batch, context_len)
         plain = self.costs.plain_rate(batch, context_len)
-        drafted = self.costs.drafted_rate(batch, context_len)
+        drafted = self.costs.drafted_rate(batch, context_len, self.row_tokens)
         if plain is None:
             skip = True
         elif drafted is None:
             skip = False
         else:
             winner = 0 if plain[0] >= drafted[0] else 1
-            interval = self._retry_interval(key, plain[0], drafted[0], self.costs.round_seconds(batch, context_len))
+            seconds = self.costs.round_seconds(batch, context_len)
+            interval = self._retry_interval(key, plain[0], drafted[0], seconds)
             loser = "drafted" if winner == 0 else "plain"
             if self.costs.samples(loser) < 2:  # the first round of a kind is no evidence to back off on (it
                 interval = 2  # also paid first-call costs: kernels, shapes)
+            fresh = False
+            if winner == 0 and self._row_tokens is None:  # this generation's prompts were never drafted: the
+                # table's acceptance is other prompts'; one retry, spaced by the loss alone, measures theirs
+                spaced = self._spaced(2, plain[0], drafted[0], *seconds)
+                fresh, interval = spaced < interval, min(interval, spaced)
             if self.costs.since(batch, context_len, loser) >= interval:
-                self._retry = {"key": key, "winner": winner}
+                self._retry = {"key": key, "winner": winner, "fresh": fresh}
                 self.explorations += 1
                 skip = winner == 1
             else:
@@ -384,14 +398,17 @@ class AutoBudget(BudgetPolicy):
         ``retry_every`` rounds; a close race costs little whoever wins it), and starts again at 2 when the
         other one wins (spaced out by ``retry_cost`` in both cases)."""
         plain = self.costs.plain_rate(batch, context)
-        drafted = self.costs.drafted_rate(batch, context)
+        drafted = self.costs.drafted_rate(batch, context, self.row_tokens)
         if plain is None or drafted is None:
             return
         key, interval = retry["key"], self.costs.intervals.get(retry["key"], 2)
         winner = 0 if plain[0] >= drafted[0] else 1
         held = self._held.pop(key, 2)  # the interval before a load move cut it short: one early retry only
-        interval = self._spaced(2 if winner != retry["winner"] else max(2 * interval, held), plain[0], drafted[0],
-                                *self.costs.round_seconds(batch, context))
+        if winner != retry["winner"]:
+            interval = 2
+        elif not retry.get("fresh"):  # a generation's first try of its own prompts says nothing of the schedule
+            interval = max(2 * interval, held)
+        interval = self._spaced(interval, plain[0], drafted[0], *self.costs.round_seconds(batch, context))
         self.costs.intervals[key] = interval
         self._shifts[key], self._winners[key] = self.costs.shifts.get(key, 0), winner == 0
         self._reference[key] = plain[0]
@@ -515,6 +532,11 @@ class AutoBudget(BudgetPolicy):
             # an exploration round ran a neighbour of the best tree on purpose: its verify prices that budget,
             # but the rate of drafting (against plain rounds) is the rate of the policy's own choices
             tokens = None if pending.get("explored") else pending["tokens"]
+            if tokens is not None:
+                if self._row_tokens is None:
+                    self._row_tokens = self.costs.row_tokens_prior(pending["batch"], pending["context"],
+                                                                   pending.get("expected"))
+                self._row_tokens.update(tokens / pending["batch"], self.rounds)
             self.costs.record_tree(pending["nodes"], pending["batch"], pending["context"], seconds, verify, tokens,
                                    pending.get("expected"))
         if pending.get("retry") is not None:
@@ -529,7 +551,7 @@ class AutoBudget(BudgetPolicy):
         depth = self.reached.numel() if self.reached is not None else 0
         context, batch = self.last.get("context", 0), self.last.get("batch", self.batch)
         plain = self.costs.plain_seconds(batch, context)
-        drafted = self.costs.drafted_rate(batch, context)
+        drafted = self.costs.drafted_rate(batch, context, self.row_tokens)
         overhead = self._overhead(batch, context)
         return {
             "policy": "auto",
