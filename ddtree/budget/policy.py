@@ -188,9 +188,8 @@ class AutoBudget(BudgetPolicy):
 
     @property
     def row_tokens(self) -> float | None:
-        """Committed tokens per row of this generation's drafting rounds (a running mean from the shared table's
-        figure, counted as one round): the rate of drafting compares with plain rounds' at this acceptance, since
-        acceptance belongs to the prompts (the table's is the last generations') and the seconds to the machine."""
+        """Committed tokens per row of this generation's drafting rounds, a running mean from the shared table's
+        figure counted as one round: acceptance belongs to the prompts, the round seconds to the machine."""
         return None if self._row_tokens is None else self._row_tokens.value
 
     @property
@@ -317,7 +316,8 @@ class AutoBudget(BudgetPolicy):
         doubles each time a retry confirms the winner (up to ``retry_every``; never so short that a retry
         costs more than ``retry_cost`` of the rounds' time), and falls back to 2 when the round seconds
         shift or a winning plain rate moves by a quarter (load came or went), spaced anew when the winner
-        changes. A drafting retry uses the best measured tree. Where nothing is measured, a plain step comes
+        changes; a generation whose prompts were never drafted retries once, spaced by the loss alone. A drafting
+        retry uses the best measured tree. Where nothing is measured, a plain step comes
         first (the cheap one), then a tree at the start budget (smaller as the batch grows)."""
         now = self.clock()
         wall = None if self.wall_clock is None else self.wall_clock()
