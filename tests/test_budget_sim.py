@@ -271,6 +271,68 @@ def test_load_spike_moves_to_smaller_trees_and_back():
     assert smaller >= 7 and drafting_after >= 7, (smaller, drafting_after)
 
 
+@pytest.mark.parametrize("seed", [0, 2, 5])
+def test_when_the_load_leaves_during_a_plain_retry_drafting_is_measured_again_at_once(seed):
+    """A 4x load comes at round 30 and drafting still wins (with smaller trees); the load leaves just as a
+    scheduled plain round retries plain, which then wins against drafting seconds measured under the load.
+    Drafting is tried again 2 rounds later and its first round's seconds replace the old figure (one round alone
+    would be taken for an outlier), so the policy drafts again within a few rounds instead of waiting out a
+    spaced interval (about 30 rounds here) on a stale price. (Seeds where drafting still wins under the load.)"""
+    drafter, policy = Drafter(**STRONG, seed=seed), auto()
+    loaded, quiet = cpu_like(lambda r: 4.0), cpu_like()
+    machine, left, choices = quiet, None, []
+    for r in range(140):
+        lp = drafter.propose(1)
+        policy.prepare(256, 1)
+        if r == 30:
+            machine = loaded
+        if left is None and r >= 60 and policy.skip_draft and policy._retry is not None:
+            machine, left = quiet, r  # the load leaves with this plain retry
+        if policy.skip_draft:
+            spent, verify, accepted, n = machine.plain_round(1, 256, r), machine.verify(1, 1, 256, r), [1], 0
+        else:
+            n = policy.choose(lp, 256)
+            accepted = accepted_counts(best_first(torch.zeros(1, dtype=torch.long), lp, n), drafter.target_path(lp))
+            spent, verify = machine.tree_round(1, n + 1, 256, r)
+        policy.observe(accepted, verify, 256)
+        policy.clock.now += spent
+        choices.append(n)
+    assert left is not None and left < 110 and choices[60:left].count(0) <= 0.2 * (left - 60), choices[60:left]
+    after = choices[left + 1:left + 21]
+    assert after[:4].count(0) <= 3 and after[4:].count(0) <= 2, after
+    quiet_round = quiet.tree_round(1, policy.best + 1, 256, 0)[0]
+    drafted = policy.costs.drafted[policy.costs.key(1, 256)].value
+    assert drafted < 1.5 * quiet_round, (drafted, quiet_round)
+
+
+def test_the_neighbour_schedule_is_shared_by_generations_and_kept_through_near_ties():
+    """Short generations on one cost table (a generator's calls) try the neighbours of the best budget on one
+    schedule per key: a new generation does not start it again at 2 rounds, nor does a flip of the best between
+    two measured budgets (a near tie), so over the last four of eight 40-round generations the tries come at
+    most once per ``explore_every`` drafting rounds, plus one. Restarted by each generation, they came at rounds
+    2, 6, 14 and 30 of it: 4 or more per generation."""
+
+    class Counting(AutoBudget):
+        tries = 0
+
+        def choose(self, logprobs, context_len):
+            n = super().choose(logprobs, context_len)
+            self.tries += bool(self.last["explored"])
+            return n
+
+    for machine, batch in ((cpu_like(), 1), (gpu_like(), 4)):
+        costs, tries, drafted = None, [], []
+        for g in range(8):
+            policy = Counting(candidates=CANDIDATES, clock=FakeClock(), costs=costs)
+            run = simulate(policy, machine, Drafter(**STRONG, seed=g), batch, 40)
+            costs = policy.costs
+            tries.append(policy.tries)
+            drafted.append(sum(c > 0 for c in run.choices))
+        bound = -(-sum(drafted[4:]) // policy.explore_every) + 1
+        assert sum(tries[4:]) <= bound, (tries, bound)
+        assert min(tries[4:]) >= 1  # still exploring: a load or a drafter that changes is found
+
+
 def test_acceptance_is_each_generations_own_and_the_seconds_are_shared():
     """A generator's generations share the machine's costs, but acceptance belongs to the prompts. After a
     generation on prompts the drafter cannot follow (plain wins and the retries of a tree have backed off), one

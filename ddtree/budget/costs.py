@@ -9,7 +9,9 @@ Every round's own seconds feed one table (:class:`RoundCosts`), keyed by the con
 - ``drafted``: a whole drafting round, its seconds and its committed tokens (all rows): their ratio is the
   measured rate of drafting that the policy compares with plain rounds';
 - ``intervals``: how many rounds the policy waits before trying the option that is losing again (its
-  exploration schedule, shared so that a later generation does not start by re-trying it);
+  retry schedule, shared so that a later generation does not start by re-trying it);
+- ``neighbours``: when the policy next tries a budget next to the best one (:class:`Schedule`, shared for
+  the same reason: a generation of 30-60 rounds that restarted it would spend a tenth of them exploring);
 - ``reached``, ``predicted``: the policy's calibration of the drafter's path probabilities by depth (the
   pair's, not the machine's, but learned alongside and shared the same way);
 - ``shifts``: how many lasting changes (the drift rule) the round seconds here have seen: a new one
@@ -33,6 +35,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, cast
 
@@ -53,13 +56,14 @@ class Estimate:
         self._surprises: list[float] = []
         self._first_surprise = -1
         self.averaging = False  # a plain mean of the first 1 / weight values (a seeded prior counts as one)
+        self.expired = False  # the next value replaces this one outright (see :meth:`RoundCosts.expire`)
 
     def update(self, seconds: float, stamp: int) -> bool:
         """``stamp`` counts rounds: a value last measured over ``stale_after`` rounds ago is replaced outright
         (what it measured may be gone: an entry tried only on the exploration schedule must follow load).
         Returns whether the value moved to a lasting change (the drift rule)."""
-        stale = stamp - self.stamp > self.stale_after
-        self.stamp = stamp
+        stale = stamp - self.stamp > self.stale_after or self.expired
+        self.stamp, self.expired = stamp, False
         self.count += 1
         if self.value is None or stale:
             self.value = seconds
@@ -96,6 +100,16 @@ class Estimate:
 Key = tuple[int, int]  # (context bucket, batch)
 
 
+@dataclass
+class Schedule:
+    """A backing-off schedule at one key: ``left`` drafting rounds until the next try, ``interval`` the wait
+    after it, ``shifts`` the key's lasting changes of round seconds when it was last looked at."""
+
+    interval: int = 2
+    left: int = 2
+    shifts: int = 0
+
+
 class RoundCosts:
     """Learned seconds of verify, overhead and plain rounds by context bucket, batch and node count.
 
@@ -112,6 +126,7 @@ class RoundCosts:
         self.drafted: dict[Key, Estimate] = {}  # seconds of a drafting round
         self.tokens: dict[Key, Estimate] = {}  # committed tokens of a drafting round (a plain mean: no outliers)
         self.intervals: dict[Key, int] = {}
+        self.neighbours: dict[Key, Schedule] = {}
         self.shifts: dict[Key, int] = {}
         self.visits: dict[Key, int] = {}
         self.tried: dict[tuple[Key, str], int] = {}  # (key, "plain" | "drafted") -> visit when last run there
@@ -188,6 +203,13 @@ class RoundCosts:
     def _visit(self, key: Key, kind: str) -> None:
         self.visits[key] = self.visits.get(key, 0) + 1
         self.tried[(key, kind)] = self.visits[key]
+
+    def expire(self, batch: int, context: int, kind: str) -> None:
+        """The next ``kind`` round here (``"plain"`` or ``"drafted"``) replaces its seconds outright: they were
+        measured under a load that has since gone (one round under the new one would be taken for an outlier)."""
+        entry = (self.plain if kind == "plain" else self.drafted).get(self.key(batch, context))
+        if entry is not None:
+            entry.expired = True
 
     def samples(self, kind: str) -> int:
         """The most rounds behind a ``kind`` rate (``"plain"`` or ``"drafted"``) at any key: 1 while only the
@@ -318,6 +340,7 @@ class RoundCosts:
             "drafted": {name(k): e.to_dict() for k, e in sorted(self.drafted.items())},
             "tokens": {name(k): e.to_dict() for k, e in sorted(self.tokens.items())},
             "intervals": {name(k): n for k, n in sorted(self.intervals.items())},
+            "neighbours": {name(k): asdict(s) for k, s in sorted(self.neighbours.items())},
             "shifts": {name(k): n for k, n in sorted(self.shifts.items())},
             "visits": {name(k): n for k, n in sorted(self.visits.items())},
             "tried": {f"{name(k)}:{kind}": n for (k, kind), n in sorted(self.tried.items())},
@@ -344,6 +367,8 @@ class RoundCosts:
             mean.value, mean.count, mean.stamp = float(e["value"]), int(e["count"]), int(e.get("stamp", -1))
             costs.tokens[key(k)] = mean
         costs.intervals = {key(k): int(n) for k, n in data.get("intervals", {}).items()}
+        costs.neighbours = {key(k): Schedule(**{f: int(v) for f, v in s.items()})
+                            for k, s in data.get("neighbours", {}).items()}
         costs.shifts = {key(k): int(n) for k, n in data.get("shifts", {}).items()}
         costs.visits = {key(k): int(n) for k, n in data.get("visits", {}).items()}
         costs.tried = {(key(k.split(":")[0]), k.split(":")[1]): int(n) for k, n in data.get("tried", {}).items()}

@@ -15,7 +15,7 @@ from typing import Any, Protocol, cast
 
 import torch
 
-from ddtree.budget.costs import Estimate, RoundCosts
+from ddtree.budget.costs import Estimate, RoundCosts, Schedule
 from ddtree.budget.latency import COST_MODEL, LatencyModel
 from ddtree.budget.profile import load_profile, save_profile
 from ddtree.core.builders import TreeBuilder, best_first
@@ -102,9 +102,10 @@ class AutoBudget(BudgetPolicy):
     Whether a round drafts at all is decided in :meth:`prepare` from measured rates (plain rounds against
     drafting rounds, the loser retried on a backing-off schedule). Among tree
     budgets, only those measured at this batch and context (or priced by ``latency``) are chosen; a
-    neighbour of the best is tried after 2 drafting rounds, then 4, 8, ... up to ``explore_every``,
-    back to 2 whenever the best budget changes (longer where the neighbour is priced well below the best,
-    so that a try costs at most ``retry_cost`` of the rounds' time).
+    neighbour of the best is tried after 2 drafting rounds, then 4, 8, ... up to ``explore_every`` (the key's
+    own drafting rounds, a schedule shared by the generator's generations like the costs), back to 2 when the
+    round seconds shift or the best has a neighbour never measured (longer where the neighbour is priced well
+    below the best, so that a try costs at most ``retry_cost`` of the rounds' time).
 
     ``profile``: a JSON file (:mod:`ddtree.budget.profile`; :func:`~ddtree.budget.profile.default_profile`
     names one per machine and model pair in the ddtree cache) whose saved costs seed the policy when no
@@ -171,8 +172,6 @@ class AutoBudget(BudgetPolicy):
         self.best: int | None = None  # the best measured tree budget at the last choice
         self._expected: dict[int, float] = {}  # E[tokens | n] summed over rows, at the last choice
         self._expected_batch = 1
-        self._interval = 2
-        self._explore_in = 2
         self._retry: dict | None = None  # this round retries the losing option (see ``prepare``)
         self._shifts: dict[tuple[int, int], int] = {}  # the costs' shift counts the retry schedule has seen
         self._winners: dict[tuple[int, int], bool] = {}  # whether plain won, as the retry schedule last saw
@@ -316,8 +315,10 @@ class AutoBudget(BudgetPolicy):
         doubles each time a retry confirms the winner (up to ``retry_every``; never so short that a retry
         costs more than ``retry_cost`` of the rounds' time), and falls back to 2 when the round seconds
         shift or a winning plain rate moves by a quarter (load came or went), spaced anew when the winner
-        changes; a generation whose prompts were never drafted retries once, spaced by the loss alone. A drafting
-        retry uses the best measured tree. Where nothing is measured, a plain step comes
+        changes; a generation whose prompts were never drafted retries once, spaced by the loss alone. A retry's
+        seconds replace the loser's (its one fresh look: judged an outlier, it would keep a price from another
+        load), and when plain takes over on a rate the load moved, drafting is measured again after 2 rounds.
+        A drafting retry uses the best measured tree. Where nothing is measured, a plain step comes
         first (the cheap one), then a tree at the start budget (smaller as the batch grows)."""
         now = self.clock()
         wall = None if self.wall_clock is None else self.wall_clock()
@@ -346,6 +347,7 @@ class AutoBudget(BudgetPolicy):
                 fresh, interval = spaced < interval, min(interval, spaced)
             if self.costs.since(batch, context_len, loser) >= interval:
                 self._retry = {"key": key, "winner": winner, "fresh": fresh}
+                self.costs.expire(batch, context_len, loser)  # the loser's one fresh look, not an outlier
                 self.explorations += 1
                 skip = winner == 1
             else:
@@ -404,11 +406,17 @@ class AutoBudget(BudgetPolicy):
         key, interval = retry["key"], self.costs.intervals.get(retry["key"], 2)
         winner = 0 if plain[0] >= drafted[0] else 1
         held = self._held.pop(key, 2)  # the interval before a load move cut it short: one early retry only
+        reference = self._reference.get(key, plain[0])
         if winner != retry["winner"]:
             interval = 2
         elif not retry.get("fresh"):  # a generation's first try of its own prompts says nothing of the schedule
             interval = max(2 * interval, held)
-        interval = self._spaced(interval, plain[0], drafted[0], *self.costs.round_seconds(batch, context))
+        if winner == 0 != retry["winner"] and not reference / self.moved <= plain[0] <= reference * self.moved:
+            # plain took over on a rate the load moved: drafting's seconds are from before the move, so they are
+            # measured again after 2 rounds, the first of them replacing the old figure
+            self.costs.expire(batch, context, "drafted")
+        else:
+            interval = self._spaced(interval, plain[0], drafted[0], *self.costs.round_seconds(batch, context))
         self.costs.intervals[key] = interval
         self._shifts[key], self._winners[key] = self.costs.shifts.get(key, 0), winner == 0
         self._reference[key] = plain[0]
@@ -430,15 +438,25 @@ class AutoBudget(BudgetPolicy):
         unmeasured = [n for n in near if self.latency is None and n + 1 not in stamps]
         return unmeasured[0] if unmeasured else min(near, key=lambda n: (stamps.get(n + 1, -1), n))
 
+    def _restart(self, schedule: Schedule, best: int, batch: int, context: int) -> bool:
+        """Whether the neighbour schedule starts again at 2: the round seconds here shifted since it last looked
+        (the load moved), or the best budget has a neighbour never measured here (the climb goes on). A best
+        that flips between measured budgets (a near tie) keeps it: each flip would buy a try of a losing tree."""
+        shifts = self.costs.shifts.get(self.costs.key(batch, context), 0)
+        moved, schedule.shifts = shifts != schedule.shifts, shifts
+        return moved or (self.latency is None and self._neighbour(best, batch, context) + 1
+                         not in self.costs.verify_stamps(batch, context))
+
     def choose(self, logprobs: torch.Tensor, context_len: int) -> int:
         batch = logprobs.shape[0]
         seconds = {n: self.tree_seconds(n, batch, context_len) for n in self.candidates}
         measured = [n for n in self.candidates if seconds[n][1]]
         wanted = set(measured) or {self._start_budget(batch)}
+        schedule = self.costs.neighbours.setdefault(self.costs.key(batch, context_len), Schedule())
         explore = False
         if self._retry is None and measured:
-            self._explore_in -= 1
-            explore = self._explore_in <= 0
+            schedule.left -= 1
+            explore = schedule.left <= 0
         top = max(wanted)
         if explore:
             above = [c for c in self.candidates if c > top]
@@ -451,20 +469,19 @@ class AutoBudget(BudgetPolicy):
         rates = {n: (e / s, True) for n, e in zip(self.candidates, expected)
                  for s, k in [seconds[n]] if k and s is not None and n <= top}
         best = self._argmax(rates)  # None only when ``rates`` is empty: all its entries are measured
-        if best is not None and best != self.best:
-            self._interval = 2
-            self._explore_in = min(self._explore_in, self._interval) if not explore else self._explore_in
         self.best = best if best is not None else self.best
+        if best is not None and self._restart(schedule, best, batch, context_len):
+            schedule.interval, schedule.left = 2, min(schedule.left, 2)
         if explore and best is not None:
             choice = self._neighbour(best, batch, context_len)
             self.explorations += 1
-            self._interval = min(2 * self._interval, self.explore_every)
+            schedule.interval = min(2 * schedule.interval, self.explore_every)
             stamps = self.costs.verify_stamps(batch, context_len)
             current = stamps.get(choice + 1, -1) >= self.costs.verify_changed(best + 1, batch, context_len)
             if choice in rates and current:  # a neighbour priced well below the best waits longer (a try costs
                 # more), unless its price is from before the best's seconds last changed (another load)
-                self._interval = self._spaced(self._interval, rates[best][0], rates[choice][0])
-            self._explore_in = self._interval
+                schedule.interval = self._spaced(schedule.interval, rates[best][0], rates[choice][0])
+            schedule.left = schedule.interval
         elif best is not None:
             choice = best
         else:
