@@ -71,7 +71,14 @@ def new_target_cache(model: Any = None) -> Any:
 
 
 def cache_length(cache: Any) -> int:
-    return int(cache.get_seq_length()) if cache is not None else 0
+    """Positions held by ``cache``'s first attention layer (one with keys). A linear-attention layer has no
+    positions: transformers 5.25 reports the tokens its own updates counted, which ddtree's tree forwards and
+    commits of its states do not go through."""
+    if cache is None:
+        return 0
+    layers = getattr(cache, "layers", None) or []
+    first = next((i for i, layer in enumerate(layers) if hasattr(layer, "keys")), 0)
+    return int(cache.get_seq_length(first)) if first else int(cache.get_seq_length())
 
 
 def keep_positions(
@@ -175,12 +182,25 @@ def commit_accepted(cache: Any, prefix_len: int, accepted: torch.Tensor, lengths
         for keys, values, store in kv_layers:  # contiguous decided once per round, not once per layer
             store(keep_positions(keys, prefix_len, accepted, contiguous),
                   keep_positions(values, prefix_len, accepted, contiguous))
-        return
-    if lengths is None:
-        lengths = torch.full((accepted.shape[0],), prefix_len, dtype=torch.long, device=accepted.device)
-    index = compaction_index(prefix_len, accepted, lengths, width)
-    for keys, values, store in kv_layers:
-        store(_gather_columns(keys, index), _gather_columns(values, index))
+    else:
+        if lengths is None:
+            lengths = torch.full((accepted.shape[0],), prefix_len, dtype=torch.long, device=accepted.device)
+        index = compaction_index(prefix_len, accepted, lengths, width)
+        for keys, values, store in kv_layers:
+            store(_gather_columns(keys, index), _gather_columns(values, index))
+    _sync_linear_counts(cache)
+
+
+def _sync_linear_counts(cache: Any) -> None:
+    """transformers 5.25+ counts the tokens each linear-attention layer has seen (its ``get_seq_length``); the tree
+    forward and the commit of its states bypass that count, so it is set to the committed length, as a chain
+    prefill of the accepted tokens would leave it."""
+    counts = [c for layer in getattr(cache, "layers", None) or []
+              if isinstance(c := getattr(layer, "cumulative_length_linear", None), torch.Tensor)]
+    if counts:
+        length = cache_length(cache)
+        for count in counts:
+            count.fill_(length)
 
 
 def _check_paths(paths: Sequence[Sequence[int]], accepted: torch.Tensor) -> None:
