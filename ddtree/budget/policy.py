@@ -366,8 +366,7 @@ class AutoBudget(BudgetPolicy):
         the winner changed."""
         shifts, winner = self.costs.shifts.get(key, 0), plain >= drafted
         reference = self._reference.setdefault(key, plain)
-        # plain's rate is steady (one token per row per round): a move is the load's, not the drafter's
-        moved = winner and not reference / self.moved <= plain <= reference * self.moved
+        moved = winner and self._load_moved(reference, plain)
         if self._shifts.setdefault(key, shifts) != shifts or moved:
             self._held.setdefault(key, self.costs.intervals.get(key, 2))
             self.costs.intervals[key] = 2
@@ -379,6 +378,11 @@ class AutoBudget(BudgetPolicy):
         if key not in self.costs.intervals:
             self.costs.intervals[key] = self._spaced(2, plain, drafted, *seconds)
         return self.costs.intervals[key]
+
+    def _load_moved(self, reference: float, plain: float) -> bool:
+        """Whether plain's rate moved from ``reference`` by more than ``moved``: its rate is one token per row
+        per round, so a move is the load's, not the drafter's."""
+        return not reference / self.moved <= plain <= reference * self.moved
 
     def _spaced(self, interval: int, rate: float, other: float, seconds: float | None = None,
                 other_seconds: float | None = None) -> int:
@@ -411,7 +415,7 @@ class AutoBudget(BudgetPolicy):
             interval = 2
         elif not retry.get("fresh"):  # a generation's first try of its own prompts says nothing of the schedule
             interval = max(2 * interval, held)
-        if winner == 0 != retry["winner"] and not reference / self.moved <= plain[0] <= reference * self.moved:
+        if winner == 0 and retry["winner"] == 1 and self._load_moved(reference, plain[0]):
             # plain took over on a rate the load moved: drafting's seconds are from before the move, so they are
             # measured again after 2 rounds, the first of them replacing the old figure
             self.costs.expire(batch, context, "drafted")
@@ -439,9 +443,10 @@ class AutoBudget(BudgetPolicy):
         return unmeasured[0] if unmeasured else min(near, key=lambda n: (stamps.get(n + 1, -1), n))
 
     def _restart(self, schedule: Schedule, best: int, batch: int, context: int) -> bool:
-        """Whether the neighbour schedule starts again at 2: the round seconds here shifted since it last looked
-        (the load moved), or the best budget has a neighbour never measured here (the climb goes on). A best
-        that flips between measured budgets (a near tie) keeps it: each flip would buy a try of a losing tree."""
+        """Whether the neighbour schedule starts again at 2 (noting the shifts it has now seen): the round seconds
+        here shifted since it last looked (the load moved), or the best budget has a neighbour never measured here
+        (the climb goes on). A best that flips between measured budgets (a near tie) keeps it: each flip would buy
+        a try of a losing tree."""
         shifts = self.costs.shifts.get(self.costs.key(batch, context), 0)
         moved, schedule.shifts = shifts != schedule.shifts, shifts
         return moved or (self.latency is None and self._neighbour(best, batch, context) + 1
