@@ -63,11 +63,13 @@ def gpu_like() -> Machine:
 @dataclass
 class Drafter:
     """Per-depth distributions with a confident head; ``honest`` is how often the target follows them (a
-    strong drafter 1.0: its probabilities are the truth; a weak one near 0: the target picks uniformly)."""
+    strong drafter 1.0: its probabilities are the truth; a weak one near 0: the target picks uniformly).
+    ``rows``: a row's own ``honest`` by its index in the batch (prompts the drafter follows unequally)."""
 
     top: float
     honest: float
     seed: int = 0
+    rows: tuple[float, ...] | None = None
     rng: torch.Generator = field(init=False)
 
     def __post_init__(self):
@@ -83,9 +85,13 @@ class Drafter:
         probs = head * top + (1 - head) * rest / (rest * (1 - head)).sum(-1, keepdim=True) * (1 - top)
         return probs.log()
 
-    def target_path(self, logprobs: torch.Tensor) -> torch.Tensor:
-        """The target's token at each depth ``[B, D]``."""
-        follow = torch.rand(logprobs.shape[:2], generator=self.rng) < self.honest
+    def target_path(self, logprobs: torch.Tensor, rows: list[int] | None = None) -> torch.Tensor:
+        """The target's token at each depth ``[B, D]`` (``rows``: the batch's rows by their first index)."""
+        honest = torch.full((logprobs.shape[0], 1), self.honest)
+        if self.rows is not None:
+            rows = list(range(logprobs.shape[0])) if rows is None else rows
+            honest = torch.tensor([self.rows[i % len(self.rows)] for i in rows]).view(-1, 1)
+        follow = torch.rand(logprobs.shape[:2], generator=self.rng) < honest
         drafted = torch.multinomial(logprobs.exp().flatten(0, 1), 1, generator=self.rng).view(logprobs.shape[:2])
         uniform = torch.randint(0, VOCAB, logprobs.shape[:2], generator=self.rng)
         return torch.where(follow, drafted, uniform)
@@ -123,43 +129,67 @@ def simulate(choice, machine: Machine, drafter: Drafter, batch: int, rounds: int
     """``choice``: an :class:`AutoBudget` (on a :class:`FakeClock`) or a fixed budget (0: plain decoding).
     ``stall(round)``: how many times its work a round takes in wall time (other processes had the core); the
     policy's clock counts wall time, or the work when it has a ``wall_clock`` beside it, and the verify
-    seconds it is given are wall seconds. ``Run.seconds`` is wall time."""
-    policy = choice if isinstance(choice, AutoBudget) else None
-    clock = policy.clock if policy is not None else FakeClock()
-    wall_clock = policy.wall_clock if policy is not None else None
-    tokens, seconds, choices = 0, 0.0, []
-    roots = torch.zeros(batch, dtype=torch.long)
+    seconds it is given are wall seconds. ``Run.seconds`` is wall time. Every row runs every round (a server
+    that refills its batch): the rate is the tokens of all rows."""
+    run = Run(0, 0.0, [])
     for r in range(rounds):
-        lp = drafter.propose(batch)  # drawn every round, so fixed and auto runs see the same drafts
-        path = drafter.target_path(lp)
-        if policy is not None:
-            policy.prepare(context, batch)
-            plain = policy.skip_draft
+        accepted = play_round(choice, machine, drafter, list(range(batch)), context, r, run, stall)
+        context += max(accepted)
+    return run
+
+
+def generate(choice, machine: Machine, drafter: Drafter, batch: int, max_new_tokens: int,
+             context: int = 256) -> Run:
+    """One call of ``generate``: each row commits ``max_new_tokens``, leaves the batch when it has them, and the
+    call lasts until its last row is done. Rows that drafting moved ahead wait for the slowest one."""
+    left, run, r = [max_new_tokens] * batch, Run(0, 0.0, []), 0
+    while any(left):
+        rows = [i for i, n in enumerate(left) if n > 0]
+        accepted = play_round(choice, machine, drafter, rows, context, r, run, cap=[left[i] for i in rows])
+        for i, a in zip(rows, accepted):
+            left[i] -= a
+        context, r = context + max(accepted), r + 1
+    return run
+
+
+def play_round(choice, machine: Machine, drafter: Drafter, rows: list[int], context: int, r: int, run: Run,
+               stall: Callable[[int], float] | None = None, cap: list[int] | None = None) -> list[int]:
+    """One round over the batch's ``rows``: the policy's choice (or the fixed ``choice``), the tokens the
+    target accepts (at most ``cap`` per row), the seconds on ``machine``, booked into ``run``."""
+    policy = choice if isinstance(choice, AutoBudget) else None
+    batch = len(rows)
+    lp = drafter.propose(batch)  # drawn every round, so fixed and auto runs see the same drafts
+    path = drafter.target_path(lp, rows)
+    if policy is not None:
+        policy.prepare(context, batch)
+        plain = policy.skip_draft
+    else:
+        plain = choice == 0
+    if plain:
+        n, accepted = 0, [1] * batch
+        if policy is None:
+            spent = machine.plain_round(batch, context, r)
         else:
-            plain = choice == 0
-        if plain:
-            n, accepted = 0, [1] * batch
-            if policy is None:
-                spent = machine.plain_round(batch, context, r)
-            else:
-                spent = (machine.tree_round(batch, 1, context, r)[0] - machine.draft * (1 + 0.1 * batch)
-                         + machine.plain_extra)
-            verify = machine.verify(batch, 1, context, r)
-        else:
-            n = policy.choose(lp, context) if policy is not None else choice
-            accepted = accepted_counts(best_first(roots, lp, n), path)
-            spent, verify = machine.tree_round(batch, n + 1, context, r)
-        slow = 1.0 if stall is None else stall(r)
-        if policy is not None:
-            policy.observe(accepted, verify * slow, context)
-        clock.now += spent if wall_clock is not None else spent * slow
+            spent = (machine.tree_round(batch, 1, context, r)[0] - machine.draft * (1 + 0.1 * batch)
+                     + machine.plain_extra)
+        verify = machine.verify(batch, 1, context, r)
+    else:
+        n = policy.choose(lp, context) if policy is not None else choice
+        accepted = accepted_counts(best_first(torch.zeros(batch, dtype=torch.long), lp, n), path)
+        spent, verify = machine.tree_round(batch, n + 1, context, r)
+    if cap is not None:
+        accepted = [min(a, c) for a, c in zip(accepted, cap)]
+    slow = 1.0 if stall is None else stall(r)
+    if policy is not None:
+        policy.observe(accepted, verify * slow, context)
+        wall_clock = policy.wall_clock
+        policy.clock.now += spent if wall_clock is not None else spent * slow
         if wall_clock is not None:
             wall_clock.now += spent * slow
-        tokens += sum(accepted)
-        seconds += spent * slow
-        choices.append(n)
-        context += max(accepted)
-    return Run(tokens, seconds, choices)
+    run.tokens += sum(accepted)
+    run.seconds += spent * slow
+    run.choices.append(n)
+    return accepted
 
 
 def auto(**options) -> AutoBudget:
@@ -509,3 +539,28 @@ def test_a_saved_profile_seeds_the_next_policy_and_a_corrupt_one_is_ignored(tmp_
     name = default_profile(Pair())
     assert name.parent == tmp_path / "cache" / "budget" and name.suffix == ".json"
     assert default_profile(Pair()) == name
+
+
+def weight_bound_cpu() -> Machine:
+    """A CPU where a plain step reads the weights once whatever the batch (the default pair: 63, 66, 67 ms
+    at batch 1, 2, 4) and each drafted node adds compute."""
+    return Machine(lambda b, n, c, r: 0.055 + 0.001 * b + 0.0045 * b * (n - 1))
+
+
+def test_a_new_batch_size_measures_plain_rounds_before_drafting_on_a_carried_price():
+    """After generations at batch 1, where drafting wins, the first generation at batch 8 (where plain decoding
+    wins: every drafted node costs 8 rows' compute) carries batch 1's round seconds. Carried as they are, plain's
+    guess runs and is measured within the generation's first rounds (0.98x plain decoding here). Scaled by the
+    rows (8x a batch-1 round), the guess lost to the drafting price and plain ran only when its retry came: six
+    drafting rounds of the first nine, 0.92x."""
+    costs, medium = None, {"top": 0.7, "honest": 0.6}
+    for g in range(8):
+        policy = auto(costs=costs)
+        generate(policy, weight_bound_cpu(), Drafter(**medium, seed=g), 1, 64)
+        costs = policy.costs
+    assert policy.plain_rounds <= 8  # drafting wins at batch 1
+    policy = auto(costs=costs)
+    run = generate(policy, weight_bound_cpu(), Drafter(**medium, seed=50), 8, 64)
+    plain = generate(0, weight_bound_cpu(), Drafter(**medium, seed=50), 8, 64)
+    assert 0 in run.choices[:4] and run.choices.count(0) >= 0.8 * len(run.choices), run.choices
+    assert run.rate >= 0.97 * plain.rate, (run.rate, plain.rate)

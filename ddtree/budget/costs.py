@@ -273,8 +273,8 @@ class RoundCosts:
         return self.plain.get(self.key(batch, context))
 
     def plain_rate(self, batch: int, context: int) -> tuple[float, int] | None:
-        """Measured tokens per second of plain rounds here (else at the nearest measured key, rescaled to this
-        batch) and the round they were last measured in."""
+        """Measured tokens per second of plain rounds here (else from the nearest measured key's round seconds,
+        see :meth:`plain_seconds`) and the round they were last measured in."""
         seconds = self.plain_seconds(batch, context)
         near = self._nearest(self.plain, self.key(batch, context))
         if seconds is None or near is None:
@@ -310,11 +310,11 @@ class RoundCosts:
         return self.plain_seconds(batch, context), tokens / max(rate[0], 1e-12)
 
     def plain_seconds(self, batch: int, context: int) -> float | None:
-        key = self.key(batch, context)
-        near = self._nearest(self.plain, key)
-        if near is None:
-            return None
-        return cast(float, self.plain[near].value) * (key[1] / near[1] if near[1] != key[1] else 1.0)
+        """A plain round's seconds here, else at the nearest measured key as they are: a plain step at a small
+        batch is bound by reading the weights, so its seconds barely grow with the rows, and a guess that errs
+        towards plain is corrected by plain's first round here (one that errs against it would not run it)."""
+        near = self._nearest(self.plain, self.key(batch, context))
+        return None if near is None else cast(float, self.plain[near].value)
 
     @staticmethod
     def _nearest(entries: dict, key: Key) -> Key | None:
