@@ -18,7 +18,10 @@ Every round's own seconds feed one table (:class:`RoundCosts`), keyed by the con
   means the load moved, and the policy retries soon;
 - ``visits``, ``tried``: rounds run at each key, and the visit at which a plain and a drafting round last ran
   there: the policy's retry intervals count a key's own rounds, so a generation that passes through many
-  keys (rows finishing one by one, the context growing) retries no more often than one that stays in one.
+  keys (rows finishing one by one, the context growing) retries no more often than one that stays in one;
+- ``lagging``: by batch size, the share of a drafting round's mean tokens that the row which lags gets
+  (:mod:`ddtree.budget.rows`), as the last call at that size measured it: the next call's price until its own
+  drafting rounds tell.
 
 Each entry is an :class:`Estimate`: an exponentially weighted mean that skips a lone outlier
 (a paused consumer, a page fault) but moves to a lasting change (a competing process starts or
@@ -130,6 +133,7 @@ class RoundCosts:
         self.shifts: dict[Key, int] = {}
         self.visits: dict[Key, int] = {}
         self.tried: dict[tuple[Key, str], int] = {}  # (key, "plain" | "drafted") -> visit when last run there
+        self.lagging: dict[int, float] = {}  # batch -> the lagging row's share of a drafting round's mean tokens
         self.reached: torch.Tensor | None = None  # the policy's depth calibration sums (see AutoBudget)
         self.predicted: torch.Tensor | None = None
         self.rounds = 0  # rounds recorded: each entry's stamp says how long ago it was measured
@@ -344,6 +348,7 @@ class RoundCosts:
             "shifts": {name(k): n for k, n in sorted(self.shifts.items())},
             "visits": {name(k): n for k, n in sorted(self.visits.items())},
             "tried": {f"{name(k)}:{kind}": n for (k, kind), n in sorted(self.tried.items())},
+            "lagging": {str(b): share for b, share in sorted(self.lagging.items())},
             "calibration": None if self.reached is None or self.predicted is None else {
                 "reached": self.reached.tolist(), "predicted": self.predicted.tolist()},
             "rounds": self.rounds,
@@ -372,6 +377,7 @@ class RoundCosts:
         costs.shifts = {key(k): int(n) for k, n in data.get("shifts", {}).items()}
         costs.visits = {key(k): int(n) for k, n in data.get("visits", {}).items()}
         costs.tried = {(key(k.split(":")[0]), k.split(":")[1]): int(n) for k, n in data.get("tried", {}).items()}
+        costs.lagging = {int(b): float(share) for b, share in data.get("lagging", {}).items()}
         calibration = data.get("calibration")
         if calibration:
             costs.reached = torch.tensor(calibration["reached"], dtype=torch.float64)
@@ -412,6 +418,7 @@ class RoundCosts:
             "drafted_seconds": {name(k): secs(e) for k, e in sorted(self.drafted.items())},
             "drafted_tokens": {name(k): secs(e) for k, e in sorted(self.tokens.items())},
             "retry_intervals": {name(k): n for k, n in sorted(self.intervals.items())},
+            "lagging_row_share": {str(b): round(share, 4) for b, share in sorted(self.lagging.items())},
         }
 
 

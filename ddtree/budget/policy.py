@@ -18,6 +18,7 @@ import torch
 from ddtree.budget.costs import Estimate, RoundCosts, Schedule
 from ddtree.budget.latency import COST_MODEL, LatencyModel
 from ddtree.budget.profile import load_profile, save_profile
+from ddtree.budget.rows import RowProgress
 from ddtree.core.builders import TreeBuilder, best_first
 from ddtree.core.tree import DraftTree
 
@@ -178,6 +179,7 @@ class AutoBudget(BudgetPolicy):
         self._reference: dict[tuple[int, int], float] = {}  # plain's rate when the schedule last moved
         self._held: dict[tuple[int, int], int] = {}  # intervals a load move cut short (restored if confirmed)
         self._row_tokens: Estimate | None = None  # tokens per row of this generation's drafting rounds
+        self._rows = RowProgress()  # each active row's tokens in drafting rounds: which row lags
         self.moved = 1.25  # plain, winning, moved by more than this factor: retry drafting soon
         self._round_start: float | None = None
         self._wall_start: float | None = None
@@ -328,7 +330,7 @@ class AutoBudget(BudgetPolicy):
         self._retry = None
         key = self.costs.key(batch, context_len)
         plain = self.costs.plain_rate(batch, context_len)
-        drafted = self.costs.drafted_rate(batch, context_len, self.row_tokens)
+        drafted = self._drafted_rate(batch, context_len)
         if plain is None:
             skip = True
         elif drafted is None:
@@ -356,6 +358,17 @@ class AutoBudget(BudgetPolicy):
         if skip:
             self.plain_rounds += 1
             self._pending = {"plain": True, "batch": batch, "context": context_len, "retry": self._retry}
+
+    def _drafted_rate(self, batch: int, context: int) -> tuple[float, int] | None:
+        """Drafting's measured rate here for this generation's prompts (:meth:`RoundCosts.drafted_rate`), at
+        batch > 1 priced by the row that lags (:class:`~ddtree.budget.rows.RowProgress`; before this call has
+        enough drafting rounds to tell, the share the last call at this batch size measured): a call lasts until
+        its last row is done, so the tokens drafting moves the other rows ahead by save no rounds."""
+        drafted = self.costs.drafted_rate(batch, context, self.row_tokens)
+        if drafted is None:
+            return None
+        share = self._rows.lagging(batch)
+        return drafted[0] * (self.costs.lagging.get(batch, 1.0) if share is None else share), drafted[1]
 
     def _retry_interval(self, key: tuple[int, int], plain: float, drafted: float,
                         seconds: tuple[float | None, float | None]) -> int:
@@ -404,7 +417,7 @@ class AutoBudget(BudgetPolicy):
         ``retry_every`` rounds; a close race costs little whoever wins it), and starts again at 2 when the
         other one wins (spaced out by ``retry_cost`` in both cases)."""
         plain = self.costs.plain_rate(batch, context)
-        drafted = self.costs.drafted_rate(batch, context, self.row_tokens)
+        drafted = self._drafted_rate(batch, context)
         if plain is None or drafted is None:
             return
         key, interval = retry["key"], self.costs.intervals.get(retry["key"], 2)
@@ -519,6 +532,10 @@ class AutoBudget(BudgetPolicy):
         self.rounds += 1
         if pending["plain"]:
             return
+        self._rows.add(accepted)
+        share = self._rows.lagging(len(accepted))
+        if share is not None and len(accepted) > 1:
+            self.costs.lagging[len(accepted)] = share
         predicted_rows = cast(torch.Tensor, self._predicted_rows)  # set by ``choose`` for a drafting round
         if len(accepted) != predicted_rows.shape[0]:
             raise ValueError(f"observe got {len(accepted)} accepted counts for a round of "
@@ -573,7 +590,7 @@ class AutoBudget(BudgetPolicy):
         depth = self.reached.numel() if self.reached is not None else 0
         context, batch = self.last.get("context", 0), self.last.get("batch", self.batch)
         plain = self.costs.plain_seconds(batch, context)
-        drafted = self.costs.drafted_rate(batch, context, self.row_tokens)
+        drafted = self._drafted_rate(batch, context)
         overhead = self._overhead(batch, context)
         return {
             "policy": "auto",
