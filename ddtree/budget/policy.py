@@ -367,8 +367,7 @@ class AutoBudget(BudgetPolicy):
         drafted = self.costs.drafted_rate(batch, context, self.row_tokens)
         if drafted is None:
             return None
-        share = self._rows.lagging(batch)
-        return drafted[0] * (self.costs.lagging.get(batch, 1.0) if share is None else share), drafted[1]
+        return drafted[0] * self.costs.lagging.get(batch, 1.0), drafted[1]  # kept current by ``observe``
 
     def _retry_interval(self, key: tuple[int, int], plain: float, drafted: float,
                         seconds: tuple[float | None, float | None]) -> int:
@@ -532,14 +531,14 @@ class AutoBudget(BudgetPolicy):
         self.rounds += 1
         if pending["plain"]:
             return
-        self._rows.add(accepted)
-        share = self._rows.lagging(len(accepted))
-        if share is not None and len(accepted) > 1:
-            self.costs.lagging[len(accepted)] = share
         predicted_rows = cast(torch.Tensor, self._predicted_rows)  # set by ``choose`` for a drafting round
         if len(accepted) != predicted_rows.shape[0]:
             raise ValueError(f"observe got {len(accepted)} accepted counts for a round of "
                              f"{predicted_rows.shape[0]} rows: pass one count per active row, in row order")
+        self._rows.add(accepted)
+        share = self._rows.lagging(len(accepted))
+        if share is not None and len(accepted) > 1:  # this call's own share, once its rounds tell
+            self.costs.lagging[len(accepted)] = share
         depth = max(1, predicted_rows.shape[1])
         predicted = predicted_rows.mean(dim=0) if predicted_rows.shape[1] else torch.zeros(1, dtype=torch.float64)
         counts = torch.tensor([int(a) for a in accepted], dtype=torch.float64)[:, None] - 1
