@@ -14,6 +14,7 @@ from ddtree.core.tree import DraftTree
 from ddtree.drafters.dflash.attention import block_attention
 from ddtree.targets.backends import (
     CPU_DENSE_BELOW,
+    CUDA_DENSE_BELOW,
     AutoBackend,
     DenseMaskBackend,
     SplitBackend,
@@ -291,6 +292,9 @@ def test_backend_names_and_auto_choice():
     assert isinstance(get_backend("auto"), AutoBackend)
     cpu_auto = get_backend("auto", device="cpu")
     assert cpu_auto.name == "fused" and cpu_auto.dense_below == CPU_DENSE_BELOW
+    cuda_auto = get_backend("auto", device="cuda")  # resolving needs no GPU; the H200 crossover, not the CPU's
+    assert cuda_auto.dense_below == (0 if flash_attn_available() else CUDA_DENSE_BELOW)
+    assert CUDA_DENSE_BELOW > CPU_DENSE_BELOW
     # Below the crossover the CPU auto backend hands over the dense mask, above it the tree spec.
     model = tiny_hf_target("llama")
     tree = DraftTree.from_parents(torch.tensor([[1, 2, 3]]), torch.tensor([[-1, 0, 1]]))

@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from tiny import examples
 
 from ddtree.core import reference_builders as ref
+from ddtree.core import builders
 from ddtree.core.builders import beam, best_first, chain, ranked_topk, resolve_builder, top_stable
 from ddtree.core.pairwise import PairwiseScores, best_first_pairwise, chain_pairwise
 from ddtree.core.tree import DraftTree
@@ -185,6 +186,8 @@ def test_top_stable_equals_a_stable_sort_on_wide_tied_rows():
             values, indices = top_stable(y, m)
             assert torch.equal(indices, want.indices[:, :m]), (dtype, m)
             assert torch.equal(values, want.values[:, :m]) and values.dtype == dtype, (dtype, m)
+    # The keys' index part fits in int32, as inductor's Triton code needs (its indices are int32 there).
+    assert int(builders._index_keys(x.shape[1], x.device).max()) < 2**31
 
 
 def test_ranked_topk_blocks_with_tied_best_tokens():

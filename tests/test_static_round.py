@@ -137,6 +137,25 @@ def test_rows_that_stop_early_ride_along_and_capacity_grows(pair, monkeypatch):
     assert static.on_device.static.cache.capacity == 64  # grew once from the patched step
 
 
+def test_a_cuda_graphed_round_begins_one_graph_generation(pair):
+    """Under CUDA graphs (compile=True on a CUDA target) the three steps of a round are one generation of graphs:
+    without a mark at each round's start every step begins its own, and the draft's tree is overwritten before
+    verify reads it (what the first H200 run of the GPU check hit). Here the steps run uncompiled and the mark is
+    counted; ``tests/gpu_exactness.py`` (compiled_fp32) runs it under real CUDA graphs."""
+    target, drafter = pair
+    gen = SpeculativeGenerator(target, drafter, tree_budget=6, compile=BACKEND)
+    marks = []
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(static_round, "_compiled", lambda fn, compile, cuda=False: fn)
+        patch.setattr(torch.compiler, "cudagraph_mark_step_begin", lambda: marks.append(1))
+        eager_graphs, _ = run(gen, PROMPTS[:2], stop_token_ids=())
+        assert not marks  # not a CUDA target: no graph generations to mark
+        gen.static_steps(6).cuda_graphs = True
+        state, _ = run(gen, PROMPTS[:2], stop_token_ids=())
+    assert len(marks) == state.stats.rounds  # one per tree round (stats count the rounds after the prefill)
+    assert state.new_tokens == eager_graphs.new_tokens and state.acceptance == eager_graphs.acceptance
+
+
 @pytest.mark.parametrize("family", ["cohere2"])
 def test_windowed_targets_mask_by_position_in_the_packed_cache(family):
     """Windowed and full layers (cohere2, 3 sliding : 1 full: a mask per layer type), with prompts past the

@@ -129,17 +129,20 @@ def top_stable(x: torch.Tensor, m: int) -> tuple[torch.Tensor, torch.Tensor]:
 def _rank_keys(x: torch.Tensor) -> torch.Tensor:
     """int64 keys of ``x`` ``[B, n]`` (floats of up to 32 bits), distinct within a row, larger for a larger
     value and, between equal values, for a lower index: the float's sign and magnitude as one signed
-    integer (-0.0 ties 0.0), then the index."""
+    integer (-0.0 ties 0.0) times ``2**31``, plus the index's key. The low part stays below ``2**31`` so that
+    inductor's Triton code, which indexes in int32, can hold it (a ``2**32`` offset fails to compile there)."""
     bits = x.float().view(torch.int32)
     sign = bits >> 31  # 0 or -1
     ordered = ((bits & 0x7FFFFFFF) ^ sign) - sign  # the magnitude, negated for negative floats
-    return torch.add(shape_constant(_index_keys, x.shape[1], x.device), ordered.long(), alpha=2**32)
+    return torch.add(shape_constant(_index_keys, x.shape[1], x.device), ordered.long(), alpha=2**31)
 
 
 @lru_cache(maxsize=256)
 def _index_keys(n: int, device: torch.device) -> torch.Tensor:
-    """The low half of :func:`_rank_keys`: larger for a lower index."""
-    return 2**32 - 1 - torch.arange(n, device=device)
+    """The low part of :func:`_rank_keys`: larger for a lower index, in ``[0, 2**31)``."""
+    if n > 2**31:
+        raise ValueError(f"rank keys cover rows of up to 2**31 entries, got {n}")
+    return 2**31 - 1 - torch.arange(n, device=device)
 
 
 def shape_constant(table: _lru_cache_wrapper[T], *key: Hashable) -> T:

@@ -128,6 +128,7 @@ class StaticSteps:
         if self.drafter.needs_hidden_states:
             _install_output_hooks(self.target)
         cuda = self.target.get_input_embeddings().weight.device.type == "cuda"
+        self.cuda_graphs = compile is True and cuda
         self.draft = _compiled(self._draft, compile, cuda)
         self.verify = _compiled(self._verify, compile, cuda)
         self.commit = _compiled(self._commit, compile, cuda)
@@ -242,6 +243,11 @@ def static_round(state: DecodeState, steps: StaticSteps, rows: StaticRows) -> Ro
         rows.cache = rows.cache.grown(capacity)
         rows.draft.reserve(capacity)
         held.cache = rows.cache
+    if steps.cuda_graphs:
+        # One round is one CUDA-graph generation: draft, verify and commit run as a path of graphs whose
+        # outputs stay valid until the next round. Without the mark, each step counts as a new generation
+        # and the draft's tree is overwritten before verify reads it. What outlives the round is cloned.
+        torch.compiler.cudagraph_mark_step_begin()
     with timer.stage("draft"):
         tree = steps.draft(rows.draft, rows.roots, rows.lengths)
     with timer.stage("verify"):

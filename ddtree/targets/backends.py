@@ -14,8 +14,9 @@ arguments of one HF forward call. ``prepare(model)`` is called once per target.
   flash-attn package (CUDA). They run through attention implementations that
   ``prepare`` registers with transformers (:mod:`ddtree.targets.registration`).
 - ``"auto"``: ``flash_attn`` on CUDA when the package imports, else ``fused``;
-  on the CPU ``fused``, but with the dense mask while the prefix is under
-  1024 tokens, where the dense mask measured faster (see docs/attention.md).
+  on the CPU ``fused``. ``fused`` takes the dense mask while the prefix is
+  short, where the dense mask measured faster (under 1024 tokens on a CPU,
+  16384 on CUDA; see docs/attention.md).
 
 Layers with per-row state (:mod:`ddtree.targets.layer_kinds`) get their own tree kwargs from their kind.
 This module is the documented home of :func:`get_backend` and :class:`TreeAttentionBackend`.
@@ -242,6 +243,9 @@ BACKENDS = ("auto", "sdpa", "split", "fused", "flash_attn")
 CPU_DENSE_BELOW = 1024
 """On a CPU, ``auto`` verifies with the dense mask below this prefix length and splits above it (measured crossover)."""
 
+CUDA_DENSE_BELOW = 16384
+"""On CUDA without flash-attn, likewise for ``fused`` (on an H200 the dense mask was faster up to 16k, fused at 32k)."""
+
 
 def auto_backend_name(device: torch.device | str) -> str:
     """``flash_attn`` > ``fused`` on CUDA; ``fused`` on CPU (dense mask below :data:`CPU_DENSE_BELOW`);
@@ -268,8 +272,8 @@ def get_backend(
 def _auto_backend(device: torch.device | str) -> DenseMaskBackend | SplitBackend:
     """The backend ``"auto"`` picks for ``device``."""
     chosen = _named_backend(auto_backend_name(device))
-    if torch.device(device).type == "cpu" and isinstance(chosen, SplitBackend):
-        chosen.dense_below = CPU_DENSE_BELOW
+    if isinstance(chosen, SplitBackend) and chosen.name == "fused":
+        chosen.dense_below = {"cpu": CPU_DENSE_BELOW, "cuda": CUDA_DENSE_BELOW}.get(torch.device(device).type, 0)
     return chosen
 
 
