@@ -14,8 +14,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tiny import examples
 
-from ddtree.core import reference_builders as ref
 from ddtree.core import builders
+from ddtree.core import reference_builders as ref
 from ddtree.core.builders import beam, best_first, chain, ranked_topk, resolve_builder, top_stable
 from ddtree.core.pairwise import PairwiseScores, best_first_pairwise, chain_pairwise
 from ddtree.core.tree import DraftTree
