@@ -82,6 +82,29 @@ def test_convert_once_then_reuse(monkeypatch, tmp_path, capsys):
 
 @pytest.mark.smollm
 @smollm
+def _conversion(root: Path, name: str, complete: bool = True) -> Path:
+    d = root / name
+    d.mkdir()
+    for f in ("config.json", "model.safetensors", "tokenizer_config.json"):
+        (d / f).write_text(name)
+    if complete:
+        (d / ".ddtree-complete").write_text("{}")
+    return d
+
+
+def test_conversions_finishing_together_keep_the_first_published(tmp_path):
+    """Two processes converting at once (a bench per core): the second to finish must not replace the first's
+    directory, which the first may be loading from; an interrupted (incomplete) one is replaced."""
+    out = tmp_path / "smollm2"
+    pretrained.publish(_conversion(tmp_path, "first"), out)
+    assert (out / "config.json").read_text() == "first"
+    pretrained.publish(second := _conversion(tmp_path, "second"), out)
+    assert (out / "config.json").read_text() == "first" and not second.exists()
+    (out / ".ddtree-complete").unlink()  # as an interrupted conversion leaves it
+    pretrained.publish(_conversion(tmp_path, "third"), out)
+    assert (out / "config.json").read_text() == "third" and pretrained._is_converted(out)
+
+
 def test_shipped_drafter_loads_for_the_default_target():
     from ddtree.drafters.dflash.drafter import DFlashDrafter
     from ddtree.drafters.features import extract_context_feature

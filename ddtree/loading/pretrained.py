@@ -167,11 +167,24 @@ def convert_smollm2(out_dir: Path, dtype: torch.dtype = torch.bfloat16, quiet: b
     model.save_pretrained(str(tmp))
     tok.save_pretrained(str(tmp))
     (tmp / ".ddtree-complete").write_text(json.dumps({"source": gguf.name, "dtype": str(dtype)}))
-    if out_dir.exists():
-        shutil.rmtree(out_dir)
-    os.replace(tmp, out_dir)
+    publish(tmp, out_dir)
     _log(f"done in {time.time() - t0:.1f}s -> {out_dir}", quiet)
     return out_dir
+
+
+def publish(tmp: Path, out_dir: Path) -> None:
+    """Move a finished conversion ``tmp`` to ``out_dir``. Processes that start at once (a bench per core, the
+    ranks of torchrun) each convert into their own ``tmp``; the first to finish publishes and the others discard
+    theirs, since a complete ``out_dir`` may already be loading elsewhere. Only an incomplete one is replaced."""
+    if not _is_converted(out_dir):
+        shutil.rmtree(out_dir, ignore_errors=True)  # left by an interrupted conversion
+        try:
+            os.replace(tmp, out_dir)
+            return
+        except OSError:  # another process published between the check and the rename
+            if not _is_converted(out_dir):
+                raise
+    shutil.rmtree(tmp, ignore_errors=True)
 
 
 def smollm2_path(quiet: bool = False) -> Path:
