@@ -106,7 +106,8 @@ def check_scale_out(device: torch.device, quick: bool) -> dict:
     except Exception:  # keep going: the attention bench still runs
         report, failures = {"rows": []}, [{"check": "scale_out", "error": traceback.format_exc()}]
     for r in report["rows"]:
-        speed = f", {r['tokens_per_second']} tok/s (one device {r['one_device_tokens_per_second']})" \
+        speed = f", {r['tokens_per_second']} tok/s on {r.get('target_device')} (one device " \
+                f"{r['one_device_tokens_per_second']})" \
             if "tokens_per_second" in r else ""
         print(f"[{'ok' if r['ok'] else 'FAIL':5}] scale_out {r['placement']} {r['case']}{speed}", flush=True)
     for f in failures:

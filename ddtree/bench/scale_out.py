@@ -70,7 +70,8 @@ def generate_all(gen, new_tokens: int) -> dict:
         sync()
         seconds = time.perf_counter() - t0
         out[f"{builder}@{budget}"] = {"tokens": o.row_tokens[0], "acceptance": o.row_acceptance[0],
-                                      "tokens_per_second": round(len(o.row_tokens[0]) / seconds, 2)}
+                                      "tokens_per_second": round(len(o.row_tokens[0]) / seconds, 2),
+                                      "target_device": str(next(gen.target.parameters()).device)}
     return out
 
 
@@ -90,6 +91,7 @@ def _compare(name: str, got: dict, want: dict) -> list[dict]:
         rows.append({"placement": name, "case": case, "ok": ok, "first_mismatch": first,
                      "tokens_per_second": g["tokens_per_second"],
                      "one_device_tokens_per_second": w["tokens_per_second"],
+                     "target_device": g.get("target_device"),
                      "mean_acceptance": sum(g["acceptance"]) / max(1, len(g["acceptance"]))})
     return rows
 
