@@ -113,6 +113,38 @@ class Schedule:
     shifts: int = 0
 
 
+@dataclass
+class PromptSpread:
+    """How far generations' own tokens per row (per drafting round) lie apart at one batch size, against how
+    much one generation's rounds vary: the rounds' worth a new generation's prior deserves (empirical Bayes).
+    Prompts a drafter follows alike make a strong prior (a few unlucky rounds are luck); prompts it follows
+    very differently, a weak one (a generation's own rounds soon tell)."""
+
+    generations: int = 0
+    mean: float = 0.0  # of the generations' means (Welford)
+    m2: float = 0.0
+    within: float = 0.0  # summed: each generation's variance of a round's tokens per row
+    noise: float = 0.0  # summed: each generation's variance over its rounds (its mean's own noise)
+
+    def add(self, mean: float, variance: float, rounds: int) -> None:
+        self.generations += 1
+        delta = mean - self.mean
+        self.mean += delta / self.generations
+        self.m2 += delta * (mean - self.mean)
+        self.within += variance
+        self.noise += variance / max(1, rounds)
+
+    def prior_rounds(self, most: float) -> float | None:
+        """The prior's weight in rounds, in ``[1, most]`` (``None`` before three generations tell)."""
+        if self.generations < 3:
+            return None
+        within = self.within / self.generations
+        between = self.m2 / (self.generations - 1) - self.noise / self.generations
+        if between <= 0:
+            return most
+        return min(most, max(1.0, within / between))
+
+
 class RoundCosts:
     """Learned seconds of verify, overhead and plain rounds by context bucket, batch and node count.
 
@@ -134,6 +166,7 @@ class RoundCosts:
         self.visits: dict[Key, int] = {}
         self.tried: dict[tuple[Key, str], int] = {}  # (key, "plain" | "drafted") -> visit when last run there
         self.lagging: dict[int, float] = {}  # batch -> the lagging row's share of a drafting round's mean tokens
+        self.spread: dict[int, PromptSpread] = {}  # batch -> generations' tokens per row, apart and within
         self.reached: torch.Tensor | None = None  # the policy's depth calibration sums (see AutoBudget)
         self.predicted: torch.Tensor | None = None
         self.rounds = 0  # rounds recorded: each entry's stamp says how long ago it was measured
@@ -174,17 +207,26 @@ class RoundCosts:
             self.tokens[key].update(float(tokens), stamp)
         self.shifts[key] = self.shifts.get(key, 0) + int(moved)
 
-    def row_tokens_prior(self, batch: int, context: int, expected: float | None = None) -> Estimate:
-        """A generation's tokens per row per drafting round, before its first: the nearest key's per row (else
-        ``expected``, the tokens the policy expected of its first tree, over all rows), as one round's worth."""
+    def row_tokens_prior(self, batch: int, context: int, expected: float | None = None,
+                         most: float = 1.0) -> Estimate:
+        """A generation's tokens per row per drafting round, before its first. Once three generations at this
+        batch size tell (:class:`PromptSpread`), their mean, counted as the rounds their spread is worth (at
+        most ``most``; later rounds then move it by ``1 / rounds`` at least, not faster than the prior is
+        worth); before that the nearest key's figure per row (else ``expected``, the tokens the policy expected
+        of its first tree, over all rows), counted as one round."""
         mean = _mean()
+        spread = self.spread.get(int(batch))
+        rounds = None if spread is None else spread.prior_rounds(most)
         near = self._nearest(self.tokens, self.key(batch, context))
-        if near is not None:
+        count = 1
+        if spread is not None and rounds is not None:
+            mean.value, count = spread.mean, max(1, round(rounds))
+        elif near is not None:
             mean.value = cast(float, self.tokens[near].value) / near[1]
         elif expected is not None:
             mean.value = float(expected) / batch
         if mean.value is not None:
-            mean.count, mean.averaging = 1, True
+            mean.count, mean.averaging, mean.weight = count, True, min(mean.weight, 1.0 / count)
         return mean
 
     def _seed_tokens(self, key: Key) -> Estimate:
@@ -349,6 +391,7 @@ class RoundCosts:
             "visits": {name(k): n for k, n in sorted(self.visits.items())},
             "tried": {f"{name(k)}:{kind}": n for (k, kind), n in sorted(self.tried.items())},
             "lagging": {str(b): share for b, share in sorted(self.lagging.items())},
+            "spread": {str(b): asdict(p) for b, p in sorted(self.spread.items())},
             "calibration": None if self.reached is None or self.predicted is None else {
                 "reached": self.reached.tolist(), "predicted": self.predicted.tolist()},
             "rounds": self.rounds,
@@ -378,6 +421,8 @@ class RoundCosts:
         costs.visits = {key(k): int(n) for k, n in data.get("visits", {}).items()}
         costs.tried = {(key(k.split(":")[0]), k.split(":")[1]): int(n) for k, n in data.get("tried", {}).items()}
         costs.lagging = {int(b): float(share) for b, share in data.get("lagging", {}).items()}
+        costs.spread = {int(b): PromptSpread(**{f: type(v)(p[f]) for f, v in asdict(PromptSpread()).items()})
+                        for b, p in data.get("spread", {}).items()}
         calibration = data.get("calibration")
         if calibration:
             costs.reached = torch.tensor(calibration["reached"], dtype=torch.float64)
@@ -419,6 +464,7 @@ class RoundCosts:
             "drafted_tokens": {name(k): secs(e) for k, e in sorted(self.tokens.items())},
             "retry_intervals": {name(k): n for k, n in sorted(self.intervals.items())},
             "lagging_row_share": {str(b): round(share, 4) for b, share in sorted(self.lagging.items())},
+            "prompt_spread_rounds": {str(b): p.prior_rounds(math.inf) for b, p in sorted(self.spread.items())},
         }
 
 

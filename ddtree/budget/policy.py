@@ -15,7 +15,7 @@ from typing import Any, Protocol, cast
 
 import torch
 
-from ddtree.budget.costs import Estimate, RoundCosts, Schedule
+from ddtree.budget.costs import Estimate, PromptSpread, RoundCosts, Schedule
 from ddtree.budget.latency import COST_MODEL, LatencyModel
 from ddtree.budget.profile import load_profile, save_profile
 from ddtree.budget.rows import RowProgress
@@ -134,6 +134,7 @@ class AutoBudget(BudgetPolicy):
         explore_every: int = 16,
         retry_every: int = 128,
         retry_cost: float = 0.01,
+        acceptance_prior: float = 16.0,
         clock: Callable[[], float] = time.perf_counter,
         wall_clock: Callable[[], float] | None = None,
         profile: str | Path | None = None,
@@ -162,6 +163,7 @@ class AutoBudget(BudgetPolicy):
         self.explore_every = explore_every
         self.retry_every = retry_every
         self.retry_cost = retry_cost
+        self.acceptance_prior = acceptance_prior
         self.scale = 1.0  # observed verify seconds over the latency model's (when one is given)
         self.rounds = 0
         self.plain_rounds = 0
@@ -179,6 +181,8 @@ class AutoBudget(BudgetPolicy):
         self._reference: dict[tuple[int, int], float] = {}  # plain's rate when the schedule last moved
         self._held: dict[tuple[int, int], int] = {}  # intervals a load move cut short (restored if confirmed)
         self._row_tokens: Estimate | None = None  # tokens per row of this generation's drafting rounds
+        self._own_batch = 1  # the batch this generation started drafting at
+        self._own = [0.0, 0.0, 0.0]  # its drafting rounds' count, sum and sum of squares of tokens per row
         self._rows = RowProgress()  # each active row's tokens in drafting rounds: which row lags
         self.moved = 1.25  # plain, winning, moved by more than this factor: retry drafting soon
         self._round_start: float | None = None
@@ -190,7 +194,9 @@ class AutoBudget(BudgetPolicy):
     @property
     def row_tokens(self) -> float | None:
         """Committed tokens per row of this generation's drafting rounds, a running mean from the shared table's
-        figure counted as one round: acceptance belongs to the prompts, the round seconds to the machine."""
+        prior: the mean of earlier generations at this batch size, counted as the rounds their spread is worth
+        (:class:`~ddtree.budget.costs.PromptSpread`, at most ``acceptance_prior``), else the nearest key's figure as
+        one round. Acceptance belongs to the prompts, the round seconds to the machine."""
         return None if self._row_tokens is None else self._row_tokens.value
 
     @property
@@ -364,7 +370,11 @@ class AutoBudget(BudgetPolicy):
         batch > 1 priced by the row that lags (:class:`~ddtree.budget.rows.RowProgress`; before this call has
         enough drafting rounds to tell, the share the last call at this batch size measured): a call lasts until
         its last row is done, so the tokens drafting moves the other rows ahead by save no rounds."""
-        drafted = self.costs.drafted_rate(batch, context, self.row_tokens)
+        row = self.row_tokens
+        if row is None:  # before this generation's own rounds: the mean over generations, where they tell
+            spread = self.costs.spread.get(batch)
+            row = spread.mean if spread is not None and spread.prior_rounds(self.acceptance_prior) else None
+        drafted = self.costs.drafted_rate(batch, context, row)
         if drafted is None:
             return None
         return drafted[0] * self.costs.lagging.get(batch, 1.0), drafted[1]  # kept current by ``observe``
@@ -573,15 +583,25 @@ class AutoBudget(BudgetPolicy):
             if tokens is not None:
                 if self._row_tokens is None:
                     self._row_tokens = self.costs.row_tokens_prior(pending["batch"], pending["context"],
-                                                                   pending.get("expected"))
-                self._row_tokens.update(tokens / pending["batch"], self.rounds)
+                                                                   pending.get("expected"), self.acceptance_prior)
+                    self._own_batch, self._own = pending["batch"], [0.0, 0.0, 0.0]
+                value = tokens / pending["batch"]
+                self._row_tokens.update(value, self.rounds)
+                self._own = [self._own[0] + 1, self._own[1] + value, self._own[2] + value * value]
             self.costs.record_tree(pending["nodes"], pending["batch"], pending["context"], seconds, verify, tokens,
                                    pending.get("expected"))
         if pending.get("retry") is not None:
             self._retried(pending["retry"], pending["batch"], pending["context"])
 
     def finish(self) -> None:
-        """Save the learned costs to ``profile`` (when one is set)."""
+        """Book this generation's own tokens per row in the table's spread (at the batch it started drafting
+        at, once it drafted 4 rounds), and save the learned costs to ``profile`` (when one is set)."""
+        rounds, total, squares = self._own
+        if rounds >= 4:
+            mean = total / rounds
+            variance = max(0.0, squares / rounds - mean * mean) * rounds / (rounds - 1)
+            self.costs.spread.setdefault(self._own_batch, PromptSpread()).add(mean, variance, int(rounds))
+        self._own = [0.0, 0.0, 0.0]
         if self.profile is not None:
             save_profile(self.costs, self.profile)
 
