@@ -429,6 +429,27 @@ def test_a_few_unlucky_rounds_do_not_end_drafting_on_prompts_like_the_last_ones(
     assert sum(drafting_rounds(seed, False) >= 90 for seed in range(4)) <= 1
 
 
+def test_a_generation_unlike_the_last_ones_leaves_their_prior(monkeypatch):
+    """The other side of a weighed prior: after four generations on prompts a drafter follows, one on prompts it
+    cannot follow drops their figure once its own rounds lie 3 standard deviations off (``PromptSpread.unlike``)
+    and decodes plainly: at most 20 drafting rounds of 120 in each of four seeds, about half as many as with the
+    prior kept to the end."""
+
+    def drafting_rounds(seed: int) -> int:
+        costs = None
+        for g in range(4):
+            policy = auto(costs=costs)
+            simulate(policy, cpu_like(), Drafter(**STRONG, seed=300 + g + 10 * seed), 1, 60)
+            costs = policy.costs
+        run = simulate(auto(costs=costs), cpu_like(), Drafter(**WEAK, seed=seed), 1, 120)
+        return sum(c > 0 for c in run.choices)
+
+    dropped = [drafting_rounds(seed) for seed in range(4)]
+    monkeypatch.setattr(PromptSpread, "unlike", lambda self, mean, rounds: False)
+    kept = [drafting_rounds(seed) for seed in range(4)]
+    assert max(dropped) <= 20 and sum(dropped) <= 0.6 * sum(kept), (dropped, kept)
+
+
 def test_the_prompt_spread_weighs_the_prior_by_how_alike_generations_were():
     """Empirical Bayes over generations: means close together against noisy rounds make a prior worth many
     rounds (capped); means far apart, one round; fewer than three generations, no weight yet."""
@@ -443,6 +464,11 @@ def test_the_prompt_spread_weighs_the_prior_by_how_alike_generations_were():
     two.add(1.5, 0.6, 40)
     two.add(1.6, 0.6, 40)
     assert two.prior_rounds(16.0) is None
+    still = PromptSpread()
+    for _ in range(3):
+        still.add(1.0, 0.0, 40)  # rounds that never vary: one round tells all
+    assert still.prior_rounds(16.0) == 1.0
+    assert alike.unlike(2.6, 8) and not alike.unlike(2.6, 4) and not alike.unlike(1.7, 8) and not two.unlike(9.0, 8)
     assert RoundCosts.from_dict(json.loads(json.dumps(_with_spread(alike).to_dict()))).spread[1] == alike
 
 

@@ -134,15 +134,36 @@ class PromptSpread:
         self.within += variance
         self.noise += variance / max(1, rounds)
 
-    def prior_rounds(self, most: float) -> float | None:
-        """The prior's weight in rounds, in ``[1, most]`` (``None`` before three generations tell)."""
+    def variances(self) -> tuple[float, float] | None:
+        """``(within, between)``: a round's variance within a generation, and the variance of generations' true
+        means (their means' variance less its noise; may be <= 0); ``None`` before three generations tell."""
         if self.generations < 3:
             return None
-        within = self.within / self.generations
-        between = self.m2 / (self.generations - 1) - self.noise / self.generations
+        return (self.within / self.generations,
+                self.m2 / (self.generations - 1) - self.noise / self.generations)
+
+    def prior_rounds(self, most: float) -> float | None:
+        """The prior's weight in rounds, in ``[1, most]`` (``None`` before three generations tell): one where a
+        round varies not at all (it tells everything), ``most`` where generations lie no further apart than
+        their noise."""
+        spread = self.variances()
+        if spread is None:
+            return None
+        within, between = spread
+        if within <= 0:
+            return 1.0
         if between <= 0:
             return most
         return min(most, max(1.0, within / between))
+
+    def unlike(self, mean: float, rounds: int) -> bool:
+        """Whether a generation's own mean over ``rounds`` lies outside what these generations make likely (3
+        standard deviations of a true mean's spread plus its own noise): its prompts are not like theirs."""
+        spread = self.variances()
+        if spread is None or rounds < 1:
+            return False
+        within, between = spread
+        return (mean - self.mean) ** 2 > 9.0 * (max(between, 0.0) + within / rounds)
 
 
 class RoundCosts:
@@ -464,14 +485,24 @@ class RoundCosts:
             "drafted_tokens": {name(k): secs(e) for k, e in sorted(self.tokens.items())},
             "retry_intervals": {name(k): n for k, n in sorted(self.intervals.items())},
             "lagging_row_share": {str(b): round(share, 4) for b, share in sorted(self.lagging.items())},
-            "prompt_spread_rounds": {str(b): p.prior_rounds(math.inf) for b, p in sorted(self.spread.items())},
+            "prompt_spread": {str(b): _spread(p) for b, p in sorted(self.spread.items())},
         }
+
+
+def _spread(spread: PromptSpread) -> dict:
+    variances = spread.variances()
+    return {"generations": spread.generations, "mean": round(spread.mean, 4),
+            **({} if variances is None else {"within": round(variances[0], 4), "between": round(variances[1], 4)})}
+
+
+TOKENS_WEIGHT = 0.15
+"""A tokens-per-round mean moves by at least this per round once it has that many behind it."""
 
 
 def _mean() -> Estimate:
     """A moving mean of tokens per round: never an outlier (acceptance varies round to round), never stale
     (a drafter's acceptance does not go away with load)."""
-    return Estimate(weight=0.15, outlier=math.inf, drift_after=1, stale_after=1 << 62)
+    return Estimate(weight=TOKENS_WEIGHT, outlier=math.inf, drift_after=1, stale_after=1 << 62)
 
 
 def _values(table: dict[int, Estimate]) -> dict[int, float]:

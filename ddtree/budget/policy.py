@@ -15,7 +15,7 @@ from typing import Any, Protocol, cast
 
 import torch
 
-from ddtree.budget.costs import Estimate, PromptSpread, RoundCosts, Schedule
+from ddtree.budget.costs import TOKENS_WEIGHT, Estimate, PromptSpread, RoundCosts, Schedule
 from ddtree.budget.latency import COST_MODEL, LatencyModel
 from ddtree.budget.profile import load_profile, save_profile
 from ddtree.budget.rows import RowProgress
@@ -588,10 +588,21 @@ class AutoBudget(BudgetPolicy):
                 value = tokens / pending["batch"]
                 self._row_tokens.update(value, self.rounds)
                 self._own = [self._own[0] + 1, self._own[1] + value, self._own[2] + value * value]
+                self._check_prior()
             self.costs.record_tree(pending["nodes"], pending["batch"], pending["context"], seconds, verify, tokens,
                                    pending.get("expected"))
         if pending.get("retry") is not None:
             self._retried(pending["retry"], pending["batch"], pending["context"])
+
+    def _check_prior(self) -> None:
+        """Drop the earlier generations' prior once this generation's own rounds say its prompts are unlike
+        theirs (:meth:`PromptSpread.unlike`): from then on its estimate is its own running mean."""
+        rounds, total, _ = self._own
+        estimate, spread = self._row_tokens, self.costs.spread.get(self._own_batch)
+        if estimate is None or spread is None or estimate.count <= rounds + 1 or rounds < 3:
+            return  # no weighted prior left to drop (or too few rounds to judge)
+        if spread.unlike(total / rounds, int(rounds)):
+            estimate.value, estimate.count, estimate.weight = total / rounds, int(rounds), TOKENS_WEIGHT
 
     def finish(self) -> None:
         """Book this generation's own tokens per row in the table's spread (at the batch it started drafting
