@@ -124,3 +124,14 @@ def test_gpu_check_reports_a_failing_check_and_exits_non_zero(tmp_path):
     assert report["failures"][0] == {"check": "broken", "case": 1, "max_abs_err": 0.5, "tol": 1e-4, "ok": False}
     assert report["failures"][1]["check"] == "pytest"
     assert report["exactness"]["junit"]["failures"] == 1 and report["exactness"]["passed"] == 0
+
+
+def test_gpu_check_skips_the_benchmarks_its_time_budget_has_no_room_for(tmp_path, capsys):
+    """One device call has 8 minutes: a stage that would start with less than it needs is skipped and named, not
+    started and cut off."""
+    from ddtree.bench import gpu_check
+
+    skipped = gpu_check.run_benchmarks(torch.device("cpu"), tmp_path, True, left=lambda: 16.0)
+    assert skipped == ["attention_bench", "linear_bench", "compiled_bench", "compiled_bench_hybrid"]
+    assert [p.name for p in tmp_path.iterdir()] == ["attention_bench_window.json"]  # the one that fits 16 s
+    assert "[skip ] compiled_bench: 16 s left" in capsys.readouterr().out

@@ -34,6 +34,7 @@ import shutil
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -94,14 +95,14 @@ def run_exactness_tests(tests: Path, out: Path, device: torch.device, level: str
             "failures": failures}
 
 
-def check_scale_out(device: torch.device, quick: bool) -> dict:
+def check_scale_out(device: torch.device, quick: bool, timeout: float = 420.0) -> dict:
     """Tensor-parallel (every GPU present; TP=1 on one) and layer-split runs against one device, isolated:
     an error is reported with the other checks, never raised."""
     from ddtree.bench import scale_out
 
     t0 = time.perf_counter()
     try:
-        report = scale_out.run(device, quick=quick)
+        report = scale_out.run(device, quick=quick, timeout=timeout)
         failures = [{"check": "scale_out", **r} for r in report["rows"] if not r["ok"]]
     except Exception:  # keep going: the attention bench still runs
         report, failures = {"rows": []}, [{"check": "scale_out", "error": traceback.format_exc()}]
@@ -141,7 +142,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--skip-bench", action="store_true", help="run the checks only, not the benchmark")
     p.add_argument("--skip-scale-out", action="store_true",
                    help="skip the tensor-parallel / layer-split check (ddtree.bench.scale_out)")
+    p.add_argument("--time-budget", type=float, default=TIME_BUDGET,
+                   help=f"seconds for the whole run (default {TIME_BUDGET:.0f}, inside one 8-minute device call): the "
+                        "compiled benches' deadlines come out of what is left, and a stage that would start with "
+                        "less than it needs is skipped and reported")
     args = p.parse_args(argv)
+    started = time.perf_counter()
+
+    def left() -> float:
+        return args.time_budget - (time.perf_counter() - started)
+
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     device = torch.device(args.device)
@@ -151,37 +161,65 @@ def main(argv: list[str] | None = None) -> int:
     exactness = run_exactness_tests(find_exactness_tests(args.tests), out, device, level, args.select)
     report = {"environment": env, "level": level, "exactness": exactness, "failures": list(exactness["failures"])}
     if not args.skip_scale_out:
-        report["scale_out"] = check_scale_out(device, args.quick or level == "tiny")
+        report["scale_out"] = check_scale_out(device, args.quick or level == "tiny", timeout=max(60.0, left() - 240))
         report["failures"] += report["scale_out"]["failures"]
     if device.type == "cuda":
         report["peak_memory_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
     (out / "gpu_check.json").write_text(json.dumps(report, indent=2) + "\n")
     print(f"wrote {out / 'gpu_check.json'}: {len(report['failures'])} failures", flush=True)
     if not args.skip_bench:
-        from ddtree.bench.attention import main as bench
-
-        tiny = ["--contexts", "256,1k", "--budgets", "16,64", "--repeats", "3"] if args.quick else []
-        common = ["--device", str(device), *tiny]
-        bench([*common, "--out", str(out / "attention_bench.json")])
-        window = ["--contexts", "256,1k"] if args.quick else ["--contexts", "4k,32k", "--budgets", "64,256"]
-        bench([*common, *window, "--window", "4096", "--out", str(out / "attention_bench_window.json")])
-        from ddtree.bench.linear import main as linear_bench
-
-        sizes = (["--contexts", "256", "--nodes", "16", "--repeats", "3"] if args.quick else
-                 ["--preset", "qwen36-27b", "--dtype", "bf16", "--contexts", "1k,16k", "--nodes", "16,64"])
-        linear_bench(["--device", str(device), *sizes, "--out", str(out / "linear_bench.json")])
-        from ddtree.bench.compiled import main as compiled_bench
-
-        shapes = (["--preset", "tiny", "--budgets", "4", "--new-tokens", "16", "--repeats", "1"] if args.quick else
-                  ["--preset", "qwen3-8b", "--layers", "8", "--dtype", "bf16", "--context", "1024",
-                   "--budgets", "4,16,64", "--new-tokens", "64", "--deadline", "150"])
-        compiled_bench(["--device", str(device), *shapes, "--out", str(out / "compiled_bench.json")])
-        hybrid = (["--preset", "tiny-hybrid", "--layers", "4", "--budgets", "4", "--new-tokens", "16", "--repeats",
-                   "1"] if args.quick else
-                  ["--preset", "qwen36-27b-hybrid", "--layers", "4", "--dtype", "bf16", "--context", "1024",
-                   "--budgets", "16", "--new-tokens", "32", "--repeats", "2", "--deadline", "60"])
-        compiled_bench(["--device", str(device), *hybrid, "--out", str(out / "compiled_bench_hybrid.json")])
+        report["skipped"] = run_benchmarks(device, out, args.quick, left)
+        (out / "gpu_check.json").write_text(json.dumps(report, indent=2) + "\n")
     return 1 if report["failures"] else 0
+
+
+TIME_BUDGET = 450.0
+"""Seconds for a whole run by default: one device call of 8 minutes, with room for the start and the transfers."""
+
+
+def run_benchmarks(device: torch.device, out: Path, quick: bool, left: Callable[[], float]) -> list[str]:
+    """The attention, GDN-verify and compiled-round benchmarks, each started only with the seconds it needs left
+    (``left()``: what remains of the run's budget); the compiled benches' deadlines leave the hybrid its share.
+    Returns the stages skipped."""
+    from ddtree.bench.attention import main as bench
+    from ddtree.bench.compiled import main as compiled_bench
+    from ddtree.bench.linear import main as linear_bench
+
+    tiny = ["--contexts", "256,1k", "--budgets", "16,64", "--repeats", "3"] if quick else []
+    common = ["--device", str(device), *tiny]
+    window = ["--contexts", "256,1k"] if quick else ["--contexts", "4k,32k", "--budgets", "64,256"]
+    sizes = (["--contexts", "256", "--nodes", "16", "--repeats", "3"] if quick else
+             ["--preset", "qwen36-27b", "--dtype", "bf16", "--contexts", "1k,16k", "--nodes", "16,64"])
+    # a compiled case compiles for up to a minute on a GPU machine: the deadline is when the last one may start
+    shapes = (["--preset", "tiny", "--budgets", "4", "--new-tokens", "16", "--repeats", "1"] if quick else
+              ["--preset", "qwen3-8b", "--layers", "8", "--dtype", "bf16", "--context", "1024",
+               "--budgets", "4,16,64", "--new-tokens", "64"])
+    hybrid = (["--preset", "tiny-hybrid", "--layers", "4", "--budgets", "4", "--new-tokens", "16", "--repeats",
+               "1"] if quick else
+              ["--preset", "qwen36-27b-hybrid", "--layers", "4", "--dtype", "bf16", "--context", "1024",
+               "--budgets", "16", "--new-tokens", "32", "--repeats", "2"])
+    stages: list[tuple[str, float, Callable[[], object]]] = [
+        ("attention_bench", 20, lambda: bench([*common, "--out", str(out / "attention_bench.json")])),
+        ("attention_bench_window", 15, lambda: bench([*common, *window, "--window", "4096",
+                                                      "--out", str(out / "attention_bench_window.json")])),
+        ("linear_bench", 20, lambda: linear_bench(["--device", str(device), *sizes,
+                                                   "--out", str(out / "linear_bench.json")])),
+        ("compiled_bench", 150, lambda: compiled_bench(
+            ["--device", str(device), *shapes, "--deadline", f"{max(1.0, left() - 210):.0f}",
+             "--out", str(out / "compiled_bench.json")])),
+        ("compiled_bench_hybrid", 90, lambda: compiled_bench(
+            ["--device", str(device), *hybrid, "--deadline", f"{max(1.0, left() - 80):.0f}",
+             "--out", str(out / "compiled_bench_hybrid.json")])),
+    ]
+    skipped = []
+    for name, need, run in stages:
+        if left() < need:
+            skipped.append(name)
+            print(f"[skip ] {name}: {left():.0f} s left of the time budget, it needs about {need:.0f} "
+                  "(--time-budget raises it)", flush=True)
+            continue
+        run()
+    return skipped
 
 
 if __name__ == "__main__":
