@@ -101,7 +101,9 @@ class AutoBudget(BudgetPolicy):
     time, which other processes on the machine do not inflate); ``wall_clock`` then gives the wall time the
     round's verify seconds are in, so they are rescaled to ``clock``'s units by the round's own ratio.
     Whether a round drafts at all is decided in :meth:`prepare` from measured rates (plain rounds against
-    drafting rounds, the loser retried on a backing-off schedule). Among tree
+    drafting rounds, the loser retried on a backing-off schedule); drafting is priced at the generation's own
+    tokens per row, from a prior that earlier generations weigh (:attr:`row_tokens`, at most
+    ``acceptance_prior`` rounds). Among tree
     budgets, only those measured at this batch and context (or priced by ``latency``) are chosen; a
     neighbour of the best is tried after 2 drafting rounds, then 4, 8, ... up to ``explore_every`` (the key's
     own drafting rounds, a schedule shared by the generator's generations like the costs), back to 2 when the
