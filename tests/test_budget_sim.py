@@ -127,17 +127,18 @@ class Run:
 
 
 def simulate(choice, machine: Machine, drafter: Drafter, batch: int, rounds: int, context: int = 256,
-             stall: Callable[[int], float] | None = None) -> Run:
+             stall: Callable[[int], float] | None = None, finish: bool = True) -> Run:
     """``choice``: an :class:`AutoBudget` (on a :class:`FakeClock`) or a fixed budget (0: plain decoding).
     ``stall(round)``: how many times its work a round takes in wall time (other processes had the core); the
     policy's clock counts wall time, or the work when it has a ``wall_clock`` beside it, and the verify
     seconds it is given are wall seconds. ``Run.seconds`` is wall time. Every row runs every round (a server
-    that refills its batch): the rate is the tokens of all rows."""
+    that refills its batch): the rate is the tokens of all rows. ``finish``: end the generation after the last
+    round, as the real round does (the policy books it and saves its profile)."""
     run = Run(0, 0.0, [])
     for r in range(rounds):
         accepted = play_round(choice, machine, drafter, list(range(batch)), context, r, run, stall)
         context += max(accepted)
-    if isinstance(choice, AutoBudget):
+    if finish and isinstance(choice, AutoBudget):
         choice.finish()  # as a generation's last round does
     return run
 
@@ -607,9 +608,10 @@ def test_a_saved_profile_seeds_the_next_policy_and_a_corrupt_one_is_ignored(tmp_
 
     path = tmp_path / "profile.json"
     first = auto(profile=path)
-    run = simulate(first, cpu_like(), Drafter(**STRONG), 1, 60)
-    assert run.choices[:2] == [0, first._start_budget(1)]
-    assert load_profile(path).to_dict() == first.costs.to_dict()  # saved by ``finish``, as the generation ended
+    run = simulate(first, cpu_like(), Drafter(**STRONG), 1, 60, finish=False)
+    assert run.choices[:2] == [0, first._start_budget(1)] and not path.exists()
+    first.finish()
+    assert load_profile(path).to_dict() == first.costs.to_dict()
     assert [p.name for p in tmp_path.iterdir()] == ["profile.json"]
     second = auto(profile=path)
     seeded = simulate(second, cpu_like(), Drafter(**STRONG, seed=1), 1, 3)
