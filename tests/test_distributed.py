@@ -223,6 +223,18 @@ def test_data_parallel_bench_equals_single_process(pairs, tmp_path):
 # --------------------------------------------------------------------------- no ranks: the hooks stay out of the way
 
 
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="reads thread names from /proc")
+def test_leaving_the_data_parallel_group_stops_its_threads(pairs):
+    """A group kept alive past ``destroy_process_group`` (torch.distributed.nn, imported by transformers' loading
+    after the group exists, binds it as a default argument) leaves gloo threads running into the interpreter's
+    exit, where they can abort a rank that succeeded ("terminate called without an active exception")."""
+    proc = torchrun(str(WORKER), "leave", str(pairs), timeout=120)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    for r in range(RANKS):
+        threads = json.loads((pairs / f"leave_rank{r}.json").read_text())["threads_after_leaving"]
+        assert not [t for t in threads if "gloo" in t], threads
+
+
 def test_lockstep_is_a_no_op_without_ranks():
     from ddtree.runtime.distributed import Lockstep, is_distributed
 

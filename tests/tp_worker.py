@@ -26,7 +26,12 @@ from ddtree import BudgetPolicy, SpeculativeGenerator  # noqa: E402
 from ddtree.blocks import AutoBudget  # noqa: E402
 from ddtree.budget.latency import FunctionLatency  # noqa: E402
 from ddtree.drafters.dflash.model import DFlashDraftModel  # noqa: E402
-from ddtree.runtime.distributed import leave_process_group  # noqa: E402
+from ddtree.runtime.distributed import (  # noqa: E402
+    gather_lists,
+    leave_process_group,
+    start_data_parallel,
+    stop_data_parallel,
+)
 
 KINDS = ("llama", "qwen3")
 PROMPTS = [[5, 17, 3, 9, 40], [11, 2, 2, 40, 61, 7, 9, 33]]
@@ -126,6 +131,10 @@ def failures(root: Path, gen: SpeculativeGenerator, rank: int) -> dict:
     return out
 
 
+def _thread_names() -> list[str]:
+    return sorted(Path(f"/proc/self/task/{t}/comm").read_text().strip() for t in os.listdir("/proc/self/task"))
+
+
 def main() -> int:
     import torch.distributed as dist
 
@@ -147,6 +156,14 @@ def main() -> int:
             (root / f"{mode}_rank{rank}.json").write_text(json.dumps(result))
             llama.generate([5, 17, 500] if rank == 1 else [5, 17, 3], max_new_tokens=4)  # raises on every rank
             result = {"unexpected": "no error"}
+        elif mode == "leave":
+            # As the data-parallel bench runs: the group, then a load (transformers imports torch.distributed.nn
+            # there), a collective, and leaving. No thread of the group may outlive it into the interpreter's exit.
+            start_data_parallel("cpu")
+            load(root, "llama")
+            gather_lists([rank])
+            stop_data_parallel()
+            result = {"threads_after_leaving": _thread_names()}
         elif mode == "bad-input":
             gen = load(root, "llama", tp_plan="auto")
             gen.generate([5, 17, 500] if rank == 1 else [5, 17, 3], max_new_tokens=4)  # raises on every rank

@@ -55,9 +55,10 @@ def load_pair(
         target_dir, drafter_dir = model_dir(target_path_or_id, "target"), model_dir(drafter_path_or_id, "drafter")
     placed = {k: v for k, v in (("tp_plan", tp_plan), ("device_map", device_map)) if v is not None}
     if tp_plan is not None:
-        from ddtree.runtime.distributed import check_tp_divides
+        from ddtree.runtime.distributed import before_process_group, check_tp_divides
 
         check_tp_divides(target_config, int(os.environ.get("WORLD_SIZE", "1")))
+        before_process_group()  # transformers makes the group for tp_plan
     target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=dtype or "auto", **placed)
     if not placed:
         target = target.to(device)  # type: ignore[arg-type]  # transformers wraps Module.to; its stub loses the signature

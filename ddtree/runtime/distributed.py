@@ -239,6 +239,20 @@ def module_fingerprint(module: torch.nn.Module | None) -> tuple:
                      for name, p in module.named_parameters())
 
 
+def before_process_group() -> None:
+    """Call before a process group is made (by ``init_process_group`` or by loading with ``tp_plan``).
+
+    ``torch.distributed.nn`` takes ``group.WORLD`` as a default argument, read when it is imported; transformers
+    imports it while loading. Imported after the group exists, it would keep that group alive past
+    ``destroy_process_group``, and the group's gloo threads, still running at interpreter exit, can abort a
+    run that succeeded ("terminate called without an active exception").
+    """
+    import torch.distributed as dist
+
+    if dist.is_available() and not dist.is_initialized():
+        import torch.distributed.nn  # noqa: F401  # binds group=None, which means the default group at call time
+
+
 def start_data_parallel(device: str) -> str:
     """Under ``torchrun`` (``WORLD_SIZE`` > 1), join the process group (NCCL for CUDA, gloo otherwise) and
     return this rank's device (``cuda`` becomes ``cuda:LOCAL_RANK``); outside it, return ``device`` unchanged."""
@@ -254,6 +268,7 @@ def start_data_parallel(device: str) -> str:
     if cuda:
         torch.cuda.set_device(torch.device(device))
     if not dist.is_initialized():
+        before_process_group()
         dist.init_process_group("nccl" if cuda else "gloo")
         _STARTED.append(True)
     return device

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ddtree.runtime.distributed import before_process_group
+
 # Building a feature cache can keep one rank at a barrier for as long as the slowest rank's share takes.
 GROUP_TIMEOUT = datetime.timedelta(hours=12)
 
@@ -54,6 +56,7 @@ class DataParallel:
         cuda = device.startswith("cuda")
         if cuda:
             torch.cuda.set_device(torch.device(device))
+        before_process_group()
         dist.init_process_group("nccl" if cuda else "gloo", timeout=GROUP_TIMEOUT)
         self.started = True
 
