@@ -3,13 +3,15 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
-from tiny import ScriptedDrafter, tiny_target
+from tiny import ScriptedDrafter, tiny_drafter, tiny_target
 
-from ddtree import SpeculativeGenerator
+from ddtree import BudgetPolicy, SpeculativeGenerator
 from ddtree.core.tree import DRAFTER, LOOKUP
-from ddtree.generation.round import speculative_round
+from ddtree.generation.round import HELD_BACK_MOST, speculative_round
 from ddtree.generation.rows import RowBook
+from ddtree.generation.state import _merge_full_runs
 from ddtree.generation.stats import RoundStats
 from ddtree.targets.cache import cache_length
 
@@ -82,3 +84,95 @@ def test_a_ragged_batch_keeps_its_parts_in_step_while_rows_finish():
     again = gen.generate(prompts, max_new_tokens=25, stop_token_ids=[stop])
     assert again.row_tokens == expected and again.row_acceptance == state.stats.acceptance
     assert again.stats.rounds == state.stats.rounds and again.stats.budgets == state.stats.budgets
+
+
+class SkipThenDraft(BudgetPolicy):
+    """Tree rounds listed in ``plain`` (1-based) run without a tree; the others draft at ``budget``."""
+
+    def __init__(self, plain: set[int], budget: int = 8) -> None:
+        self.plain, self.budget, self.rounds = plain, budget, 0
+
+    def prepare(self, context_len: int, batch: int) -> None:
+        self.rounds += 1
+        self.skip_draft = self.rounds in self.plain
+
+    def choose(self, logprobs: torch.Tensor, context_len: int) -> int:
+        return self.budget
+
+
+PLAIN_RUNS = {1, 2, 3, 4, 5, 9, 10, 11, 12}
+
+
+@pytest.mark.parametrize("lengths", [[21], [21, 9, 14]])
+def test_rounds_without_a_tree_hand_the_drafter_their_tokens_in_one_pass_at_the_next_drafting_round(
+        lengths, monkeypatch):
+    """The drafter is not run in a round that does not draft: its features wait and go in as one append when a
+    round drafts. Tokens and acceptance equal a loop that takes every round's append at once, and the greedy
+    target's own tokens."""
+    target = tiny_target("qwen3")
+    drafter = tiny_drafter(target)
+    gen = SpeculativeGenerator(target, drafter, tree_budget=8, attention="sdpa")
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(0, 90, (n,), generator=g).tolist() for n in lengths]
+    ids = prompts if len(prompts) > 1 else prompts[0]
+    new = 40
+    policy = SkipThenDraft(PLAIN_RUNS)
+    appends: list[tuple[int, int, list[int]]] = []  # (tree round, tokens per row, host counts)
+    context_type = type(gen.drafter.new_context(1))
+    original = context_type.append
+
+    def spy(self, features, tokens, counts=None, **kw):
+        appends.append((policy.rounds, tokens.shape[1], list(kw.get("host_counts") or [])))
+        return original(self, features, tokens, counts, **kw)
+
+    monkeypatch.setattr(context_type, "append", spy)
+    held = gen.generate(ids, max_new_tokens=new, tree_budget=policy)
+    monkeypatch.setattr(context_type, "append", original)
+
+    eager_policy = SkipThenDraft(PLAIN_RUNS)
+    state = gen.start(ids, max_new_tokens=new, tree_budget=eager_policy)
+    while not state.done:
+        speculative_round(state)
+        if not state.done:
+            state.catch_up_draft()  # every round's append at once, as a plain step's used to go
+    plain = gen.generate(ids, max_new_tokens=new, tree_budget=0)
+
+    assert held.row_tokens == plain.row_tokens  # lossless
+    assert state.new_tokens == held.row_tokens
+    assert state.acceptance == (held.acceptance_lengths if len(prompts) > 1 else [held.acceptance_lengths])
+    assert max(a for row in state.acceptance for a in row) > 1  # the drafter is accepted after the held intake
+    assert not [a for a in appends if a[0] in PLAIN_RUNS]  # nothing reaches the drafter in a round without a tree
+    rows = len(prompts)
+    first_runs = [a for a in appends if a[0] == 6][:-1]  # round 6 takes in rounds 1-5 (and the prompt's last chunk)
+    assert sum(a[1] for a in first_runs if a[2] == [a[1]] * rows) >= 5
+    assert [a for a in appends if a[0] == 13][0][1:] == (4, [4] * rows)  # rounds 9-12: one append of 4 tokens
+
+
+def test_held_appends_merge_only_runs_in_which_every_row_takes_all_its_tokens():
+    def append(width, host_counts, mark):
+        rows = len(host_counts)
+        tokens = torch.full((rows, width), mark)
+        return torch.full((rows, width, 2), float(mark)), tokens, torch.tensor(host_counts), host_counts
+
+    ragged, full1, full2, ragged2, full3 = (append(3, [3, 1], 1), append(1, [1, 1], 2), append(2, [2, 2], 3),
+                                            append(2, [0, 2], 4), append(1, [1, 1], 5))
+    merged = _merge_full_runs([ragged, full1, full2, ragged2, full3])
+    assert [m[1].tolist() for m in merged] == [ragged[1].tolist(), [[2, 3, 3], [2, 3, 3]], ragged2[1].tolist(),
+                                               full3[1].tolist()]
+    assert merged[1][2].tolist() == [3, 3] and merged[1][3] == [3, 3]
+    assert merged[1][0][:, :, 0].tolist() == [[2.0, 3.0, 3.0]] * 2
+    assert merged[0] is ragged and merged[2] is ragged2 and merged[3] is full3
+
+
+def test_rounds_without_a_tree_hold_a_bounded_number_of_appends():
+    target = tiny_target("qwen3")
+    gen = SpeculativeGenerator(target, tiny_drafter(target), tree_budget=8, attention="sdpa")
+    state = gen.start([5, 17, 3, 9], max_new_tokens=HELD_BACK_MOST + 20, tree_budget=SkipThenDraft(set(range(1, 999))))
+    most = 0
+    while not state.done:
+        speculative_round(state)
+        most = max(most, len(state.on_device.deferred))
+        if not state.done and len(state.rows.new_tokens[0]) == HELD_BACK_MOST + 10:
+            draft = state.catch_up_draft()
+            assert draft.lengths.tolist() == state.on_device.lengths.tolist()  # every committed token, once
+    assert most == HELD_BACK_MOST - 1  # taken in as the bound is reached

@@ -49,6 +49,10 @@ from ddtree.targets.cache import (
 from ddtree.targets.description import describe
 from ddtree.targets.forward import chunked_prefill, target_forward
 
+HELD_BACK_MOST = 64
+"""Appends to the drafter context that rounds without a tree hold back before taking them in as one pass: the
+pass reads the drafter's projections once instead of once per round, and the held features stay bounded."""
+
 
 def speculative_round(state: DecodeState) -> RoundResult:
     """Advance ``state`` by one round (the prefill on the first call); returns what each row committed."""
@@ -187,11 +191,10 @@ def _plain_step(state: DecodeState) -> RoundResult:
 
 def _tree_round(state: DecodeState, policy: BudgetPolicy) -> RoundResult:
     """Draft, build, verify and commit one tree per active row."""
-    draft = cast(DraftContext, state.catch_up_draft())  # made by the prefill whenever there is a policy
     context = max(state.rows.host_lengths)
     with state.timer.stage("calibration"):
         policy.prepare(context, len(state.rows.active))
-    tree, budget = _draft_tree(state, policy, draft, context)
+    tree, budget = _draft_tree(state, policy, context)
     out, result = _verify(state, tree)
     with state.timer.stage("commit"):
         accepted = _read_accepted(tree, result)
@@ -206,14 +209,14 @@ def _tree_round(state: DecodeState, policy: BudgetPolicy) -> RoundResult:
     return emitted
 
 
-def _draft_tree(state: DecodeState, policy: BudgetPolicy, draft: DraftContext,
-                context: int) -> tuple[DraftTree, int]:
+def _draft_tree(state: DecodeState, policy: BudgetPolicy, context: int) -> tuple[DraftTree, int]:
     """This round's trees and budget: the drafter's proposal built under the policy's budget (lookup branches
     grafted in), or the roots alone while the policy says no tree pays (rank 0 decides both under tensor
-    parallelism)."""
+    parallelism). Only a drafting round takes in the drafter context's held-back appends."""
     gen, roots = state.generator, cast(torch.Tensor, state.on_device.roots)  # set by the prefill
     if gen.lockstep.share(bool(policy.skip_draft)):
         return root_only(roots), 0
+    draft = cast(DraftContext, state.catch_up_draft())  # made by the prefill whenever there is a policy
     with state.timer.stage("draft"):
         proposal = check_proposal(draft.propose(roots), draft)
     with state.timer.stage("tree_build"):
@@ -294,7 +297,13 @@ def _commit(state: DecodeState, tree: DraftTree, out: Any, result: VerifyResult,
     features = gen.drafter.context_features(out.hidden_states) if gen.drafter.needs_hidden_states else None
     if features is not None:
         features = features.gather(1, path[..., None].expand(-1, -1, features.shape[-1]))
-    state.on_device.append_draft(features, tree.tokens.gather(1, path), result.num_accepted, host.counts)
+    append = (features, tree.tokens.gather(1, path), result.num_accepted, host.counts)
+    if tree.num_nodes == 1:  # a round that did not draft: its append waits for the next one that does
+        state.on_device.deferred.append(append)
+        if len(state.on_device.deferred) >= HELD_BACK_MOST:
+            state.catch_up_draft()
+    else:
+        state.on_device.append_draft(*append)
 
 
 def _observe(state: DecodeState, tree: DraftTree, host: AcceptedOnHost, budget: int) -> None:

@@ -98,8 +98,9 @@ class DeviceState:
             draft.append(features, tokens, counts)
 
     def take_deferred(self) -> None:
-        """Give the held-back appends to the drafter context, in order."""
-        for features, tokens, counts, host_counts in self.deferred:
+        """Give the held-back appends to the drafter context, in order; a run of appends in which every row
+        takes all its tokens goes in as one (the drafter projects it in one pass instead of one per round)."""
+        for features, tokens, counts, host_counts in _merge_full_runs(self.deferred):
             self.append_draft(features, tokens, counts, host_counts)
         self.deferred.clear()
 
@@ -122,6 +123,35 @@ class DeviceState:
         """Drop the cache and the drafter context: nothing is left to decode, so free the memory now."""
         self.cache = self.draft = None
         self.deferred.clear()
+
+
+def _is_full(append: tuple) -> bool:
+    """Whether every row takes all of this append's tokens (so appending it and the next one equals appending
+    their concatenation)."""
+    features, tokens, counts, host_counts = append
+    return counts is not None and host_counts is not None and all(c == tokens.shape[1] for c in host_counts)
+
+
+def _merge_full_runs(appends: list[tuple]) -> list[tuple]:
+    """``appends`` with each run of consecutive full ones (:func:`_is_full`) concatenated along the tokens."""
+    merged: list[tuple] = []
+    run: list[tuple] = []
+    for append in [*appends, None]:
+        if append is not None and _is_full(append):
+            run.append(append)
+            continue
+        if len(run) > 1:
+            features = None if run[0][0] is None else torch.cat([a[0] for a in run], dim=1)
+            tokens = torch.cat([a[1] for a in run], dim=1)
+            counts = torch.stack([a[2] for a in run]).sum(0)
+            host_counts = [sum(c) for c in zip(*(a[3] for a in run))]
+            merged.append((features, tokens, counts, host_counts))
+        else:
+            merged.extend(run)
+        run = []
+        if append is not None:
+            merged.append(append)
+    return merged
 
 
 @dataclass
@@ -162,14 +192,15 @@ class DecodeState:
         return self.stats.records
 
     def catch_up_draft(self) -> DraftContext | None:
-        """The drafter context with the prompt's last prefill chunk taken in.
+        """The drafter context with its held-back appends taken in.
 
-        The prefill hands that chunk's features to the drafter after it has emitted the first token, not
-        before: the first token then waits on the target's prefill alone, and the drafter's share moves
-        into the first tree round (which calls this first). A custom loop that reads the drafter context
-        right after the prefill takes it from here."""
+        The prefill hands the prompt's last chunk to the drafter after it has emitted the first token, not
+        before: the first token then waits on the target's prefill alone. A round that does not draft holds
+        its append back too: the drafter is not needed until a round drafts, and a run of held appends goes
+        in as one pass. The next drafting round takes them in first (timed as its ``draft``). A custom loop
+        that reads the drafter context between rounds takes it from here."""
         held = self.on_device
         if held.deferred:
-            with torch.inference_mode(), self.timer.stage("prefill"):
+            with torch.inference_mode(), self.timer.stage("draft"):
                 held.take_deferred()
         return held.draft

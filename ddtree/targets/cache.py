@@ -178,7 +178,9 @@ def commit_accepted(cache: Any, prefix_len: int, accepted: torch.Tensor, lengths
         kind.commit(cache, accepted)  # stateful layers: per row, from each row's own last accepted node
     # Rows that accept equally many nodes stay right-aligned when the nodes are appended after the whole
     # prefix (padding included): the cheap path, whatever each row's own length.
-    if uniform:
+    if uniform and contiguous and kv_layers and kv_layers[0][0].shape[-2] == prefix_len + accepted.shape[1]:
+        pass  # every column is kept where it is (a round without a tree; a chain accepted whole)
+    elif uniform:
         for keys, values, store in kv_layers:  # contiguous decided once per round, not once per layer
             store(keep_positions(keys, prefix_len, accepted, contiguous),
                   keep_positions(values, prefix_len, accepted, contiguous))
