@@ -30,7 +30,7 @@ def test_two_turns_with_live_switches_then_eof(saved_tiny_pair):
                 stdin=stdin, stdout=stdout) == 0
     text = stdout.getvalue()
     stats = re.findall(r"\[(\d+) tokens, ([\d.]+) per round, [\d.]+ tok/s, budget (\S+), (\S+)\]", text)
-    assert [(s[2], s[3]) for s in stats] == [("4", "best_first"), ("2", "chain")]
+    assert [(s[2], s[3]) for s in stats] == [("auto", "best_first"), ("2", "chain")]  # the default, then /budget 2
     assert "budget 2\n" in text and "builder chain\n" in text and "nonsense" in text  # the bad builder is reported
     # Each reply is exactly what generate gives for the same conversation.
     gen = SpeculativeGenerator.from_pretrained(target_dir, drafter_dir, dtype=torch.float32)

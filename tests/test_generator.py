@@ -6,7 +6,7 @@ import pytest
 import torch
 from tiny import ScriptedDrafter, tiny_drafter, tiny_target
 
-from ddtree import SpeculativeGenerator
+from ddtree import BudgetPolicy, SpeculativeGenerator
 from ddtree.blocks import beam
 
 PROMPTS = [[5, 17, 3], [11, 2, 2, 40, 61, 7, 9, 33, 12, 1, 80], list(range(10, 50))]
@@ -223,7 +223,40 @@ def test_options_are_checked_once_when_made_and_each_refusal_names_its_fix(tiny_
     gen = SpeculativeGenerator(target, draft, options=opts, tree_budget=8)
     assert gen.options == opts.replace(tree_budget=8) and (gen.tree_budget, gen.prefill_chunk) == (8, None)
     assert gen.builder is beam.__globals__["BUILDERS"]["chain"]
-    assert SpeculativeGenerator(target, draft).options.tree_budget == 4  # the CPU default, filled in
+    assert SpeculativeGenerator(target, draft).options.tree_budget == 4  # the suite's fixed default (conftest)
+
+
+class Replay(BudgetPolicy):
+    """The budgets another generation chose, round by round (0: a round without a tree)."""
+
+    def __init__(self, budgets: list[int]) -> None:
+        self.budgets, self.rounds = budgets, 0
+
+    def prepare(self, context_len: int, batch: int) -> None:
+        self.rounds += 1
+        self.skip_draft = self.budgets[self.rounds - 1] == 0
+
+    def choose(self, logprobs: torch.Tensor, context_len: int) -> int:
+        return self.budgets[self.rounds - 1]
+
+
+@pytest.mark.real_default
+def test_the_default_budget_is_auto_and_a_fixed_one_under_compile(tiny_pair):
+    """A generator built without a budget decodes under ``"auto"`` (compile=True, which needs an int: 4 on a
+    CPU): the target's greedy tokens, and each round's acceptance what the same budgets give when replayed."""
+    target, draft = tiny_pair
+    gen = SpeculativeGenerator(target, draft)
+    assert gen.options.tree_budget == gen.tree_budget == "auto"
+    assert SpeculativeGenerator(target, draft, compile=True).tree_budget == 4
+    gen.tree_budget = 8
+    gen.tree_budget = None  # back to the default
+    assert gen.tree_budget == "auto"
+    for prompt in PROMPTS:
+        out = gen.generate(prompt, max_new_tokens=40)
+        assert out.stats.budget_policy["policy"] == "auto"
+        assert out.sequences[0].tolist() == reference(target, prompt, new=40)[0].tolist()
+        replayed = gen.generate(prompt, max_new_tokens=40, tree_budget=Replay(out.stats.budgets))
+        assert replayed.acceptance_lengths == out.acceptance_lengths and replayed.stats.budgets == out.stats.budgets
 
 
 def _decoy_case(target):
@@ -301,7 +334,7 @@ def test_generator_setters_go_through_the_options(tiny_pair):
     target, draft = tiny_pair
     gen = SpeculativeGenerator(target, draft, tree_budget=8)
     gen.builder = "chain"
-    gen.tree_budget = None  # back to the device default
+    gen.tree_budget = None  # back to the default (the suite's fixed one: conftest)
     assert gen.options.builder == "chain" and gen.builder is BUILDERS["chain"] and gen.tree_budget == 4
     with pytest.raises(ValueError, match="prefill_chunk must be an int >= 1"):
         gen.prefill_chunk = -1

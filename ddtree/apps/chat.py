@@ -32,7 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap = parser("python -m ddtree chat", __doc__, EXAMPLES)
     ap.add_argument("--target", default=None, help="target model directory (None: the default SmolLM2 pair)")
     ap.add_argument("--drafter", default=None, help="DFlash drafter directory for --target")
-    ap.add_argument("--budget", default="4", help="tree budget: draft nodes per round, or 'auto'")
+    ap.add_argument("--budget", default="auto", help="tree budget: 'auto' (the default) or draft nodes per round")
     ap.add_argument("--builder", default="best_first",
                     help="tree builder: best_first, chain, beam@WxD, module:function")
     ap.add_argument("--max-new-tokens", type=int, default=256, help="longest reply, in tokens")

@@ -120,9 +120,11 @@ class SpeculativeGenerator:
     ``GenerationOutput.text``.
 
     ``tree_budget`` is the number of draft nodes per round; a fixed 0 is plain
-    target-only decoding (the drafter does no work), the baseline for speedups. ``None`` picks
-    :func:`default_tree_budget` for the target's device (small on a CPU, where verify cost grows
-    with every node; see docs/benchmarks.md). ``builder`` is ``"best_first"`` (DDTree),
+    target-only decoding (the drafter does no work), the baseline for speedups. ``None`` (the default)
+    is ``"auto"``: each round a plain step or the budget its measured costs make fastest
+    (:func:`default_tree_budget`; under ``compile=True`` a fixed budget for the device). Seeded sampling
+    repeats its tokens under a fixed budget only: ``"auto"``'s trees follow the machine's timings, and the
+    draws follow the trees (the distribution is the target's either way). ``builder`` is ``"best_first"`` (DDTree),
     ``"chain"`` (DFlash), ``"beam@WxD"``, ``"module:function"`` or any callable
     with the :class:`~ddtree.core.builders.TreeBuilder` signature. ``attention`` names the
     tree-verify attention backend (see :mod:`ddtree.targets.backends`). ``cpu_linear``
@@ -235,7 +237,7 @@ class SpeculativeGenerator:
                 raise ValueError(f"{', '.join(changed)} prepared the models when this generator was built: "
                                  "build a new SpeculativeGenerator to change them")
         if options.tree_budget is None:
-            options = options.replace(tree_budget=default_tree_budget(self.target))
+            options = options.replace(tree_budget=default_tree_budget(self.target, bool(options.compile)))
         self._builder = resolve_builder(options.builder)
         self._options = options
 
@@ -502,18 +504,26 @@ class _CallEngine:
         return getattr(self._generator, name)
 
 
-DEFAULT_TREE_BUDGET = {"cpu": 4}
-"""Default draft nodes per round by device type: on a CPU the verify forward's cost grows with every node, and
-budget 4 measured fastest on the default pair (docs/benchmarks.md); other devices verify wide trees nearly
-for free, and get ``DEFAULT_TREE_BUDGET_ACCELERATOR``."""
-DEFAULT_TREE_BUDGET_ACCELERATOR = 32
+DEFAULT_TREE_BUDGET = "auto"
+"""The default ``tree_budget`` on every device: each round a plain step or the budget that its own measured
+costs make fastest. A fixed budget pays only where enough of its tree is accepted to cover its verify, which
+moves with the device, the batch and the load: on a CPU past batch 1 every fixed budget ran slower than plain
+decoding, and ``"auto"`` ran at or above it (docs/benchmarks.md, issue 33)."""
+DEFAULT_COMPILED_BUDGET = {"cpu": 4}
+"""``compile=True`` takes a fixed budget (each tree size is its own graph): by device type, the fastest fixed
+budget measured on the default pair on a CPU; other devices verify wide trees nearly for free, and get
+``DEFAULT_COMPILED_BUDGET_ACCELERATOR``."""
+DEFAULT_COMPILED_BUDGET_ACCELERATOR = 32
 
 
-def default_tree_budget(target: Any) -> int:
-    """The default budget for ``target``'s device (:data:`DEFAULT_TREE_BUDGET`)."""
+def default_tree_budget(target: Any, compiled: bool = False) -> int | str:
+    """The default budget: :data:`DEFAULT_TREE_BUDGET`, or under ``compile`` a fixed one for ``target``'s
+    device (:data:`DEFAULT_COMPILED_BUDGET`)."""
+    if not compiled:
+        return DEFAULT_TREE_BUDGET
     param = next(target.parameters(), None)
     kind = param.device.type if param is not None else "cpu"
-    return DEFAULT_TREE_BUDGET.get(kind, DEFAULT_TREE_BUDGET_ACCELERATOR)
+    return DEFAULT_COMPILED_BUDGET.get(kind, DEFAULT_COMPILED_BUDGET_ACCELERATOR)
 
 
 def _apply_thread_policy(target: Any, threads: int | str | None) -> ThreadInfo | None:

@@ -34,7 +34,8 @@ MODEL_SETTINGS = ("attention", "cpu_linear", "threads", "compile")
 class GeneratorOptions:
     """The settings of a ``SpeculativeGenerator``; see its docstring for what each one does.
 
-    ``tree_budget=None`` means the default for the target's device (the generator fills it in);
+    ``tree_budget=None`` means the default, ``"auto"`` (a fixed budget for the device under ``compile``; the
+    generator fills it in);
     ``threads=None`` leaves torch's thread count as it is.
     """
 

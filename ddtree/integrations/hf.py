@@ -43,7 +43,8 @@ def decoding(drafter: Any, tree_budget: int | str | None = None, builder: Any = 
     but draws its random numbers in another order than HF's sampler, so for a seed the tokens differ
     from plain ``generate``: ``seed`` fixes ddtree's own generator; without it, one
     number drawn from torch's global RNG seeds it, so ``torch.manual_seed`` makes
-    a call reproducible.
+    a call reproducible under a fixed ``tree_budget`` (the default, ``"auto"``, shapes its trees by the
+    machine's timings, and the draws follow the trees).
     """
     if options is not None and not isinstance(options, GeneratorOptions):
         raise TypeError(f"options must be a ddtree GeneratorOptions, got {type(options).__name__}")
