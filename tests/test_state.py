@@ -103,14 +103,16 @@ class SkipThenDraft(BudgetPolicy):
 PLAIN_RUNS = {1, 2, 3, 4, 5, 9, 10, 11, 12}
 
 
+@pytest.mark.parametrize("window", [None, 4])
 @pytest.mark.parametrize("lengths", [[21], [21, 9, 14]])
 def test_rounds_without_a_tree_hand_the_drafter_their_tokens_in_one_pass_at_the_next_drafting_round(
-        lengths, monkeypatch):
+        lengths, window, monkeypatch):
     """The drafter is not run in a round that does not draft: its features wait and go in as one append when a
     round drafts. Tokens and acceptance equal a loop that takes every round's append at once, and the greedy
-    target's own tokens."""
+    target's own tokens (also with a sliding-window drafter layer, whose window the long append must keep)."""
     target = tiny_target("qwen3")
-    drafter = tiny_drafter(target)
+    slide = {} if window is None else {"layer_types": ["sliding_attention", "full_attention"], "sliding_window": window}
+    drafter = tiny_drafter(target, **slide)
     gen = SpeculativeGenerator(target, drafter, tree_budget=8, attention="sdpa")
     g = torch.Generator().manual_seed(2)
     prompts = [torch.randint(0, 90, (n,), generator=g).tolist() for n in lengths]
