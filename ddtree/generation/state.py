@@ -128,7 +128,7 @@ class DeviceState:
 def _is_full(append: tuple) -> bool:
     """Whether every row takes all of this append's tokens (so appending it and the next one equals appending
     their concatenation)."""
-    features, tokens, counts, host_counts = append
+    _, tokens, counts, host_counts = append
     return counts is not None and host_counts is not None and all(c == tokens.shape[1] for c in host_counts)
 
 
