@@ -215,7 +215,7 @@ def test_a_per_call_builder_and_budget_get_their_own_steps(pair):
         prompt, max_new_tokens=8, record_trees=True)
     assert mine.row_tokens == built.row_tokens and mine.row_acceptance == built.row_acceptance
     assert all(r.tree.num_nodes == 4 for r in mine.row_rounds[0])  # chain of 3 under the call's budget
-    assert {(getattr(b, "__name__", b), n) for b, n in gen._static_steps} == {("chain", 3)}
+    assert {(getattr(b, "__name__", b), n) for b, n, _ in gen._static_steps} == {("chain", 3)}
 
 
 def test_what_the_static_round_cannot_run_is_refused_with_the_way_out(pair):

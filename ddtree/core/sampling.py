@@ -1,8 +1,10 @@
-"""The target's decoding rule: temperature, top-k and top-p applied to logits.
+"""The target's decoding rule: temperature, top-k and top-p applied to logits, and the draw from them.
 
-The same processing serves the verifier (one draw per tree node) and plain
+The same processing serves the verifier (one choice per tree node) and plain
 decoding, so speculative and target-only sampling draw from one distribution.
-The order follows HF ``generate``: temperature, then top-k, then top-p.
+The order follows HF ``generate``: temperature, then top-k, then top-p. A keyed draw
+(:mod:`ddtree.core.noise`) is a pure function of the row's key and the token's position, so a tree node and
+the plain decoder at the same position draw the same token from the same distribution.
 """
 
 from __future__ import annotations
@@ -10,6 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from ddtree.core.noise import keyed_argmax
 
 
 @dataclass(frozen=True)
@@ -31,6 +35,10 @@ class SamplingConfig:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+
+GREEDY = SamplingConfig()
+"""The greedy rule (frozen, so one shared default is safe)."""
 
 
 def processed_logprobs(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:
@@ -73,10 +81,17 @@ def log_softmax_inplace(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-def choose_tokens(logits: torch.Tensor, cfg: SamplingConfig, generator: torch.Generator | None = None) -> torch.Tensor:
-    """One token per position of ``logits`` ``[..., V]``: argmax, or one independent draw."""
+def choose_tokens(logits: torch.Tensor, cfg: SamplingConfig, generator: torch.Generator | None = None, *,
+                  keys: torch.Tensor | None = None, positions: torch.Tensor | None = None) -> torch.Tensor:
+    """One token per position of ``logits`` ``[B, ..., V]``: the argmax under greedy; else a keyed draw when
+    ``keys`` ``[B]`` and ``positions`` ``[B, ...]`` (the sequence index of each chosen token) are given, or one
+    independent draw from ``generator``."""
     if cfg.greedy:
         return logits.argmax(dim=-1)
+    if keys is not None:
+        if positions is None:
+            raise ValueError("a keyed draw needs the positions of the tokens it chooses (positions=)")
+        return keyed_argmax(processed_logprobs(logits, cfg), keys, positions)
     probs = processed_logprobs(logits, cfg).exp()
     flat = probs.reshape(-1, probs.shape[-1])
     return torch.multinomial(flat, 1, generator=generator).view(probs.shape[:-1])

@@ -1,8 +1,9 @@
 """Longest-branch verification of a draft tree against the target's own decoding rule.
 
 At every node the target makes its choice (argmax, or one draw from its
-processed distribution). Starting at the root, the walk follows the child whose
-token equals that choice; the choice at the last accepted node is the bonus
+processed distribution: keyed by the row and the drawn token's position when ``keys`` are given, so every
+node at one depth and the plain decoder at that position share one draw). Starting at the root, the walk
+follows the child whose token equals that choice; the choice at the last accepted node is the bonus
 token. Every emitted token is then exactly what the target would have produced
 given its true prefix, so the output is lossless for greedy and sampling alike.
 """
@@ -13,10 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ddtree.core.sampling import SamplingConfig, choose_tokens
+from ddtree.core.sampling import GREEDY, SamplingConfig, choose_tokens
 from ddtree.core.tree import DraftTree
-
-_GREEDY = SamplingConfig()  # frozen, so one shared default is safe
 
 
 @dataclass
@@ -63,14 +62,25 @@ def accept_longest_branch(tree: DraftTree, choices: torch.Tensor, length: int | 
 def verify_tree(
     tree: DraftTree,
     logits: torch.Tensor,
-    sampling: SamplingConfig = _GREEDY,
+    sampling: SamplingConfig = GREEDY,
     generator: torch.Generator | None = None,
     length: int | None = None,
+    *,
+    keys: torch.Tensor | None = None,
+    start: torch.Tensor | None = None,
 ) -> VerifyResult:
     """Verify ``tree`` given the target's ``logits`` ``[B, N, V]`` at every node (``length``: see
-    :func:`accept_longest_branch`)."""
+    :func:`accept_longest_branch`). Sampling draws from ``generator``, or, with ``keys`` ``[B]`` (see
+    :func:`ddtree.core.noise.row_keys`) and ``start`` ``[B]`` (each root's position: the row's committed
+    length), the keyed draw for the token after each node, at position ``start + depth + 1``."""
     if logits.shape[:2] != tree.tokens.shape:
         raise ValueError(
             f"logits {tuple(logits.shape)} do not cover the tree's {tree.num_nodes} nodes"
         )
-    return accept_longest_branch(tree, choose_tokens(logits, sampling, generator), length)
+    positions = None
+    if keys is not None:
+        if start is None:
+            raise ValueError("keyed verification needs each row's root position (start=, the committed length)")
+        positions = start.view(-1, 1).to(tree.depths.device) + tree.depths + 1
+    return accept_longest_branch(tree, choose_tokens(logits, sampling, generator, keys=keys, positions=positions),
+                                 length)

@@ -25,6 +25,8 @@ from ddtree.budget.policy import (
     check_budget,
 )
 from ddtree.core.builders import TreeBuilder, resolve_builder
+from ddtree.core.noise import row_keys
+from ddtree.core.sampling import GREEDY, SamplingConfig
 from ddtree.drafters.base import Drafter
 from ddtree.generation.inputs import (
     StreamerFeed,
@@ -40,7 +42,7 @@ from ddtree.generation.options import (
 )
 from ddtree.generation.round import speculative_round
 from ddtree.generation.rows import RowBook
-from ddtree.generation.state import DecodeState, RoundEngine
+from ddtree.generation.state import DecodeState, DeviceState, RoundEngine
 from ddtree.generation.static_round import StaticSteps, check_static_support
 from ddtree.generation.stats import RoundStats
 from ddtree.loading.drafter import resolve_drafter
@@ -93,6 +95,7 @@ class GenerationOutput:
     prompt_length: int = 0
     row_tokens: list[list[int]] = field(default_factory=list)
     text: list[str] | None = None  # each row's new tokens decoded, when the generator has a tokenizer
+    seed: int | list[int] | None = None  # what keyed the sampled tokens (passed, or drawn); None under greedy
 
     @property
     def row_acceptance(self) -> list[list[int]]:
@@ -172,7 +175,7 @@ class SpeculativeGenerator:
         self.backend = get_backend(attention) if isinstance(attention, (str, type(None))) else attention
         self.backend.prepare(self.target)
         self.tokenizer = tokenizer
-        self._static_steps: dict[tuple, StaticSteps] = {}  # compiled static-round steps by builder and budget
+        self._static_steps: dict[tuple, StaticSteps] = {}  # compiled static-round steps by builder, budget, rule
         if options.compile:
             check_static_support(self)
         self._costs = RoundCosts()  # round costs of this model on this machine, learned by every "auto" call
@@ -306,28 +309,34 @@ class SpeculativeGenerator:
                 other_names=CALL_NAMES, **options)
             if settings.max_new_tokens is None or settings.max_new_tokens < 1:
                 raise ValueError(f"max_new_tokens must be an int >= 1, got {settings.max_new_tokens!r}")
+            if isinstance(settings.seed, tuple) and len(settings.seed) != len(rows):
+                raise ValueError(f"seed has {len(settings.seed)} entries for {len(rows)} prompts: pass one seed per "
+                                 "prompt, or one int for the whole batch")
         # never None: the generator's options hold its default, and a per-call None means "the generator's"
         budget, builder = cast("int | str | BudgetPolicy", call.tree_budget), self.builder
         engine: RoundEngine = self
         if call.builder != self._options.builder:
             builder = resolve_builder(call.builder)
             engine = _CallEngine(self, builder)
-        seed = settings.seed
+        seed: int | list[int] | None = list(settings.seed) if isinstance(settings.seed, tuple) else settings.seed
         if self.lockstep.active:
             self.lockstep.agree(([r.tolist() for r in rows], settings.max_new_tokens, settings.sampling,
                                  sorted(settings.stop_token_ids),
                                  budget if isinstance(budget, (int, str)) else type(budget).__name__, seed),
                                 "generate's inputs")
-        rng = torch.Generator(device=embed.device)
-        seed = self.lockstep.share(seed if seed is not None else int(torch.randint(0, 2**62, (1,)).item()))
-        rng.manual_seed(seed)
+        keys = None
+        if not settings.sampling.greedy:  # greedy draws nothing and leaves torch's global RNG alone, as HF does
+            if seed is None:  # one number from torch's global RNG: torch.manual_seed(s) repeats the call
+                seed = int(torch.randint(0, 2**62, (1,)).item())
+            seed = self.lockstep.share(seed)
+            keys = row_keys(seed, len(rows), embed.device)
         return DecodeState(
             generator=engine,
             rows=RowBook([r.to(embed.device) for r in rows], settings.max_new_tokens,
                          frozenset(settings.stop_token_ids)),
-            sampling=settings.sampling, policy=self.budget_policy(budget, builder=builder), rng=rng,
+            sampling=settings.sampling, policy=self.budget_policy(budget, builder=builder), seed=seed,
             timer=StageTimer(embed.device), stats=RoundStats(len(rows), record=record_trees),
-            prefill_chunk=call.prefill_chunk,
+            prefill_chunk=call.prefill_chunk, on_device=DeviceState(keys=keys),
         )
 
     def call_options(self, options: dict) -> GeneratorOptions:
@@ -402,13 +411,14 @@ class SpeculativeGenerator:
         """``options.compile``: whether tree rounds run as the static, compiled round."""
         return self._options.compile
 
-    def static_steps(self, budget: int, builder: TreeBuilder | None = None) -> StaticSteps:
-        """The static round's steps for ``builder`` (default the generator's) and ``budget`` (compiled on first
-        use, then kept)."""
+    def static_steps(self, budget: int, sampling: SamplingConfig = GREEDY,
+                     builder: TreeBuilder | None = None) -> StaticSteps:
+        """The static round's steps for ``builder`` (default the generator's), ``budget`` and the decoding rule
+        (compiled on first use, then kept)."""
         builder = builder or self.builder
-        key = (builder, budget)
+        key = (builder, budget, sampling)
         if key not in self._static_steps:
-            self._static_steps[key] = StaticSteps(self, builder, budget, self._options.compile)
+            self._static_steps[key] = StaticSteps(self, builder, budget, self._options.compile, sampling)
         return self._static_steps[key]
 
     def budget_policy(self, budget: int | str | BudgetPolicy, *,
@@ -480,6 +490,7 @@ class SpeculativeGenerator:
             row_tokens=book.new_tokens,
             text=None if self.tokenizer is None else [self.tokenizer.decode(t, skip_special_tokens=True)
                                                       for t in book.new_tokens],
+            seed=state.seed,
         )
 
 
@@ -495,8 +506,8 @@ class _CallEngine:
         self._generator = generator
         self.builder = builder
 
-    def static_steps(self, budget: int) -> StaticSteps:
-        return self._generator.static_steps(budget, self.builder)
+    def static_steps(self, budget: int, sampling: SamplingConfig = GREEDY) -> StaticSteps:
+        return self._generator.static_steps(budget, sampling, self.builder)
 
     def __getattr__(self, name: str) -> Any:
         if name == "_generator":  # not set yet (copy, pickle): no recursion

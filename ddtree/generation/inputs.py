@@ -173,7 +173,7 @@ class GenerationSettings:
     top_k: int | None = None
     top_p: float | None = None
     stop_token_ids: tuple[int, ...] = ()
-    seed: int | None = None
+    seed: int | tuple[int, ...] | None = None  # one for the batch, or one per prompt
 
     @property
     def sampling(self) -> SamplingConfig:
@@ -216,7 +216,7 @@ def resolve_generation(
     top_p: float | None = None,
     eos_token_id: int | Sequence[int] | None = UNSET,
     stop_token_ids: int | Sequence[int] | None = UNSET,
-    seed: int | None = None,
+    seed: int | Sequence[int] | None = None,
     prompt_length: int | None = None,
     other_names: Sequence[str] = (),
     **options: Any,
@@ -296,7 +296,20 @@ def resolve_generation(
         raise ValueError(f"max_new_tokens must be an int >= 1, got {new!r}")
 
     stops = _resolve_stops(eos_token_id, stop_token_ids, generation_config, target_generation_config)
-    return GenerationSettings(new, temp, settings_k, settings_p, stops, seed)
+    return GenerationSettings(new, temp, settings_k, settings_p, stops, _checked_seed(seed))
+
+
+def _checked_seed(seed: Any) -> int | tuple[int, ...] | None:
+    """``seed`` as an int, a tuple of ints (one per prompt) or None; anything else is refused."""
+    def is_int(x: Any) -> bool:
+        return isinstance(x, int) and not isinstance(x, bool)
+
+    if seed is None or is_int(seed):
+        return seed
+    if isinstance(seed, Sequence) and not isinstance(seed, str) and seed and all(is_int(s) for s in seed):
+        return tuple(seed)
+    raise ValueError(f"seed must be an int (keys every row by (seed, row)) or a list of ints, one per prompt; "
+                     f"got {seed!r}")
 
 
 def _config_dict(cfg: Any) -> dict:

@@ -70,7 +70,7 @@ def speculative_round(state: DecodeState) -> RoundResult:
 
 def _static_tree_round(state: DecodeState) -> RoundResult:
     """A tree round as the static, compiled steps (``compile=True``; see :mod:`ddtree.generation.static_round`)."""
-    steps = state.generator.static_steps(static_budget(state))
+    steps = state.generator.static_steps(static_budget(state), state.sampling)
     if state.on_device.static is None:
         state.on_device.static = to_static(state)
     return static_round(state, steps, state.on_device.static)
@@ -101,7 +101,8 @@ def _prefill(state: DecodeState) -> RoundResult:
                                          _to_context(state, last_chunk, features, tokens, counts, host_counts))
             last = prefill_padded(target, ids, lengths, held.cache, drafter=gen.drafter, append=append,
                                   chunk_size=state.prefill_chunk, host_lengths=host_lengths)
-        roots = gen.lockstep.share(choose_tokens(last.to(device), state.sampling, state.rng))
+        roots = gen.lockstep.share(choose_tokens(last.to(device), state.sampling, keys=held.keys,
+                                                 positions=lengths))
     held.lengths, held.roots, rows.prefilled = lengths, roots, True
     first = roots.tolist()
     tokens: list[list[int]] = [[] for _ in rows.prompts]
@@ -175,7 +176,8 @@ def _plain_step(state: DecodeState) -> RoundResult:
                                  attention_mask=valid.long())
         check_cache_length(cache, width + 1, "decode step")
         logits = out.logits[:, -1].to(roots.device)
-        roots = state.generator.lockstep.share(choose_tokens(logits, state.sampling, state.rng))
+        roots = state.generator.lockstep.share(choose_tokens(logits, state.sampling, keys=held.keys,
+                                                             positions=lengths + 1))
     held.roots = roots
     held.lengths = lengths + 1
     rows.host_lengths = [n + 1 for n in rows.host_lengths]
@@ -249,7 +251,8 @@ def _verify(state: DecodeState, tree: DraftTree) -> tuple[Any, VerifyResult]:
         check_cache_length(cache, width + tree.num_nodes, "verify forward")
         logits = out.logits.to(tree.tokens.device)
         # accepted padded to the tree's nodes, so the walk needs no read: the round reads once, after it
-        result = gen.lockstep.share(verify_tree(tree, logits, state.sampling, state.rng, length=tree.num_nodes))
+        result = gen.lockstep.share(verify_tree(tree, logits, state.sampling, length=tree.num_nodes,
+                                                keys=held.keys, start=lengths))
     return out, result
 
 

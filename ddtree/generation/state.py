@@ -52,7 +52,7 @@ class RoundEngine(Protocol):
     @property
     def compile(self) -> bool | str: ...
 
-    def static_steps(self, budget: int) -> Any: ...
+    def static_steps(self, budget: int, sampling: SamplingConfig) -> Any: ...
 
 
 @dataclass
@@ -84,6 +84,7 @@ class DeviceState:
     roots: torch.Tensor | None = None  # [A] each active row's last emitted token, not yet in the cache
     draft_takes_host_counts: bool | None = None  # whether draft.append takes host_counts (read once)
     static: Any = None  # the static round's buffers and rows (compile=True), made by its first tree round
+    keys: torch.Tensor | None = None  # [A] each active row's sampling key (ddtree.core.noise); None under greedy
 
     def append_draft(self, features: torch.Tensor | None, tokens: torch.Tensor, counts: torch.Tensor | None,
                      host_counts: list[int] | None) -> None:
@@ -118,6 +119,8 @@ class DeviceState:
                 self.draft.select_rows(index)
         self.lengths = lengths.index_select(0, index)
         self.roots = roots.index_select(0, index.to(roots.device))
+        if self.keys is not None:
+            self.keys = self.keys.index_select(0, index.to(self.keys.device))
 
     def release(self) -> None:
         """Drop the cache and the drafter context: nothing is left to decode, so free the memory now."""
@@ -156,13 +159,15 @@ def _merge_full_runs(appends: list[tuple]) -> list[tuple]:
 
 @dataclass
 class DecodeState:
-    """One generation: its rows (host), its device state, its round statistics, and its settings, RNG and timer."""
+    """One generation: its rows (host), its device state, its round statistics, and its settings, seed and
+    timer. Sampled tokens are keyed draws (:mod:`ddtree.core.noise`) from ``on_device.keys``: a pure function of
+    the seed, the row and the position, so no RNG state advances between rounds."""
 
     generator: RoundEngine
     rows: RowBook
     sampling: SamplingConfig
     policy: BudgetPolicy | None  # None: plain target-only decoding (budget 0)
-    rng: torch.Generator
+    seed: int | list[int] | None  # what keyed this generation's draws (None: greedy, nothing drawn)
     timer: StageTimer
     stats: RoundStats
     prefill_chunk: int | None = PREFILL_CHUNK  # prompt tokens per prefill forward; None: the whole prompt at once

@@ -9,8 +9,9 @@ buffers (:class:`~ddtree.targets.static_cache.RowPackedCache`, the context's ``t
    ``[B, 1, N, capacity]`` mask built on the device from the lengths (a GDN hybrid's linear-attention layers
    run each node from its parent's state, in the cache's fixed state buffers: see
    :mod:`ddtree.targets.static_cache`);
-3. the target's choice at each node (between the steps, so a sampled draw uses the generation's own RNG);
-4. ``commit``: the acceptance walk, the accepted nodes' keys/values copied down in place (and GDN states
+   and the target's choice at each node (a keyed draw under sampling: a pure function of the row's key and
+   the position, so it needs no RNG state and runs inside the step);
+3. ``commit``: the acceptance walk, the accepted nodes' keys/values copied down in place (and GDN states
    replayed along each row's path), their features written into the drafter context, new lengths and roots;
 
 then the round's one host read of the packed accepted tokens. Rows that finish keep their place (their
@@ -32,7 +33,7 @@ import torch
 
 from ddtree.budget.policy import FixedBudget
 from ddtree.core.builders import TreeBuilder
-from ddtree.core.sampling import choose_tokens
+from ddtree.core.sampling import GREEDY, SamplingConfig, choose_tokens
 from ddtree.core.tree import DraftTree
 from ddtree.core.verify import accept_longest_branch
 from ddtree.drafters.base import StaticDraftContext, proposal_tree
@@ -96,6 +97,7 @@ class StaticRows:
     lengths: torch.Tensor  # [R] committed positions per buffer row
     roots: torch.Tensor  # [R] each row's last emitted token
     alive: torch.Tensor  # [R] bool
+    keys: torch.Tensor | None  # [R] sampling keys (None under greedy)
     rows: list[int]
     host_lengths: list[int]
     host_alive: list[bool]
@@ -112,8 +114,10 @@ class StaticSteps:
     Held by the generator (they are derived from its models and settings, and compiling is slow), keyed by
     the builder and budget."""
 
-    def __init__(self, generator: Any, builder: TreeBuilder, budget: int, compile: bool | str) -> None:
+    def __init__(self, generator: Any, builder: TreeBuilder, budget: int, compile: bool | str,
+                 sampling: SamplingConfig = GREEDY) -> None:
         self.target = generator.target
+        self.sampling = sampling
         self.drafter = generator.drafter
         self.builder = builder
         self.budget = budget
@@ -136,8 +140,8 @@ class StaticSteps:
     def _draft(self, draft: StaticDraftContext, roots: torch.Tensor, lengths: torch.Tensor) -> DraftTree:
         return proposal_tree(draft.propose(roots, lengths), roots, self.builder, self.budget)
 
-    def _verify(self, cache: RowPackedCache, tree: DraftTree,
-                lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _verify(self, cache: RowPackedCache, tree: DraftTree, lengths: torch.Tensor,
+                keys: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
         n = tree.num_nodes
         cache.set_write_columns(lengths[:, None] + torch.arange(n, device=lengths.device))
         cache.set_tree(tree.parents, tree.depths, self.max_depth)  # for GDN layers, if any
@@ -154,7 +158,8 @@ class StaticSteps:
                           attention_mask=masks_for_plan(self.plan, self.layer_types, mask), use_cache=True,
                           output_hidden_states=hidden, **extra)
         features = self.drafter.context_features(out.hidden_states) if hidden else None
-        return out.logits, features
+        positions = lengths[:, None] + tree.depths + 1  # each node chooses the token after it
+        return choose_tokens(out.logits, self.sampling, keys=keys, positions=positions), features
 
     def _commit(self, cache: RowPackedCache, draft: StaticDraftContext, tree: DraftTree, choices: torch.Tensor,
                 features: torch.Tensor | None, lengths: torch.Tensor,
@@ -216,21 +221,11 @@ def to_static(state: DecodeState) -> StaticRows:
     lengths = cast(torch.Tensor, held.lengths)  # set by the prefill
     rows = StaticRows(cache=cache, draft=to_static_draft(capacity), lengths=lengths.clone(),
                       roots=cast(torch.Tensor, held.roots).clone(),
-                      alive=torch.ones(len(book.active), dtype=torch.bool, device=lengths.device),
+                      alive=torch.ones(len(book.active), dtype=torch.bool, device=lengths.device), keys=held.keys,
                       rows=list(book.active), host_lengths=list(book.host_lengths),
                       host_alive=[True] * len(book.active))
     held.cache = cache
     return rows
-
-
-def _choose(logits: torch.Tensor, state: DecodeState, rows: StaticRows) -> torch.Tensor:
-    """The target's choice at every node. A sampled draw covers the live rows only, so the generation's RNG
-    advances exactly as in the dynamic round, which drops finished rows."""
-    if state.sampling.greedy or all(rows.host_alive):
-        return choose_tokens(logits, state.sampling, state.rng)
-    live = torch.tensor([i for i, a in enumerate(rows.host_alive) if a], dtype=torch.long, device=logits.device)
-    drawn = choose_tokens(logits.index_select(0, live), state.sampling, state.rng)
-    return torch.zeros(logits.shape[:2], dtype=drawn.dtype, device=drawn.device).index_copy_(0, live, drawn)
 
 
 def static_round(state: DecodeState, steps: StaticSteps, rows: StaticRows) -> RoundResult:
@@ -252,8 +247,7 @@ def static_round(state: DecodeState, steps: StaticSteps, rows: StaticRows) -> Ro
         tree = steps.draft(rows.draft, rows.roots, rows.lengths)
     with timer.stage("verify"):
         rows.cache.reserve_nodes(tree.num_nodes)
-        logits, features = steps.verify(rows.cache, tree, rows.lengths)
-        choices = _choose(logits, state, rows)
+        choices, features = steps.verify(rows.cache, tree, rows.lengths, rows.keys)
     with timer.stage("commit"):
         packed, lengths, roots = steps.commit(rows.cache, rows.draft, tree, choices, features, rows.lengths,
                                               rows.alive)
