@@ -239,3 +239,49 @@ def test_the_hash_runs_on_wrapping_int64():
     assert noise.MIX1 % (1 << 64) == 0xBF58476D1CE4E5B9
     big = torch.tensor([2**62, -(2**62)], dtype=torch.long)
     assert (big * noise.MIX1).dtype == torch.long  # no promotion: the product wraps
+
+
+def test_a_coupled_drafters_first_guess_is_the_targets_draw_when_they_agree():
+    """Coupling ranks each depth by the drafter's processed log-probs plus the target's noise at that position:
+    where the drafter's distribution is the target's, its top candidate is exactly the target's keyed draw."""
+    from ddtree.core.sampling import coupled_logprobs
+
+    torch.manual_seed(1)
+    logits = torch.randn(3, 4, 50)  # [B, D, V]: the target's (and the drafter's) distribution at depths 1..4
+    start = torch.tensor([7, 30, 2])
+    keys = row_keys([4, 5, 6], 3)
+    for rule in (SamplingConfig(1.0), SamplingConfig(0.7, top_k=10, top_p=0.9)):
+        coupled = coupled_logprobs(logits.log_softmax(-1), rule, keys, start)
+        drawn = choose_tokens(logits, rule, keys=keys, positions=start[:, None] + torch.arange(1, 5))
+        assert torch.equal(coupled.argmax(-1), drawn)
+        assert torch.allclose(coupled.exp().sum(-1), torch.ones(3, 4))  # renormalised
+    assert coupled_logprobs(logits, SamplingConfig(), keys, start) is logits  # greedy: untouched
+
+
+def test_coupling_changes_the_trees_not_the_tokens(pair):
+    target, drafter = pair
+    rule = dict(temperature=1.2)
+    want = plain(target, drafter, **rule)
+    for budget in (4, 16):
+        trees = {}
+        for coupled in (False, True):
+            out = SpeculativeGenerator(target, drafter, tree_budget=budget, coupled_drafts=coupled).generate(
+                torch.tensor([PROMPT]), max_new_tokens=NEW, stop_token_ids=(), seed=3, record_trees=True, **rule)
+            assert out.row_tokens[0] == want, (budget, coupled)
+            trees[coupled] = [r.tree.tokens.tolist() for r in out.rounds]
+        assert trees[False] != trees[True]  # the noise did reach the builder
+
+
+def test_dflash2_pairwise_trees_keep_the_tokens_coupled_or_not(tmp_path):
+    """A DFlash2 drafter's pairwise scores take the noise of each candidate's own token."""
+    from test_dflash2 import ddtree_checkpoint
+
+    target = tiny_target("qwen3")
+    path = ddtree_checkpoint(target, tmp_path / "d2")
+    rule = dict(temperature=0.9, top_k=30)
+    want = None
+    for budget, coupled in ((0, False), (6, False), (6, True), ("auto", True)):
+        out = SpeculativeGenerator(target, str(path), tree_budget=budget, coupled_drafts=coupled).generate(
+            torch.tensor([PROMPT]), max_new_tokens=NEW, stop_token_ids=(), seed=11, **rule)
+        want = want or out.row_tokens[0]
+        assert out.row_tokens[0] == want, (budget, coupled)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ddtree.core.noise import keyed_argmax
+from ddtree.core.noise import gumbel_noise, keyed_argmax
 
 
 @dataclass(frozen=True)
@@ -95,3 +95,16 @@ def choose_tokens(logits: torch.Tensor, cfg: SamplingConfig, generator: torch.Ge
     probs = processed_logprobs(logits, cfg).exp()
     flat = probs.reshape(-1, probs.shape[-1])
     return torch.multinomial(flat, 1, generator=generator).view(probs.shape[:-1])
+
+
+def coupled_logprobs(logprobs: torch.Tensor, cfg: SamplingConfig, keys: torch.Tensor,
+                     start: torch.Tensor) -> torch.Tensor:
+    """A drafter's per-depth log-probs ``[B, D, V]`` under the target's rule, plus the noise the target draws
+    with at the same positions (depth ``d + 1`` after a root at ``start``: position ``start + d + 1``),
+    renormalised. Their argmax is the drafter's own keyed sample, which is the target's token whenever the two
+    distributions agree, so a tree built from them puts first what the target will pick. Greedy: unchanged."""
+    if cfg.greedy:
+        return logprobs
+    depth = logprobs.shape[1]
+    positions = start.view(-1, 1).to(logprobs.device) + torch.arange(1, depth + 1, device=logprobs.device)
+    return (processed_logprobs(logprobs, cfg) + gumbel_noise(keys, positions, logprobs.shape[-1])).log_softmax(-1)

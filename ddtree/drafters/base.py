@@ -18,7 +18,9 @@ import torch
 
 from ddtree.core.builders import TreeBuilder
 from ddtree.core.graft import Branches, HostPaths, graft_paths
+from ddtree.core.noise import gumbel_noise
 from ddtree.core.pairwise import PairwiseScores, pairwise_builder
+from ddtree.core.sampling import SamplingConfig, coupled_logprobs
 from ddtree.core.tree import DraftTree
 
 
@@ -161,6 +163,24 @@ def check_proposal(proposal: object, context: object | None = None) -> Proposal:
     hint = ("wrap the log-probs: return Proposal(logprobs=logprobs) ([B, D, V], one distribution per depth after "
             "the root; from ddtree import Proposal)")
     raise TypeError(f"{who} returned a {what}, not a ddtree Proposal: {hint}")
+
+
+def coupled_proposal(proposal: Proposal, cfg: SamplingConfig, keys: torch.Tensor, start: torch.Tensor) -> Proposal:
+    """``proposal`` with its scores perturbed by the target's keyed noise (:func:`coupled_logprobs`): a pairwise
+    proposal's candidates get the noise of their own token at their depth. Grafted paths are kept as they are.
+    The output does not depend on this (verification reads only the tree); under sampling, acceptance does."""
+    if cfg.greedy:
+        return proposal
+    logprobs = coupled_logprobs(proposal.logprobs, cfg, keys, start)
+    scores = proposal.pairwise
+    if scores is not None:
+        depth = scores.candidates.shape[1]
+        positions = start.view(-1, 1).to(scores.first.device) + torch.arange(1, depth + 1, device=scores.first.device)
+        noise = gumbel_noise(keys, positions, logprobs.shape[-1]).gather(-1, scores.candidates.long())  # [B, D, K]
+        first = (scores.first.float() / cfg.temperature + noise[:, 0]).log_softmax(-1)
+        table = (scores.table.float() / cfg.temperature + noise[:, 1:, None, :]).log_softmax(-1)
+        scores = PairwiseScores(scores.candidates, first, table)
+    return Proposal(logprobs, proposal.paths, scores)
 
 
 def proposal_tree(proposal: Proposal, root_tokens: torch.Tensor, builder: TreeBuilder, budget: int,

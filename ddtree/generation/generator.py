@@ -336,7 +336,7 @@ class SpeculativeGenerator:
                          frozenset(settings.stop_token_ids)),
             sampling=settings.sampling, policy=self.budget_policy(budget, builder=builder), seed=seed,
             timer=StageTimer(embed.device), stats=RoundStats(len(rows), record=record_trees),
-            prefill_chunk=call.prefill_chunk, on_device=DeviceState(keys=keys),
+            prefill_chunk=call.prefill_chunk, on_device=DeviceState(keys=keys), coupled_drafts=call.coupled_drafts,
         )
 
     def call_options(self, options: dict) -> GeneratorOptions:

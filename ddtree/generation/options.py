@@ -7,7 +7,8 @@ them all when an options object is made, so a bad setting fails before any model
 
 Two kinds of setting:
 
-- per generation (:data:`PER_CALL`): ``tree_budget``, ``builder``, ``prefill_chunk``; also accepted by
+- per generation (:data:`PER_CALL`): ``tree_budget``, ``builder``, ``prefill_chunk``, ``coupled_drafts``; also
+  accepted by
   ``generate`` / ``stream`` / ``start`` for one call;
 - per model (:data:`MODEL_SETTINGS`): ``attention``, ``cpu_linear``, ``threads``; they prepare or change
   the models (or the process), so they are set on the generator only.
@@ -24,7 +25,7 @@ from ddtree.core.builders import TreeBuilder, resolve_builder
 from ddtree.targets.backends import get_backend
 from ddtree.targets.forward import PREFILL_CHUNK, check_prefill_chunk
 
-PER_CALL = ("tree_budget", "builder", "prefill_chunk")
+PER_CALL = ("tree_budget", "builder", "prefill_chunk", "coupled_drafts")
 """Settings a single ``generate`` / ``stream`` / ``start`` call may override."""
 MODEL_SETTINGS = ("attention", "cpu_linear", "threads", "compile")
 """Settings that prepare the models or the process: set on the generator, refused per call."""
@@ -37,6 +38,9 @@ class GeneratorOptions:
     ``tree_budget=None`` means the default, ``"auto"`` (a fixed budget for the device under ``compile``; the
     generator fills it in);
     ``threads=None`` leaves torch's thread count as it is.
+    ``coupled_drafts``: under sampling, trees are built from the drafter's scores plus the target's keyed noise
+    (:func:`~ddtree.drafters.base.coupled_proposal`), so the drafter's first guess is its own sample under the
+    target's draw; the tokens are the same either way, the acceptance is not.
     """
 
     tree_budget: int | str | BudgetPolicy | None = None
@@ -46,6 +50,7 @@ class GeneratorOptions:
     threads: int | str | None = None
     prefill_chunk: int | None = PREFILL_CHUNK
     compile: bool | str = False
+    coupled_drafts: bool = True
 
     def __post_init__(self) -> None:
         if self.tree_budget is not None:
@@ -56,6 +61,8 @@ class GeneratorOptions:
         check_threads(self.threads)
         check_prefill_chunk(self.prefill_chunk)
         check_compile(self)
+        if not isinstance(self.coupled_drafts, bool):
+            raise ValueError(f"coupled_drafts must be True or False, got {self.coupled_drafts!r}")
 
     def replace(self, **changes: Any) -> GeneratorOptions:
         """A checked copy with ``changes``; an unknown name is refused with the list of settings."""

@@ -5,7 +5,9 @@ prompt's last chunk at the start of the next round, so the token does not wait f
 later call runs one round for the active rows:
 
 1. ``draft.propose(roots)``: per-depth log-probs after each row's root;
-2. ``policy.choose`` and :func:`~ddtree.drafters.base.proposal_tree`: one tree per row (the
+2. under sampling, the proposal coupled to the target's keyed noise
+   (:func:`~ddtree.drafters.base.coupled_proposal`); ``policy.choose`` and
+   :func:`~ddtree.drafters.base.proposal_tree`: one tree per row (the
    builder's pairwise form when the proposal carries pairwise scores, grafted paths added);
 3. the backend's tree-attention kwargs (rows padded in the cache get a dense mask);
 4. one target forward over every row's tree, at positions ``length + depth``;
@@ -32,7 +34,7 @@ from ddtree.core.masks import tree_position_ids
 from ddtree.core.sampling import choose_tokens
 from ddtree.core.tree import DraftTree, root_only
 from ddtree.core.verify import VerifyResult, verify_tree
-from ddtree.drafters.base import DraftContext, check_proposal, proposal_tree
+from ddtree.drafters.base import DraftContext, check_proposal, coupled_proposal, proposal_tree
 from ddtree.generation.prefill import prefill_padded
 from ddtree.generation.state import DecodeState, RoundResult
 from ddtree.generation.static_round import static_budget, static_round, to_static
@@ -221,6 +223,9 @@ def _draft_tree(state: DecodeState, policy: BudgetPolicy, context: int) -> tuple
     draft = cast(DraftContext, state.catch_up_draft())  # made by the prefill whenever there is a policy
     with state.timer.stage("draft"):
         proposal = check_proposal(draft.propose(roots), draft)
+        keys = state.on_device.keys
+        if keys is not None and state.coupled_drafts:  # rank by the target's own noise (the tokens stay the same)
+            proposal = coupled_proposal(proposal, state.sampling, keys, cast(torch.Tensor, state.on_device.lengths))
     with state.timer.stage("tree_build"):
         size = gen.lockstep.share(policy.choose(proposal.logprobs, context))  # each rank's clock differs
         cut = getattr(policy, "built_tree", None)  # a policy that grew this round's tree while choosing

@@ -171,6 +171,7 @@ class DecodeState:
     timer: StageTimer
     stats: RoundStats
     prefill_chunk: int | None = PREFILL_CHUNK  # prompt tokens per prefill forward; None: the whole prompt at once
+    coupled_drafts: bool = False  # under sampling, build trees from the drafter's scores plus the keyed noise
     on_device: DeviceState = field(default_factory=DeviceState)
 
     @property

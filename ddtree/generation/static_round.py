@@ -36,7 +36,7 @@ from ddtree.core.builders import TreeBuilder
 from ddtree.core.sampling import GREEDY, SamplingConfig, choose_tokens
 from ddtree.core.tree import DraftTree
 from ddtree.core.verify import accept_longest_branch
-from ddtree.drafters.base import StaticDraftContext, proposal_tree
+from ddtree.drafters.base import StaticDraftContext, coupled_proposal, proposal_tree
 from ddtree.generation.state import DecodeState, RoundResult
 from ddtree.generation.stats import RoundRecord
 from ddtree.targets.backends import masks_for_plan, window_plan
@@ -137,8 +137,12 @@ class StaticSteps:
         self.verify = _compiled(self._verify, compile, cuda)
         self.commit = _compiled(self._commit, compile, cuda)
 
-    def _draft(self, draft: StaticDraftContext, roots: torch.Tensor, lengths: torch.Tensor) -> DraftTree:
-        return proposal_tree(draft.propose(roots, lengths), roots, self.builder, self.budget)
+    def _draft(self, draft: StaticDraftContext, roots: torch.Tensor, lengths: torch.Tensor,
+               keys: torch.Tensor | None) -> DraftTree:
+        proposal = draft.propose(roots, lengths)
+        if keys is not None:  # coupled drafting (the generation's coupled_drafts)
+            proposal = coupled_proposal(proposal, self.sampling, keys, lengths)
+        return proposal_tree(proposal, roots, self.builder, self.budget)
 
     def _verify(self, cache: RowPackedCache, tree: DraftTree, lengths: torch.Tensor,
                 keys: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -244,7 +248,7 @@ def static_round(state: DecodeState, steps: StaticSteps, rows: StaticRows) -> Ro
         # and the draft's tree is overwritten before verify reads it. What outlives the round is cloned.
         torch.compiler.cudagraph_mark_step_begin()
     with timer.stage("draft"):
-        tree = steps.draft(rows.draft, rows.roots, rows.lengths)
+        tree = steps.draft(rows.draft, rows.roots, rows.lengths, rows.keys if state.coupled_drafts else None)
     with timer.stage("verify"):
         rows.cache.reserve_nodes(tree.num_nodes)
         choices, features = steps.verify(rows.cache, tree, rows.lengths, rows.keys)
