@@ -12,11 +12,12 @@ from ddtree.budget.policy import AutoBudget, BudgetPolicy, FixedBudget
 from ddtree.core.builders import TreeBuilder, beam, best_first, chain, resolve_builder
 from ddtree.core.graft import Branches, graft_paths
 from ddtree.core.masks import tree_attention_mask, tree_position_ids
+from ddtree.core.noise import row_keys
 from ddtree.core.pairwise import PairwiseScores, best_first_pairwise, chain_pairwise
 from ddtree.core.sampling import SamplingConfig, choose_tokens, processed_logprobs
 from ddtree.core.tree import DraftTree
 from ddtree.core.verify import VerifyResult, accept_longest_branch, verify_tree
-from ddtree.drafters.base import DraftContext, Drafter, Proposal, proposal_tree
+from ddtree.drafters.base import DraftContext, Drafter, Proposal, coupled_proposal, proposal_tree
 from ddtree.drafters.dflash.config import DFlashConfig
 from ddtree.drafters.dflash.context import DFlashContext
 from ddtree.drafters.dflash.drafter import DFlashDrafter
@@ -70,6 +71,8 @@ __all__ = [
     "FixedBudget", "AutoBudget", "BudgetPolicy", "LatencyModel", "ProfiledLatency", "FunctionLatency",
     # decoding rule
     "SamplingConfig", "choose_tokens", "processed_logprobs",
+    # keyed draws
+    "row_keys", "coupled_proposal",
     # few-row CPU linears
     "cpu_linear",
     # HF inputs, settings, streamers

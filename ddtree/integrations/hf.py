@@ -40,11 +40,9 @@ def decoding(drafter: Any, tree_budget: int | str | None = None, builder: Any = 
     ``options`` (a :class:`~ddtree.generation.options.GeneratorOptions`) and/or the same names as keywords
     (``tree_budget``, ``builder``, ``attention``, ...), checked here. ``tree_budget``, ``builder`` and
     ``prefill_chunk`` can also be given per call (``generate(..., tree_budget=8)``). Sampling is lossless
-    but draws its random numbers in another order than HF's sampler, so for a seed the tokens differ
-    from plain ``generate``: ``seed`` fixes ddtree's own generator; without it, one
-    number drawn from torch's global RNG seeds it, so ``torch.manual_seed`` makes
-    a call reproducible under a fixed ``tree_budget`` (the default, ``"auto"``, shapes its trees by the
-    machine's timings, and the draws follow the trees).
+    with keyed draws (a pure function of the seed, the row and the position), not HF's sampler's, so for a
+    seed the tokens differ from plain ``generate``'s but not between tree budgets: ``seed`` keys them;
+    without it, one number drawn from torch's global RNG does, so ``torch.manual_seed`` repeats a call.
     """
     if options is not None and not isinstance(options, GeneratorOptions):
         raise TypeError(f"options must be a ddtree GeneratorOptions, got {type(options).__name__}")
