@@ -143,7 +143,13 @@ def test_bench_end_to_end_on_tiny_pair(tmp_path):
     assert all(graph.has_edge(a, b) for a, b in zip(row["accepted"], row["accepted"][1:]))
 
 
-def test_cli_on_saved_tiny_pair(tmp_path):
+def test_cli_on_saved_tiny_pair(tmp_path, monkeypatch):
+    """One repeat on the tiny pair: rounds per method (plain: its decode steps), each round timed as it commits,
+    a plain step beside each verify by node count, a comparison per method with its noise, no spread column
+    without repeats, and the thread count's source as the console says it."""
+    from ddtree.runtime import threads
+
+    monkeypatch.setattr(threads, "_explicit", None)  # restored after: --threads 1 sets it for the process
     torch.manual_seed(0)
     target = tiny_target("llama", dtype=torch.float32)
     drafter = tiny_drafter(target)
@@ -155,14 +161,41 @@ def test_cli_on_saved_tiny_pair(tmp_path):
     rc = run_main_bench([
         "--target", str(tmp_path / "target"), "--drafter", str(tmp_path / "drafter"), "--prompts", str(prompts),
         "--methods", "chain,best_first@4", "--max-new-tokens", "6", "--repeats", "1", "--out", str(out),
-        "--no-plots", "--no-warmup", "--no-progress", "--save-trees",
+        "--no-plots", "--no-warmup", "--no-progress", "--save-trees", "--threads", "1",
     ])
     assert rc == 0
     result = json.loads((out / "results.json").read_text())
     assert [m["method"] for m in result["methods"]] == ["ar", "chain", "best_first@4"]
     assert result["meta"]["num_prompts"] == 2 and result["meta"]["command"].startswith("python -m ddtree.bench")
-    assert "| chain |" in (out / "results.md").read_text()
+    assert result["meta"]["threads"]["source"] == "argument" and result["meta"]["threads"]["threads"] == 1
+    md = (out / "results.md").read_text()
+    assert "| chain |" in md
     assert load_rounds(out / "trees.jsonl")
+    rows = {r["method"]: r for r in result["methods"]}
+    for run in result["runs"]:  # the prefill's token is not a round; every later token is in one
+        assert sum(run["round_tokens"]) == run["new_tokens"] - 1 and len(run["round_seconds"]) == \
+            len(run["round_tokens"]), run["method"]
+        assert all(s > 0 for s in run["round_seconds"])
+        if run["method"] == "ar":
+            assert run["round_tokens"] == [1] * (run["new_tokens"] - 1)
+        else:  # one timed round per verify round, committing what it accepted (the last one cut at the limit)
+            assert run["round_tokens"][:-1] == run["acceptance"][:-1] and run["round_tokens"][-1] <= \
+                run["acceptance"][-1]
+    assert rows["ar"]["rounds"] == sum(r["new_tokens"] - 1 for r in result["runs"] if r["method"] == "ar")
+    assert rows["chain"]["rounds"] == sum(len(r["acceptance"]) for r in result["runs"] if r["method"] == "chain")
+    assert rows["ar"]["nodes_per_verify"] == 1.0 and rows["chain"]["nodes_per_verify"] == 5.0  # root + depth 4
+    assert 1.0 < rows["best_first@4"]["nodes_per_verify"] <= 5.0
+    assert all(rows[m]["verify_ms"] > 0 and rows[m]["verify_ms_se"] is not None for m in rows)  # two runs each
+    assert "speedup vs ar |" in md and "min–max" not in md  # no spread without repeats
+    assert "| method | budget | rounds | tokens/round (± std) |" in md
+    assert f"| ar | 1.0 | {rows['ar']['verify_ms']:.2f} ± " in md  # a plain step beside the verifies
+    comps = result["comparisons"]
+    assert {c["method"] for c in comps["against_ar"]} == {"chain", "best_first@4"}
+    assert comps["best"] in rows and len(comps["against_best"]) == 2
+    for c in comps["against_ar"] + comps["against_best"]:
+        assert c["repeat_range"] is None and c["rounds_interval"][0] < c["rounds_ratio"] < c["rounds_interval"][1]
+        assert c["verdict"] in ("faster", "slower", "within noise")
+        assert f"- {c['method']} vs {c['against']}: " in md
 
 
 def test_heap_reference_builds_the_same_trees():
@@ -243,6 +276,9 @@ def test_lookup_methods_parse_run_and_report_sources():
     rows = {r["method"]: r for r in summarize(runs, methods, bench.depth, greedy=True)}
     for name in names:
         assert rows[name]["lossless"] is True, name
+    # transformers' prompt lookup ran (not the plain loop): no decode stage of ours, no steps timed
+    assert all(r.stage_seconds == {} and r.round_seconds == [] for r in runs if r.method == "hf_lookup")
+    assert all("decode" in r.stage_seconds for r in runs if r.method == "ar")
     merged = rows["best_first@6+lookup"]
     assert set(merged["tau_by_category"]) == {"code", "chat"}
     assert merged["accepted_by_source"]["lookup"] + merged["accepted_by_source"]["both"] > 0
@@ -457,3 +493,87 @@ def test_compiled_bench_compares_the_rounds_and_checks_their_output(tmp_path, pr
     compiled = [r for r in report["rows"] if r["mode"] == "compiled"]
     assert all(r["same_tokens_and_acceptance_as_eager"] and r["speedup_over_eager"] > 0 for r in compiled)
     assert all(r["tokens_per_round"] >= 1 and r["ms_per_round"] > 0 for r in report["rows"])
+
+
+def _timed(method: str, repeat: int, seconds: list[float], tokens: list[int], prompt: str = "p") -> Run:
+    """A run whose rounds took ``seconds`` and committed ``tokens`` (plus the prefill's token, in no time)."""
+    return Run(method, prompt, repeat, 1 + sum(tokens), sum(seconds), [] if method == "ar" else list(tokens),
+               {}, [] if method == "ar" else [4] * len(tokens), [], round_seconds=list(seconds),
+               round_tokens=list(tokens))
+
+
+def test_round_rate_is_a_ratio_of_sums_with_a_delta_method_error():
+    from ddtree.bench.noise import round_rate
+
+    rate, rel = round_rate([1, 1], [0.1, 0.3])
+    # rate 2 / 0.4; residuals 1 - 5 * 0.1 = 0.5 and 1 - 5 * 0.3 = -0.5: variance 0.5, se sqrt(0.5 / 2) / 0.2
+    assert rate == pytest.approx(5.0) and rel == pytest.approx(0.5)
+    assert round_rate([2, 4], [0.1, 0.2]) == (pytest.approx(20.0), pytest.approx(0.0))  # no spread in the rate
+    assert round_rate([3], [0.1])[1] is None and round_rate([], []) == (None, None)
+
+
+def test_comparisons_tell_a_real_difference_from_the_runs_noise():
+    """Plain decoding at 100 tok/s, steady; a method at 150 tok/s, steady (faster); one at 100 tok/s whose
+    rounds swing 2-18 ms (within the noise); one timed over a single round in one repeat (cannot tell)."""
+    from ddtree.bench.noise import comparisons
+
+    methods = [Method("ar", kind="ar", builder="", budget=0)] + [Method(n, builder="chain", budget=4)
+                                                                   for n in ("fast", "swingy", "short")]
+    steady = [0.0099, 0.0101] * 50
+    runs = [_timed("ar", 0, steady, [1] * 100), _timed("fast", 0, [2 * s for s in steady], [3] * 100),
+            _timed("swingy", 0, [0.002, 0.018] * 5, [1] * 10), _timed("short", 0, [0.05], [1])]
+    rows = summarize(runs, methods, depth=4, greedy=False)
+    by = {r["method"]: r for r in rows}
+    assert by["ar"]["rounds"] == 100 and by["fast"]["rounds"] == 100 and by["fast"]["tau"] == 3.0
+    assert by["fast"]["decode_tokens_per_second"] == pytest.approx(150.0)
+    assert by["ar"]["round_ms"]["median"] == pytest.approx(10.0)
+    comps = comparisons(rows)
+    assert comps["best"] == "fast"
+    verdicts = {c["method"]: c["verdict"] for c in comps["against_ar"]}
+    assert verdicts == {"fast": "faster", "swingy": "within noise", "short": "cannot tell"}
+    against_best = {c["method"]: c["verdict"] for c in comps["against_best"]}
+    assert against_best == {"ar": "slower", "swingy": "within noise", "short": "cannot tell"}
+    fast = next(c for c in comps["against_ar"] if c["method"] == "fast")
+    assert fast["ratio"] == pytest.approx((301 / 2.0) / (101 / 1.0)) and fast["repeat_range"] is None  # tokens/s
+    assert fast["rounds_ratio"] == pytest.approx(1.5)  # the decode rounds alone
+    assert fast["rounds_interval"][0] > 1.4 and fast["rounds_interval"][1] < 1.6
+    from ddtree.bench.report import comparison_section
+
+    md = comparison_section(comps)
+    assert "Fastest here: **fast**" in md and "Not told apart from it: swingy, short." in md
+    assert "- swingy vs ar: " in md and ": within the noise" in md and "cannot tell" in md
+
+
+def test_repeats_that_disagree_keep_a_difference_within_the_noise():
+    """Steady rounds in each repeat, but the method is faster than plain in one repeat and slower in the other:
+    the per-repeat ratios straddle 1, so the difference is not called real; the spread column appears."""
+    from ddtree.bench.noise import comparisons
+
+    methods = [Method("ar", kind="ar", builder="", budget=0), Method("m", builder="chain", budget=4)]
+    runs = [_timed("ar", 0, [0.010] * 50, [1] * 50), _timed("m", 0, [0.009] * 50, [1] * 50),
+            _timed("ar", 1, [0.010] * 50, [1] * 50), _timed("m", 1, [0.011] * 50, [1] * 50)]
+    rows = summarize(runs, methods, depth=4, greedy=False)
+    (c,) = comparisons(rows)["against_ar"]
+    assert c["repeat_range"] == [pytest.approx(10 / 11), pytest.approx(10 / 9)] and c["verdict"] == "within noise"
+    md = markdown_table(rows)
+    assert "speedup vs ar (min–max over repeats)" in md and "(0.91–1.11)" in md
+    same_side = runs[:2] + [_timed("ar", 1, [0.010] * 50, [1] * 50), _timed("m", 1, [0.0095] * 50, [1] * 50)]
+    (c,) = comparisons(summarize(same_side, methods, depth=4, greedy=False))["against_ar"]
+    assert c["verdict"] == "faster"
+
+
+def test_verify_times_out_of_node_order_say_whether_that_is_noise():
+    from ddtree.bench.noise import verify_order_notes
+
+    def row(name, nodes, ms, se):
+        return {"method": name, "nodes_per_verify": nodes, "verify_ms": ms, "verify_ms_se": se}
+
+    chain, tree = row("chain", 6.0, 100.0, 3.0), row("best_first@4", 5.0, 134.0, 4.0)
+    (note,) = verify_order_notes([chain, tree])
+    assert note.startswith("chain (6.0 nodes) verified in 100.00 ms, faster than best_first@4 (5.0 nodes)")
+    assert "beyond the run-to-run noise" in note
+    (note,) = verify_order_notes([{**chain, "verify_ms_se": 20.0}, tree])
+    assert "within the run-to-run noise (± 39.98 ms)" in note  # 1.96 * hypot(20, 4)
+    (note,) = verify_order_notes([{**chain, "verify_ms_se": None}, tree])
+    assert "one run each, too short to tell" in note
+    assert verify_order_notes([row("ar", 1.0, 20.0, 1.0), tree, row("best_first@8", 9.0, 150.0, 5.0)]) == []

@@ -30,11 +30,14 @@ import torch
 
 from ddtree.bench.commands import SUBCOMMANDS
 from ddtree.bench.methods import parse_methods
+from ddtree.bench.noise import comparisons
 from ddtree.bench.prompts import DEFAULT_PROMPTS, load_prompts
 from ddtree.bench.report import (
     _md_header,
     _meta,
     category_table,
+    comparison_section,
+    cost_table,
     depth_tables,
     markdown_table,
     summarize,
@@ -157,7 +160,7 @@ def _run_bench(args, argv) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
     if args.batch_size:
-        return _run_batch_bench(args, argv, gen, methods, prompts, stops, bench.depth, t0)
+        return _run_batch_bench(args, argv, gen, methods, prompts, stops, bench.depth, t0, threads)
     rank = distributed.rank()
     trees = args.out / (f"trees.rank{rank}.jsonl" if distributed.is_distributed() else "trees.jsonl")
     with distributed.fail_together("running the bench"):
@@ -170,9 +173,10 @@ def _run_bench(args, argv) -> int:
             r["budget_policy"] = bench.policies[r["method"]]
     if rank != 0:  # rank 0 writes the one result set
         return 1 if any(r["lossless"] is False for r in rows) else 0
-    meta = _meta(args, gen, all_prompts, time.time() - t0, argv)
-    table = markdown_table(rows)
-    (args.out / "results.json").write_text(json.dumps({"meta": meta, "methods": rows, "runs": [
+    meta = _meta(args, gen, all_prompts, time.time() - t0, argv, threads)
+    comps = comparisons(rows)
+    table = markdown_table(rows) + cost_table(rows) + comparison_section(comps)
+    (args.out / "results.json").write_text(json.dumps({"meta": meta, "methods": rows, "comparisons": comps, "runs": [
         {k: v for k, v in asdict(r).items() if k != "tokens"} for r in runs]}, indent=1))
     (args.out / "results.md").write_text(_md_header(meta) + table + depth_tables(rows) + category_table(rows))
     plots = [] if args.no_plots else write_plots(rows, args.out, bench.depth)
@@ -187,7 +191,7 @@ def _run_bench(args, argv) -> int:
     return 0
 
 
-def _run_batch_bench(args, argv, gen, methods, prompts, stops, depth, t0) -> int:
+def _run_batch_bench(args, argv, gen, methods, prompts, stops, depth, t0, threads) -> int:
     from ddtree.bench.batch import markdown_batch_table, run_batches, summarize_batches
 
     try:
@@ -199,7 +203,7 @@ def _run_batch_bench(args, argv, gen, methods, prompts, stops, depth, t0) -> int
     runs = run_batches(gen, methods, prompts, sizes, max_new_tokens=args.max_new_tokens, repeats=args.repeats,
                        stops=stops, depth=depth)
     rows = summarize_batches(runs)
-    meta = _meta(args, gen, prompts, time.time() - t0, argv)
+    meta = _meta(args, gen, prompts, time.time() - t0, argv, threads)
     table = markdown_batch_table(rows)
     (args.out / "batch_results.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     (args.out / "batch_results.md").write_text(_md_header(meta) + table)

@@ -11,10 +11,11 @@ from pathlib import Path
 import torch
 
 from ddtree.bench.methods import STAGES, Method
+from ddtree.bench.noise import comparison_lines, mean_and_se, round_rate, spread_ms, verify_order_notes
 from ddtree.bench.prompts import DEFAULT_PROMPTS
 from ddtree.bench.runner import Run, lossless_check
 from ddtree.runtime import distributed
-from ddtree.runtime.threads import thread_info
+from ddtree.runtime.threads import ThreadInfo, thread_info
 from ddtree.targets import cpu_linear
 
 
@@ -41,6 +42,9 @@ def summarize(runs: list[Run], methods: list[Method], depth: int, greedy: bool) 
             for k, v in r.stage_seconds.items():
                 stage_totals[k] = stage_totals.get(k, 0.0) + v
         rounds = len(acc)
+        round_seconds = [x for r in rs for x in r.round_seconds]
+        decode_rate, decode_se = round_rate([t for r in rs for t in r.round_tokens], round_seconds)
+        verify_ms, verify_se = mean_and_se(_verify_ms_per_run(rs, m))
         reach = [sum(a - 1 >= d for a in acc) / rounds for d in range(1, depth + 1)] if acc else []
         nodes = [sum(col) for col in zip(*(_padded(r.nodes_per_depth, depth) for r in rs))] if acc else []
         row = {
@@ -57,8 +61,14 @@ def summarize(runs: list[Run], methods: list[Method], depth: int, greedy: bool) 
             "tokens_per_second_per_repeat": per_rep,
             "speedup": statistics.median(speedups),
             "speedup_per_repeat": speedups,
-            "rounds": rounds,
+            "rounds": rounds if m.kind == "tree" else len(round_seconds),
             "new_tokens": sum(r.new_tokens for r in rs),
+            "round_ms": spread_ms(round_seconds),
+            "decode_tokens_per_second": decode_rate,
+            "decode_rate_rel_se": decode_se,
+            "nodes_per_verify": 1 + sum(nodes) / rounds if acc else 1.0 if m.kind == "ar" else None,
+            "verify_ms": verify_ms,
+            "verify_ms_se": verify_se,
             "stage_seconds_per_run": {k: v / len(rs) for k, v in stage_totals.items()},
             "stage_ms_per_round": {k: 1e3 * v / rounds for k, v in stage_totals.items()} if rounds else {},
             "mean_budget": statistics.fmean(b for r in rs for b in r.budgets) if rounds else 0,
@@ -71,6 +81,14 @@ def summarize(runs: list[Run], methods: list[Method], depth: int, greedy: bool) 
             row["budget_histogram"] = _histogram(b for r in rs for b in r.budgets) if m.budget == "auto" else None
         rows.append(row)
     return rows
+
+
+def _verify_ms_per_run(rs: list[Run], m: Method) -> list[float]:
+    """Per run: the target forward of a round in ms (a tree's verify stage; a plain method's decode step)."""
+    if m.kind == "tree":
+        return [1e3 * r.stage_seconds.get("verify", 0.0) / len(r.acceptance) for r in rs if r.acceptance]
+    return [1e3 * r.stage_seconds["decode"] / len(r.round_seconds) for r in rs
+            if r.round_seconds and "decode" in r.stage_seconds]
 
 
 def _padded(xs: list[int], n: int) -> list[int]:
@@ -105,9 +123,12 @@ def _histogram(xs: Iterable[int]) -> dict[str, int]:
 
 
 def markdown_table(rows: list[dict]) -> str:
+    """One row per method; the speedup's min–max over repeats only where there are several."""
+    repeats = max((len(r["speedup_per_repeat"]) for r in rows), default=0)
+    spread = " (min–max over repeats)" if repeats > 1 else ""
     head = (
-        "| method | budget | tau (± std) | tok/s | speedup vs ar (min–max) | draft | build | mask | verify | commit "
-        "| lossless |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|:---:|\n"
+        f"| method | budget | rounds | tokens/round (± std) | tok/s | speedup vs ar{spread} | draft | build | mask "
+        "| verify | commit | lossless |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|:---:|\n"
     )
     lines = []
     for r in rows:
@@ -116,13 +137,48 @@ def markdown_table(rows: list[dict]) -> str:
         budget = r["budget"] if r["budget"] != "auto" else f"auto (mean {r['mean_budget']:.0f})"
         lossless = {True: "yes", False: "**NO**", None: "n/a"}[r["lossless"]]
         sp = r["speedup_per_repeat"]
+        speedup = f"{r['speedup']:.2f}x" + (f" ({min(sp):.2f}–{max(sp):.2f})" if len(sp) > 1 else "")
         lines.append(
-            f"| {r['method']} | {budget} | {r['tau']:.2f} ± {r['tau_std']:.2f} | {r['tokens_per_second']:.1f} | "
-            f"{r['speedup']:.2f}x ({min(sp):.2f}–{max(sp):.2f}) | {stages} | {lossless} |"
+            f"| {r['method']} | {budget} | {r['rounds'] or '–'} | {r['tau']:.2f} ± {r['tau_std']:.2f} | "
+            f"{r['tokens_per_second']:.1f} | {speedup} | {stages} | {lossless} |"
         )
-    note = ("\nStage columns are milliseconds per verify round; "
-            "tau counts the tokens a round commits (accepted + bonus).\n")
+    note = ("\nrounds: verify rounds after the prefill (ar: decode steps); tokens/round counts the tokens a round "
+            "commits (accepted + bonus). Stage columns are milliseconds per verify round.\n")
     return head + "\n".join(lines) + "\n" + note
+
+
+def cost_table(rows: list[dict]) -> str:
+    """A plain step beside a verify, by nodes per round: what a round costs and how much its time spreads,
+    then the pairs whose verify times do not rise with the nodes, and whether that is noise."""
+    rows = sorted((r for r in rows if r.get("verify_ms") is not None), key=lambda r: r["nodes_per_verify"])
+    if not rows:
+        return ""
+    lines = []
+    for r in rows:
+        se = "" if r["verify_ms_se"] is None else f" ± {r['verify_ms_se']:.2f}"
+        rm = r["round_ms"]
+        spread = "–" if rm is None else f"{rm['median']:.2f} ({rm['p10']:.2f}–{rm['p90']:.2f})"
+        per_token = "–" if not r["decode_tokens_per_second"] else f"{1e3 / r['decode_tokens_per_second']:.2f}"
+        lines.append(f"| {r['method']} | {r['nodes_per_verify']:.1f} | {r['verify_ms']:.2f}{se} | {spread} | "
+                     f"{r['tau']:.2f} | {per_token} |")
+    notes = verify_order_notes(rows)
+    return ("\nRound cost by nodes per verify (ar: one plain step, 1 node). verify ms: the target forward of a "
+            "round, mean over runs ± its standard error (runs: prompts x repeats); round ms: the whole round, "
+            "median (10th–90th percentile) over rounds:\n\n"
+            "| method | nodes per verify | verify ms | round ms | tokens/round | ms per token |\n"
+            "|---|---:|---:|---:|---:|---:|\n" + "\n".join(lines) + "\n"
+            + ("\n" + "\n".join(f"- {n}" for n in notes) + "\n" if notes else ""))
+
+
+def comparison_section(comps: dict) -> str:
+    """The comparisons (each method against ar and against the fastest) with a line on how noise was judged."""
+    lines = comparison_lines(comps)
+    if not lines:
+        return ""
+    return ("\nIs the difference real? A ratio counts as faster or slower only when every noise source the run "
+            "has puts it on one side of 1: the per-repeat ratios (with 2+ repeats) and the 95% interval of the "
+            "ratio of decode rates (tokens over seconds of the rounds after the prefill) from the rounds' "
+            "spread.\n" + lines)
 
 
 def depth_tables(rows: list[dict]) -> str:
@@ -242,7 +298,8 @@ def stage_figure(tree_rows: list[dict]):
     return fig
 
 
-def _meta(args, gen, prompts, seconds, argv) -> dict:
+def _meta(args, gen, prompts, seconds, argv, threads: ThreadInfo | None = None) -> dict:
+    """The run's settings and machine; ``threads`` is what ``configure_threads`` chose (its source with it)."""
     import transformers
 
     cfg = gen.target.config
@@ -252,7 +309,7 @@ def _meta(args, gen, prompts, seconds, argv) -> dict:
         "machine": platform.platform(),
         "processor": platform.processor() or platform.machine(),
         "torch_threads": torch.get_num_threads(),
-        "threads": thread_info().as_dict(),
+        "threads": (threads or thread_info()).as_dict(),
         "device": str(args.device),
         "dtype": str(next(gen.target.parameters()).dtype).replace("torch.", ""),
         "attention": gen.backend.name,

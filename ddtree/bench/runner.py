@@ -45,6 +45,8 @@ class Run:
     accepted_by_source: dict[str, int] | None = None
     rank: int = 0  # the data-parallel rank that ran it: tokens/s add up over ranks
     nodes_per_depth: list[int] = field(default_factory=list)  # draft nodes at depth 1, 2, ... summed over rounds
+    round_seconds: list[float] = field(default_factory=list)  # each round after the prefill (plain: each step)
+    round_tokens: list[int] = field(default_factory=list)  # the tokens each of those rounds committed
 
 
 class Bench:
@@ -81,23 +83,24 @@ class Bench:
         ids = torch.tensor([prompt.input_ids], dtype=torch.long, device=device)
         n = max_new_tokens or self.max_new_tokens
         seed = self.seed + repeat
-        if m.kind == "ar":
-            stock = cpu_linear.suspended(self.base.target) if m.name == "ar_stock" else contextlib.nullcontext()
-            with stock:
-                t0 = time.perf_counter()
-                tokens, stages = autoregressive(self.base.target, ids, n, self.sampling, seed, self.stops)
-            return Run(m.name, prompt.id, repeat, len(tokens), time.perf_counter() - t0, [], stages, [], tokens,
-                       prompt.category), []
         if m.name == "hf_lookup":
             t0 = time.perf_counter()
             tokens = hf_prompt_lookup(self.base.target, ids, n, self.stops)
             return Run(m.name, prompt.id, repeat, len(tokens), time.perf_counter() - t0, [], {}, [], tokens,
                        prompt.category), []
+        if m.kind == "ar":
+            stock = cpu_linear.suspended(self.base.target) if m.name == "ar_stock" else contextlib.nullcontext()
+            with stock:
+                t0 = time.perf_counter()
+                tokens, stages, steps = autoregressive(self.base.target, ids, n, self.sampling, seed, self.stops)
+            return Run(m.name, prompt.id, repeat, len(tokens), time.perf_counter() - t0, [], stages, [], tokens,
+                       prompt.category, round_seconds=steps, round_tokens=[1] * len(steps)), []
         gen = self.generators[(m.builder, m.proposer)]
+        clock = RoundClock()
         out = gen.generate(  # every round's tree is kept, for the per-depth node counts
             ids, max_new_tokens=n, temperature=self.sampling.temperature, top_k=self.sampling.top_k,
             top_p=self.sampling.top_p, stop_token_ids=self.stops, tree_budget=self.budget(m), seed=seed,
-            record_trees=True,
+            record_trees=True, streamer=clock,
         )
         s = out.stats
         if s.budget_policy is not None:
@@ -106,7 +109,8 @@ class Bench:
         rounds = out.row_rounds[0]
         run = Run(m.name, prompt.id, repeat, s.new_tokens, s.total_seconds, list(out.row_acceptance[0]),
                   stages, list(s.budgets), out.new_tokens[0].tolist(), prompt.category, s.accepted_by_source,
-                  nodes_per_depth=nodes_per_depth(rounds, self.depth))
+                  nodes_per_depth=nodes_per_depth(rounds, self.depth), round_seconds=clock.round_seconds(),
+                  round_tokens=clock.tokens[1:])
         return run, rounds if record_trees else []
 
     def run(self, prompts: list[Prompt], repeats: int = 3, warmup: bool = True, progress: bool = True,
@@ -141,6 +145,31 @@ class Bench:
         for m in self.methods:
             full = m.budget == "auto"
             self.run_one(m, longest if full else prompts[0], 0, None if full else min(16, self.max_new_tokens))
+
+
+class RoundClock:
+    """A streamer (``put`` / ``end``) that notes when each round's tokens arrive: the prompt comes first, then
+    the prefill's token, then one put per round. The tokens are host ints by then, so the round has finished
+    on any device."""
+
+    def __init__(self) -> None:
+        self.stamps: list[float] = []
+        self.tokens: list[int] = []
+        self._prompt_seen = False
+
+    def put(self, value: torch.Tensor) -> None:
+        if not self._prompt_seen:
+            self._prompt_seen = True
+            return
+        self.stamps.append(time.perf_counter())
+        self.tokens.append(int(value.numel()))
+
+    def end(self) -> None:
+        pass
+
+    def round_seconds(self) -> list[float]:
+        """Seconds between one round's tokens and the next's (the first: the prefill's token)."""
+        return [b - a for a, b in zip(self.stamps, self.stamps[1:])]
 
 
 def nodes_per_depth(rounds, depth: int) -> list[int]:
