@@ -285,3 +285,17 @@ def test_dflash2_pairwise_trees_keep_the_tokens_coupled_or_not(tmp_path):
             torch.tensor([PROMPT]), max_new_tokens=NEW, stop_token_ids=(), seed=11, **rule)
         want = want or out.row_tokens[0]
         assert out.row_tokens[0] == want, (budget, coupled)
+
+
+def test_the_benchs_plain_baseline_draws_the_generators_tokens(pair):
+    """``python -m ddtree.bench``'s ``ar`` (target-only decoding with its own loop) keys its draws as the
+    generator does, so under sampling its tokens are every method's tokens for the same seed."""
+    from ddtree.bench.methods import autoregressive
+
+    target, drafter = pair
+    rule = SamplingConfig(0.9, top_k=16)
+    tokens, _, _ = autoregressive(target, torch.tensor([PROMPT]), NEW, rule, 3, frozenset())
+    out = SpeculativeGenerator(target, drafter, tree_budget=4).generate(
+        torch.tensor([PROMPT]), max_new_tokens=NEW, stop_token_ids=(), seed=3, temperature=0.9, top_k=16)
+    assert tokens == out.row_tokens[0]
+    assert sum(out.acceptance_lengths) + 1 >= NEW  # the rounds' acceptance covers every token after the first

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ddtree.core.noise import row_keys
 from ddtree.core.sampling import SamplingConfig, choose_tokens
 from ddtree.targets.cache import cache_kwargs, new_target_cache
 
@@ -112,18 +113,19 @@ def autoregressive(target, input_ids: torch.Tensor, max_new_tokens: int, samplin
                    seed: int, stops: frozenset[int]) -> tuple[list[int], dict[str, float], list[float]]:
     """Target-only decoding with a KV cache: the baseline every speedup is over. Returns the tokens, the
     prefill and decode seconds, and each decode step's seconds (the spread a comparison's noise comes from)."""
-    rng = torch.Generator(device=input_ids.device)
-    rng.manual_seed(seed)
+    keys = row_keys(seed, 1, input_ids.device)  # the generator's keyed draws: the same tokens for a seed
+    position = input_ids.shape[1]
     cache = new_target_cache()
     t0 = time.perf_counter()
     out = target(input_ids=input_ids, use_cache=True, **cache_kwargs(target, cache))
-    tok = choose_tokens(out.logits[:, -1], sampling, rng)
+    tok = choose_tokens(out.logits[:, -1], sampling, keys=keys, positions=torch.tensor([position]))
     tokens = [int(tok)]
     t1 = last = time.perf_counter()
     steps = []
     while len(tokens) < max_new_tokens and tokens[-1] not in stops:
         out = target(input_ids=tok.view(1, 1), use_cache=True, **cache_kwargs(target, cache))
-        tok = choose_tokens(out.logits[:, -1], sampling, rng)
+        position += 1
+        tok = choose_tokens(out.logits[:, -1], sampling, keys=keys, positions=torch.tensor([position]))
         tokens.append(int(tok))  # a host read: the step has finished on any device
         now = time.perf_counter()
         steps.append(now - last)
