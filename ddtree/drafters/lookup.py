@@ -25,7 +25,14 @@ import numpy as np
 import torch
 
 from ddtree.core.graft import Branches, as_branches
-from ddtree.drafters.base import DraftContext, Drafter, Proposal, check_proposal, takes_host_rows
+from ddtree.drafters.base import (
+    DraftContext,
+    Drafter,
+    Proposal,
+    StaticDraftContext,
+    check_proposal,
+    takes_host_rows,
+)
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -153,39 +160,17 @@ class LookupContext(DraftContext):
         """Per row, the ``block_size - 1`` tokens after the latest earlier occurrence of the longest suffix
         (root included) that occurred before, and that suffix's length (0: no match, tokens 0): what
         :func:`lookup_continuation` gives, for every row at once."""
-        lk = self.lookup
-        depth = lk.block_size - 1
         roots = root_tokens.view(-1).long()
-        bsz = roots.shape[0]
         if self.tokens is None or self.lengths is None:  # nothing committed: nothing to match
-            zeros = torch.zeros(bsz, dtype=torch.long, device=roots.device)
-            return zeros[:, None].expand(bsz, depth).clone(), zeros
+            zeros = torch.zeros(roots.shape[0], dtype=torch.long, device=roots.device)
+            return zeros[:, None].expand(-1, self.lookup.block_size - 1).clone(), zeros
         width = max(self.host_lengths) + 1  # the longest text with its root
-        seq = self.tokens[:, :width].scatter(1, self.lengths[:, None], roots[:, None])
-        total = self.lengths + 1  # each row's text, root included
-        found = torch.zeros_like(total)
-        start = torch.zeros_like(total)
-        for n in range(min(lk.max_ngram, width - 1), lk.min_ngram - 1, -1):
-            suffix = seq.gather(1, (total - n).clamp(min=0)[:, None] + torch.arange(n, device=seq.device))
-            windows = seq[:, : width - 1].unfold(1, n, 1)  # window j covers j .. j + n - 1
-            place = torch.arange(windows.shape[1], device=seq.device)
-            hit = (windows == suffix[:, None, :]).all(dim=-1) & (place <= (total - 1 - n)[:, None])
-            latest = torch.where(hit, place, -1).amax(dim=1)  # -1: no earlier occurrence
-            take = (found == 0) & (latest >= 0)
-            found = torch.where(take, n, found)
-            start = torch.where(take, latest + n, start)
-        period = torch.where(found > 0, total - start, 1)  # a match p back: the text repeats with period p
-        index = start[:, None] + torch.arange(depth, device=seq.device) % period[:, None]
-        return torch.where(found[:, None] > 0, seq.gather(1, index), 0), found
+        return match_continuations(self.lookup, self.tokens[:, :width], self.lengths, roots)
 
     def paths(self, root_tokens: torch.Tensor) -> Branches:
         """Each row's lookup branch (one, of ``block_size - 1`` tokens; length 0 where nothing matches), scored
         ``log(confidence[n]) * depth``."""
-        cont, found = self.continuations(root_tokens)
-        table = self.lookup.score_table(cont.device)  # [1 + len(confidence), D]
-        scores = table.index_select(0, found.clamp(max=table.shape[0] - 1))
-        lengths = torch.where(found > 0, cont.shape[1], 0)
-        return Branches(cont[:, None], scores[:, None], lengths[:, None])
+        return lookup_branches(self.lookup, *self.continuations(root_tokens))
 
     def propose(self, root_tokens: torch.Tensor) -> Proposal:
         lk = self.lookup
@@ -197,6 +182,99 @@ class LookupContext(DraftContext):
         # Rows without a match write -log(V) over -log(V): unchanged.
         lp.scatter_(2, cont[..., None], hit.index_select(0, n)[:, None, None].expand(bsz, depth, 1).contiguous())
         return Proposal(lp)
+
+    def to_static(self, capacity: int) -> StaticLookupContext:
+        """The committed tokens in a fixed ``[B, capacity]`` buffer, for the static round."""
+        if self.tokens is None or self.lengths is None:
+            raise RuntimeError("the lookup has no context yet: append the prompt first")
+        buffer = self.tokens.new_zeros(self.tokens.shape[0], capacity)
+        width = min(capacity, self.tokens.shape[1])
+        buffer[:, :width] = self.tokens[:, :width]
+        return StaticLookupContext(self.lookup, buffer)
+
+
+def match_continuations(lookup: PromptLookup, tokens: torch.Tensor, lengths: torch.Tensor,
+                        roots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row, the ``block_size - 1`` tokens after the latest earlier occurrence of the longest suffix (root
+    included) that occurred before, and that suffix's length (0: no match, tokens 0). ``tokens`` ``[B, W]``
+    holds each row's committed text in columns ``0 .. lengths - 1`` (``W`` > every length; later columns are
+    ignored), so a fixed ``W`` gives fixed shapes."""
+    depth = lookup.block_size - 1
+    width = tokens.shape[1]
+    seq = tokens.scatter(1, lengths[:, None], roots[:, None])
+    total = lengths + 1  # each row's text, root included
+    found = torch.zeros_like(total)
+    start = torch.zeros_like(total)
+    for n in range(min(lookup.max_ngram, width - 1), lookup.min_ngram - 1, -1):
+        suffix = seq.gather(1, (total - n).clamp(min=0)[:, None] + torch.arange(n, device=seq.device))
+        windows = seq[:, : width - 1].unfold(1, n, 1)  # window j covers j .. j + n - 1
+        place = torch.arange(windows.shape[1], device=seq.device)
+        hit = (windows == suffix[:, None, :]).all(dim=-1) & (place <= (total - 1 - n)[:, None])
+        latest = torch.where(hit, place, -1).amax(dim=1)  # -1: no earlier occurrence
+        take = (found == 0) & (latest >= 0)
+        found = torch.where(take, n, found)
+        start = torch.where(take, latest + n, start)
+    period = torch.where(found > 0, total - start, 1)  # a match p back: the text repeats with period p
+    index = start[:, None] + torch.arange(depth, device=seq.device) % period[:, None]
+    return torch.where(found[:, None] > 0, seq.gather(1, index), 0), found
+
+
+def lookup_branches(lookup: PromptLookup, cont: torch.Tensor, found: torch.Tensor) -> Branches:
+    """The continuations as one branch per row, scored by their match length (length 0 where none)."""
+    table = lookup.score_table(cont.device)  # [1 + len(confidence), D]
+    scores = table.index_select(0, found.clamp(max=table.shape[0] - 1))
+    lengths = torch.where(found > 0, cont.shape[1], 0)
+    return Branches(cont[:, None], scores[:, None], lengths[:, None])
+
+
+class StaticLookupContext:
+    """The lookup in the static round: the committed tokens in one ``[B, capacity]`` buffer written at the
+    round's lengths, matched over the whole buffer (columns past a row's length are ignored)."""
+
+    def __init__(self, lookup: PromptLookup, tokens: torch.Tensor) -> None:
+        self.lookup = lookup
+        self.tokens = tokens
+
+    @property
+    def capacity(self) -> int:
+        return int(self.tokens.shape[1])
+
+    def reserve(self, capacity: int) -> None:
+        if capacity > self.capacity:
+            self.tokens = torch.nn.functional.pad(self.tokens, (0, capacity - self.capacity))
+
+    def append(self, features: torch.Tensor | None, tokens: torch.Tensor, lengths: torch.Tensor) -> None:
+        columns = (lengths[:, None] + torch.arange(tokens.shape[1], device=tokens.device)).clamp(max=self.capacity - 1)
+        self.tokens.scatter_(1, columns, tokens.long())
+
+    def branches(self, root_tokens: torch.Tensor, lengths: torch.Tensor) -> Branches:
+        roots = root_tokens.view(-1).long()
+        return lookup_branches(self.lookup, *match_continuations(self.lookup, self.tokens, lengths, roots))
+
+
+class StaticMergedContext:
+    """A model drafter's static context plus the static lookup, fed the same tokens (see :class:`MergedContext`)."""
+
+    def __init__(self, model: StaticDraftContext, lookup: StaticLookupContext) -> None:
+        self.model, self.lookup = model, lookup
+
+    @property
+    def capacity(self) -> int:
+        return min(self.model.capacity, self.lookup.capacity)
+
+    def reserve(self, capacity: int) -> None:
+        self.model.reserve(capacity)
+        self.lookup.reserve(capacity)
+
+    def append(self, features: torch.Tensor | None, tokens: torch.Tensor, lengths: torch.Tensor) -> None:
+        self.model.append(features, tokens, lengths)
+        self.lookup.append(None, tokens, lengths)
+
+    def propose(self, root_tokens: torch.Tensor, lengths: torch.Tensor) -> Proposal:
+        proposal = self.model.propose(root_tokens, lengths)
+        lookup = self.lookup.branches(root_tokens, lengths)
+        paths = lookup if proposal.paths is None else as_branches(proposal.paths, lookup.scores).cat(lookup)
+        return dataclasses.replace(proposal, paths=paths)
 
 
 class WithLookup(Drafter):
@@ -240,6 +318,15 @@ class MergedContext(DraftContext):
         else:
             self.model.select_rows(rows)
         self.lookup.select_rows(rows, host_rows)
+
+    def to_static(self, capacity: int) -> StaticMergedContext:
+        """Both contexts in the static round's fixed buffers (the model context must have its own
+        ``to_static``: DFlash and DFlash2 do)."""
+        to_static = getattr(self.model, "to_static", None)
+        if to_static is None:
+            raise ValueError(f"compile=True needs a drafter context with to_static (DFlash, DFlash2); "
+                             f"{type(self.model).__name__} has none. Use compile=False")
+        return StaticMergedContext(to_static(capacity), self.lookup.to_static(capacity))
 
     def propose(self, root_tokens: torch.Tensor) -> Proposal:
         proposal = check_proposal(self.model.propose(root_tokens), self.model)

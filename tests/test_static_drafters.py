@@ -1,0 +1,67 @@
+"""DFlash2 drafters and prompt lookup under ``compile=True``: their static contexts draft in fixed shapes, and
+the static round gives the dynamic round's tokens, trees and acceptance, greedy and sampled, with no graph
+break (the steps compile with ``fullgraph=True``, which raises on one)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_dflash2 import bigram_pair
+from tiny import tiny_drafter, tiny_target
+
+from ddtree import SpeculativeGenerator
+from ddtree.drafters.dflash.drafter import DFlashDrafter
+from ddtree.drafters.lookup import PromptLookup, WithLookup
+from ddtree.generation.round import speculative_round
+
+BACKEND = "aot_eager"
+PROMPTS = [[5, 17, 42, 8, 9, 33, 5, 17, 42], [7, 7, 21, 60, 12, 5, 44, 3, 19, 7, 7], [11, 4, 11, 4, 11]]
+NEW = 16
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    yield
+    torch._dynamo.reset()
+
+
+def rounds(gen, **call):
+    state = gen.start(PROMPTS, max_new_tokens=NEW, stop_token_ids=(), record_trees=True, **call)
+    while not state.done:
+        speculative_round(state)
+    trees = [[(r.tree.tokens.tolist(), r.accepted) for r in row] for row in state.records]
+    return state.new_tokens, state.acceptance, trees, state.stats
+
+
+def assert_static_equals_dynamic(target, drafter, budget, **call):
+    dynamic = rounds(SpeculativeGenerator(target, drafter, tree_budget=budget), **call)
+    static = rounds(SpeculativeGenerator(target, drafter, tree_budget=budget, compile=BACKEND), **call)
+    assert static[0] == dynamic[0]
+    assert static[1] == dynamic[1]
+    assert static[2] == dynamic[2]
+    assert sum(torch._dynamo.utils.counters["graph_break"].values()) == 0
+    assert max(a for row in dynamic[1] for a in row) > 1  # something was accepted past the root
+    return dynamic
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_target("qwen3")
+
+
+@pytest.mark.parametrize("call", [{}, dict(temperature=1.0, seed=[3, 4, 5])], ids=["greedy", "sampled"])
+def test_a_dflash2_drafter_under_compile(tmp_path, call):
+    """A DFlash2 selector that knows the target's next-token map for two tokens in three (deep, varying
+    acceptance): its pairwise trees drafted in the static context equal the dynamic round's."""
+    bigram_target, path, _ = bigram_pair(tmp_path / "d2")
+    drafter = SpeculativeGenerator(bigram_target, str(path)).drafter
+    assert_static_equals_dynamic(bigram_target, drafter, 6, **call)
+
+
+@pytest.mark.parametrize("call", [{}, dict(temperature=0.8, top_k=20, seed=[3, 4, 5])], ids=["greedy", "sampled"])
+def test_prompt_lookup_merged_under_compile(target, call):
+    model = DFlashDrafter(tiny_drafter(target, block_size=5), target)
+    merged = WithLookup(model, PromptLookup.for_target(target, block_size=5))
+    assert_static_equals_dynamic(target, merged, 6, **call)
