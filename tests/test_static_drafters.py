@@ -65,3 +65,41 @@ def test_prompt_lookup_merged_under_compile(target, call):
     model = DFlashDrafter(tiny_drafter(target, block_size=5), target)
     merged = WithLookup(model, PromptLookup.for_target(target, block_size=5))
     assert_static_equals_dynamic(target, merged, 6, **call)
+
+
+class Ticks:
+    """A clock that advances one second a call: every stage costs the same, whatever its tree (a machine where
+    verifying is free), so ``auto`` drafts, and its choices do not follow this machine's timings."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        self.now += 1.0
+        return self.now
+
+
+def test_auto_under_compile_picks_among_compiled_budgets(target):
+    """``tree_budget="auto"`` with ``compile``: each round is a plain step or one rung of the ladder, compiled
+    once; the tokens are greedy decoding's and each round's acceptance what the same budgets give when the
+    dynamic round replays them."""
+    from test_generator import Replay, reference
+
+    from ddtree.budget.policy import AutoBudget
+    from ddtree.generation.static_round import compiled_ladder
+
+    assert compiled_ladder(torch.device("cpu")) == (1, 2, 4, 8)
+    drafter = DFlashDrafter(tiny_drafter(target, block_size=5), target)
+    gen = SpeculativeGenerator(target, drafter, tree_budget="auto", compile=BACKEND)
+    assert gen.tree_budget == "auto"
+    assert gen.budget_policy("auto").candidates == [1, 2, 4, 8]
+    policy = AutoBudget(candidates=(1, 2, 4, 8), clock=Ticks())
+    out = gen.generate(PROMPTS[0], max_new_tokens=NEW, stop_token_ids=(), tree_budget=policy)
+    assert out.row_tokens[0] == reference(target, PROMPTS[0], new=NEW)[0, len(PROMPTS[0]):].tolist()
+    assert set(out.stats.budgets) <= {0, 1, 2, 4, 8} and max(out.stats.budgets) > 0
+    assert {b for _, b, _ in gen._static_steps} <= {0, 1, 2, 4, 8}  # one set of graphs per rung met
+    replayed = SpeculativeGenerator(target, drafter).generate(
+        PROMPTS[0], max_new_tokens=NEW, stop_token_ids=(), tree_budget=Replay(out.stats.budgets))
+    assert replayed.acceptance_lengths == out.acceptance_lengths
+    assert replayed.row_tokens == out.row_tokens
+    assert sum(torch._dynamo.utils.counters["graph_break"].values()) == 0

@@ -19,6 +19,7 @@ import torch
 
 from ddtree.budget.costs import RoundCosts
 from ddtree.budget.policy import (
+    DEFAULT_CANDIDATES,
     AutoBudget,
     BudgetPolicy,
     FixedBudget,
@@ -43,7 +44,7 @@ from ddtree.generation.options import (
 from ddtree.generation.round import speculative_round
 from ddtree.generation.rows import RowBook
 from ddtree.generation.state import DecodeState, DeviceState, RoundEngine
-from ddtree.generation.static_round import StaticSteps, check_static_support
+from ddtree.generation.static_round import StaticSteps, check_static_support, compiled_ladder
 from ddtree.generation.stats import RoundStats
 from ddtree.loading.drafter import resolve_drafter
 from ddtree.loading.pair import load_pair
@@ -431,8 +432,12 @@ class SpeculativeGenerator:
         if isinstance(budget, int):
             return None if budget == 0 else FixedBudget(budget)
         if isinstance(budget, str):  # "auto", the one string check_budget accepts
-            clock, wall = work_clock(self.target.get_input_embeddings().weight.device)
-            return AutoBudget(builder=builder or self.builder, costs=self._costs, clock=clock, wall_clock=wall)
+            device = self.target.get_input_embeddings().weight.device
+            clock, wall = work_clock(device)
+            # under compile, each candidate budget is its own graphs: a short ladder of them
+            candidates = compiled_ladder(device) if self._options.compile else DEFAULT_CANDIDATES
+            return AutoBudget(builder=builder or self.builder, costs=self._costs, clock=clock, wall_clock=wall,
+                              candidates=candidates)
         return budget
 
     @property

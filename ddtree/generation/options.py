@@ -20,7 +20,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from ddtree.budget.policy import BudgetPolicy, check_budget
+from ddtree.budget.policy import AutoBudget, BudgetPolicy, FixedBudget, check_budget
 from ddtree.core.builders import TreeBuilder, resolve_builder
 from ddtree.targets.backends import get_backend
 from ddtree.targets.forward import PREFILL_CHUNK, check_prefill_chunk
@@ -88,16 +88,19 @@ def check_attention(attention: Any) -> None:
 
 def check_compile(options: GeneratorOptions) -> None:
     """``compile``: ``False``, ``True`` (inductor; CUDA graphs on CUDA) or a ``torch.compile`` backend name; it
-    runs the static round, which takes a fixed tree budget, the dense-mask attention and torch's own linears."""
+    runs the static round, which takes a fixed tree budget or ``"auto"`` over a ladder of fixed ones, the
+    dense-mask attention and torch's own linears."""
     value = options.compile
     if not (isinstance(value, bool) or (isinstance(value, str) and value)):
         raise ValueError(f"compile must be True, False or a torch.compile backend name, got {value!r}")
     if value is False:
         return
     budget = options.tree_budget
-    if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 1):
-        raise ValueError(f"compile=True needs a fixed int tree_budget >= 1 (each tree size is its own compiled "
-                         f"graph), got {budget!r}; pass tree_budget=N or compile=False")
+    adaptive = budget == "auto" or isinstance(budget, (AutoBudget, FixedBudget))
+    if budget is not None and not adaptive and (isinstance(budget, bool) or not isinstance(budget, int)
+                                                or budget < 1):
+        raise ValueError(f"compile=True takes a fixed int tree_budget >= 1 (each tree size is its own compiled "
+                         f"graph) or \"auto\" (a ladder of them), got {budget!r}; pass tree_budget=N or compile=False")
     if options.attention not in ("auto", "sdpa", None):
         raise ValueError(f"compile=True verifies with the dense tree mask (attention='sdpa'), got attention="
                          f"{options.attention!r}; leave attention='auto' or pass 'sdpa'")

@@ -37,7 +37,7 @@ from ddtree.core.verify import VerifyResult, verify_tree
 from ddtree.drafters.base import DraftContext, check_proposal, coupled_proposal, proposal_tree
 from ddtree.generation.prefill import prefill_padded
 from ddtree.generation.state import DecodeState, RoundResult
-from ddtree.generation.static_round import static_budget, static_round, to_static
+from ddtree.generation.static_round import StaticRows, static_budget, static_round, to_static
 from ddtree.generation.stats import RoundRecord
 from ddtree.targets.cache import (
     cache_length,
@@ -71,11 +71,37 @@ def speculative_round(state: DecodeState) -> RoundResult:
 
 
 def _static_tree_round(state: DecodeState) -> RoundResult:
-    """A tree round as the static, compiled steps (``compile=True``; see :mod:`ddtree.generation.static_round`)."""
-    steps = state.generator.static_steps(static_budget(state), state.sampling)
-    if state.on_device.static is None:
-        state.on_device.static = to_static(state)
-    return static_round(state, steps, state.on_device.static)
+    """A tree round as the static, compiled steps (``compile=True``; see :mod:`ddtree.generation.static_round`):
+    a fixed budget's, or under ``"auto"`` the policy's choice among the compiled ladder's budgets."""
+    gen, held = state.generator, state.on_device
+    if held.static is None:
+        held.static = to_static(state)
+    rows = cast(StaticRows, held.static)
+    budget = static_budget(state)
+    if budget is not None:
+        return static_round(state, gen.static_steps(budget, state.sampling), rows)
+    policy = cast(BudgetPolicy, state.policy)  # static_budget: an adaptive policy
+    context, live = max(state.rows.host_lengths), len(state.rows.active)
+    with state.timer.stage("calibration"):
+        policy.prepare(context, live)
+    keys = rows.keys if state.coupled_drafts else None
+    if policy.skip_draft:
+        steps = gen.static_steps(0, state.sampling)
+        tree = None
+    else:
+        steps = gen.static_steps(1, state.sampling)  # any rung's propose step: it does not depend on the budget
+        if steps.cuda_graphs:
+            torch.compiler.cudagraph_mark_step_begin()  # the round's one CUDA-graph generation starts here
+        with state.timer.stage("draft"):
+            proposal = steps.propose(rows.draft, rows.roots, rows.lengths, keys)
+        with state.timer.stage("tree_build"):
+            steps = gen.static_steps(policy.choose(proposal.logprobs, context), state.sampling)
+            tree = steps.build(proposal, rows.roots)
+    result = static_round(state, steps, rows, tree)
+    policy.observe([a for a in result.acceptance if a is not None], state.timer.last("verify"), context)
+    if state.done:
+        policy.finish()
+    return result
 
 
 def _prefill(state: DecodeState) -> RoundResult:

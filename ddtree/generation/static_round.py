@@ -31,12 +31,12 @@ from typing import Any, cast
 
 import torch
 
-from ddtree.budget.policy import FixedBudget
+from ddtree.budget.policy import AutoBudget, FixedBudget
 from ddtree.core.builders import TreeBuilder
 from ddtree.core.sampling import GREEDY, SamplingConfig, choose_tokens
-from ddtree.core.tree import DraftTree
+from ddtree.core.tree import DraftTree, root_only
 from ddtree.core.verify import accept_longest_branch
-from ddtree.drafters.base import StaticDraftContext, coupled_proposal, proposal_tree
+from ddtree.drafters.base import Proposal, StaticDraftContext, coupled_proposal, proposal_tree
 from ddtree.generation.state import DecodeState, RoundResult
 from ddtree.generation.stats import RoundRecord
 from ddtree.targets.backends import masks_for_plan, window_plan
@@ -134,14 +134,25 @@ class StaticSteps:
         cuda = self.target.get_input_embeddings().weight.device.type == "cuda"
         self.cuda_graphs = compile is True and cuda
         self.draft = _compiled(self._draft, compile, cuda)
+        self.propose = _compiled(self._propose, compile, cuda)  # the adaptive budget's two halves of draft
+        self.build = _compiled(self._build, compile, cuda)
         self.verify = _compiled(self._verify, compile, cuda)
         self.commit = _compiled(self._commit, compile, cuda)
 
     def _draft(self, draft: StaticDraftContext, roots: torch.Tensor, lengths: torch.Tensor,
                keys: torch.Tensor | None) -> DraftTree:
+        if self.budget == 0:  # a plain step: the root alone, no drafter forward
+            return root_only(roots)
+        return self._build(self._propose(draft, roots, lengths, keys), roots)
+
+    def _propose(self, draft: StaticDraftContext, roots: torch.Tensor, lengths: torch.Tensor,
+                 keys: torch.Tensor | None) -> Proposal:
         proposal = draft.propose(roots, lengths)
         if keys is not None:  # coupled drafting (the generation's coupled_drafts)
             proposal = coupled_proposal(proposal, self.sampling, keys, lengths)
+        return proposal
+
+    def _build(self, proposal: Proposal, roots: torch.Tensor) -> DraftTree:
         return proposal_tree(proposal, roots, self.builder, self.budget)
 
     def _verify(self, cache: RowPackedCache, tree: DraftTree, lengths: torch.Tensor,
@@ -203,13 +214,30 @@ def _compiled(fn: Callable, compile: bool | str, cuda: bool = False) -> Callable
     return torch.compile(fn, fullgraph=True, dynamic=False, backend=compile)
 
 
-def static_budget(state: DecodeState) -> int:
-    """The fixed budget the static round compiles for (``compile=True`` takes an int ``tree_budget``)."""
+def static_budget(state: DecodeState) -> int | None:
+    """The fixed budget the static round compiles for, or ``None`` for the adaptive policy (``"auto"``), which
+    picks among :func:`compiled_ladder`'s budgets each round."""
     policy = state.policy
-    if not isinstance(policy, FixedBudget):
-        raise ValueError("compile=True needs a fixed int tree_budget (each tree size is its own compiled graph); "
-                         f"got the policy {type(policy).__name__}. Pass tree_budget=N or compile=False")
-    return policy.budget
+    if isinstance(policy, FixedBudget):
+        return policy.budget
+    if isinstance(policy, AutoBudget):
+        return None
+    raise ValueError(f"compile=True takes a fixed int tree_budget or \"auto\" (each tree size is its own "
+                     f"compiled graph); got the policy {type(policy).__name__}. Pass tree_budget=N or compile=False")
+
+
+COMPILED_LADDER_TOP = {"cpu": 8}
+"""The largest budget of the compiled ladder by device type (each rung is its own graphs): twice the fixed
+compiled default on a CPU; an accelerator verifies wide trees nearly for free and gets
+:data:`COMPILED_LADDER_TOP_ACCELERATOR`."""
+COMPILED_LADDER_TOP_ACCELERATOR = 64
+
+
+def compiled_ladder(device: torch.device) -> tuple[int, ...]:
+    """The budgets ``"auto"`` chooses among under ``compile=True``: powers of two up to the device's top rung
+    (a plain step, budget 0, is always a choice besides)."""
+    top = COMPILED_LADDER_TOP.get(device.type, COMPILED_LADDER_TOP_ACCELERATOR)
+    return tuple(2**i for i in range(top.bit_length()) if 2**i <= top)
 
 
 def to_static(state: DecodeState) -> StaticRows:
@@ -232,8 +260,11 @@ def to_static(state: DecodeState) -> StaticRows:
     return rows
 
 
-def static_round(state: DecodeState, steps: StaticSteps, rows: StaticRows) -> RoundResult:
-    """One static round for every buffer row (finished ones ride along unseen); returns what each row committed."""
+def static_round(state: DecodeState, steps: StaticSteps, rows: StaticRows,
+                 tree: DraftTree | None = None) -> RoundResult:
+    """One static round for every buffer row (finished ones ride along unseen); returns what each row committed.
+    ``tree``: this round's trees when the caller drafted them (the adaptive budget; its CUDA-graph generation
+    already begun), else the steps draft them."""
     timer, book, held = state.timer, state.rows, state.on_device
     budget = steps.budget
     need = max(n for n, a in zip(rows.host_lengths, rows.host_alive) if a) + budget + 1
@@ -242,13 +273,14 @@ def static_round(state: DecodeState, steps: StaticSteps, rows: StaticRows) -> Ro
         rows.cache = rows.cache.grown(capacity)
         rows.draft.reserve(capacity)
         held.cache = rows.cache
-    if steps.cuda_graphs:
+    if steps.cuda_graphs and tree is None:
         # One round is one CUDA-graph generation: draft, verify and commit run as a path of graphs whose
         # outputs stay valid until the next round. Without the mark, each step counts as a new generation
         # and the draft's tree is overwritten before verify reads it. What outlives the round is cloned.
         torch.compiler.cudagraph_mark_step_begin()
-    with timer.stage("draft"):
-        tree = steps.draft(rows.draft, rows.roots, rows.lengths, rows.keys if state.coupled_drafts else None)
+    if tree is None:
+        with timer.stage("draft"):
+            tree = steps.draft(rows.draft, rows.roots, rows.lengths, rows.keys if state.coupled_drafts else None)
     with timer.stage("verify"):
         rows.cache.reserve_nodes(tree.num_nodes)
         choices, features = steps.verify(rows.cache, tree, rows.lengths, rows.keys)
