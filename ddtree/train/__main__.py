@@ -14,7 +14,6 @@ from pathlib import Path
 
 import torch
 
-from ddtree.drafters.features import build_target_layer_ids
 from ddtree.train.config import TrainConfig, parse_args
 from ddtree.train.data import (
     DIR_KEY_STRIDE,
@@ -26,6 +25,7 @@ from ddtree.train.data import (
     self_distill_jobs,
     split_train_heldout,
 )
+from ddtree.train.layers import choose_layer_ids
 from ddtree.train.loop import train
 from ddtree.train.parallel import DataParallel
 
@@ -65,22 +65,27 @@ def pick_mask_token(tokenizer, vocab_size: int, used: torch.Tensor | None = None
 
 
 def layer_ids_for(cfg: TrainConfig, target) -> tuple[list[int], list[int]]:
-    tc = target.config.get_text_config() if hasattr(target.config, "get_text_config") else target.config
-    if cfg.num_feature_layers < 1:
-        raise ValueError(f"--num-feature-layers {cfg.num_feature_layers}: the drafter reads at least one target layer")
-    # the published spread, each layer once (a target with few layers gives repeats)
-    ids = cfg.target_layer_ids or sorted(set(build_target_layer_ids(tc.num_hidden_layers, cfg.num_feature_layers)))
-    if tc.num_hidden_layers - 1 in ids:
-        import warnings
+    """``(the layers the drafter reads, the layers the cache holds)`` for ``target`` (a model or its config);
+    see :mod:`ddtree.train.layers`."""
+    return choose_layer_ids(num_target_layers(target), cfg.num_feature_layers, cfg.target_layer_ids,
+                            cfg.cache_layer_ids)
 
-        warnings.warn(f"target_layer_ids {ids} include the target's last layer ({tc.num_hidden_layers - 1}): its "
-                      "Hugging Face hidden state is after the final norm, vLLM's before it, so the drafter will draft "
-                      "poorly in vLLM; the default ids (the published formula) avoid it", stacklevel=2)
-    cache = cfg.cache_layer_ids or ids
-    missing = [i for i in ids if i not in cache]
-    if missing:
-        raise ValueError(f"target_layer_ids {missing} are not in cache_layer_ids {cache}")
-    return list(ids), list(cache)
+
+def num_target_layers(target) -> int:
+    config = getattr(target, "config", target)
+    tc = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return int(tc.num_hidden_layers)
+
+
+def target_config(cfg: TrainConfig):
+    """The target's config alone (no weights), to check the layer flags before the weights load."""
+    from transformers import AutoConfig
+
+    if cfg.target == "smollm2":
+        from ddtree.loading.pretrained import smollm2_path
+
+        return AutoConfig.from_pretrained(str(smollm2_path()))
+    return AutoConfig.from_pretrained(cfg.target)
 
 
 def prepare_data(cfg: TrainConfig, target, tokenizer, prompts=None, cache_ids=None, worker: int = 0,
@@ -195,9 +200,14 @@ def run(cfg: TrainConfig, target=None, tokenizer=None, prompts=None, log_fn=log,
 
 def _run(cfg: TrainConfig, target, tokenizer, prompts, log_fn, eval_prompts, device: str, dp: DataParallel) -> dict:
     if target is None:
+        layer_ids_for(cfg, target_config(cfg))  # a bad layer flag fails before the weights load
         target, tokenizer = load_target(cfg, device)
     target.to(device).eval()
     ids, cache_ids = layer_ids_for(cfg, target)
+    if not cfg.target_layer_ids and len(ids) < cfg.num_feature_layers:
+        log_fn(f"[train] the target has {num_target_layers(target)} decoder layers: the drafter reads {len(ids)} "
+               f"of them, {ids}, not --num-feature-layers {cfg.num_feature_layers} (never the last layer when "
+               "another exists)")
     data_dir = prepare_data(cfg, target, tokenizer, prompts, cache_ids, cfg.data_worker, cfg.data_workers, dp=dp)
     if cfg.data_only:
         log_fn(f"[data] feature cache ready in {data_dir}")

@@ -45,8 +45,10 @@ class TrainConfig:
     num_layers: int = 1                # drafter decoder layers
     block_size: int = 6                # root + (block_size - 1) predicted slots
     num_feature_layers: int = 4        # target layers the drafter reads when target_layer_ids is not given,
-                                       # spread by the published formula (never the target's last layer)
-    # target layers whose features feed the drafter; default: num_feature_layers spread by the published formula
+                                       # spread by the published formula (never the target's last layer); a
+                                       # target under 7 layers gives at most L-1 distinct ones (docs/train.md)
+    # target layers whose features feed the drafter (0-based, each once); default: num_feature_layers spread
+    # by the published formula
     target_layer_ids: list[int] = field(default_factory=list)
     mask_token_id: int = -1            # -1: pick an unused special token of the tokenizer
     intermediate_size: int = 0         # 0: the target's
@@ -136,6 +138,9 @@ class TrainConfig:
 
 
 EXAMPLES = [
+    "python -m ddtree.train --target smollm2 --out-dir runs/smoke --num-prompts 16 --max-new-tokens 32 "
+    "--gen-batch 16 --steps 20 --warmup 5 --eval-every 10 --eval-blocks 128 --heldout-frac 0.25 "
+    "--accept-prompts 2 --accept-new-tokens 16",
     "python -m ddtree.train --target smollm2 --out-dir runs/smollm2 --num-prompts 2000 --steps 3000",
     "python -m ddtree.train --target smollm2 --out-dir runs/smollm2-data --num-prompts 200 --data-only true",
 ]
@@ -196,4 +201,13 @@ def build_parser():
 
 
 def parse_args(argv=None) -> TrainConfig:
-    return TrainConfig(**vars(build_parser().parse_args(argv)))
+    """The run's config; a layer flag that no target could take is refused here, before anything loads."""
+    from ddtree.train.layers import check_layer_flags
+
+    p = build_parser()
+    cfg = TrainConfig(**vars(p.parse_args(argv)))
+    try:
+        check_layer_flags(cfg.num_feature_layers, cfg.target_layer_ids, cfg.cache_layer_ids)
+    except ValueError as e:
+        p.error(str(e))
+    return cfg
