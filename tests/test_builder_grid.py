@@ -17,10 +17,13 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_batch import hf_greedy
 from test_device_builders import assert_same_tree
+from test_generator import expected_acceptance
 from test_graft import random_paths
-from tiny import examples
+from tiny import ScriptedDrafter, examples, tiny_target
 
+from ddtree import SpeculativeGenerator
 from ddtree.blocks import chain as public_chain
 from ddtree.core import reference_builders as ref
 from ddtree.core.builders import _BLOCKS, _FEW, _SORT_MAX, beam, best_first, chain, ranked_topk
@@ -85,6 +88,14 @@ def roots(batch: int) -> torch.Tensor:
     return torch.arange(3, 3 + 2 * batch)[::2]  # strided too
 
 
+def batches(request, case: int, dtype: torch.dtype, layout: str) -> list[int]:
+    """Every batch size under ``--slow``; else one, cycling with the case and shifted per (dtype, layout), so
+    each case meets several batch sizes over the grid's tests."""
+    if request.config.getoption("--slow"):
+        return BATCHES
+    return [BATCHES[(case + DTYPES.index(dtype) + LAYOUTS.index(layout)) % len(BATCHES)]]
+
+
 def plain_builders():
     """(name, device builder, reference builder, node count for budget/depth/vocab)."""
 
@@ -138,9 +149,8 @@ def test_chain_on_a_row_slice_of_float32_logprobs():
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_plain_builders_on_the_grid(request, dtype, layout):
-    slow = request.config.getoption("--slow")
     for i, (vocab, budget) in enumerate(itertools.product(VOCABS, BUDGETS)):
-        for batch in BATCHES if slow else [BATCHES[i % len(BATCHES)]]:
+        for batch in batches(request, i, dtype, layout):
             kind = KINDS[i % len(KINDS)]
             lp = lay_out(logprobs(i, (batch, DEPTH, vocab), dtype, kind), layout)
             check_plain(roots(batch), lp, budget)
@@ -153,6 +163,24 @@ def test_plain_builders_on_the_grid(request, dtype, layout):
 def test_plain_builders_on_random_shapes(dtype, layout, batch, depth, vocab, data, kind, seed):
     budget = data.draw(st.integers(0, 4 * depth), label="budget")
     check_plain(roots(batch), lay_out(logprobs(seed, (batch, depth, vocab), dtype, kind), layout), budget)
+
+
+def test_chain_at_budget_one_in_a_batch_of_five_generates():
+    """The reported failure in a generation: ``chain`` at budget 1 over a batch of 5 drafts of ``[5, 7, 512]``
+    (what the budget policy builds to price its candidates). Each row gets its greedy tokens, and each round
+    accepts what a walk of its tree against them gives: the scripted drafter's one node, right every round."""
+    target = tiny_target("qwen3", vocab=512)
+    prompts = [torch.randint(1, 512, (n,), generator=torch.Generator().manual_seed(n)).tolist()
+               for n in (3, 9, 5, 12, 7)]
+    free = [hf_greedy(target, p, new=8) for p in prompts]
+    drafter = ScriptedDrafter([p + f + [0] * 8 for p, f in zip(prompts, free)], 512, block_size=8)
+    out = SpeculativeGenerator(target, drafter, tree_budget=1, builder="chain").generate(
+        prompts, max_new_tokens=8, record_trees=True)
+    assert drafter.proposals[0].shape == (5, 7, 512)
+    assert out.row_tokens == free
+    for b, (prompt, row) in enumerate(zip(prompts, free)):
+        assert out.acceptance_lengths[b] == [expected_acceptance(r, prompt + row) for r in out.rounds[b]]
+        assert out.acceptance_lengths[b] == [2] * len(out.acceptance_lengths[b])  # root and its one node
 
 
 def test_near_ties_in_float64_go_to_the_lower_id():
@@ -199,10 +227,9 @@ def check_pairwise(root: torch.Tensor, scores: PairwiseScores, budget: int) -> N
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_pairwise_builders_on_the_grid(request, dtype, layout):
-    slow = request.config.getoption("--slow")
     depth = 4  # pairwise tables grow as K^2 per depth: a shorter block keeps the grid quick
-    for i, (k, budget) in enumerate(itertools.product(PAIRWISE_KS, sorted({0, 1, 2, 3, 4, 5, 8, 16}))):
-        for batch in BATCHES if slow else [BATCHES[i % len(BATCHES)]]:
+    for i, (k, budget) in enumerate(itertools.product(PAIRWISE_KS, [0, 1, 2, 3, 4, 5, 8, 16])):
+        for batch in batches(request, i, dtype, layout):
             check_pairwise(roots(batch), pairwise(i, batch, depth, k, dtype, KINDS[i % len(KINDS)], layout), budget)
 
 
@@ -230,10 +257,10 @@ def as_lists(branches: Branches, dtype: torch.dtype):
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_graft_on_the_grid(request, dtype, layout):
-    slow = request.config.getoption("--slow")
     gen = torch.Generator().manual_seed(DTYPES.index(dtype) * 10 + LAYOUTS.index(layout))
-    for i, (vocab, budget, (name, build, _, _)) in enumerate(itertools.product([5, 129, 700], BUDGETS, PLAIN)):
-        for batch in BATCHES if slow else [BATCHES[i % len(BATCHES)]]:
+    cases = itertools.product([5, 700], [0, 1, 3, DEPTH, 2 * DEPTH, 4 * DEPTH], PLAIN)
+    for i, (vocab, budget, (name, build, _, _)) in enumerate(cases):
+        for batch in batches(request, i, dtype, layout):
             lp = lay_out(logprobs(i, (batch, DEPTH, vocab), dtype, KINDS[i % len(KINDS)]), layout)
             tree = build(roots(batch), lp, budget)
             branches = branches_laid_out(random_paths(gen, tree, vocab, 3, DEPTH, tied=i % 2 == 0), dtype, layout)
@@ -263,8 +290,8 @@ def strided_builds():
     return out
 
 
-@pytest.mark.parametrize("name,build", strided_builds())
-def test_strided_builds_make_no_host_reads(name, build):
+@pytest.mark.parametrize("build", [b for _, b in strided_builds()], ids=[n for n, _ in strided_builds()])
+def test_strided_builds_make_no_host_reads(build):
     build()  # fills the per-shape index tables
     with count_host_reads() as reads:
         tree = build()

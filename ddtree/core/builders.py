@@ -19,7 +19,7 @@ upcast exactly (same order, same ties), float64 ones round to the nearest float3
 so two that round alike tie and the lower id wins.
 
 Log-probs may have any strides (a slice, a transposed or an expanded view): the
-builders gather and reshape, never ``view`` a layout they did not make.
+builders ``view`` only tensors they made or made contiguous.
 
 The builders run on the tensors' device as fixed-shape tensor operations: no
 host reads and no loop over nodes (only over depths), so a round that builds a
@@ -57,7 +57,7 @@ def ranked_topk(logprobs: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Ten
     into blocks of ``_BLOCKS[0]`` tokens, and each of the top ``k`` tokens lies in one of the ``k`` blocks
     whose best token ranks highest (a block outside them has ``k`` better tokens before its best). So one max
     per block and a ranking of ``k`` blocks' tokens replace a top-k over the vocabulary; where those are many,
-    the same step narrows them again in finer blocks.
+    the same step narrows them again in finer blocks. ``logprobs`` may have any strides.
     """
     vocab = logprobs.shape[-1]
     if not 0 <= k <= vocab:
@@ -73,14 +73,16 @@ def ranked_topk(logprobs: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Ten
     else:
         if vocab % size:  # whole blocks: the pads (-inf, ids past the vocabulary) lose every tie to a token
             rows = torch.nn.functional.pad(rows, (0, size - vocab % size), value=float("-inf"))
-        blocks = rows.unflatten(1, (-1, size))  # splits the last dim: a view at any strides
+        # The rows may be a slice of a wider tensor (one depth of [B, D, V], a transposed or stepped view),
+        # which _best_blocks cannot flatten: copied once here, a no-op for the usual contiguous rows.
+        blocks = rows.contiguous().view(rows.shape[0], -1, size)
         start = shape_constant(_block_starts, blocks.shape[1], size, rows.device).expand(rows.shape[0], -1)
         blocks, start = _best_blocks(blocks, start, k)
         for finer in _BLOCKS[1:]:
             if k * size <= _FEW:
                 break
             start = (start[..., None] + shape_constant(_block_starts, size // finer, finer, rows.device)).flatten(1)
-            blocks, start = _best_blocks(blocks.reshape(rows.shape[0], -1, finer), start, k)
+            blocks, start = _best_blocks(blocks.view(rows.shape[0], -1, finer), start, k)
             size = finer
         place = top_stable(blocks.flatten(1), k)[1]
         toks = start.gather(1, place // size) + place % size
@@ -94,12 +96,13 @@ _FEW = 512  # tokens per row that ranked_topk ranks without narrowing further
 
 
 def _best_blocks(blocks: torch.Tensor, start: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The ``k`` blocks of ``blocks`` ``[R, n, S]`` (ascending ids, any strides) whose best token ranks highest,
+    """The ``k`` blocks of ``blocks`` ``[R, n, S]`` (contiguous, ascending ids) whose best token ranks highest,
     kept in id order so their tokens still ascend by id, as a new contiguous ``[R, k, S]``, and their first ids
-    (``start`` ``[R, n]``). A gather, not a flat ``view``: a row slice of a wider tensor cannot be flattened."""
-    rows, _, size = blocks.shape
+    (``start`` ``[R, n]``). Whole blocks are copied as rows of the flat view, which only contiguous blocks have."""
+    rows, n, size = blocks.shape
     best = top_stable(blocks.amax(dim=-1), k)[1].sort(dim=1).values
-    return blocks.gather(1, best[..., None].expand(rows, k, size)), start.gather(1, best)
+    flat = best + shape_constant(_block_starts, rows, n, blocks.device)[:, None]
+    return blocks.view(rows * n, size).index_select(0, flat.flatten()).view(rows, k, size), start.gather(1, best)
 
 
 @lru_cache(maxsize=256)
