@@ -37,8 +37,9 @@ LAYOUTS = ["contiguous", "transposed", "depth_major", "sliced", "stepped", "expa
 DEPTH = 7  # the block: a DFlash block of 8 drafts 7 positions after the root
 BUDGETS = [0, 1, 2, 3, DEPTH - 1, DEPTH, DEPTH + 1, 2 * DEPTH, 4 * DEPTH]
 BATCHES = [1, 2, 3, 5, 8]
-# Below, at and above each block size of ranked_topk (128, 16), the tokens it ranks unnarrowed (512) and the
-# size past which its selection takes integer keys (2048); 4100 is past 28 * 128, so budget 28 narrows twice.
+# Below, at and above each block size of ranked_topk (128, 16) and the tokens it ranks unnarrowed (512); 2049:
+# one row past the 2048 entries above which top_stable selects on integer keys; 4100 > 28 * 128, so budget 28
+# narrows in both block sizes, over a padded last block.
 VOCABS = sorted({2, 5, *(b + d for b in _BLOCKS for d in (-1, 0, 1)), _FEW, 700, _SORT_MAX + 1, 4100})
 WIDTHS = [(3, 4), (5, None)]  # beam 5: 5 * 128 > 512 tokens, so wide vocabularies take the finer blocks
 KINDS = ["random", "tied", "near_tied", "sparse"]
