@@ -148,13 +148,22 @@ def test_commit_accepted_keeps_prefix_and_path(parents, prefix, layers, alphabet
 
 @st.composite
 def drafter_logprobs(draw):
+    """Log-probs ``[1, D, V]`` in float32, float64 or a 16-bit float, contiguous or a strided view (transposed,
+    or every other token of a wider row): a builder takes any of them."""
     depth, vocab = draw(st.integers(1, 8)), draw(st.integers(2, 60))
     seed, scale = draw(st.integers(0, 2**31)), draw(st.sampled_from([0.5, 2.0, 8.0]))
     g = torch.Generator().manual_seed(seed)
     logits = torch.randn(1, depth, vocab, generator=g) * scale
     if draw(st.booleans()):
         logits = (logits * 2).round() / 2  # exact ties
-    return logits.log_softmax(-1)
+    lp = logits.log_softmax(-1).to(draw(st.sampled_from([torch.float32, torch.float64, torch.bfloat16,
+                                                         torch.float16])))
+    layout = draw(st.sampled_from(["contiguous", "transposed", "stepped"]))
+    if layout == "transposed":
+        return lp.transpose(1, 2).contiguous().transpose(1, 2)
+    if layout == "stepped":
+        return torch.stack([lp, lp], dim=-1)[..., 0]
+    return lp
 
 
 @settings(max_examples=examples(300))

@@ -14,6 +14,12 @@ ranked by log-prob descending, then by token id ascending. Nodes are ordered by
 path score descending, then depth ascending, then the order of their parent,
 then their rank. This is exactly the pop order of the published heap
 construction when its heap key is ``(-score, depth, parent_pop_index, rank)``.
+Values are compared as float32, and path scores are float32 sums: 16-bit log-probs
+upcast exactly (same order, same ties), float64 ones round to the nearest float32,
+so two that round alike tie and the lower id wins.
+
+Log-probs may have any strides (a slice, a transposed or an expanded view): the
+builders ``view`` only tensors they made or made contiguous.
 
 The builders run on the tensors' device as fixed-shape tensor operations: no
 host reads and no loop over nodes (only over depths), so a round that builds a
@@ -51,7 +57,7 @@ def ranked_topk(logprobs: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Ten
     into blocks of ``_BLOCKS[0]`` tokens, and each of the top ``k`` tokens lies in one of the ``k`` blocks
     whose best token ranks highest (a block outside them has ``k`` better tokens before its best). So one max
     per block and a ranking of ``k`` blocks' tokens replace a top-k over the vocabulary; where those are many,
-    the same step narrows them again in finer blocks.
+    the same step narrows them again in finer blocks. ``logprobs`` may have any strides.
     """
     vocab = logprobs.shape[-1]
     if not 0 <= k <= vocab:
@@ -67,7 +73,9 @@ def ranked_topk(logprobs: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Ten
     else:
         if vocab % size:  # whole blocks: the pads (-inf, ids past the vocabulary) lose every tie to a token
             rows = torch.nn.functional.pad(rows, (0, size - vocab % size), value=float("-inf"))
-        blocks = rows.view(rows.shape[0], -1, size)
+        # The rows may be a slice of a wider tensor (one depth of [B, D, V], a transposed or stepped view),
+        # which _best_blocks cannot flatten: copied once here, a no-op for the usual contiguous rows.
+        blocks = rows.contiguous().view(rows.shape[0], -1, size)
         start = shape_constant(_block_starts, blocks.shape[1], size, rows.device).expand(rows.shape[0], -1)
         blocks, start = _best_blocks(blocks, start, k)
         for finer in _BLOCKS[1:]:
@@ -78,7 +86,7 @@ def ranked_topk(logprobs: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Ten
             size = finer
         place = top_stable(blocks.flatten(1), k)[1]
         toks = start.gather(1, place // size) + place % size
-    toks = toks.view(*lead, k)
+    toks = toks.reshape(*lead, k)
     return logprobs.gather(-1, toks), toks
 
 
@@ -89,10 +97,11 @@ _FEW = 512  # tokens per row that ranked_topk ranks without narrowing further
 
 def _best_blocks(blocks: torch.Tensor, start: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The ``k`` blocks of ``blocks`` ``[R, n, S]`` (contiguous, ascending ids) whose best token ranks highest,
-    kept in id order so their tokens still ascend by id, and their first ids (``start`` ``[R, n]``)."""
+    kept in id order so their tokens still ascend by id, as a new contiguous ``[R, k, S]``, and their first ids
+    (``start`` ``[R, n]``). Whole blocks are copied as rows of the flat view, which only contiguous blocks have."""
     rows, n, size = blocks.shape
     best = top_stable(blocks.amax(dim=-1), k)[1].sort(dim=1).values
-    flat = best + shape_constant(_block_starts, rows, n, blocks.device)[:, None]  # whole blocks: copies of rows
+    flat = best + shape_constant(_block_starts, rows, n, blocks.device)[:, None]
     return blocks.view(rows * n, size).index_select(0, flat.flatten()).view(rows, k, size), start.gather(1, best)
 
 
@@ -237,7 +246,7 @@ def assemble(
     parents = torch.cat([node.new_full((bsz, 1), -1), pop_index.gather(1, codes >> 32)], dim=1)
     depths = torch.cat([node.new_zeros(bsz, 1), shape_constant(_level_depths, sizes, device).take(order)], dim=1)
     out = root_tokens.device
-    tokens = torch.cat([root_tokens.view(bsz, 1).long(), token_table.gather(1, codes & (2**32 - 1)).to(out)], 1)
+    tokens = torch.cat([root_tokens.reshape(bsz, 1).long(), token_table.gather(1, codes & (2**32 - 1)).to(out)], 1)
     return DraftTree(
         tokens,
         parents.to(out),
@@ -302,7 +311,7 @@ def chain(root_tokens: torch.Tensor, logprobs: torch.Tensor, budget: int) -> Dra
     bsz = logprobs.shape[0]
     vals, toks = ranked_topk(logprobs[:, :depth].float(), 1)
     scores = vals[..., 0].cumsum(dim=1)
-    tokens = torch.cat([root_tokens.view(bsz, 1).long().to(toks.device), toks[..., 0]], dim=1)
+    tokens = torch.cat([root_tokens.reshape(bsz, 1).long().to(toks.device), toks[..., 0]], dim=1)
     return path_tree(tokens, torch.cat([scores.new_zeros(bsz, 1), scores], dim=1))
 
 

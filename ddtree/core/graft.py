@@ -188,7 +188,7 @@ def _select(cand: _Candidates, roots: torch.Tensor, keep: int) -> DraftTree:
     no = torch.full_like(chosen, -1)
     return DraftTree(
         tokens=torch.cat([roots[:, None], torch.where(real, cand.tokens.gather(1, chosen), roots[:, None])], dim=1),
-        parents=torch.cat([no[:, :1], torch.where(real, parent, no)], dim=1),
+        parents=torch.cat([no.new_full((bsz, 1), -1), torch.where(real, parent, no)], dim=1),
         depths=torch.cat([no.new_zeros(bsz, 1), torch.where(real, cand.depths.gather(1, chosen), 0)], dim=1),
         scores=torch.cat([cand.scores.new_zeros(bsz, 1), torch.where(real, scores, float("-inf"))], dim=1),
         visibility=torch.where(live[:, :, None], seen, eye),

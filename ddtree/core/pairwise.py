@@ -50,11 +50,12 @@ class PairwiseScores:
         return self.candidates.shape[1]
 
     def greedy_indices(self) -> torch.Tensor:
-        """``[B, D]`` candidate indices of the greedy path (each depth's argmax given the choice before)."""
-        idx = [self.first.argmax(dim=-1)]
+        """``[B, D]`` candidate indices of the greedy path (each depth's argmax given the choice before), compared
+        as float32 like every builder (ties: the first, lowest-id candidate)."""
+        idx = [self.first.float().argmax(dim=-1)]
         rows = torch.arange(self.first.shape[0], device=self.first.device)
         for d in range(self.depth - 1):
-            idx.append(self.table[rows, d, idx[-1]].argmax(dim=-1))
+            idx.append(self.table[rows, d, idx[-1]].float().argmax(dim=-1))
         return torch.stack(idx, dim=1)
 
     def along(self, indices: torch.Tensor, vocab: int) -> torch.Tensor:
@@ -80,7 +81,7 @@ def chain_pairwise(root_tokens: torch.Tensor, scores: PairwiseScores, budget: in
     path = torch.stack(steps, dim=1).float().cumsum(dim=1)
     toks = scores.candidates[:, :depth].gather(-1, idx[..., None])[..., 0]
     out = root_tokens.device
-    tokens = torch.cat([root_tokens.view(bsz, 1).long(), toks.to(out)], dim=1)
+    tokens = torch.cat([root_tokens.reshape(bsz, 1).long(), toks.to(out)], dim=1)
     return path_tree(tokens, torch.cat([path.new_zeros(bsz, 1), path], dim=1).to(out))
 
 

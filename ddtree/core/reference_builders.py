@@ -40,7 +40,7 @@ def ranked_topk(logprobs: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Ten
 def _root_only(root_tokens: torch.Tensor) -> DraftTree:
     bsz = root_tokens.shape[0]
     return DraftTree.from_parents(
-        root_tokens.view(bsz, 1).long(),
+        root_tokens.reshape(bsz, 1).long(),
         torch.full((bsz, 1), -1, dtype=torch.long, device=root_tokens.device),
         torch.zeros(bsz, 1, dtype=torch.float32, device=root_tokens.device),
     )
@@ -94,7 +94,7 @@ def _assemble(
     flat = (np.arange(bsz * n).reshape(bsz, n, 1) * n + np.stack(steps, axis=2)).ravel()
     visibility.reshape(-1)[flat] = True
     device = root_tokens.device
-    node_tokens = torch.cat([root_tokens.view(bsz, 1).long(), torch.from_numpy(tokens[rows, order]).to(device)], 1)
+    node_tokens = torch.cat([root_tokens.reshape(bsz, 1).long(), torch.from_numpy(tokens[rows, order]).to(device)], 1)
     node_scores = np.concatenate([np.zeros((bsz, 1), np.float32), scores[rows, order]], axis=1)
     return DraftTree(
         node_tokens,
@@ -205,7 +205,7 @@ def chain(root_tokens: torch.Tensor, logprobs: torch.Tensor, budget: int) -> Dra
     vals, toks = ranked_topk(logprobs[:, :depth].float(), 1)
     scores = vals[..., 0].cumsum(dim=1)
     parents = torch.arange(-1, depth, device=logprobs.device).expand(bsz, depth + 1)
-    tokens = torch.cat([root_tokens.view(bsz, 1).long(), toks[..., 0]], dim=1)
+    tokens = torch.cat([root_tokens.reshape(bsz, 1).long(), toks[..., 0]], dim=1)
     return DraftTree.from_parents(tokens, parents, torch.cat([scores.new_zeros(bsz, 1), scores], dim=1))
 
 
@@ -239,7 +239,7 @@ def chain_pairwise(root_tokens: torch.Tensor, scores: PairwiseScores, budget: in
     path = torch.stack(steps, dim=1).float().cumsum(dim=1)
     toks = scores.candidates[:, :depth].gather(-1, idx[..., None])[..., 0]
     parents = torch.arange(-1, depth, device=idx.device).expand(bsz, depth + 1)
-    tokens = torch.cat([root_tokens.view(bsz, 1).long(), toks.to(root_tokens.device)], dim=1)
+    tokens = torch.cat([root_tokens.reshape(bsz, 1).long(), toks.to(root_tokens.device)], dim=1)
     return DraftTree.from_parents(tokens, parents.to(root_tokens.device),
                                   torch.cat([path.new_zeros(bsz, 1), path], dim=1).to(root_tokens.device))
 
