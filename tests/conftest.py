@@ -21,9 +21,11 @@ def one_thread():
 def fixed_default_budget(request, monkeypatch):
     """The default tree budget is ``"auto"``, whose choices follow wall time. The suite's tests of the
     speculative path check acceptance against fixed expectations, so a generator built without a budget runs
-    the earlier fixed default (4) here, unless the test is marked ``real_default``."""
+    the earlier fixed default (4) here, and no merged prompt lookup (its branches change the trees those
+    expectations were written for), unless the test is marked ``real_default``."""
     if "real_default" not in request.keywords:
         monkeypatch.setattr("ddtree.generation.generator.DEFAULT_TREE_BUDGET", 4)
+        monkeypatch.setattr("ddtree.generation.generator.DEFAULT_PROMPT_LOOKUP", False)
 
 
 @pytest.fixture(params=["qwen3", "llama"])

@@ -299,3 +299,22 @@ def test_the_benchs_plain_baseline_draws_the_generators_tokens(pair):
         torch.tensor([PROMPT]), max_new_tokens=NEW, stop_token_ids=(), seed=3, temperature=0.9, top_k=16)
     assert tokens == out.row_tokens[0]
     assert sum(out.acceptance_lengths) + 1 >= NEW  # the rounds' acceptance covers every token after the first
+
+
+@pytest.mark.real_default
+def test_prompt_lookup_setting_wraps_the_drafter_once(pair):
+    """``prompt_lookup=True`` merges a lookup branch into the trees (a drafter that merges one already is kept):
+    the tokens stay plain decoding's, and on a prompt that repeats itself the lookup branch is accepted."""
+    target, drafter = pair
+    gen = SpeculativeGenerator(target, drafter, prompt_lookup=True, tree_budget=6)
+    assert isinstance(gen.drafter, WithLookup) and gen.options.prompt_lookup is True
+    assert SpeculativeGenerator(target, gen.drafter, prompt_lookup=True).drafter is gen.drafter
+    assert not isinstance(SpeculativeGenerator(target, drafter, prompt_lookup=False).drafter, WithLookup)
+    with pytest.raises(ValueError, match="prompt_lookup"):
+        gen.generate(torch.tensor([PROMPT]), max_new_tokens=4, prompt_lookup=False)
+    rule = dict(temperature=1.0)
+    repeat = PROMPT * 3
+    out = gen.generate(torch.tensor([repeat]), max_new_tokens=NEW, stop_token_ids=(), seed=3, **rule)
+    assert out.row_tokens[0] == plain(target, drafter, prompt=repeat, **rule)
+    greedy = gen.generate(torch.tensor([repeat]), max_new_tokens=NEW, stop_token_ids=())
+    assert (greedy.stats.accepted_by_source or {}).get("lookup", 0) > 0

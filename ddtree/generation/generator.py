@@ -29,6 +29,7 @@ from ddtree.core.builders import TreeBuilder, resolve_builder
 from ddtree.core.noise import row_keys
 from ddtree.core.sampling import GREEDY, SamplingConfig
 from ddtree.drafters.base import Drafter
+from ddtree.drafters.lookup import PromptLookup, WithLookup
 from ddtree.generation.inputs import (
     StreamerFeed,
     chat_template_warning,
@@ -164,6 +165,10 @@ class SpeculativeGenerator:
         self.threads = _apply_thread_policy(target, options.threads)
         self.lockstep = Lockstep.for_model(target)  # ranks of a tensor-parallel target; inactive otherwise
         drafter = resolve_drafter(drafter, target)  # a directory, hub id or raw model becomes a drafter for target
+        if options.prompt_lookup is None:
+            options = options.replace(prompt_lookup=DEFAULT_PROMPT_LOOKUP)
+        if options.prompt_lookup and not isinstance(drafter, WithLookup):
+            drafter = WithLookup(drafter, PromptLookup.for_target(target, block_size=drafter.block_size))
         if self.lockstep.active:
             self.lockstep.agree(_drafter_identity(drafter), "the drafter")
         self.target = target.eval()
@@ -236,6 +241,8 @@ class SpeculativeGenerator:
             raise TypeError(f"options must be a ddtree GeneratorOptions, got {type(options).__name__}")
         current = getattr(self, "_options", None)
         if current is not None:
+            if options.prompt_lookup is None:  # the default: what this generator was built with
+                options = options.replace(prompt_lookup=current.prompt_lookup)
             changed = [n for n in MODEL_SETTINGS if getattr(options, n) != getattr(current, n)]
             if changed:
                 raise ValueError(f"{', '.join(changed)} prepared the models when this generator was built: "
@@ -519,6 +526,9 @@ class _CallEngine:
             raise AttributeError(name)
         return getattr(self._generator, name)
 
+
+DEFAULT_PROMPT_LOOKUP = False
+"""Whether a generator merges a prompt-lookup branch into its trees unless told (``prompt_lookup=``)."""
 
 DEFAULT_TREE_BUDGET = "auto"
 """The default ``tree_budget`` on every device: each round a plain step or the budget that its own measured

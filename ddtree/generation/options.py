@@ -10,8 +10,9 @@ Two kinds of setting:
 - per generation (:data:`PER_CALL`): ``tree_budget``, ``builder``, ``prefill_chunk``, ``coupled_drafts``; also
   accepted by
   ``generate`` / ``stream`` / ``start`` for one call;
-- per model (:data:`MODEL_SETTINGS`): ``attention``, ``cpu_linear``, ``threads``; they prepare or change
-  the models (or the process), so they are set on the generator only.
+- per model (:data:`MODEL_SETTINGS`): ``attention``, ``cpu_linear``, ``threads``, ``compile``,
+  ``prompt_lookup``; they prepare or change the models (or the process), so they are set on the generator
+  only.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from ddtree.targets.forward import PREFILL_CHUNK, check_prefill_chunk
 
 PER_CALL = ("tree_budget", "builder", "prefill_chunk", "coupled_drafts")
 """Settings a single ``generate`` / ``stream`` / ``start`` call may override."""
-MODEL_SETTINGS = ("attention", "cpu_linear", "threads", "compile")
+MODEL_SETTINGS = ("attention", "cpu_linear", "threads", "compile", "prompt_lookup")
 """Settings that prepare the models or the process: set on the generator, refused per call."""
 
 
@@ -38,6 +39,8 @@ class GeneratorOptions:
     ``tree_budget=None`` means the default, ``"auto"`` (a fixed budget for the device under ``compile``; the
     generator fills it in);
     ``threads=None`` leaves torch's thread count as it is.
+    ``prompt_lookup``: merge a prompt-lookup branch (:class:`~ddtree.drafters.lookup.WithLookup`) into every
+    tree, under the same budget (a drafter that already merges one is kept as it is).
     ``coupled_drafts``: under sampling, trees are built from the drafter's scores plus the target's keyed noise
     (:func:`~ddtree.drafters.base.coupled_proposal`), so the drafter's first guess is its own sample under the
     target's draw; the tokens are the same either way, the acceptance is not.
@@ -51,6 +54,7 @@ class GeneratorOptions:
     prefill_chunk: int | None = PREFILL_CHUNK
     compile: bool | str = False
     coupled_drafts: bool = True
+    prompt_lookup: bool | None = None  # None: the generator's default (DEFAULT_PROMPT_LOOKUP)
 
     def __post_init__(self) -> None:
         if self.tree_budget is not None:
@@ -61,6 +65,8 @@ class GeneratorOptions:
         check_threads(self.threads)
         check_prefill_chunk(self.prefill_chunk)
         check_compile(self)
+        if self.prompt_lookup is not None and not isinstance(self.prompt_lookup, bool):
+            raise ValueError(f"prompt_lookup must be True, False or None (the default), got {self.prompt_lookup!r}")
         if not isinstance(self.coupled_drafts, bool):
             raise ValueError(f"coupled_drafts must be True or False, got {self.coupled_drafts!r}")
 
