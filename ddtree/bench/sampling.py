@@ -54,6 +54,7 @@ def main(argv: list[str] | None = None) -> None:
                     help="builder@budget (chain: the block's depth)")
     ap.add_argument("--max-new-tokens", type=int, default=48)
     ap.add_argument("--seed", type=int, default=0, help="prompt i is decoded with seed + i")
+    ap.add_argument("--coupled", choices=["both", "on", "off"], default="both", help="coupled drafting runs")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out", type=Path, default=None, help="write results.json and results.md here")
     args = ap.parse_args(argv)
@@ -77,7 +78,7 @@ def main(argv: list[str] | None = None) -> None:
                              tokens=len(plain.row_tokens[0]), rounds=plain.stats.rounds,
                              seconds=time.perf_counter() - t0, equal=True))
             for spec, builder, budget in methods:
-                for coupled in (False, True):
+                for coupled in {"both": (False, True), "on": (True,), "off": (False,)}[args.coupled]:
                     t0 = time.perf_counter()
                     out = gen.generate(prompt.input_ids, tree_budget=budget, builder=builder, coupled_drafts=coupled,
                                        **call)
@@ -100,7 +101,8 @@ def summarise(rows: list[dict]) -> list[dict]:
     """Per (temperature, method, coupling): tokens per round pooled over prompts (the prefill's token left
     out), tokens per second over the summed time, outputs equal to plain, against plain's tokens/s."""
     out = []
-    keys = sorted({(r["temperature"], r["method"], r["coupled"]) for r in rows}, key=lambda k: (k[0], k[1] != "plain"))
+    keys = sorted({(r["temperature"], r["method"], r["coupled"]) for r in rows},
+                  key=lambda k: (k[0], k[1] != "plain", k[1], k[2]))
     plain_rate = {}
     for t, method, coupled in keys:
         group = [r for r in rows if (r["temperature"], r["method"], r["coupled"]) == (t, method, coupled)]
@@ -117,7 +119,8 @@ def summarise(rows: list[dict]) -> list[dict]:
 
 def render(table: list[dict], cost: dict, args: argparse.Namespace) -> str:
     lines = [f"python -m ddtree.bench.sampling --limit {args.limit} --temperatures {args.temperatures} "
-             f"--methods {args.methods} --max-new-tokens {args.max_new_tokens} --threads {args.threads}", "",
+             f"--methods {args.methods} --max-new-tokens {args.max_new_tokens} --threads {args.threads} "
+             f"--coupled {args.coupled}", "",
              "| T | method | coupled | tokens/round | tok/s | vs plain | equal to plain |",
              "|---:|---|---|---:|---:|---:|---:|"]
     for r in table:
