@@ -288,6 +288,39 @@ def test_budget_below_zero(target, gen):
             builder(torch.tensor([0]), lp, -1)
 
 
+def test_beam_specs_state_their_bounds(target, gen):
+    """``beam@0x3`` has the right shape but an impossible width: the message says each must be at least 1."""
+    draft = tiny_drafter(target.config)
+    for spec, got in (("beam@0x3", "width 0 and depth 3"), ("beam@4x0", "width 4 and depth 0"),
+                      ("beam@-2x5", "width -2 and depth 5")):
+        message = rf"beam builder '{spec}': width and depth must each be at least 1 \(e\.g\. 'beam@4x8'\), got {got}"
+        with pytest.raises(ValueError, match=message):
+            SpeculativeGenerator(target, draft, builder=spec)
+        with pytest.raises(ValueError, match=message):
+            gen.generate(PROMPT, max_new_tokens=4, builder=spec)
+    for spec in ("beam@4", "beam@4x", "beam@axb", "beam@2x3x4"):
+        with pytest.raises(ValueError, match=r"must look like 'beam@4x8' \(width x depth, each at least 1\)"):
+            SpeculativeGenerator(target, draft, builder=spec)
+    assert SpeculativeGenerator(target, draft, builder="beam@1x1").builder.__name__ == "beam_1x1"
+
+
+# --------------------------------------------------------------------------- the target itself
+
+
+def test_a_target_path_is_refused_naming_from_pretrained(saved_tiny_pair):
+    """The constructor takes a loaded target (it loads only the drafter, which it binds to that target): a
+    directory or hub id there is refused at once, naming the loader, instead of failing inside the drafter."""
+    target_dir, drafter_dir = saved_tiny_pair
+    for given in (str(target_dir), target_dir):
+        with pytest.raises(TypeError, match=r"not a model: load a target and its drafter from directories or hub ids "
+                                            r"with SpeculativeGenerator\.from_pretrained\(target, drafter\)"):
+            SpeculativeGenerator(given, str(drafter_dir))
+    with pytest.raises(TypeError, match=r"must be a loaded Hugging Face causal LM .* got NoneType; .*from_pretrained"):
+        SpeculativeGenerator(None, str(drafter_dir))
+    loaded = SpeculativeGenerator.from_pretrained(str(target_dir), str(drafter_dir), tree_budget=4)
+    assert loaded.target.config.vocab_size == VOCAB and loaded.tokenizer is not None  # the loader it names works
+
+
 # --------------------------------------------------------------------------- prompts and lengths
 
 
@@ -309,6 +342,43 @@ def test_max_new_tokens_below_one(gen):
 def test_prompt_longer_than_max_positions(gen):
     with pytest.raises(ValueError, match=r"513 tokens, more than the target's max_position_embeddings \(512\)"):
         gen.generate(torch.ones(1, 513, dtype=torch.long), max_new_tokens=1)
+
+
+def test_prompt_plus_max_new_tokens_beyond_max_positions():
+    """The issue's case: a 250-token prompt and max_new_tokens=20 on a 256-position target would run to 270
+    positions; refused with both numbers and the largest max_new_tokens that fits. An exact fit runs."""
+    target = tiny_target("qwen3", max_position_embeddings=256)
+    prompt = torch.arange(250).remainder(VOCAB - 1)[None]
+    ref = target.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=6, do_sample=False,
+                          pad_token_id=0)
+    gen = SpeculativeGenerator(target, ScriptedDrafter(ref[0], VOCAB), tree_budget=4)
+    with pytest.raises(ValueError, match=r"the prompt has 250 tokens and max_new_tokens is 20: 270 positions, more "
+                                         r"than the target's max_position_embeddings \(256\); lower max_new_tokens "
+                                         r"to 6 or shorten the prompt"):
+        gen.generate(prompt, max_new_tokens=20)
+    with pytest.raises(ValueError, match=r"the longest prompt \(row 1\) has 253 tokens and max_new_tokens is 8: "
+                                         r"261 positions.*lower max_new_tokens to 3"):
+        gen.generate([[1, 2, 3], [4] * 253], max_new_tokens=8)
+    with pytest.raises(ValueError, match=r"has 256 tokens .* \(256\); shorten the prompt$"):
+        gen.generate(torch.ones(1, 256, dtype=torch.long), max_new_tokens=1)
+    with pytest.raises(ValueError, match=r"positions, more than the target's max_position_embeddings"):
+        next(gen.stream(prompt, max_new_tokens=7))
+    out = gen.generate(prompt, max_new_tokens=6, stop_token_ids=())  # 250 + 6 = 256: fits
+    assert torch.equal(out.sequences, ref) and out.acceptance_lengths == [5]  # the prefill's token, then 4 + 1
+
+
+def test_stop_ids_outside_the_vocabulary(gen):
+    """A stop id the target cannot emit would never stop anything: refused naming the id and the vocabulary."""
+    for given in ({"stop_token_ids": [1_000_000]}, {"stop_token_ids": [3, VOCAB]}, {"eos_token_id": -1},
+                  {"eos_token_id": VOCAB}):
+        bad = [v for v in (given.get("stop_token_ids") or [given.get("eos_token_id")]) if not 0 <= v < VOCAB][0]
+        with pytest.raises(ValueError, match=rf"stop token id {bad} is outside the target's vocabulary \[0, {VOCAB}\)"
+                                             r".*tokenizer\.eos_token_id.*stop_token_ids=\(\)"):
+            gen.generate(PROMPT, max_new_tokens=4, **given)
+    ref = gen.drafter.references[0]
+    unused = next(t for t in range(VOCAB - 1, -1, -1) if t not in ref.tolist())  # the last id that never stops it
+    out = gen.generate(PROMPT, max_new_tokens=12, stop_token_ids=[unused])
+    assert out.sequences[0].tolist() == ref[:15].tolist() and out.acceptance_lengths == [5, 5, 5]
 
 
 def test_bad_batches_are_refused_before_any_state(gen):

@@ -66,9 +66,10 @@ def test_lossless_with_stop_tokens(tiny_pair):
     stop = full[20]
     ref = reference(target, prompt, stop=stop)
     assert ref.shape[1] == len(prompt) + full.index(stop) + 1
+    never = next(t for t in range(target.config.vocab_size) if t not in full)  # a second stop id that never fires
     for builder in ("chain", "best_first"):
         out = SpeculativeGenerator(target, draft, tree_budget=16, builder=builder).generate(
-            torch.tensor([prompt]), max_new_tokens=NEW, stop_token_ids=[stop, 10_000]
+            torch.tensor([prompt]), max_new_tokens=NEW, stop_token_ids=[stop, never]
         )
         assert torch.equal(out.sequences, ref)
 

@@ -16,6 +16,8 @@ from ddtree.generation.inputs import (
     ACCEPTED_PROMPTS,
     GenerationSettings,
     StreamerFeed,
+    check_room,
+    check_stop_ids,
     prompt_rows,
     resolve_generation,
     streamed,
@@ -298,3 +300,21 @@ def test_raw_text_that_stops_at_its_first_token_warns_once_toward_the_chat_templ
             assert "stopped at its first token" in str(hints[0].message)
         else:
             assert hints == []
+
+
+def test_limits_the_target_sets():
+    """Stop ids inside [0, vocab) and an exact fit of prompt + new tokens pass; one past either is refused; an
+    unknown limit (a config without max_position_embeddings) checks nothing."""
+    check_stop_ids((0, 96), 97)
+    check_stop_ids((10**6,), None)
+    for bad in (97, -1):
+        with pytest.raises(ValueError, match=rf"stop token id {bad} is outside the target's vocabulary \[0, 97\)"):
+            check_stop_ids((0, bad), 97)
+    check_room([250], 6, 256)
+    check_room([3, 250], 6, 256)
+    check_room([10**6], 10**6, None)
+    with pytest.raises(ValueError, match=r"the prompt has 250 tokens and max_new_tokens is 7: 257 positions.*"
+                                         r"lower max_new_tokens to 6 or shorten the prompt"):
+        check_room([250], 7, 256)
+    with pytest.raises(ValueError, match=r"the longest prompt \(row 2\) has 255 tokens.*lower max_new_tokens to 1 or"):
+        check_room([3, 4, 255], 2, 256)

@@ -178,7 +178,7 @@ def test_greedy_equals_hf_and_acceptance_equals_a_walk_of_each_tree(case):
     if case["stop"] == "from_output":
         stops = [continuation[case["stop_pick"] % new]]
     elif case["stop"] == "random":
-        stops = [case["stop_pick"] % VOCAB, VOCAB + 5]
+        stops = [case["stop_pick"] % VOCAB, case["stop_pick"] // VOCAB % VOCAB]  # both in the vocabulary
     expected = continuation[:new]
     for i, tok in enumerate(expected):
         if stops and tok in stops:

@@ -20,6 +20,7 @@ def machine(monkeypatch):
     for var in threads._ENV_VARS:
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setattr(threads, "_explicit", None)
+    monkeypatch.setattr(threads, "_warned_shared", False)  # each test starts as a fresh process
     torch.set_num_threads(4)  # torch's own default: one per available CPU
     return state
 
@@ -109,7 +110,8 @@ def test_a_generator_leaves_torchs_threads_alone_unless_asked(machine):
     drafter = tiny_drafter(target)
     machine["load"] = 3.0
     torch.set_num_threads(4)
-    plain = SpeculativeGenerator(target, drafter)
+    with pytest.warns(RuntimeWarning, match="looks shared"):  # it says so, once, but changes nothing
+        plain = SpeculativeGenerator(target, drafter)
     assert plain.threads is None and plain.options.threads is None and torch.get_num_threads() == 4
     assert plain.generate([5, 17, 3], max_new_tokens=3).stats.threads["threads"] == 4 == torch.get_num_threads()
     assert SpeculativeGenerator(target, drafter, threads=None).threads is None and torch.get_num_threads() == 4
@@ -130,3 +132,56 @@ def test_a_generator_leaves_torchs_threads_alone_unless_asked(machine):
         GeneratorOptions(threads="all")
     with pytest.raises(ValueError, match="threads prepares the models, so it is set on the generator"):
         gen.generate([5, 17, 3], max_new_tokens=3, threads=2)
+
+
+def test_oversubscription_is_threads_beyond_the_cpus_the_load_leaves_free():
+    assert threads.oversubscribed(2, 3.4, 2)  # the issue's machine: 2 CPUs, load 3-4, torch's 2 threads
+    assert threads.oversubscribed(2, 1.0, 2)  # one CPU busy elsewhere, two threads
+    assert not threads.oversubscribed(1, 3.4, 2)  # one thread never waits for a sibling
+    assert not threads.oversubscribed(2, 0.3, 2)  # idle: no CPU busy
+    assert not threads.oversubscribed(2, None, 2)  # load unknown
+    assert not threads.oversubscribed(2, 1.2, 4)  # 2 threads + 1 busy CPU fit in 4
+
+
+def test_the_default_generator_warns_once_per_process_and_changes_nothing(monkeypatch):
+    """``threads=None`` keeps torch's count (the process's): on a busy CPU it warns once, naming the fix, and the
+    warning points at the caller's line. The load and CPU figures are injected, so the machine does not matter."""
+    from tiny import tiny_drafter, tiny_target
+
+    from ddtree import SpeculativeGenerator
+
+    monkeypatch.setattr(threads, "_warned_shared", False)
+    two_cpus, busy, idle = (lambda: [0, 1]), (lambda: 3.4), (lambda: 0.2)
+    torch.set_num_threads(2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert not threads.warn_if_oversubscribed(load=idle, cpus=two_cpus)
+        torch.set_num_threads(1)
+        assert not threads.warn_if_oversubscribed(load=busy, cpus=two_cpus)
+    torch.set_num_threads(2)
+    with pytest.warns(RuntimeWarning, match=r"load average 3\.4 on 2 CPUs\) and torch runs 2 threads.*"
+                                            r"threads='auto'.*OMP_NUM_THREADS=1") as caught:
+        assert threads.warn_if_oversubscribed(load=busy, cpus=two_cpus, stacklevel=1)
+    assert caught[0].filename == __file__  # stacklevel=1: this line
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert not threads.warn_if_oversubscribed(load=busy, cpus=two_cpus)  # once per process
+    assert torch.get_num_threads() == 2
+
+    monkeypatch.setattr(threads, "_warned_shared", False)
+    monkeypatch.setattr(threads, "machine_load", busy)
+    monkeypatch.setattr(threads, "available_cpus", two_cpus)
+    target = tiny_target("llama")
+    drafter = tiny_drafter(target)
+    with pytest.warns(RuntimeWarning, match="threads='auto'") as caught:
+        SpeculativeGenerator(target, drafter)
+    assert caught[0].filename == __file__ and torch.get_num_threads() == 2
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        SpeculativeGenerator(target, drafter)  # said already
+        monkeypatch.setattr(threads, "_warned_shared", False)
+        monkeypatch.setattr(threads, "_explicit", None)
+        for var in threads._ENV_VARS:
+            monkeypatch.delenv(var, raising=False)
+        gen = SpeculativeGenerator(target, drafter, threads="auto")  # the fix: 2 CPUs less 3 busy -> 1 thread
+    assert torch.get_num_threads() == 1 and gen.threads.threads == 1

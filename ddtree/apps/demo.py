@@ -2,14 +2,16 @@
 with a prompt-lookup branch in each tree.
 
 Prints the text once (checked identical across the four under greedy decoding),
-then acceptance length, tokens/s and speedup per method, and one round's tree
-with its accepted branch.
+then acceptance length, round cost, tokens/s and speedup per method with what each
+means and why a method can be slower than plain decoding, and one round's tree
+with its accepted branch and a legend of its marks.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+import textwrap
 
 import torch
 
@@ -50,7 +52,7 @@ def render_tree(record: RoundRecord, decode, max_children: int = 3, max_depth: i
     visit(0, "")
     lines.append(f"accepted {len(record.accepted) - 1} of {tree.budget} draft nodes, "
                  f"then bonus -> {decode(record.bonus)!r}")
-    return "\n".join(lines)
+    return "\n".join(textwrap.fill(line, 100, subsequent_indent="  ") for line in lines)
 
 
 def _encode(tokenizer, prompt: str) -> torch.Tensor:
@@ -109,17 +111,47 @@ def run_demo(args: argparse.Namespace) -> int:
     else:
         same = True
         print("temperature > 0: each method draws its own sample from the same distribution")
-    print(f"\n{'method':<21}{'accept len':>11}{'tokens/s':>11}{'speedup':>9}")
+    print(f"\n{'method':<21}{'accept len':>11}{'round cost':>11}{'tokens/s':>11}{'speedup':>9}")
     for name, o in outs.items():
         tau = "-" if name == "plain" else f"{o.stats.mean_acceptance:.2f}"
+        cost = "-" if name == "plain" else f"{round_cost(o, plain):.2f}"
         speed = o.stats.tokens_per_second / plain.stats.tokens_per_second
-        print(f"{name:<21}{tau:>11}{o.stats.tokens_per_second:>11.1f}{speed:>8.2f}x")
+        print(f"{name:<21}{tau:>11}{cost:>11}{o.stats.tokens_per_second:>11.1f}{speed:>8.2f}x")
+    print("\n" + explain_table({n: o for n, o in outs.items() if n != "plain"}, plain, depth))
     tree_run = outs[methods[2][0]]
     if tree_run.rounds:
         best = max(tree_run.rounds, key=lambda r: len(r.accepted))
-        print(f"\none DDTree round (the longest accepted branch, root at position {best.start}):")
+        print(f"\none DDTree round (the longest accepted branch, root at position {best.start}; * = accepted by "
+              "the target,\nno mark = drafted and rejected, -> = the bonus token the target's verify adds):")
         print(render_tree(best, lambda t: tok.decode([t])))
     return 0 if same else 1
+
+
+def round_cost(out: GenerationOutput, plain: GenerationOutput) -> float:
+    """Seconds per verify round of ``out``, in plain decoding's seconds per token."""
+    per_token = plain.stats.total_seconds / max(1, plain.stats.new_tokens)
+    return out.stats.total_seconds / max(1, out.stats.rounds) / per_token
+
+
+def explain_table(runs: dict[str, GenerationOutput], plain: GenerationOutput, depth: int) -> str:
+    """The table's columns and the rows' names, then why a method can lose: each round pays a drafter forward
+    and a target forward over all its draft tokens, and wins only by accepting more tokens than that costs."""
+    lines = [
+        "accept len: tokens per verify round (the target's own bonus token included); round cost: a round's time "
+        "in plain steps; speedup ~ accept len / round cost.",
+        f"chain: DFlash's one path of {depth} draft tokens; ddtree@N: a tree of N draft nodes; +lookup: each tree "
+        "also gets a branch copied from where the prompt or the answer so far repeats itself.",
+    ]
+    slow = {n: o for n, o in runs.items() if o.stats.tokens_per_second < plain.stats.tokens_per_second}
+    if slow:
+        name, o = min(slow.items(), key=lambda item: item[1].stats.tokens_per_second)
+        lines.append(f"{name} is slower than plain here: {o.stats.mean_acceptance:.2f} tokens a round at "
+                     f"{round_cost(o, plain):.2f} plain steps each.")
+    lines.append("On a CPU a round (a drafter forward, then a target forward over every draft token) costs more "
+                 "than a plain step, so a method wins only where it accepts more per round than that; on a GPU a "
+                 "forward over a few dozen tokens costs about one step, and chains and trees gain close to their "
+                 "accept len.")
+    return "\n".join(textwrap.fill(line, 100, subsequent_indent="  ") for line in lines)
 
 
 EXAMPLES = [

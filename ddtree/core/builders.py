@@ -350,10 +350,14 @@ def resolve_builder(builder: str | TreeBuilder) -> TreeBuilder:
         return BUILDERS[builder]
     if builder.startswith("beam@"):
         try:
-            w, d = builder[5:].lower().split("x")
-            return beam(int(w), int(d))
+            w, d = (int(n) for n in builder[5:].lower().split("x"))
         except ValueError as exc:
-            raise ValueError(f"beam builder must look like 'beam@4x8' (width x depth), got {builder!r}") from exc
+            raise ValueError(f"beam builder must look like 'beam@4x8' (width x depth, each at least 1), "
+                             f"got {builder!r}") from exc
+        if w < 1 or d < 1:
+            raise ValueError(f"beam builder {builder!r}: width and depth must each be at least 1 "
+                             f"(e.g. 'beam@4x8'), got width {w} and depth {d}")
+        return beam(w, d)
     if ":" in builder:
         import importlib
 

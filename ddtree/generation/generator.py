@@ -33,6 +33,7 @@ from ddtree.drafters.lookup import PromptLookup, WithLookup
 from ddtree.generation.inputs import (
     StreamerFeed,
     chat_template_warning,
+    check_limits,
     prompt_rows,
     resolve_generation,
 )
@@ -48,7 +49,7 @@ from ddtree.generation.state import DecodeState, DeviceState, RoundEngine
 from ddtree.generation.static_round import StaticSteps, check_static_support, compiled_ladder
 from ddtree.generation.stats import RoundStats
 from ddtree.loading.drafter import resolve_drafter
-from ddtree.loading.pair import load_pair
+from ddtree.loading.pair import check_target_model, load_pair
 from ddtree.runtime.distributed import Lockstep, module_fingerprint
 from ddtree.runtime.threads import ThreadInfo, thread_info
 from ddtree.runtime.timing import StageTimer, work_clock
@@ -161,6 +162,7 @@ class SpeculativeGenerator:
         if options is not None and not isinstance(options, GeneratorOptions):
             raise TypeError(f"options must be a ddtree GeneratorOptions, got {type(options).__name__}; pass the "
                             "settings as keywords instead (SpeculativeGenerator(target, drafter, tree_budget=8))")
+        check_target_model(target)  # a path here is refused, naming from_pretrained
         options = (options or GeneratorOptions()).replace(**settings)  # every setting checked here, once
         self.threads = _apply_thread_policy(target, options.threads)
         self.lockstep = Lockstep.for_model(target)  # ranks of a tensor-parallel target; inactive otherwise
@@ -320,6 +322,7 @@ class SpeculativeGenerator:
             if isinstance(settings.seed, tuple) and len(settings.seed) != len(rows):
                 raise ValueError(f"seed has {len(settings.seed)} entries for {len(rows)} prompts: pass one seed per "
                                  "prompt, or one int for the whole batch")
+            check_limits(settings, [len(r) for r in rows], vocab_size=embed.shape[0], max_positions=limit)
         # never None: the generator's options hold its default, and a per-call None means "the generator's"
         budget, builder = cast("int | str | BudgetPolicy", call.tree_budget), self.builder
         engine: RoundEngine = self
@@ -553,14 +556,16 @@ def default_tree_budget(target: Any, compiled: bool = False) -> int | str:
 
 
 def _apply_thread_policy(target: Any, threads: int | str | None) -> ThreadInfo | None:
-    """Apply ``threads`` (checked by :class:`GeneratorOptions`) to torch for a CPU target; returns what runs."""
-    from ddtree.runtime.threads import configure_threads
+    """Apply ``threads`` (checked by :class:`GeneratorOptions`) to torch for a CPU target; returns what runs.
+    ``None`` changes nothing, but warns once per process where torch's threads outnumber the free CPUs."""
+    from ddtree.runtime.threads import configure_threads, warn_if_oversubscribed
 
-    if threads is None:
-        return None
     param = next(target.parameters(), None)
     if param is not None and param.device.type != "cpu":
         return None  # the CPU threads only feed the host side of a GPU target
+    if threads is None:
+        warn_if_oversubscribed(stacklevel=3)  # past this helper and the constructor: the caller's line
+        return None
     return configure_threads(None if isinstance(threads, str) else threads)  # "auto", the one string accepted
 
 

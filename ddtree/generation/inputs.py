@@ -373,6 +373,44 @@ def _resolve_stops(eos_token_id: Any, stop_token_ids: Any, generation_config: An
     return ()
 
 
+# --------------------------------------------------------------------- what the target can do
+
+
+def check_limits(settings: GenerationSettings, prompt_lengths: Sequence[int], *, vocab_size: int | None,
+                 max_positions: int | None) -> None:
+    """Refuse, before any state exists, settings the target cannot honour: :func:`check_stop_ids` and
+    :func:`check_room`."""
+    check_stop_ids(settings.stop_token_ids, vocab_size)
+    check_room(prompt_lengths, settings.max_new_tokens, max_positions)
+
+
+def check_stop_ids(stop_ids: Iterable[int], vocab_size: int | None) -> None:
+    """A stop id outside ``[0, vocab_size)`` can never be emitted, so it would stop nothing: refused."""
+    if vocab_size is None:
+        return
+    for token in stop_ids:
+        if not 0 <= token < vocab_size:
+            raise ValueError(f"stop token id {token} is outside the target's vocabulary [0, {vocab_size}), so it "
+                             "would never stop generation: pass ids of this target's tokenizer (e.g. "
+                             "tokenizer.eos_token_id), or stop_token_ids=() to stop only at max_new_tokens")
+
+
+def check_room(prompt_lengths: Sequence[int], max_new_tokens: int, max_positions: int | None) -> None:
+    """The longest prompt plus ``max_new_tokens`` must fit in the target's ``max_position_embeddings``: past it a
+    model runs on positions it never learned (or has no embedding for)."""
+    if max_positions is None or not prompt_lengths:
+        return
+    longest = max(prompt_lengths)
+    if longest + max_new_tokens <= max_positions:
+        return
+    where = "the prompt" if len(prompt_lengths) == 1 else \
+        f"the longest prompt (row {list(prompt_lengths).index(longest)})"
+    fix = (f"lower max_new_tokens to {max_positions - longest} or shorten the prompt" if longest < max_positions
+           else "shorten the prompt")
+    raise ValueError(f"{where} has {longest} tokens and max_new_tokens is {max_new_tokens}: {longest + max_new_tokens} "
+                     f"positions, more than the target's max_position_embeddings ({max_positions}); {fix}")
+
+
 # --------------------------------------------------------------------- chat templates
 
 _SENTINEL = "DDTREE-CONTENT-7f3a"

@@ -69,3 +69,17 @@ def load_pair(
     except (OSError, ValueError):
         tokenizer = None
     return PretrainedPair(target, drafter, tokenizer)
+
+
+def check_target_model(target: Any) -> None:
+    """A generator's target is a loaded model: a directory or hub id is refused, naming the loader that takes it
+    (only the drafter is loaded from a path by the constructor, since binding it needs the target)."""
+    if isinstance(target, (str, os.PathLike)):
+        raise TypeError(f"the target is the {type(target).__name__} {os.fspath(target)!r}, not a model: load a "
+                        "target and its drafter from directories or hub ids with "
+                        "SpeculativeGenerator.from_pretrained(target, drafter), or pass a loaded model (e.g. "
+                        "AutoModelForCausalLM.from_pretrained(path)) as the target")
+    if not (hasattr(target, "parameters") and hasattr(target, "get_input_embeddings")):
+        raise TypeError(f"the target must be a loaded Hugging Face causal LM (a torch module with "
+                        f"get_input_embeddings), got {type(target).__name__}; to load one from a directory or hub "
+                        "id use SpeculativeGenerator.from_pretrained(target, drafter)")

@@ -6,13 +6,15 @@ matrix product waits for a thread that is not scheduled, and throughput can
 fall about 20x (0.8 tok/s against 16-20 with one thread on two shared cores).
 :func:`configure_threads` keeps a count the user chose and otherwise picks the
 physical cores this process may run on, minus the ones other processes keep
-busy, and warns when it sees the CPU is shared.
+busy, and warns when it sees the CPU is shared. :func:`warn_if_oversubscribed` changes nothing: it warns
+(once per process) where code that leaves torch's count alone runs more threads than the CPUs left free.
 """
 
 from __future__ import annotations
 
 import os
 import warnings
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -20,6 +22,7 @@ import torch
 
 _ENV_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
 _explicit: int | None = None  # the last count passed to configure_threads, kept by later policy calls
+_warned_shared = False  # warn_if_oversubscribed has warned in this process
 
 
 @dataclass(frozen=True)
@@ -81,6 +84,41 @@ def busy_cpus(load: float | None) -> int:
     return int(load + 0.5) if load else 0
 
 
+def oversubscribed(threads: int, load: float | None, cpus: int) -> bool:
+    """True when ``threads`` and the CPUs a load average keeps busy add up to more than ``cpus`` (with at least
+    one CPU busy): where a small model's throughput collapses."""
+    busy = busy_cpus(load)
+    return threads > 1 and busy >= 1 and threads + busy > cpus
+
+
+def shared_cpu_message(threads: int, load: float | None, cpus: int,
+                       fix: str = "OMP_NUM_THREADS=1, torch.set_num_threads(1) or --threads 1") -> str:
+    return (f"the CPU looks shared (load average {load or 0:.1f} on {cpus} CPUs) and torch runs {threads} threads: "
+            f"throughput can fall ~20x when threads wait for busy cores. Use fewer threads ({fix}) or stop the "
+            "other process.")
+
+
+def warn_if_oversubscribed(*, load: Callable[[], float | None] | None = None,
+                           cpus: Callable[[], list[int]] | None = None, stacklevel: int = 2) -> bool:
+    """Warn, once per process, when torch's thread count exceeds the CPUs the load average leaves free;
+    returns whether it warned now. For code that leaves torch's count alone (a generator with
+    ``threads=None``): it changes nothing, it only says why generation may crawl and how to avoid it.
+    ``load`` and ``cpus`` read the machine (default :func:`machine_load`, :func:`available_cpus`);
+    ``stacklevel`` counts from the caller, as :func:`warnings.warn`'s does from its own caller."""
+    global _warned_shared
+    if _warned_shared:
+        return False
+    threads, figure, count = torch.get_num_threads(), (load or machine_load)(), len((cpus or available_cpus)())
+    if not oversubscribed(threads, figure, count):
+        return False
+    _warned_shared = True
+    fix = ("pass threads='auto' (the free cores) or threads=1 to SpeculativeGenerator or from_pretrained, "
+           "or set OMP_NUM_THREADS=1")
+    warnings.warn(shared_cpu_message(threads, figure, count, fix) + " (Said once per process.)", RuntimeWarning,
+                  stacklevel=stacklevel + 1)
+    return True
+
+
 def configure_threads(threads: int | None = None, *, warn: bool = True) -> ThreadInfo:
     """Set torch's thread count (unless the user already chose one) and return what runs.
 
@@ -115,13 +153,8 @@ def configure_threads(threads: int | None = None, *, warn: bool = True) -> Threa
         source = "default"
     info = ThreadInfo(torch.get_num_threads(), torch.get_num_interop_threads(), source, len(cpus), cores, load,
                       shared)
-    if warn and shared and info.threads > 1 and info.threads + busy_cpus(load) > len(cpus):
-        warnings.warn(
-            f"the CPU looks shared (load average {load:.1f} on {len(cpus)} CPUs) and torch runs {info.threads} "
-            "threads: throughput can fall ~20x when threads wait for busy cores. Use fewer threads "
-            "(OMP_NUM_THREADS=1, torch.set_num_threads(1) or --threads 1) or stop the other process.",
-            RuntimeWarning, stacklevel=2,
-        )
+    if warn and oversubscribed(info.threads, load, len(cpus)):
+        warnings.warn(shared_cpu_message(info.threads, load, len(cpus)), RuntimeWarning, stacklevel=2)
     return info
 
 
