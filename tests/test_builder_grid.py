@@ -298,3 +298,59 @@ def test_strided_builds_make_no_host_reads(build):
         tree = build()
     assert reads.count == 0, reads.reads
     assert isinstance(tree, DraftTree) and tree.num_nodes > 1
+
+
+def _is_a_tree(tree) -> bool:
+    """Every node after its parent, one deeper, seeing exactly its ancestors."""
+    for b in range(tree.tokens.shape[0]):
+        parents, depths = tree.parents[b].tolist(), tree.depths[b].tolist()
+        for i in range(1, len(parents)):
+            if not (0 <= parents[i] < i and depths[i] == depths[parents[i]] + 1):
+                return False
+            ancestors, j = set(), i
+            while j >= 0:
+                ancestors.add(j)
+                j = parents[j]
+            if set(torch.nonzero(tree.visibility[b, i]).flatten().tolist()) != ancestors:
+                return False
+    return True
+
+
+@pytest.mark.parametrize("builder", ["best_first", "beam@3x4"])
+def test_unnormalised_scores_still_build_a_tree(builder):
+    """A drafter's scores need not be log-probs: a positive score (or a NaN) must not let a child outrank its
+    parent. Before scores were capped at 0, a depth-2 token scored above its parent was placed first, and the
+    round emitted the accepted tokens out of order."""
+    from ddtree.core.builders import resolve_builder
+    from ddtree.core.verify import accept_longest_branch
+
+    torch.manual_seed(0)
+    build = resolve_builder(builder)
+    lp = torch.randn(3, 5, 40).log_softmax(-1)
+    top = lp.argmax(-1)
+    lp.scatter_(-1, top[..., None], 2e-3)  # each depth's best token scored above 0, rising with depth
+    lp[:, 1].scatter_(-1, top[:, 1:2], 4e-3)
+    lp[2, 3, 5] = float("nan")
+    tree = build(torch.zeros(3, dtype=torch.long), lp, 8)
+    assert _is_a_tree(tree)
+    # the target agrees with the drafter's best tokens: the walk accepts them in depth order
+    choices = torch.zeros_like(tree.tokens)
+    for b in range(3):
+        for i in range(tree.num_nodes):
+            d = int(tree.depths[b, i])
+            choices[b, i] = top[b, d] if d < 5 else 0
+    result = accept_longest_branch(tree, choices)
+    for b in range(3):
+        path = [int(tree.tokens[b, i]) for i in result.accepted[b].tolist() if i >= 0][1:]
+        assert path == top[b, : len(path)].tolist() and len(path) >= 2
+
+
+def test_unnormalised_pairwise_scores_still_build_a_tree():
+    from ddtree.core.pairwise import PairwiseScores, best_first_pairwise
+
+    torch.manual_seed(1)
+    cands = torch.arange(4).expand(2, 3, 4).contiguous()
+    first = torch.randn(2, 4).log_softmax(-1) + 0.5
+    table = torch.randn(2, 2, 4, 4).log_softmax(-1) + 0.5
+    tree = best_first_pairwise(torch.zeros(2, dtype=torch.long), PairwiseScores(cands, first, table), 6)
+    assert _is_a_tree(tree)

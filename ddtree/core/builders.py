@@ -282,6 +282,13 @@ def _level_depths(sizes: tuple[int, ...], device: torch.device) -> torch.Tensor:
     return torch.tensor([d for d, size in enumerate(sizes, start=1) for _ in range(size)], device=device)
 
 
+def as_logprobs(scores: torch.Tensor) -> torch.Tensor:
+    """Scores as the builders need them: at most 0 (a NaN as ``-inf``), so a path's score never rises from
+    parent to child. A drafter's scores need not be normalised; if one rose, a child could outrank its parent,
+    be placed before it, or be kept without it, and the tree would not be one."""
+    return scores.nan_to_num(nan=float("-inf"), posinf=0.0).clamp(max=0.0)
+
+
 def best_first(root_tokens: torch.Tensor, logprobs: torch.Tensor, budget: int) -> DraftTree:
     """DDTree: the ``budget`` nodes of highest path log-prob, depth capped at ``D``.
 
@@ -293,7 +300,7 @@ def best_first(root_tokens: torch.Tensor, logprobs: torch.Tensor, budget: int) -
     if budget == 0 or logprobs.shape[1] == 0:
         return root_only(root_tokens, torch.float32)
     vals, toks = ranked_topk(logprobs.detach().float(), min(budget, logprobs.shape[-1]))
-    return best_first_from_topk(root_tokens, vals, toks, budget)
+    return best_first_from_topk(root_tokens, as_logprobs(vals), toks, budget)
 
 
 def best_first_from_topk(root_tokens: torch.Tensor, vals: torch.Tensor, toks: torch.Tensor, budget: int) -> DraftTree:
@@ -330,7 +337,7 @@ def beam(width: int, depth: int | None = None) -> TreeBuilder:
         if budget == 0 or max_depth == 0:
             return root_only(root_tokens, torch.float32)
         vals, toks = ranked_topk(logprobs[:, :max_depth].detach().float(), min(width, logprobs.shape[-1]))
-        return assemble(root_tokens, *grow_levels(vals, width, max_depth), toks.flatten(1), budget)
+        return assemble(root_tokens, *grow_levels(as_logprobs(vals), width, max_depth), toks.flatten(1), budget)
 
     build.__name__ = f"beam_{width}x{depth if depth is not None else 'D'}"
     build.__qualname__ = build.__name__

@@ -21,6 +21,7 @@ import torch
 
 from ddtree.core.builders import (
     TreeBuilder,
+    as_logprobs,
     assemble,
     best_first,
     candidate_code,
@@ -98,7 +99,8 @@ def best_first_pairwise(root_tokens: torch.Tensor, scores: PairwiseScores, budge
         raise ValueError(f"tree budget must be an int >= 0 (the number of draft nodes), got {budget!r}")
     if budget == 0 or scores.depth == 0:
         return root_only(root_tokens, torch.float32)
-    cands, first, table = scores.candidates.long(), scores.first.detach().float(), scores.table.detach().float()
+    cands = scores.candidates.long()
+    first, table = as_logprobs(scores.first.detach().float()), as_logprobs(scores.table.detach().float())
     bsz, depth, k = cands.shape
     level0, levels = shape_constant(_pairwise_plan, k, budget, depth, cands.device)
     best, keep = top_stable(first, budget)  # each level is kept in key order: score, then parent, then id
