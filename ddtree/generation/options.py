@@ -38,6 +38,8 @@ class GeneratorOptions:
     ``tree_budget=None`` means the default, ``"auto"`` (a fixed budget for the device under ``compile``; the
     generator fills it in);
     ``threads=None`` leaves torch's thread count as it is.
+    ``cpu_linear="auto"`` reads ``False`` under ``compile``: the compiled steps trace torch's own linears, even on a
+    target that another generator routed through :mod:`ddtree.targets.cpu_linear`.
     ``coupled_drafts``: under sampling, trees are built from the drafter's scores plus the target's keyed noise
     (:func:`~ddtree.drafters.base.coupled_proposal`), so the drafter's first guess is its own sample under the
     target's draw; the tokens are the same either way, the acceptance is not.
@@ -61,6 +63,8 @@ class GeneratorOptions:
         check_threads(self.threads)
         check_prefill_chunk(self.prefill_chunk)
         check_compile(self)
+        if self.compile and self.cpu_linear == "auto":  # what a compiled generator uses: torch's own linears
+            object.__setattr__(self, "cpu_linear", False)
         if not isinstance(self.coupled_drafts, bool):
             raise ValueError(f"coupled_drafts must be True or False, got {self.coupled_drafts!r}")
 
