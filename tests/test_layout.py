@@ -97,16 +97,29 @@ FAMILY_NAME_PARTS = ("gdn", "linear_states", "linear_layer", "linearlayer", "lin
                      "recurrent_states", "conv_state")
 
 
+def family_names_in(source: str) -> set[str]:
+    """The identifiers (names and attributes) of ``source`` that name a layer family's code."""
+    tree = ast.parse(source)
+    names = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
+    names |= {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)}
+    return {n for n in names if any(part in n.lower() for part in FAMILY_NAME_PARTS)}
+
+
 def test_cache_forward_and_round_name_no_layer_family():
     mods = modules()
     for name in FAMILY_FREE:
         source = mods[name].read_text()
         found = imports_of(source, name, False, set(mods)) & FAMILY_MODULES
         assert not found, f"{name} imports the layer-family module(s) {sorted(found)}: ask describe(model) instead"
-        names = {n.id for n in ast.walk(ast.parse(source)) if isinstance(n, ast.Name)}
-        names |= {n.attr for n in ast.walk(ast.parse(source)) if isinstance(n, ast.Attribute)}
-        family_names = {n for n in names if any(part in n.lower() for part in FAMILY_NAME_PARTS)}
+        family_names = family_names_in(source)
         assert not family_names, f"{name} names GDN code {sorted(family_names)}"
+
+
+def test_the_family_check_sees_family_code_named_directly():
+    """What the static cache once held: a GDN layer class by name and the GDN cache's own attribute."""
+    src = ("def f(cache, owner, conv, state):\n    layer = StaticLinearLayer(owner, conv, state)\n"
+           "    return [x for x in cache.layers if hasattr(x, 'r')], layer.recurrent_states\n")
+    assert family_names_in(src) == {"StaticLinearLayer", "recurrent_states"}
 
 
 def test_the_family_check_sees_a_function_level_import():
