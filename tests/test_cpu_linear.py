@@ -211,3 +211,49 @@ def test_cpu_linear_bench_command(tmp_path, capsys):
     assert [r["rows"] for r in rows] == [1, 3, 7]
     assert rows[0]["blas_vs_1row_blas"] == 1.0 and all(r["kernel_ms"] > 0 for r in rows)
     assert "| 7 |" in capsys.readouterr().out
+
+
+@needs_kernel
+def test_a_routed_target_compiles_whole_with_torchs_own_linears():
+    """A target (and drafter) another generator routed through the kernel, then compiled: the traced steps hold
+    torch's own linears (a graph cannot call ctypes), with no graph break, and equal the dynamic round run on
+    the same linears, in tokens, trees and acceptance; the routing stays for the eager generator."""
+    from test_static_round import PROMPTS as STATIC_PROMPTS
+    from test_static_round import assert_same_rounds, graph_breaks, run
+
+    from ddtree.drafters.dflash.drafter import DFlashDrafter
+
+    target = tiny_target("qwen3", dtype=torch.float32)
+    drafter = DFlashDrafter(tiny_drafter(target, block_size=5), target)
+    eager = SpeculativeGenerator(target, drafter, cpu_linear=True, tree_budget=6)
+    routed = cpu_linear.installed(target)
+    assert routed > 0 and cpu_linear.installed(drafter.cpu_linear_model) > 0
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    try:
+        compiled = SpeculativeGenerator(eager.target, eager.drafter, compile="eager", tree_budget=6,
+                                        cpu_linear="auto")
+        assert compiled.options.cpu_linear is False and compiled.cpu_linear == 0  # what its steps really use
+        static, _ = run(compiled, STATIC_PROMPTS, stop_token_ids=())
+        assert graph_breaks() == 0
+    finally:
+        torch._dynamo.reset()
+    assert cpu_linear.installed(target) == routed  # the eager generator keeps its kernel
+    with cpu_linear.suspended(target), cpu_linear.suspended(drafter.cpu_linear_model):
+        dynamic, _ = run(SpeculativeGenerator(target, drafter, tree_budget=6), STATIC_PROMPTS, stop_token_ids=())
+    assert_same_rounds(static, dynamic, len(STATIC_PROMPTS))
+    for b, prompt in enumerate(STATIC_PROMPTS):
+        with cpu_linear.suspended(target):
+            ref = reference(target, prompt, new=28)[0].tolist()
+        assert static.new_tokens[b] == ref[len(prompt) : len(prompt) + 20]
+        assert static.acceptance[b] == [expected_acceptance(r, ref) for r in static.records[b]]
+    assert any(a > 1 for row in static.acceptance for a in row)  # paths past the root were committed
+
+
+def test_compile_reports_the_linears_it_uses():
+    from ddtree.generation.options import GeneratorOptions
+
+    assert GeneratorOptions(compile=True, tree_budget=4, cpu_linear="auto").cpu_linear is False
+    assert GeneratorOptions(compile=False, cpu_linear="auto").cpu_linear == "auto"
+    with pytest.raises(ValueError, match="Pass cpu_linear=False"):
+        GeneratorOptions(compile=True, tree_budget=4, cpu_linear=True)

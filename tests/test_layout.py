@@ -91,7 +91,18 @@ def test_a_cycle_is_caught():
 # The modules of one layer family: what a round, the cache and the forward reach only through
 # ddtree.targets.description and the layer-kind interface (ddtree.targets.layer_kinds).
 FAMILY_MODULES = {"ddtree.targets.linear_attention", "ddtree.targets.families"}
-FAMILY_FREE = ["ddtree.targets.cache", "ddtree.targets.forward", "ddtree.generation.round"]
+FAMILY_FREE = ["ddtree.targets.cache", "ddtree.targets.forward", "ddtree.generation.round",
+               "ddtree.targets.static_cache", "ddtree.generation.static_round", "ddtree.generation.accepted"]
+FAMILY_NAME_PARTS = ("gdn", "linear_states", "linear_layer", "linearlayer", "linearstates", "deltanet",
+                     "recurrent_states", "conv_state")
+
+
+def family_names_in(source: str) -> set[str]:
+    """The identifiers (names and attributes) of ``source`` that name a layer family's code."""
+    tree = ast.parse(source)
+    names = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
+    names |= {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)}
+    return {n for n in names if any(part in n.lower() for part in FAMILY_NAME_PARTS)}
 
 
 def test_cache_forward_and_round_name_no_layer_family():
@@ -100,10 +111,15 @@ def test_cache_forward_and_round_name_no_layer_family():
         source = mods[name].read_text()
         found = imports_of(source, name, False, set(mods)) & FAMILY_MODULES
         assert not found, f"{name} imports the layer-family module(s) {sorted(found)}: ask describe(model) instead"
-        names = {n.id for n in ast.walk(ast.parse(source)) if isinstance(n, ast.Name)}
-        names |= {n.attr for n in ast.walk(ast.parse(source)) if isinstance(n, ast.Attribute)}
-        family_names = {n for n in names if "gdn" in n.lower() or "linear_states" in n.lower()}
+        family_names = family_names_in(source)
         assert not family_names, f"{name} names GDN code {sorted(family_names)}"
+
+
+def test_the_family_check_sees_family_code_named_directly():
+    """What the static cache once held: a GDN layer class by name and the GDN cache's own attribute."""
+    src = ("def f(cache, owner, conv, state):\n    layer = StaticLinearLayer(owner, conv, state)\n"
+           "    return [x for x in cache.layers if hasattr(x, 'r')], layer.recurrent_states\n")
+    assert family_names_in(src) == {"StaticLinearLayer", "recurrent_states"}
 
 
 def test_the_family_check_sees_a_function_level_import():

@@ -286,7 +286,7 @@ def as_logprobs(scores: torch.Tensor) -> torch.Tensor:
     """Scores as the builders need them: at most 0 (a NaN as ``-inf``), so a path's score never rises from
     parent to child. A drafter's scores need not be normalised; if one rose, a child could outrank its parent,
     be placed before it, or be kept without it, and the tree would not be one."""
-    return scores.nan_to_num(nan=float("-inf"), posinf=0.0).clamp(max=0.0)
+    return scores.nan_to_num(nan=float("-inf"), posinf=0.0, neginf=float("-inf")).clamp(max=0.0)
 
 
 def best_first(root_tokens: torch.Tensor, logprobs: torch.Tensor, budget: int) -> DraftTree:
@@ -300,13 +300,13 @@ def best_first(root_tokens: torch.Tensor, logprobs: torch.Tensor, budget: int) -
     if budget == 0 or logprobs.shape[1] == 0:
         return root_only(root_tokens, torch.float32)
     vals, toks = ranked_topk(logprobs.detach().float(), min(budget, logprobs.shape[-1]))
-    return best_first_from_topk(root_tokens, as_logprobs(vals), toks, budget)
+    return best_first_from_topk(root_tokens, vals, toks, budget)
 
 
 def best_first_from_topk(root_tokens: torch.Tensor, vals: torch.Tensor, toks: torch.Tensor, budget: int) -> DraftTree:
     """:func:`best_first` after its top-k step (``vals``/``toks`` ``[B, D, min(budget, V)]`` from
     :func:`ranked_topk`), split out so benchmarks can time the tree growth alone."""
-    return assemble(root_tokens, *grow_levels(vals, budget, vals.shape[1]), toks.flatten(1), budget)
+    return assemble(root_tokens, *grow_levels(as_logprobs(vals), budget, vals.shape[1]), toks.flatten(1), budget)
 
 
 def chain(root_tokens: torch.Tensor, logprobs: torch.Tensor, budget: int) -> DraftTree:

@@ -153,8 +153,13 @@ def _top_stable(x: np.ndarray, m: int) -> np.ndarray:
     return out
 
 
+def _capped(scores: np.ndarray) -> np.ndarray:
+    """Scores at most 0, NaN as -inf: the builders' rule (a path's score never rises)."""
+    return np.minimum(np.nan_to_num(scores, nan=-np.inf, posinf=0.0, neginf=-np.inf), 0.0)
+
+
 def _host(vals: torch.Tensor, toks: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
-    return vals.detach().float().cpu().numpy(), toks.detach().cpu().numpy().astype(np.int64, copy=False)
+    return _capped(vals.detach().float().cpu().numpy()), toks.detach().cpu().numpy().astype(np.int64, copy=False)
 
 
 def best_first(root_tokens: torch.Tensor, logprobs: torch.Tensor, budget: int) -> DraftTree:
@@ -252,8 +257,8 @@ def best_first_pairwise(root_tokens: torch.Tensor, scores: PairwiseScores, budge
     if budget == 0 or scores.depth == 0:
         return _root_only(root_tokens)
     cands = scores.candidates.detach().cpu().numpy().astype(np.int64, copy=False)
-    first = scores.first.detach().float().cpu().numpy()
-    table = scores.table.detach().float().cpu().numpy()
+    first = _capped(scores.first.detach().float().cpu().numpy())
+    table = _capped(scores.table.detach().float().cpu().numpy())
     bsz, depth, k = cands.shape
     rows = np.arange(bsz)[:, None]
     keep0 = _top_stable(first, min(budget, k))  # each level is kept in key order: score, then parent, then id

@@ -41,6 +41,8 @@ class GeneratorOptions:
     ``threads=None`` leaves torch's thread count as it is.
     ``prompt_lookup``: merge a prompt-lookup branch (:class:`~ddtree.drafters.lookup.WithLookup`) into every
     tree, under the same budget (a drafter that already merges one is kept as it is).
+    ``cpu_linear="auto"`` reads ``False`` under ``compile``: the compiled steps trace torch's own linears, even on a
+    target that another generator routed through :mod:`ddtree.targets.cpu_linear`.
     ``coupled_drafts``: under sampling, trees are built from the drafter's scores plus the target's keyed noise
     (:func:`~ddtree.drafters.base.coupled_proposal`), so the drafter's first guess is its own sample under the
     target's draw; the tokens are the same either way, the acceptance is not.
@@ -67,6 +69,8 @@ class GeneratorOptions:
         check_compile(self)
         if self.prompt_lookup is not None and not isinstance(self.prompt_lookup, bool):
             raise ValueError(f"prompt_lookup must be True, False or None (the default), got {self.prompt_lookup!r}")
+        if self.compile and self.cpu_linear == "auto":  # what a compiled generator uses: torch's own linears
+            object.__setattr__(self, "cpu_linear", False)
         if not isinstance(self.coupled_drafts, bool):
             raise ValueError(f"coupled_drafts must be True or False, got {self.coupled_drafts!r}")
 

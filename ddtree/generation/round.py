@@ -23,7 +23,6 @@ With budget 0 (no policy) a round is one plain decode step per row.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, cast
 
 import torch
@@ -35,10 +34,10 @@ from ddtree.core.sampling import choose_tokens
 from ddtree.core.tree import DraftTree, root_only
 from ddtree.core.verify import VerifyResult, verify_tree
 from ddtree.drafters.base import DraftContext, check_proposal, coupled_proposal, proposal_tree
+from ddtree.generation.accepted import AcceptedOnHost, emit_accepted, observe_accepted, pack_accepted, unpack_accepted
 from ddtree.generation.prefill import prefill_padded
 from ddtree.generation.state import DecodeState, RoundResult
 from ddtree.generation.static_round import StaticRows, static_budget, static_round, to_static
-from ddtree.generation.stats import RoundRecord
 from ddtree.targets.cache import (
     cache_length,
     check_cache_length,
@@ -287,35 +286,9 @@ def _verify(state: DecodeState, tree: DraftTree) -> tuple[Any, VerifyResult]:
     return out, result
 
 
-@dataclass
-class AcceptedOnHost:
-    """A round's one host read: per active row, the accepted count (root included), the bonus token, the
-    accepted node indices and their tokens (root first), and their proposers' flags when the tree has them."""
-
-    counts: list[int]
-    bonus: list[int]
-    paths: list[list[int]]
-    tokens: list[list[int]]
-    sources: list[list[int]] | None
-
-
 def _read_accepted(tree: DraftTree, result: VerifyResult) -> AcceptedOnHost:
     """Read each row's accepted count, bonus, path and path tokens back in one packed tensor."""
-    n = tree.num_nodes
-    device = tree.tokens.device
-    path = result.accepted.clamp(min=0)
-    parts = [result.num_accepted[:, None], result.bonus[:, None], result.accepted, tree.tokens.gather(1, path)]
-    if tree.sources is not None:
-        parts.append(tree.sources.gather(1, path))
-    rows = torch.cat([p.to(device=device, dtype=torch.long) for p in parts], dim=1).tolist()
-    counts = [r[0] for r in rows]
-    return AcceptedOnHost(
-        counts=counts,
-        bonus=[r[1] for r in rows],
-        paths=[r[2 : 2 + c] for r, c in zip(rows, counts)],
-        tokens=[r[2 + n : 2 + n + c] for r, c in zip(rows, counts)],
-        sources=None if tree.sources is None else [r[2 + 2 * n : 2 + 2 * n + c] for r, c in zip(rows, counts)],
-    )
+    return unpack_accepted(pack_accepted(tree, result).tolist(), tree)  # the round's one host read
 
 
 def _commit(state: DecodeState, tree: DraftTree, out: Any, result: VerifyResult, host: AcceptedOnHost) -> None:
@@ -341,27 +314,17 @@ def _commit(state: DecodeState, tree: DraftTree, out: Any, result: VerifyResult,
 
 
 def _observe(state: DecodeState, tree: DraftTree, host: AcceptedOnHost, budget: int) -> None:
-    """Count the round from its one host read: acceptance, budget, accepted tokens by proposer, and each row's
-    tree when recording."""
-    rows = state.rows
-    records = None
-    if state.stats.record:
-        records = [RoundRecord(rows.host_lengths[i], tree.row(i), host.paths[i], host.bonus[i])
-                   for i in range(len(rows.active))]
-    state.stats.observe(rows.active, host.counts, budget=budget, sources=host.sources, records=records)
+    """Count the round from its one host read (:func:`observe_accepted`, shared with the static round)."""
+    observe_accepted(state, tree, host, budget)
 
 
 def _emit_accepted(state: DecodeState, host: AcceptedOnHost, result: VerifyResult) -> RoundResult:
-    """Emit each row's accepted tokens and bonus token, and advance the row tensors."""
-    rows, held = state.rows, state.on_device
-    tokens: list[list[int]] = [[] for _ in rows.prompts]
-    acceptance: list[int | None] = [None] * rows.batch_size
-    for i, row in enumerate(rows.active):
-        acceptance[row] = host.counts[i]
-        tokens[row] = rows.emit(row, host.tokens[i][1:] + [host.bonus[i]])
+    """Emit each row's accepted tokens and bonus token (:func:`emit_accepted`, shared with the static round),
+    and advance the row tensors."""
+    tokens, acceptance = emit_accepted(state, host)
+    held = state.on_device
     lengths = cast(torch.Tensor, held.lengths)  # set by the prefill
     held.lengths = lengths + result.num_accepted.to(lengths.device)
-    rows.host_lengths = [n + c for n, c in zip(rows.host_lengths, host.counts)]
     held.roots = result.bonus
     return _finish_round(state, tokens, acceptance)
 

@@ -37,8 +37,8 @@ from ddtree.core.sampling import GREEDY, SamplingConfig, choose_tokens
 from ddtree.core.tree import DraftTree, root_only
 from ddtree.core.verify import accept_longest_branch
 from ddtree.drafters.base import Proposal, StaticDraftContext, coupled_proposal, proposal_tree
+from ddtree.generation.accepted import emit_accepted, observe_accepted, pack_accepted, unpack_accepted
 from ddtree.generation.state import DecodeState, RoundResult
-from ddtree.generation.stats import RoundRecord
 from ddtree.targets.backends import masks_for_plan, window_plan
 from ddtree.targets.cache import cache_kwargs, new_target_cache
 from ddtree.targets.description import describe
@@ -89,8 +89,10 @@ def _eager_experts(target: Any) -> bool:
 
 @dataclass
 class StaticRows:
-    """One generation's static buffers and its physical rows (``rows[i]`` is the prompt row of buffer row
-    ``i``; finished rows stay, with ``alive`` False)."""
+    """One generation's static buffers. Buffer rows never move, so the batch shape holds: a row that finished
+    rides along unseen (``alive`` False). ``slots[i]`` is the buffer row of the generation's ``i``-th active row
+    (``RowBook.active`` order); the host's bookkeeping (active rows, committed lengths) is the generation's own
+    :class:`~ddtree.generation.rows.RowBook`, as in the dynamic round."""
 
     cache: RowPackedCache
     draft: StaticDraftContext
@@ -98,9 +100,7 @@ class StaticRows:
     roots: torch.Tensor  # [R] each row's last emitted token
     alive: torch.Tensor  # [R] bool
     keys: torch.Tensor | None  # [R] sampling keys (None under greedy)
-    rows: list[int]
-    host_lengths: list[int]
-    host_alive: list[bool]
+    slots: list[int]
 
 
 @functools.cache
@@ -159,7 +159,7 @@ class StaticSteps:
                 keys: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
         n = tree.num_nodes
         cache.set_write_columns(lengths[:, None] + torch.arange(n, device=lengths.device))
-        cache.set_tree(tree.parents, tree.depths, self.max_depth)  # for GDN layers, if any
+        cache.set_tree(tree.parents, tree.depths, self.max_depth)  # for stateful layers, if any
         capacity = cache.keys[0].shape[2]
 
         def mask(window: int | None) -> torch.Tensor:
@@ -182,16 +182,13 @@ class StaticSteps:
         n = tree.num_nodes
         result = accept_longest_branch(tree, choices, length=n)
         commit_packed(cache.keys, cache.values, lengths, result.accepted)
-        cache.commit_states(result.accepted[:, : self.max_depth + 1], alive)  # GDN layers, if any
+        cache.commit_states(result.accepted[:, : self.max_depth + 1], alive)  # stateful layers, if any
         path = result.accepted.clamp(min=0)
         if features is not None:
             features = features.gather(1, path[..., None].expand(-1, -1, features.shape[-1]))
-        path_tokens = tree.tokens.gather(1, path)
-        draft.append(features, path_tokens, lengths)
+        draft.append(features, tree.tokens.gather(1, path), lengths)
         new_lengths = lengths + torch.where(alive, result.num_accepted, torch.zeros_like(result.num_accepted))
-        packed = torch.cat([result.num_accepted[:, None], result.bonus[:, None].long(), result.accepted,
-                            path_tokens.long()], dim=1)
-        return packed, new_lengths, result.bonus
+        return pack_accepted(tree, result), new_lengths, result.bonus
 
 
 def _install_output_hooks(target: Any) -> None:
@@ -254,8 +251,7 @@ def to_static(state: DecodeState) -> StaticRows:
     rows = StaticRows(cache=cache, draft=to_static_draft(capacity), lengths=lengths.clone(),
                       roots=cast(torch.Tensor, held.roots).clone(),
                       alive=torch.ones(len(book.active), dtype=torch.bool, device=lengths.device), keys=held.keys,
-                      rows=list(book.active), host_lengths=list(book.host_lengths),
-                      host_alive=[True] * len(book.active))
+                      slots=list(range(len(book.active))))  # the device state holds the active rows in order
     held.cache = cache
     return rows
 
@@ -266,8 +262,7 @@ def static_round(state: DecodeState, steps: StaticSteps, rows: StaticRows,
     ``tree``: this round's trees when the caller drafted them (the adaptive budget; its CUDA-graph generation
     already begun), else the steps draft them."""
     timer, book, held = state.timer, state.rows, state.on_device
-    budget = steps.budget
-    need = max(n for n, a in zip(rows.host_lengths, rows.host_alive) if a) + budget + 1
+    need = max(book.host_lengths) + steps.budget + 1
     if need > rows.cache.capacity:
         capacity = capacity_for(need)
         rows.cache = rows.cache.grown(capacity)
@@ -288,31 +283,16 @@ def static_round(state: DecodeState, steps: StaticSteps, rows: StaticRows,
         packed, lengths, roots = steps.commit(rows.cache, rows.draft, tree, choices, features, rows.lengths,
                                               rows.alive)
         rows.lengths, rows.roots = lengths.clone(), roots.clone()  # outputs a later replay may overwrite
-        host = packed.tolist()  # the round's one host read
-    n = tree.num_nodes
-    tokens: list[list[int]] = [[] for _ in book.prompts]
-    acceptance: list[int | None] = [None] * len(book.prompts)
-    live = [i for i, a in enumerate(rows.host_alive) if a]
-    counts = [host[i][0] for i in live]
-    records = None
-    if state.stats.record:
-        records = [RoundRecord(rows.host_lengths[i], tree.row(i), host[i][2 : 2 + host[i][0]], host[i][1])
-                   for i in live]
-    state.stats.observe([rows.rows[i] for i in live], counts, budget=budget, records=records)
-    finished: list[int] = []
-    for i, count in zip(live, counts):
-        row = rows.rows[i]
-        acceptance[row] = count
-        rows.host_lengths[i] += count
-        path_tokens = host[i][2 + n : 2 + n + count]
-        tokens[row] = book.emit(row, path_tokens[1:] + [host[i][1]])
-        if book.finished[row]:
-            finished.append(row)
-            rows.host_alive[i] = False
-    book.host_lengths = [n for n, a in zip(rows.host_lengths, rows.host_alive) if a]
+        host = unpack_accepted(packed.tolist(), tree).select(rows.slots)  # the round's one host read
+    observe_accepted(state, tree, host, steps.budget, tree_rows=rows.slots)
+    tokens, acceptance = emit_accepted(state, host)
+    finished = [row for row in book.active if book.finished[row]]
     if finished:
-        rows.alive = torch.tensor(rows.host_alive, dtype=torch.bool, device=rows.lengths.device)
-        book.active = [row for row, a in zip(rows.rows, rows.host_alive) if a]
+        rows.slots = [rows.slots[i] for i in book.drop_finished()]
+        alive = [False] * len(rows.alive)
+        for slot in rows.slots:
+            alive[slot] = True
+        rows.alive = torch.tensor(alive, dtype=torch.bool, device=rows.lengths.device)
         if not book.active:
             held.release()
     return RoundResult(tokens, acceptance, finished)

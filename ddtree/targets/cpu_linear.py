@@ -12,7 +12,10 @@ bit for bit here).
 It is compiled once with the system C compiler (AVX2 + FMA, OpenMP) into the
 ddtree cache directory and loaded with ctypes. Where that is impossible
 (another CPU, no compiler, autograd, another dtype) :func:`linear` is plain
-``torch.nn.functional.linear``.
+``torch.nn.functional.linear``. Under ``torch.compile`` it is plain
+``F.linear`` as well: a traced graph cannot call into ctypes, and the compiler
+makes its own matmuls, so a routed model (one another generator shares) still
+compiles whole.
 """
 
 from __future__ import annotations
@@ -124,6 +127,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
                          f"{weight.shape[1] if weight.dim() == 2 else '?'} (weight must be [out, in])")
     if bias is not None and bias.shape != (weight.shape[0],):
         raise ValueError(f"linear: bias has shape {tuple(bias.shape)}, expected ({weight.shape[0]},)")
+    if torch.compiler.is_compiling():  # decided at trace time: the traced graph holds torch's own linear
+        return F.linear(x, weight, bias)
     k, n = weight.shape[1], weight.shape[0]
     rows = x.numel() // k if k else 0
     lib = _load()[0] if _use_kernel(x, weight, bias, rows, max_rows) else None

@@ -21,8 +21,9 @@ states is what makes a 64-node tree affordable on a 27B target (design.md).
 The static round (``compile=True``) runs the same arithmetic in fixed shapes, with no host reads:
 :func:`static_tree_forward` (the conv table in tensor ops, the recurrence once per depth up to a bound for
 every node, each node keeping its own depth's step) and :func:`static_commit` (each row's accepted path
-replayed over a fixed number of masked steps), on buffers that
-:class:`~ddtree.targets.static_cache.RowPackedCache` holds and the patched forward finds in its cache.
+replayed over a fixed number of masked steps), on the buffers of :class:`StaticLinearStates`, which the kind
+makes for :class:`~ddtree.targets.static_cache.RowPackedCache` (``static_states``) and the patched forward finds
+in its cache.
 
 ``prepare(model)`` patches the GDN modules' ``forward`` on the instances (reversible with
 :func:`unprepare`); without a tree they run transformers' forward untouched. :class:`GatedDeltaNet` is this
@@ -484,6 +485,80 @@ def static_commit(conv_state: torch.Tensor, state: torch.Tensor, pending: Static
     state.copy_(torch.where(alive.view(bsz, 1, 1, 1), s.to(state.dtype), state))
 
 
+class StaticLinearLayer:
+    """One GDN layer in the static round: each row's committed conv window ``[B, C, K]`` and recurrent state
+    ``[B, HV, Dk, Dv]`` in fixed buffers, and the last verify's per-node inputs (:class:`StaticPending`), which
+    the commit replays instead of keeping a state per node (a state is ``HV * Dk * Dv`` numbers, a node's
+    inputs ``HV * (2 * Dk + Dv + 2)``: about 40 times fewer at Qwen3.6's ``Dk = Dv = 128``). It sits at its
+    index in the row-packed cache, where the patched GDN forward finds it."""
+
+    runs_static_tree = True  # what the patched GDN forward looks for in its cache
+    is_sliding = False
+    is_compileable = True
+
+    def __init__(self, group: StaticLinearStates, conv: torch.Tensor, state: torch.Tensor) -> None:
+        self.group = group
+        self.conv, self.state = conv, state
+        self.pending: StaticPending | None = None
+
+    def reserve_nodes(self, nodes: int) -> None:
+        if self.pending is None or self.pending.q.shape[1] != nodes:
+            self.pending = StaticPending.empty(self.conv, self.state, nodes)
+            for buf in self.pending.tensors():
+                torch._dynamo.mark_static_address(buf)  # written in place by the verify step
+
+    def tree_forward(self, module: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+        group = self.group
+        if self.pending is None or group.parents is None or group.depths is None or group.conv_index is None:
+            raise RuntimeError("a static GDN forward needs reserve_nodes and set_tree first (the static round's "
+                               "verify step calls them)")
+        return static_tree_forward(module, hidden, self.conv, self.state, self.pending, group.parents, group.depths,
+                                   group.conv_index, group.max_depth)
+
+    def commit(self, accepted: torch.Tensor, alive: torch.Tensor) -> None:
+        assert self.pending is not None  # a verify ran
+        static_commit(self.conv, self.state, self.pending, accepted, alive)
+
+
+class StaticLinearStates:
+    """A cache's GDN layers in the static round (the :class:`~ddtree.targets.layer_kinds.StaticStates` of
+    :class:`GatedDeltaNet`): one :class:`StaticLinearLayer` per layer index, and the tree they share (each node's
+    conv-window index is gathered once per verify, for every layer)."""
+
+    def __init__(self, states: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> None:
+        for conv, state in states.values():
+            torch._dynamo.mark_static_address(conv)  # the steps write them in place
+            torch._dynamo.mark_static_address(state)
+        self.layers = {idx: StaticLinearLayer(self, conv, state) for idx, (conv, state) in sorted(states.items())}
+        self.parents: torch.Tensor | None = None
+        self.depths: torch.Tensor | None = None
+        self.conv_index: torch.Tensor | None = None
+        self.max_depth = 0
+
+    @classmethod
+    def from_cache(cls, cache: Any) -> StaticLinearStates:
+        """Copies of each GDN layer's committed conv window and state in ``cache`` (each row its own prefill's)."""
+        states = {}
+        for idx in _linear_layer_ids(cache):
+            conv, state = _committed_states(cache, idx)
+            states[idx] = (conv.clone(), state.clone())
+        return cls(states)
+
+    def reserve_nodes(self, nodes: int) -> None:
+        for layer in self.layers.values():
+            layer.reserve_nodes(nodes)
+
+    def set_tree(self, parents: torch.Tensor, depths: torch.Tensor, max_depth: int) -> None:
+        self.parents, self.depths, self.max_depth = parents, depths, max_depth
+        if self.layers:
+            kernel = next(iter(self.layers.values())).conv.shape[-1]
+            self.conv_index = tree_conv_index(parents, depths, kernel)
+
+    def commit(self, accepted: torch.Tensor, alive: torch.Tensor) -> None:
+        for layer in self.layers.values():
+            layer.commit(accepted, alive)
+
+
 # --------------------------------------------------------------------------- commit
 
 
@@ -714,3 +789,6 @@ class GatedDeltaNet:
 
     def stack_rows(self, caches: list[Any], into: Any) -> None:
         stack_linear_states(caches, into)
+
+    def static_states(self, cache: Any) -> StaticLinearStates:
+        return StaticLinearStates.from_cache(cache)

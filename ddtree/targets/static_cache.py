@@ -10,29 +10,24 @@ stale values that the mask hides and later rounds overwrite.
 Works with transformers' attention layers through the ``Cache`` interface (``update`` returns the whole
 buffers; the caller's 4D mask decides what each query sees).
 
-A hybrid target's Gated DeltaNet layers get a :class:`StaticLinearLayer` at their index: the committed conv
-window and recurrent state per row in fixed buffers, and fixed buffers for a verify's per-node inputs. The
-patched GDN forward (:mod:`ddtree.targets.linear_attention`) finds it in the cache it is given and runs the
-fixed-shape tree forward over the tree :meth:`RowPackedCache.set_tree` gave; :meth:`RowPackedCache.commit_states`
-replays each row's accepted path into the state buffers in place.
+A hybrid target's stateful layers (Gated DeltaNet today) come from their kind
+(:meth:`~ddtree.targets.layer_kinds.StatefulLayerKind.static_states`): fixed buffers for each row's committed
+state and for a verify's per-node inputs, with an object at each of their layer indices that the kind's patched
+forward finds in the cache it is given. :meth:`RowPackedCache.set_tree` hands them the tree a verify runs and
+:meth:`RowPackedCache.commit_states` has them install each row's accepted path, in place. Nothing here names a
+family.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, cast
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from ddtree.targets.cache import _kv_layers
-from ddtree.targets.linear_attention import (
-    StaticPending,
-    _committed_states,
-    _linear_layer_ids,
-    static_commit,
-    static_tree_forward,
-    tree_conv_index,
-)
+from ddtree.targets.layer_kinds import StaticStates, kinds_in_cache
 
 
 class RowPackedLayer(CacheLayerMixin):
@@ -81,64 +76,25 @@ class RowPackedLayer(CacheLayerMixin):
         return self.keys.shape[2]
 
 
-class StaticLinearLayer:
-    """One GDN layer in the static round: each row's committed conv window ``[B, C, K]`` and recurrent state
-    ``[B, HV, Dk, Dv]`` in fixed buffers, and the last verify's per-node inputs (:class:`StaticPending`), which
-    the commit replays instead of keeping a state per node (a state is ``HV * Dk * Dv`` numbers, a node's
-    inputs ``HV * (2 * Dk + Dv + 2)``: about 40 times fewer at Qwen3.6's ``Dk = Dv = 128``)."""
-
-    runs_static_tree = True  # what the patched GDN forward looks for in its cache
-    is_sliding = False
-    is_compileable = True
-
-    def __init__(self, owner: RowPackedCache, conv: torch.Tensor, state: torch.Tensor) -> None:
-        self.owner = owner
-        self.conv, self.state = conv, state
-        self.pending: StaticPending | None = None
-
-    def reserve_nodes(self, nodes: int) -> None:
-        if self.pending is None or self.pending.q.shape[1] != nodes:
-            self.pending = StaticPending.empty(self.conv, self.state, nodes)
-            for buf in self.pending.tensors():
-                mark_static(buf)
-
-    def tree_forward(self, module: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
-        owner = self.owner
-        parents, depths, index = owner.tree_parents, owner.tree_depths, owner.conv_index
-        if self.pending is None or parents is None or depths is None or index is None:
-            raise RuntimeError("a static GDN forward needs RowPackedCache.reserve_nodes and set_tree first")
-        return static_tree_forward(module, hidden, self.conv, self.state, self.pending, parents, depths, index,
-                                   owner.max_depth)
-
-    def commit(self, accepted: torch.Tensor, alive: torch.Tensor) -> None:
-        assert self.pending is not None  # a verify ran
-        static_commit(self.conv, self.state, self.pending, accepted, alive)
-
-
 class RowPackedCache(Cache):
-    """Preallocated row-packed keys/values for every attention layer of a target, and fixed states for its
-    GDN layers, ``linear`` by layer index (attention layers take the other indices in order; see the module
-    doc)."""
+    """Preallocated row-packed keys/values for every attention layer of a target, and its stateful layers' fixed
+    states, ``stateful`` (one :class:`~ddtree.targets.layer_kinds.StaticStates` per kind; attention layers take
+    the other indices in order; see the module doc)."""
 
     def __init__(self, keys: list[torch.Tensor], values: list[torch.Tensor],
-                 linear: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None) -> None:
+                 stateful: Sequence[StaticStates] = ()) -> None:
         if len(keys) != len(values) or not keys:
             raise ValueError(f"a row-packed cache needs keys and values for each layer, got {len(keys)}/{len(values)}")
-        linear = linear or {}
-        for buf in (*keys, *values, *(b for pair in linear.values() for b in pair)):
+        for buf in (*keys, *values):
             mark_static(buf)
         self.packed = [RowPackedLayer(self, k, v) for k, v in zip(keys, values)]
-        self.linear = {idx: StaticLinearLayer(self, conv, state) for idx, (conv, state) in sorted(linear.items())}
+        self.stateful = list(stateful)
+        at = {idx: layer for states in self.stateful for idx, layer in states.layers.items()}
         attention = iter(self.packed)
-        layers: list[Any] = [self.linear[i] if i in self.linear else next(attention)
-                             for i in range(len(self.packed) + len(self.linear))]
+        layers: list[Any] = [at[i] if i in at else next(attention) for i in range(len(self.packed) + len(at))]
         super().__init__(layers=layers)
         bsz = keys[0].shape[0]
         self.write_columns = torch.zeros(bsz, 1, dtype=torch.long, device=keys[0].device)
-        self.tree_parents: torch.Tensor | None = None
-        self.tree_depths: torch.Tensor | None = None
-        self.conv_index: torch.Tensor | None = None
-        self.max_depth = 0
 
     @property
     def capacity(self) -> int:
@@ -157,24 +113,22 @@ class RowPackedCache(Cache):
         self.write_columns = columns
 
     def reserve_nodes(self, nodes: int) -> None:
-        """Room for a verify of ``nodes`` tree nodes in the GDN layers (outside the compiled steps: buffers
+        """Room for a verify of ``nodes`` tree nodes in the stateful layers (outside the compiled steps: buffers
         made there would not keep their addresses)."""
-        for layer in self.linear.values():
-            layer.reserve_nodes(nodes)
+        for states in self.stateful:
+            states.reserve_nodes(nodes)
 
     def set_tree(self, parents: torch.Tensor, depths: torch.Tensor, max_depth: int) -> None:
-        """The tree the next forward verifies, for the GDN layers (attention layers see it through the mask):
-        each node's conv window and recurrence follow its own ancestors; no node is deeper than ``max_depth``."""
-        self.tree_parents, self.tree_depths, self.max_depth = parents, depths, max_depth
-        if self.linear:
-            kernel = next(iter(self.linear.values())).conv.shape[-1]
-            self.conv_index = tree_conv_index(parents, depths, kernel)
+        """The tree the next forward verifies, for the stateful layers (attention layers see it through the
+        mask): each node runs from its own ancestors' state; no node is deeper than ``max_depth``."""
+        for states in self.stateful:
+            states.set_tree(parents, depths, max_depth)
 
     def commit_states(self, accepted: torch.Tensor, alive: torch.Tensor) -> None:
-        """Install each live row's accepted path (``accepted`` ``[B, L]``, ``-1`` past it) in the GDN layers'
-        states, in place (attention layers commit with :func:`commit_packed`)."""
-        for layer in self.linear.values():
-            layer.commit(accepted, alive)
+        """Install each live row's accepted path (``accepted`` ``[B, L]``, ``-1`` past it) in the stateful
+        layers' states, in place (attention layers commit with :func:`commit_packed`)."""
+        for states in self.stateful:
+            states.commit(accepted, alive)
 
     @classmethod
     def from_cache(cls, cache: Any, host_lengths: list[int], capacity: int) -> RowPackedCache:
@@ -183,13 +137,10 @@ class RowPackedCache(Cache):
         layers = _kv_layers(cache)
         if not layers:
             raise ValueError("the target cache holds no attention layers to copy (was the prompt prefilled?)")
-        if len(layers) != _attention_layer_count(cache):
-            raise ValueError("the static round copies a cache whose layers are attention or GDN, in transformers' "
-                             "per-layer form; this one has others (use compile=False)")
-        linear = {}
-        for idx in _linear_layer_ids(cache):
-            conv, state = _committed_states(cache, idx)
-            linear[idx] = (conv.clone(), state.clone())  # each row's own prefill state (rows are not padded)
+        stateful = [kind.static_states(cache) for kind in kinds_in_cache(cache)]
+        if len(layers) + sum(len(states.layers) for states in stateful) != len(getattr(cache, "layers", ())):
+            raise ValueError("the static round copies a cache whose layers are attention or of a stateful kind, in "
+                             "transformers' per-layer form; this one has others (use compile=False)")
         width = layers[0][0].shape[2]
         if capacity < width:
             raise ValueError(f"capacity {capacity} is below the prefill's {width} columns")
@@ -202,28 +153,24 @@ class RowPackedCache(Cache):
                 vb[b, :, :n] = v[b, :, width - n : width]
             keys.append(kb)
             values.append(vb)
-        return cls(keys, values, linear)
+        return cls(keys, values, stateful)
 
     def grown(self, capacity: int) -> RowPackedCache:
-        """A copy with room for ``capacity`` columns (rows keep their columns; GDN states are shared, not
-        copied: they have no columns)."""
+        """A copy with room for ``capacity`` columns (rows keep their columns; the stateful layers' states are
+        shared, not copied: they have no columns)."""
         if capacity <= self.capacity:
             return self
         keys, values = [], []
         for k, v in zip(self.keys, self.values):
             keys.append(torch.nn.functional.pad(k, (0, 0, 0, capacity - k.shape[2])))
             values.append(torch.nn.functional.pad(v, (0, 0, 0, capacity - v.shape[2])))
-        return RowPackedCache(keys, values, {i: (layer.conv, layer.state) for i, layer in self.linear.items()})
+        return RowPackedCache(keys, values, self.stateful)
 
 
 def mark_static(buf: torch.Tensor) -> None:
     """Tell the compiler ``buf`` keeps its address across calls, so a step that writes into it in place can
     still be captured as a CUDA graph (made outside any compiled region)."""
     torch._dynamo.mark_static_address(buf)
-
-
-def _attention_layer_count(cache: Any) -> int:
-    return sum(1 for layer in getattr(cache, "layers", []) if not hasattr(layer, "recurrent_states"))
 
 
 def commit_packed(keys: list[torch.Tensor], values: list[torch.Tensor], lengths: torch.Tensor,
