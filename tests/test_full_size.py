@@ -123,3 +123,19 @@ def test_gpu_check_runs_the_full_size_stage_alone(tmp_path, monkeypatch):
     assert not (tmp_path / "gpu_check.json").exists() and not (tmp_path / "gpu_tests.xml").exists()
     rows = json.loads((tmp_path / "full_size.json").read_text())["rows"]
     assert {r["method"] for r in rows if "ms_per_round" in r} == {"plain", "chain", "best_first@16", "auto"}
+
+
+def test_the_plan_runs_every_eager_case_then_the_headline_compiled_pair():
+    """Eager cases first (every batch and method), then the compiled chain and smallest tree at the first batch,
+    which alone may spend the seconds kept for the later models; the wider compiled trees after them."""
+    settings = fs.settings_for("tiny")  # batches 1, 8, 32; budgets 16, 32, 64
+    cases = fs.plan(settings, fs.SHAPES["full"]["qwen3-8b"])
+    modes = [c["mode"] for c in cases]
+    assert modes == sorted(modes, key=lambda m: m == "compiled") and len(cases) == 2 * 3 * 6
+    assert all(c["core"] for c in cases if c["mode"] == "eager")
+    compiled = [(c["batch"], c["method"], c["core"]) for c in cases if c["mode"] == "compiled"]
+    assert compiled[:2] == [(1, "chain", True), (1, "best_first@16", True)]
+    assert [c for c in compiled if c[2]] == compiled[:2]
+    assert compiled[2:6] == [(8, "chain", False), (8, "best_first@16", False), (32, "chain", False),
+                             (32, "best_first@16", False)]
+    assert {m for _, m, _ in compiled[-6:]} == {"plain", "auto"}

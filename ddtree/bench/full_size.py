@@ -11,8 +11,9 @@ labelled as projected. Every row's tokens are compared with plain decoding's at 
 
 The run keeps to ``--time-budget`` seconds (one device call): the first model's eager cases, then its compiled
 ones, then the next model's, each case started only when its expected seconds (a compile's first call, once
-one has been measured) fit in what is left, less what the later models keep; what does not fit is reported as
-skipped with the reason. ``--scale tiny`` runs the same path at tiny widths (float32, the CPU, dynamo's
+one has been measured) fit in what is left, less what the later models keep (the eager cases and the compiled
+chain and smallest tree at the first batch may spend that too); what does not fit is reported as skipped with
+the reason. ``--scale tiny`` runs the same path at tiny widths (float32, the CPU, dynamo's
 ``eager`` backend for the compiled mode) in seconds. Writes ``full_size.json`` after every case (a run cut
 short keeps what it measured) and ``full_size.md`` (the table) at the end.
 """
@@ -296,13 +297,16 @@ def measure(target: Any, drafter: Any, builder: str, budget: int | str, compile:
 
 def plan(settings: Settings, shape: ModelShape) -> list[dict]:
     """The model's cases in the order they run: every eager one by batch, then the compiled ones, the chain and
-    the smallest tree at each batch first (the comparison that matters most), then the wider trees."""
+    the smallest tree at each batch first, then the wider trees. ``core``: the eager cases and the compiled
+    chain and smallest tree at the first batch (the comparison that matters most), which may spend the seconds
+    the later models keep."""
     methods_ = methods(settings.budgets, shape.drafter.block_size)
     compiled = settings.batches if settings.compiled_batches is None else settings.compiled_batches
-    cases = [dict(batch=b, method=m, builder=k, budget=n, mode=mode)
+    first = {methods_[1][0], methods_[2][0]}  # the chain and the smallest tree
+    cases = [dict(batch=b, method=m, builder=k, budget=n, mode=mode,
+                  core=mode == "eager" or (m in first and b == compiled[0]))
              for mode, batches in (("eager", settings.batches), ("compiled", compiled))
              for b in batches for m, k, n in methods_]
-    first = {methods_[1][0], methods_[2][0]}  # the chain and the smallest tree
     return sorted(cases, key=lambda c: (c["mode"] == "compiled",
                                         0 if c["mode"] == "eager" or c["method"] in first else
                                         2 if c["method"] in ("plain", "auto") else 1))
@@ -332,10 +336,11 @@ def run_model(settings: Settings, shape: ModelShape, budget: Budget, keep: float
         mode, batch = case["mode"], case["batch"]
         refusal = compile_refusal(case["budget"]) if mode == "compiled" else None
         need = max(measured[mode], default=expected[mode])
+        kept = 0.0 if row.pop("core") else keep
         if refusal:
             row["skipped"] = f"compile=True refuses it: {refusal}"
-        elif budget.left() - keep < need:
-            row["skipped"] = (f"time budget: {budget.left():.0f} s left, {keep:.0f} kept for the later models, "
+        elif budget.left() - kept < need:
+            row["skipped"] = (f"time budget: {budget.left():.0f} s left, {kept:.0f} kept for the later models, "
                               f"and a {mode} case takes about {need:.0f} s")
         else:
             if mode == "compiled":
@@ -390,10 +395,18 @@ def finish_row(row: dict, plain: dict[int, dict], eager: dict[tuple[int, str], d
     row["lossless_required"] = dtype == torch.float32
 
 
+def environment(device: torch.device) -> dict:
+    import transformers
+
+    env: dict[str, str | None] = {"torch": torch.__version__, "transformers": transformers.__version__,
+                                  "device": str(device)}
+    if device.type == "cuda":
+        env.update(gpu=torch.cuda.get_device_name(device), cuda=torch.version.cuda)
+    return env
+
+
 def run(settings: Settings, out: Path | None = None) -> dict:
     """Measure every model of ``settings`` inside its time budget; writes ``out/full_size.json`` as it goes."""
-    from ddtree.bench.gpu_check import environment
-
     config = torch._dynamo.config
     name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
     limit = getattr(config, name)
