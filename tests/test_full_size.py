@@ -139,3 +139,23 @@ def test_the_plan_runs_every_eager_case_then_the_headline_compiled_pair():
     assert compiled[2:6] == [(8, "chain", False), (8, "best_first@16", False), (32, "chain", False),
                              (32, "best_first@16", False)]
     assert {m for _, m, _ in compiled[-6:]} == {"plain", "auto"}
+
+
+def test_the_full_widths_build_models_of_the_published_sizes():
+    """On the meta device (no memory): the Qwen3-8B target has Qwen3-8B's 8.2B parameters and the hybrid
+    Qwen3.6-27B's 27B, so the widths, depths and vocabularies add up; each drafter's fc reads its five target
+    layers, and the hybrid's drafter has 4 sliding layers of window 2048 and one full."""
+    from ddtree.drafters.dflash.model import DFlashDraftModel
+
+    meta = torch.device("meta")
+    for name, (low, high) in {"qwen3-8b": (8.1e9, 8.3e9), "qwen36-27b-hybrid": (26.5e9, 27.5e9)}.items():
+        shape = fs.SHAPES["full"][name]
+        target = fs.build_target(shape, meta, torch.bfloat16)
+        assert low < sum(p.numel() for p in target.parameters()) < high
+        config = fs.drafter_config(shape, target.config)
+        with meta:
+            drafter = DFlashDraftModel(config)
+        assert drafter.fc.weight.shape == (shape.widths["hidden_size"], 5 * shape.widths["hidden_size"])
+        assert config.block_size == 16 and config.target_layer_ids == list(shape.drafter.target_layer_ids)
+    assert config.layer_types == ["sliding_attention"] * 4 + ["full_attention"] and config.sliding_window == 2048
+    assert target.config.layer_types.count("full_attention") == 16

@@ -238,19 +238,24 @@ def build_target(shape: ModelShape, device: torch.device, dtype: torch.dtype, lm
 
 def build_drafter(shape: ModelShape, target: Any, dtype: torch.dtype):
     """A random DFlash drafter of ``shape.drafter``'s configuration for ``target``, on the target's device."""
-    from ddtree.drafters.dflash.config import DFlashConfig
     from ddtree.drafters.dflash.drafter import DFlashDrafter
     from ddtree.drafters.dflash.model import DFlashDraftModel
 
-    d = shape.drafter
-    config = DFlashConfig.for_target(target.config, num_hidden_layers=d.layers, block_size=d.block_size,
-                                     mask_token_id=d.mask_token_id, target_layer_ids=list(d.target_layer_ids),
-                                     layer_types=list(d.layer_types) if d.layer_types else None,
-                                     sliding_window=d.sliding_window)
     torch.manual_seed(1)
     with torch.device(target.get_input_embeddings().weight.device):
-        model = DFlashDraftModel(config).to(dtype).eval()
+        model = DFlashDraftModel(drafter_config(shape, target.config)).to(dtype).eval()
     return DFlashDrafter(model, target)
+
+
+def drafter_config(shape: ModelShape, target_config: Any):
+    """``shape.drafter`` as a :class:`DFlashConfig` for a target of ``target_config`` (its widths)."""
+    from ddtree.drafters.dflash.config import DFlashConfig
+
+    d = shape.drafter
+    return DFlashConfig.for_target(target_config, num_hidden_layers=d.layers, block_size=d.block_size,
+                                   mask_token_id=d.mask_token_id, target_layer_ids=list(d.target_layer_ids),
+                                   layer_types=list(d.layer_types) if d.layer_types else None,
+                                   sliding_window=d.sliding_window)
 
 
 def random_prompts(shape: ModelShape, batch: int, context: int) -> torch.Tensor:
