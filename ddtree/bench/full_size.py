@@ -30,7 +30,7 @@ import time
 import traceback
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -170,7 +170,7 @@ class Settings:
     backend: str = "inductor"  # the compiled mode's torch.compile backend; inductor is compile=True
     time_budget: float = 420.0
     lm_head_scale: float = 1.0  # sharpens a random target's logits (tiny: fewer fp32 near-ties)
-    extra: dict = field(default_factory=dict)
+    scale: str = "full"  # what the widths are, for the report
 
 
 def settings_for(scale: str, **overrides: Any) -> Settings:
@@ -183,7 +183,7 @@ def settings_for(scale: str, **overrides: Any) -> Settings:
     else:
         base = Settings(list(SHAPES["tiny"].values()), torch.device("cpu"), torch.float32, context=12,
                         new_tokens=8, repeats=1, backend="eager", time_budget=120.0, lm_head_scale=4.0)
-    return dataclasses.replace(base, **overrides)
+    return dataclasses.replace(base, scale=scale, **overrides)
 
 
 def methods(budgets: tuple[int, ...], block_size: int) -> list[tuple[str, str, int | str]]:
@@ -400,6 +400,23 @@ def finish_row(row: dict, plain: dict[int, dict], eager: dict[tuple[int, str], d
     row["lossless_required"] = dtype == torch.float32
 
 
+def notes() -> list[str]:
+    """What the table's columns mean, and what it cannot show."""
+    plain = compile_refusal(0)
+    return [
+        "ms/round: the median decode round (prefill excluded) of random-weight models, which accept about one "
+        "token a round: the 'measured tok/round' column says so",
+        "projected tok/s = batch x the default pair's tokens per round for the same builder and budget / "
+        "ms per round; projected vs plain = that tokens per round x plain decoding's ms/round (eager, same "
+        "batch) / the row's ms/round",
+        "plain decoding runs eager only" + (f" (compile=True refuses budget 0: {plain})" if plain else "")
+        + ", so a compiled row's 'vs plain' is against eager plain decoding",
+        "same tokens as plain: the row's greedy tokens against plain decoding's at the same batch; required in "
+        "float32, reported only in bf16/fp16 (argmax near-ties can differ between a tree verify and a one-token "
+        "step)",
+    ]
+
+
 def environment(device: torch.device) -> dict:
     import transformers
 
@@ -418,8 +435,9 @@ def run(settings: Settings, out: Path | None = None) -> dict:
     setattr(config, name, max(limit, 64))  # one graph per batch and budget, of the same code
     budget = Budget(settings.time_budget)
     report: dict = {
-        "what": "ms per round of random-weight targets at full widths; tokens per round and tokens/s at the "
-                "default pair's measured acceptance are PROJECTED, not measured",
+        "what": f"ms per round of random-weight targets at {settings.scale} widths; tokens per round and tokens/s "
+                "at the default pair's measured acceptance are PROJECTED, not measured",
+        "scale": settings.scale,
         "environment": environment(settings.device),
         "settings": {"device": str(settings.device), "dtype": str(settings.dtype).removeprefix("torch."),
                      "batches": list(settings.batches), "budgets": list(settings.budgets),
@@ -430,6 +448,7 @@ def run(settings: Settings, out: Path | None = None) -> dict:
                      "lm_head_scale": settings.lm_head_scale},
         "models": [{"name": s.name, "family": s.family, "layers": s.layers, "vocab": s.vocab, "widths": s.widths,
                     "drafter": dataclasses.asdict(s.drafter), "sources": list(s.sources)} for s in settings.shapes],
+        "notes": notes(),
         "rows": [],
     }
 
@@ -496,7 +515,8 @@ def table(report: dict) -> str:
         lines.append("| " + " | ".join(cell(v) for v in values) + " |")
     notes = sorted({r["default_pair_source"] for r in report["rows"] if "default_pair_source" in r})
     skips = sorted({f"{r.get('mode', '')}: {r['skipped']}" for r in report["rows"] if "skipped" in r})
-    return "\n".join([report["what"] + ".", "", *lines, "", "Default-pair figures:",
+    return "\n".join([report["what"] + ".", "", *[f"- {n}" for n in report["notes"]], "", *lines, "",
+                      "Default-pair figures:",
                       *[f"- {n}" for n in notes], "", "Skipped:", *[f"- {s}" for s in skips]])
 
 
@@ -554,8 +574,8 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
     if args.dtype:
         overrides["dtype"] = DTYPES[args.dtype]
     for name in ("batches", "compiled_batches", "budgets"):
-        if getattr(args, name):
-            overrides[name] = tuple(int(x) for x in getattr(args, name).split(","))
+        if getattr(args, name) is not None:
+            overrides[name] = tuple(int(x) for x in getattr(args, name).split(",") if x.strip())
     return settings_for(args.scale, **overrides)
 
 
