@@ -159,3 +159,20 @@ def test_the_full_widths_build_models_of_the_published_sizes():
         assert config.block_size == 16 and config.target_layer_ids == list(shape.drafter.target_layer_ids)
     assert config.layer_types == ["sliding_attention"] * 4 + ["full_attention"] and config.sliding_window == 2048
     assert target.config.layer_types.count("full_attention") == 16
+
+
+def test_the_headline_compiled_pair_may_spend_what_the_later_models_keep(tmp_path):
+    """With the next model keeping more than the whole budget, the first model still runs its eager cases and
+    the compiled chain and best_first at the first batch; its other compiled cases are skipped for the kept
+    seconds, and the next model, left too little to build, is skipped and named."""
+    first, second = fs.SHAPES["tiny"].values()
+    second = dataclasses.replace(second, keep_s=1e5)
+    report = fs.run(fs.settings_for("tiny", shapes=[first, second], batches=(1,), compiled_batches=(1, 2),
+                                    budgets=(16,), new_tokens=4, time_budget=600.0), tmp_path)
+    rows = report["rows"]
+    ran = {(r["batch"], r["method"], r["mode"]) for r in rows if "ms_per_round" in r}
+    assert {(1, "chain", "compiled"), (1, "best_first@16", "compiled")} <= ran
+    kept = {(r["batch"], r["method"]) for r in rows if "kept for the later models" in r.get("skipped", "")}
+    assert kept == {(2, "chain"), (2, "best_first@16")}
+    assert rows[-1]["model"] == second.name and "time budget" in rows[-1]["skipped"]
+    assert report["failures"] == []

@@ -462,9 +462,10 @@ def run(settings: Settings, out: Path | None = None) -> dict:
     try:
         for i, shape in enumerate(settings.shapes):
             keep = sum(s.keep_s for s in settings.shapes[i + 1:])
-            if budget.left() - keep < shape.prior_case_s + shape.keep_s * 0.5:
-                emit({"model": shape.name, "skipped": f"time budget: {budget.left():.0f} s left, {keep:.0f} "
-                                                      "kept for the later models"})
+            need = shape.prior_case_s + shape.keep_s * 0.5  # its build and first case (its eager cases are core)
+            if budget.left() < need:
+                emit({"model": shape.name, "skipped": f"time budget: {budget.left():.0f} s left, and building "
+                                                      f"the pair and a first case take about {need:.0f} s"})
                 continue
             run_model(settings, shape, budget, keep, emit)
     finally:
