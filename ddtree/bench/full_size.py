@@ -182,7 +182,7 @@ def settings_for(scale: str, **overrides: Any) -> Settings:
         base = Settings(list(SHAPES["full"].values()), torch.device("cuda"), torch.bfloat16)
     else:
         base = Settings(list(SHAPES["tiny"].values()), torch.device("cpu"), torch.float32, context=12,
-                        new_tokens=8, repeats=1, backend="eager", time_budget=120.0, lm_head_scale=4.0)
+                        new_tokens=8, repeats=1, backend="eager", time_budget=600.0, lm_head_scale=4.0)
     return dataclasses.replace(base, scale=scale, **overrides)
 
 
