@@ -18,6 +18,12 @@ against ``compile=True``, CUDA graphs, for the chain and best_first at budgets 4
 Qwen3-8B widths) and ``compiled_bench_hybrid.json`` (the same for a GDN hybrid at Qwen3.6-27B widths, 4
 layers, the chain and best_first@16). Exits non-zero when a check fails, when
 pytest fails, or when no exactness test ran. ``--device cpu --level tiny`` runs it all on the CPU.
+
+``--full-size`` runs one stage instead, in a device call of its own: :mod:`ddtree.bench.full_size` (the whole
+Qwen3-8B target at its widths, bf16, random weights, with a drafter of the published Qwen3-8B DFlash
+configuration, batch 1, 8 and 32, plain, the chain, best_first@16/32/64 and ``auto``, eager and compiled; then
+the Qwen3.6-27B GDN hybrid as far as the time budget allows), writing ``full_size.json`` and ``full_size.md``;
+on a CPU it runs the same path at tiny widths.
 ``scale_out`` (:mod:`ddtree.bench.scale_out`) runs a random-weight target at Qwen3-8B widths
 tensor-parallel over every GPU present (TP=1 on one GPU) and, with two GPUs or more, layer-split across
 them, against one device.
@@ -146,6 +152,9 @@ def main(argv: list[str] | None = None) -> int:
                    help=f"seconds for the whole run (default {TIME_BUDGET:.0f}, inside one 8-minute device call): the "
                         "compiled benches' deadlines come out of what is left, and a stage that would start with "
                         "less than it needs is skipped and reported")
+    p.add_argument("--full-size", action="store_true",
+                   help="run only the full-size stage (ddtree.bench.full_size; tiny widths on a CPU) within the "
+                        "time budget")
     args = p.parse_args(argv)
     started = time.perf_counter()
 
@@ -158,8 +167,11 @@ def main(argv: list[str] | None = None) -> int:
     level = args.level or ("quick" if args.quick else "full")
     env = environment(device)
     print(json.dumps(env), flush=True)
+    if args.full_size:
+        return run_full_size(device, out, left() - FULL_SIZE_MARGIN)
     exactness = run_exactness_tests(find_exactness_tests(args.tests), out, device, level, args.select)
-    report = {"environment": env, "level": level, "exactness": exactness, "failures": list(exactness["failures"])}
+    report: dict = {"environment": env, "level": level, "exactness": exactness,
+                    "failures": list(exactness["failures"])}
     if not args.skip_scale_out:
         report["scale_out"] = check_scale_out(device, args.quick or level == "tiny", timeout=max(60.0, left() - 240))
         report["failures"] += report["scale_out"]["failures"]
@@ -175,6 +187,23 @@ def main(argv: list[str] | None = None) -> int:
 
 TIME_BUDGET = 450.0
 """Seconds for a whole run by default: one device call of 8 minutes, with room for the start and the transfers."""
+
+
+FULL_SIZE_MARGIN = 15.0
+"""Seconds of the time budget the full-size stage leaves for the process's start and end."""
+
+
+def run_full_size(device: torch.device, out: Path, seconds: float) -> int:
+    """The full-size stage: :mod:`ddtree.bench.full_size` at the published widths on CUDA (tiny widths
+    elsewhere) within ``seconds``; non-zero when a case failed."""
+    from ddtree.bench import full_size
+
+    scale = "full" if device.type == "cuda" else "tiny"
+    report = full_size.run(full_size.settings_for(scale, device=device, time_budget=seconds), out)
+    print(full_size.table(report), flush=True)
+    print(f"wrote {out / 'full_size.json'} and {out / 'full_size.md'}: {len(report['failures'])} failures",
+          flush=True)
+    return 1 if report["failures"] else 0
 
 
 def run_benchmarks(device: torch.device, out: Path, quick: bool, left: Callable[[], float]) -> list[str]:
