@@ -201,6 +201,8 @@ def test_options_are_checked_once_when_made_and_each_refusal_names_its_fix(tiny_
         "threads": (0, ValueError, "threads must be 'auto', an int >= 1 or None"),
         "compile": ("", ValueError, "compile must be True, False or a torch.compile backend name"),
         "prefill_chunk": (0, ValueError, "prefill_chunk must be an int >= 1"),
+        "coupled_drafts": ("yes", ValueError, "coupled_drafts must be True or False"),
+        "prompt_lookup": (1, ValueError, "prompt_lookup must be True, False or None"),
     }
     assert set(bad) == {f.name for f in dataclasses.fields(GeneratorOptions)}  # every setting has its check
     for name, (value, error, message) in bad.items():
@@ -222,7 +224,9 @@ def test_options_are_checked_once_when_made_and_each_refusal_names_its_fix(tiny_
 
     opts = GeneratorOptions(tree_budget=16, builder="chain", prefill_chunk=None)
     gen = SpeculativeGenerator(target, draft, options=opts, tree_budget=8)
-    assert gen.options == opts.replace(tree_budget=8) and (gen.tree_budget, gen.prefill_chunk) == (8, None)
+    # the generator fills its defaults in: here no merged prompt lookup (the suite's default, conftest)
+    assert gen.options == opts.replace(tree_budget=8, prompt_lookup=False)
+    assert (gen.tree_budget, gen.prefill_chunk) == (8, None)
     assert gen.builder is beam.__globals__["BUILDERS"]["chain"]
     assert SpeculativeGenerator(target, draft).options.tree_budget == 4  # the suite's fixed default (conftest)
 
@@ -312,17 +316,18 @@ def test_per_call_settings_and_their_refusals(tiny_pair):
             assert out.acceptance_lengths == [1] * 11 and out.stats.tree_budget == 0
         else:
             assert out.stats.tree_budget == 8
-    for name, value in (("attention", "sdpa"), ("cpu_linear", "auto"), ("threads", 1)):
+    for name, value in (("attention", "sdpa"), ("cpu_linear", "auto"), ("threads", 1), ("prompt_lookup", True)):
         for method in (gen.generate, gen.start, lambda *a, **k: next(gen.stream(*a, **k))):
             with pytest.raises(ValueError, match=f"{name} prepares the models, so it is set on the generator, "
-                                                 "not per call.*per call: tree_budget, builder, prefill_chunk"):
+                                                 "not per call.*per call: tree_budget, builder, prefill_chunk, "
+                                                 "coupled_drafts"):
                 method(PROMPTS[0], max_new_tokens=3, **{name: value})
     with pytest.raises(ValueError, match="unknown tree builder 'widest'"):
         gen.generate(PROMPTS[0], max_new_tokens=3, builder="widest")
     with pytest.raises(ValueError, match="tree_budget must be an int >= 0"):
         gen.generate(PROMPTS[0], max_new_tokens=3, tree_budget=-2)
     accepted = ("max_new_tokens, max_length, do_sample, temperature, top_k, top_p, eos_token_id, stop_token_ids, "
-                "seed, tree_budget, builder, prefill_chunk, attention_mask, record_trees, streamer")
+                "seed, tree_budget, builder, prefill_chunk, coupled_drafts, attention_mask, record_trees, streamer")
     with pytest.raises(TypeError, match=r"unknown option\(s\) num_tokens; accepted: " + accepted):
         gen.generate(PROMPTS[0], num_tokens=3)
     assert gen.options.tree_budget == 8 and gen.options.prefill_chunk == 4096  # calls change nothing

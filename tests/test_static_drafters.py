@@ -103,3 +103,27 @@ def test_auto_under_compile_picks_among_compiled_budgets(target):
     assert replayed.acceptance_lengths == out.acceptance_lengths
     assert replayed.row_tokens == out.row_tokens
     assert sum(torch._dynamo.utils.counters["graph_break"].values()) == 0
+
+
+def test_prompt_lookup_alone_under_compile(target):
+    """The lookup as the only proposer (no model): its static context proposes from its token buffer."""
+    assert_static_equals_dynamic(target, PromptLookup(target.config.vocab_size, block_size=5), 4)
+
+
+def test_auto_under_compile_prices_only_the_rows_still_decoding(target):
+    """Finished rows stay in the static buffers; the policy must see only the live rows (a batch whose rows stop
+    at different rounds)."""
+    from test_generator import reference
+
+    from ddtree.budget.policy import AutoBudget
+
+    drafter = DFlashDrafter(tiny_drafter(target, block_size=5), target)
+    gen = SpeculativeGenerator(target, drafter, compile=BACKEND)
+    prompts = [PROMPTS[0], PROMPTS[2]]
+    first, second = (reference(target, p, new=NEW)[0, len(p):].tolist() for p in prompts)
+    # row 1 stops after a few rounds, at a token row 0 never emits
+    stop = next(t for i, t in enumerate(second) if i >= 3 and t not in second[:i] and t not in first)
+    out = gen.generate(prompts, max_new_tokens=NEW, stop_token_ids=[stop],
+                       tree_budget=AutoBudget(candidates=(1, 2, 4, 8), clock=Ticks()))
+    assert out.row_tokens == [first, second[: second.index(stop) + 1]]
+    assert len(out.stats.budgets) > len(out.row_acceptance[1]) and max(out.stats.budgets) > 0

@@ -14,11 +14,10 @@ import torch
 from test_batch import RowDecoys
 from test_generator import expected_acceptance, reference
 from test_hybrid_batch import _case
-from tiny import family_target, tiny_drafter, tiny_target
+from tiny import ScriptedDrafter, family_target, tiny_drafter, tiny_target
 
 from ddtree import Proposal, SpeculativeGenerator
 from ddtree.drafters.dflash.drafter import DFlashDrafter
-from ddtree.drafters.lookup import PromptLookup
 from ddtree.generation import static_round
 from ddtree.generation.round import speculative_round
 from ddtree.runtime.host_reads import count_host_reads
@@ -220,13 +219,14 @@ def test_a_per_call_builder_and_budget_get_their_own_steps(pair):
 
 def test_what_the_static_round_cannot_run_is_refused_with_the_way_out(pair):
     target, drafter = pair
-    with pytest.raises(ValueError, match="fixed int tree_budget"):
-        SpeculativeGenerator(target, drafter, tree_budget="auto", compile=True)
+    with pytest.raises(ValueError, match="fixed int tree_budget >= 1 .* or \"auto\""):
+        SpeculativeGenerator(target, drafter, tree_budget=0, compile=True)
     with pytest.raises(ValueError, match="attention='sdpa'"):
         SpeculativeGenerator(target, drafter, tree_budget=4, attention="split", compile=True)
     with pytest.raises(ValueError, match="compile must be"):
         SpeculativeGenerator(target, drafter, tree_budget=4, compile="")
-    gen = SpeculativeGenerator(target, PromptLookup(target.config.vocab_size), tree_budget=4, compile=BACKEND)
+    scripted = ScriptedDrafter(torch.tensor(PROMPTS[0] + [0] * 8), target.config.vocab_size)  # no static context
+    gen = SpeculativeGenerator(target, scripted, tree_budget=4, compile=BACKEND)
     with pytest.raises(ValueError, match="to_static"):
         gen.generate(torch.tensor([PROMPTS[0]]), max_new_tokens=4)
 

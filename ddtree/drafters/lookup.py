@@ -173,15 +173,7 @@ class LookupContext(DraftContext):
         return lookup_branches(self.lookup, *self.continuations(root_tokens))
 
     def propose(self, root_tokens: torch.Tensor) -> Proposal:
-        lk = self.lookup
-        cont, found = self.continuations(root_tokens)
-        bsz, depth = cont.shape
-        spread, hit = lk.logprob_table(cont.device)
-        n = found.clamp(max=spread.shape[0] - 1)
-        lp = spread.index_select(0, n)[:, None, None].expand(bsz, depth, lk.vocab_size).clone()
-        # Rows without a match write -log(V) over -log(V): unchanged.
-        lp.scatter_(2, cont[..., None], hit.index_select(0, n)[:, None, None].expand(bsz, depth, 1).contiguous())
-        return Proposal(lp)
+        return lookup_proposal(self.lookup, *self.continuations(root_tokens))
 
     def to_static(self, capacity: int) -> StaticLookupContext:
         """The committed tokens in a fixed ``[B, capacity]`` buffer, for the static round."""
@@ -219,6 +211,18 @@ def match_continuations(lookup: PromptLookup, tokens: torch.Tensor, lengths: tor
     return torch.where(found[:, None] > 0, seq.gather(1, index), 0), found
 
 
+def lookup_proposal(lookup: PromptLookup, cont: torch.Tensor, found: torch.Tensor) -> Proposal:
+    """The continuations as per-depth log-probs (the lookup as a drafter on its own): each depth's token at the
+    match's confidence, the rest spread evenly; uniform where nothing matched."""
+    bsz, depth = cont.shape
+    spread, hit = lookup.logprob_table(cont.device)
+    n = found.clamp(max=spread.shape[0] - 1)
+    lp = spread.index_select(0, n)[:, None, None].expand(bsz, depth, lookup.vocab_size).clone()
+    # Rows without a match write -log(V) over -log(V): unchanged.
+    lp.scatter_(2, cont[..., None], hit.index_select(0, n)[:, None, None].expand(bsz, depth, 1).contiguous())
+    return Proposal(lp)
+
+
 def lookup_branches(lookup: PromptLookup, cont: torch.Tensor, found: torch.Tensor) -> Branches:
     """The continuations as one branch per row, scored by their match length (length 0 where none)."""
     table = lookup.score_table(cont.device)  # [1 + len(confidence), D]
@@ -250,6 +254,11 @@ class StaticLookupContext:
     def branches(self, root_tokens: torch.Tensor, lengths: torch.Tensor) -> Branches:
         roots = root_tokens.view(-1).long()
         return lookup_branches(self.lookup, *match_continuations(self.lookup, self.tokens, lengths, roots))
+
+    def propose(self, root_tokens: torch.Tensor, lengths: torch.Tensor) -> Proposal:
+        """The lookup alone as the static round's drafter."""
+        roots = root_tokens.view(-1).long()
+        return lookup_proposal(self.lookup, *match_continuations(self.lookup, self.tokens, lengths, roots))
 
 
 class StaticMergedContext:

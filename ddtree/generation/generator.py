@@ -29,7 +29,6 @@ from ddtree.core.builders import TreeBuilder, resolve_builder
 from ddtree.core.noise import row_keys
 from ddtree.core.sampling import GREEDY, SamplingConfig
 from ddtree.drafters.base import Drafter
-from ddtree.drafters.lookup import PromptLookup, WithLookup
 from ddtree.generation.inputs import (
     StreamerFeed,
     chat_template_warning,
@@ -166,11 +165,10 @@ class SpeculativeGenerator:
         options = (options or GeneratorOptions()).replace(**settings)  # every setting checked here, once
         self.threads = _apply_thread_policy(target, options.threads)
         self.lockstep = Lockstep.for_model(target)  # ranks of a tensor-parallel target; inactive otherwise
-        drafter = resolve_drafter(drafter, target)  # a directory, hub id or raw model becomes a drafter for target
         if options.prompt_lookup is None:
             options = options.replace(prompt_lookup=DEFAULT_PROMPT_LOOKUP)
-        if options.prompt_lookup and not isinstance(drafter, WithLookup):
-            drafter = WithLookup(drafter, PromptLookup.for_target(target, block_size=drafter.block_size))
+        # a directory, hub id or raw model becomes a drafter for target (with a lookup branch when asked)
+        drafter = resolve_drafter(drafter, target, bool(options.prompt_lookup))
         if self.lockstep.active:
             self.lockstep.agree(_drafter_identity(drafter), "the drafter")
         self.target = target.eval()

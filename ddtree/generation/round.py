@@ -94,7 +94,8 @@ def _static_tree_round(state: DecodeState) -> RoundResult:
         with state.timer.stage("draft"):
             proposal = steps.propose(rows.draft, rows.roots, rows.lengths, keys)
         with state.timer.stage("tree_build"):
-            steps = gen.static_steps(policy.choose(proposal.logprobs, context), state.sampling)
+            live_rows = proposal.logprobs.index_select(0, torch.tensor(rows.slots, device=proposal.logprobs.device))
+            steps = gen.static_steps(policy.choose(live_rows, context), state.sampling)  # finished rows ride along
             tree = steps.build(proposal, rows.roots)
     result = static_round(state, steps, rows, tree)
     policy.observe([a for a in result.acceptance if a is not None], state.timer.last("verify"), context)

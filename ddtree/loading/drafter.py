@@ -15,6 +15,7 @@ import torch
 
 from ddtree.drafters.base import Drafter, check_drafter
 from ddtree.drafters.dflash.config import read_config_json
+from ddtree.drafters.lookup import PromptLookup, WithLookup
 from ddtree.drafters.registry import drafter_class, drafter_class_for_model
 from ddtree.loading.hub import config_file, local_dir, model_dir
 
@@ -67,9 +68,10 @@ def load_drafter(path_or_id: str | os.PathLike, target: Any, *, dtype: torch.dty
     return cls.from_pretrained(directory, target, dtype=dtype, device=device, **options)
 
 
-def resolve_drafter(drafter: Any, target: Any) -> Drafter:
+def resolve_drafter(drafter: Any, target: Any, prompt_lookup: bool = False) -> Drafter:
     """``drafter`` ready to serve ``target``: a directory or hub id is loaded (:func:`load_drafter`), a raw drafter
-    model bound by its registered class, a drafter kept as it is; then checked for every part of the protocol."""
+    model bound by its registered class, a drafter kept as it is; then checked for every part of the protocol.
+    ``prompt_lookup``: merge a prompt-lookup branch into its trees (a drafter that merges one is kept)."""
     if isinstance(drafter, (str, os.PathLike)):
         drafter = load_drafter(drafter, target)
     else:
@@ -77,4 +79,6 @@ def resolve_drafter(drafter: Any, target: Any) -> Drafter:
         if cls is not None:
             drafter = cls(drafter, target)
     check_drafter(drafter)
+    if prompt_lookup and not isinstance(drafter, WithLookup):
+        drafter = WithLookup(drafter, PromptLookup.for_target(target, block_size=drafter.block_size))
     return drafter
