@@ -668,3 +668,35 @@ def test_a_batch_whose_rows_the_drafter_follows_unequally_is_priced_by_the_slowe
                 tokens, seconds = tokens + run.tokens, seconds + run.seconds
                 plain += generate(0, weight_bound_cpu(), Drafter(**drafter), batch, 64).seconds
         assert seconds <= plain / 0.95, (seed, plain / seconds)
+
+
+def test_interleaved_calls_choose_as_each_alone():
+    """Two calls on one generator's learned costs, their rounds interleaved (a server taking turns), make the
+    choices each makes alone from the same learned costs: the cost table is shared, but the depth calibration,
+    tokens per row, lagging share and back-off schedules are each call's own. A strong call at batch 1 and a
+    weak one at batch 2 (each at its own cost key): shared live, the weak call's rounds pulled the strong one's
+    calibration down and the other way round."""
+    import copy
+
+    machine, base = cpu_like(), None
+    for batch in (1, 2):  # warm-up calls: both keys measured
+        warm = auto(learned=base)
+        simulate(warm, machine, Drafter(top=0.7, honest=0.5, seed=9 + batch), batch, 60)
+        base = warm.learned
+    calls = ((STRONG, 1, 1), ({"top": 0.8, "honest": 0.2}, 2, 2))
+    alone = [simulate(auto(learned=copy.deepcopy(base)), machine, Drafter(**args, seed=seed), batch, 60).choices
+             for args, batch, seed in calls]
+    shared = copy.deepcopy(base)
+    policies = [auto(learned=shared) for _ in calls]
+    drafters = [Drafter(**args, seed=seed) for args, _, seed in calls]
+    runs, contexts = [Run(0, 0.0, []) for _ in calls], [256, 256]
+    for r in range(60):
+        for i, (policy, drafter, (_, batch, _)) in enumerate(zip(policies, drafters, calls)):
+            accepted = play_round(policy, machine, drafter, list(range(batch)), contexts[i], r, runs[i])
+            contexts[i] += max(accepted)
+    assert [run.choices for run in runs] == alone
+    assert len(set(alone[0][10:])) > 1 and 0 in alone[1] and set(alone[1]) != {0}  # both decide, not one rule
+    for policy in policies:
+        policy.finish()
+    # the seconds went into the one table (each round but the last, booked at a call's next prepare)
+    assert shared.costs.rounds - base.costs.rounds == sum(len(run.choices) - 1 for run in runs)

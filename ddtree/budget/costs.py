@@ -108,7 +108,8 @@ class RoundCosts:
         self.plain: dict[Key, Estimate] = {}
         self.drafted: dict[Key, Estimate] = {}
         self.shifts: dict[Key, int] = {}
-        self.rounds = 0  # rounds recorded: an entry's stamp says how long ago it was measured
+        self.visits: dict[Key, int] = {}  # rounds recorded at each key: an entry's stamp is one of them
+        self.rounds = 0
 
     def key(self, batch: int, context: int) -> Key:
         return (context_bucket(context, self.settings.context_floor), int(batch))
@@ -116,29 +117,34 @@ class RoundCosts:
     def _entry(self, table: dict[Key, Estimate], key: Key) -> Estimate:
         return table.setdefault(key, Estimate.seconds(self.settings))
 
+    def _stamp(self, key: Key) -> int:
+        """Count a round at ``key``: staleness counts the key's own rounds, so calls elsewhere do not age it."""
+        self.rounds += 1
+        self.visits[key] = self.visits.get(key, 0) + 1
+        return self.visits[key]
+
     def record_tree(self, nodes: int, batch: int, context: int, round_seconds: float, verify_seconds: float,
                     chosen: bool = True) -> None:
         """A drafting round over ``nodes`` nodes per row; ``chosen``: the policy's own choice (not a try of a
         neighbour), whose round seconds price drafting against plain rounds."""
-        self.rounds += 1
         key = self.key(batch, context)
+        stamp = self._stamp(key)
         table = self.verify.setdefault(key, {})
         entry = table.setdefault(int(nodes), Estimate.seconds(self.settings))
         before = entry.value
-        moved = entry.update(verify_seconds, self.rounds)
+        moved = entry.update(verify_seconds, stamp)
         if moved and before and entry.value is not None:  # counts measured before the change follow it
             for other in table.values():
                 if other is not entry and other.value is not None and other.stamp < entry.changed_at:
                     other.value *= entry.value / before
-        moved |= self._entry(self.overhead, key).update(max(0.0, round_seconds - verify_seconds), self.rounds)
+        moved |= self._entry(self.overhead, key).update(max(0.0, round_seconds - verify_seconds), stamp)
         if chosen:
-            self._entry(self.drafted, key).update(round_seconds, self.rounds)
+            self._entry(self.drafted, key).update(round_seconds, stamp)
         self.shifts[key] = self.shifts.get(key, 0) + int(moved)
 
     def record_plain(self, batch: int, context: int, round_seconds: float) -> None:
-        self.rounds += 1
         key = self.key(batch, context)
-        moved = self._entry(self.plain, key).update(round_seconds, self.rounds)
+        moved = self._entry(self.plain, key).update(round_seconds, self._stamp(key))
         self.shifts[key] = self.shifts.get(key, 0) + int(moved)
 
     def expire(self, batch: int, context: int, plain: bool) -> None:
@@ -219,7 +225,9 @@ class RoundCosts:
                            for k, t in sorted(self.verify.items())},
                 **{kind: {_name(k): e.to_dict() for k, e in sorted(getattr(self, kind).items())}
                    for kind in ("overhead", "plain", "drafted")},
-                "shifts": {_name(k): n for k, n in sorted(self.shifts.items())}, "rounds": self.rounds}
+                **{kind: {_name(k): n for k, n in sorted(getattr(self, kind).items())}
+                   for kind in ("shifts", "visits")},
+                "rounds": self.rounds}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], settings: Settings | None = None) -> RoundCosts:
@@ -228,7 +236,8 @@ class RoundCosts:
         costs.verify = {key_of(k): {int(n): new().load(e) for n, e in t.items()} for k, t in data["verify"].items()}
         for kind in ("overhead", "plain", "drafted"):
             setattr(costs, kind, {key_of(k): new().load(e) for k, e in data[kind].items()})
-        costs.shifts = {key_of(k): int(n) for k, n in data["shifts"].items()}
+        costs.shifts, costs.visits = ({key_of(k): int(n) for k, n in data[kind].items()}
+                                      for kind in ("shifts", "visits"))
         costs.rounds = int(data["rounds"])
         return costs
 
