@@ -1,10 +1,8 @@
-"""The acceptance model: expected committed tokens per row for each candidate budget.
+"""The acceptance model: expected committed tokens per row for each candidate budget (:data:`COST_MODEL`).
 
-``E[tokens | n] = 1 + sum_d r_d(n)``, ``r_d(n) = min(1, c_d * p_d(n))`` made non-increasing in ``d``, where
-``p_d(n)`` is the drafter's probability that the target's path reaches depth ``d`` in the budget-``n`` tree (the
-sum of ``exp(path log-prob)`` over its depth-``d`` nodes) and ``c_d`` calibrates the drafter by depth against the
-rounds' accepted counts. How a call's prompts compare with earlier calls' (:class:`PromptSpread`) and which row
-of a batch lags (:class:`RowProgress`) are the two acceptance figures measured per call, not per tree.
+``p_d(n)``: the drafter's probability that the target's path reaches depth ``d`` in the budget-``n`` tree (the
+sum of ``exp(path log-prob)`` over its depth-``d`` nodes); ``c_d`` calibrates it by depth against the accepted
+counts. :class:`PromptSpread` and :class:`RowProgress` weigh what a call and a row accept against noise.
 """
 
 from __future__ import annotations
@@ -50,9 +48,6 @@ class Calibration:
         self.reached[:depth] += (torch.arange(1, depth + 1, dtype=torch.float64)[None] <= counts).double().mean(0)
         if predicted_rows.shape[1]:
             self.predicted[:depth] += predicted_rows.mean(dim=0)
-
-    def copy(self) -> Calibration:
-        return Calibration(self.reached.clone(), self.predicted.clone())
 
 
 class TreePricer:

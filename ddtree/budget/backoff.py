@@ -13,7 +13,7 @@ class Backoff:
     """``left`` rounds until the next try, ``interval`` the wait after it, ``shifts`` the cost table's lasting
     changes at this key when last looked at. As a retry schedule it also counts the key's rounds
     (``visits``) and the visit at which each option last ran (``plain_at``, ``drafted_at``), the winner and
-    plain's rate when it last moved (``reference``), and an interval a load move cut short (``held``)."""
+    and plain's rate when it last moved (``reference``)."""
 
     interval: int = 2
     left: int = 2
@@ -23,7 +23,6 @@ class Backoff:
     drafted_at: int = 0
     plain_won: bool | None = None
     reference: float | None = None
-    held: int | None = None
 
     def tick(self) -> bool:
         """Count a round; whether a try is due."""

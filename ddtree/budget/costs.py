@@ -66,13 +66,6 @@ class Estimate:
         self.value += weight * (value - self.value)
         return False
 
-    def to_dict(self) -> dict[str, Any]:
-        return {"value": self.value, "count": self.count, "stamp": self.stamp}
-
-    def load(self, data: dict[str, Any]) -> Estimate:
-        self.value, self.count, self.stamp = float(data["value"]), int(data["count"]), int(data.get("stamp", -1))
-        return self
-
 
 def context_bucket(context: int, minimum: int = 64) -> int:
     """The power of two (at least ``minimum``) a context length is priced at."""
@@ -158,32 +151,15 @@ class RoundCosts:
         """The most rounds behind a kind's seconds at any key (1: only the first, which paid first-call costs)."""
         return max((e.count for e in (self.plain if plain else self.drafted).values()), default=0)
 
-    def verify_table(self, batch: int, context: int) -> tuple[dict[int, float], float]:
-        """``{nodes: seconds}`` at this key, else the nearest measured one, with node counts not measured there
-        from the nearest other bucket at that batch (rescaled by the median ratio of common counts); and the
-        factor mapping a node count here to the same total there."""
-        key = self.key(batch, context)
-        near = nearest(self.verify, key)
-        if near is None:
-            return {}, 1.0
-        table = _values(self.verify[near])
-        other = nearest({k: v for k, v in self.verify.items() if k != near and k[1] == near[1]}, near)
-        if other is not None:
-            theirs = _values(self.verify[other])
-            common = sorted(table[n] / theirs[n] for n in set(table) & set(theirs))
-            ratio = common[len(common) // 2] if common else 1.0
-            for n, v in theirs.items():
-                table.setdefault(n, v * ratio)
-        return table, key[1] / near[1]
-
     def verify_seconds(self, nodes: int, batch: int, context: int) -> tuple[float | None, bool]:
-        """Interpolated seconds of a verify over ``nodes``, and whether they count as measured: within the
-        measured counts, or up to ``reach`` times the largest (priced by the last two's slope)."""
-        table, scale = self.verify_table(batch, context)
-        x = nodes * scale
-        known = bool(table) and (min(table) <= x <= max(table) or (len(table) > 1 and x <= self.settings.reach
-                                                                     * max(table)))
-        return interpolate(table, x), known
+        """Seconds of a verify over ``nodes`` nodes per row, interpolated at the nearest measured key (at the same
+        total node count), and whether they count as measured: at most the largest measured count (below the
+        smallest, its seconds once two counts show the slope)."""
+        near = nearest(self.verify, self.key(batch, context))
+        if near is None:
+            return None, False
+        table, x = _values(self.verify[near]), nodes * batch / near[1]
+        return interpolate(table, x), x <= max(table) and (len(table) > 1 or x >= min(table))
 
     def verify_stamps(self, batch: int, context: int) -> dict[int, int]:
         """``{nodes: round}`` of the verify forwards measured at exactly this key."""
@@ -220,27 +196,6 @@ class RoundCosts:
         near = nearest(table, self.key(batch, context))
         return None if near is None else table[near].value
 
-    def to_dict(self) -> dict[str, Any]:
-        return {"verify": {_name(k): {str(n): e.to_dict() for n, e in sorted(t.items())}
-                           for k, t in sorted(self.verify.items())},
-                **{kind: {_name(k): e.to_dict() for k, e in sorted(getattr(self, kind).items())}
-                   for kind in ("overhead", "plain", "drafted")},
-                **{kind: {_name(k): n for k, n in sorted(getattr(self, kind).items())}
-                   for kind in ("shifts", "visits")},
-                "rounds": self.rounds}
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any], settings: Settings | None = None) -> RoundCosts:
-        costs = cls(settings)
-        new = lambda: Estimate.seconds(costs.settings)  # noqa: E731
-        costs.verify = {key_of(k): {int(n): new().load(e) for n, e in t.items()} for k, t in data["verify"].items()}
-        for kind in ("overhead", "plain", "drafted"):
-            setattr(costs, kind, {key_of(k): new().load(e) for k, e in data[kind].items()})
-        costs.shifts, costs.visits = ({key_of(k): int(n) for k, n in data[kind].items()}
-                                      for kind in ("shifts", "visits"))
-        costs.rounds = int(data["rounds"])
-        return costs
-
     def describe(self) -> dict[str, Any]:
         def secs(e: Estimate) -> float | None:
             return None if e.value is None else round(e.value, 6)
@@ -254,11 +209,6 @@ class RoundCosts:
 
 def _name(k: Key) -> str:
     return f"{k[0]}x{k[1]}"
-
-
-def key_of(text: str) -> Key:
-    bucket, batch = text.split("x")
-    return (int(bucket), int(batch))
 
 
 def nearest(entries: dict[Key, T], key: Key) -> Key | None:

@@ -9,18 +9,11 @@ starts from a copy (:meth:`Learned.start`), so calls interleaved on one generato
 from __future__ import annotations
 
 import copy
-import json
-import os
-import tempfile
-from dataclasses import asdict, dataclass, field
-from pathlib import Path
-from typing import Any
-
-import torch
+from dataclasses import dataclass, field
 
 from ddtree.budget.acceptance import Calibration, PromptSpread
 from ddtree.budget.backoff import Backoff
-from ddtree.budget.costs import Estimate, Key, RoundCosts, _name, key_of
+from ddtree.budget.costs import Estimate, Key, RoundCosts
 from ddtree.budget.settings import Settings
 from ddtree.budget.shrink import Moments
 
@@ -48,7 +41,7 @@ class Learned:
         """A call's own copy; the per-call parts of the retry schedules (what it has seen) start blank."""
         own = copy.deepcopy(self.carried)
         for b in own.retries.values():
-            b.plain_won = b.reference = b.held = None
+            b.plain_won = b.reference = None
         return own
 
     def hand_on(self, own: Carried, rounds: Moments | None = None, batch: int = 1) -> None:
@@ -58,52 +51,3 @@ class Learned:
         self.carried.spread = spread  # every call's, not only those this one saw
         if rounds is not None:
             spread.setdefault(batch, PromptSpread()).add(rounds)
-
-    def to_dict(self) -> dict[str, Any]:
-        c = self.carried
-        return {"costs": self.costs.to_dict(),
-                "spread": {str(b): asdict(p) for b, p in sorted(c.spread.items())},
-                "calibration": {"reached": c.calibration.reached.tolist(),
-                                "predicted": c.calibration.predicted.tolist()},
-                "tokens": {_name(k): e.to_dict() for k, e in sorted(c.tokens.items())},
-                "lagging": {str(b): s for b, s in sorted(c.lagging.items())},
-                "retries": {_name(k): asdict(b) for k, b in sorted(c.retries.items())},
-                "neighbours": {_name(k): asdict(b) for k, b in sorted(c.neighbours.items())}}
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any], settings: Settings | None = None) -> Learned:
-        s = settings or Settings()
-        learned = cls(s)
-        learned.costs = RoundCosts.from_dict(data["costs"], s)
-        cal = data["calibration"]
-        learned.carried = Carried(
-            Calibration(torch.tensor(cal["reached"], dtype=torch.float64),
-                        torch.tensor(cal["predicted"], dtype=torch.float64)),
-            {key_of(k): Estimate(s.tokens_weight).load(e) for k, e in data["tokens"].items()},
-            {int(b): float(v) for b, v in data["lagging"].items()},
-            {key_of(k): Backoff(**b) for k, b in data["retries"].items()},
-            {key_of(k): Backoff(**b) for k, b in data["neighbours"].items()},
-            {int(b): PromptSpread(Moments(**p["means"]), p["within"], p["noise"]) for b, p in data["spread"].items()})
-        return learned
-
-    def save(self, path: str | Path) -> None:
-        """Write as JSON, atomically (readers see the old file or the new one): a seed for a later run of the
-        same model on the same machine."""
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
-        try:
-            with os.fdopen(fd, "w") as f:
-                json.dump(self.to_dict(), f, indent=1)
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
-
-    @classmethod
-    def load(cls, path: str | Path, settings: Settings | None = None) -> Learned:
-        try:
-            return cls.from_dict(json.loads(Path(path).read_text()), settings)
-        except (OSError, ValueError, KeyError, TypeError) as exc:
-            raise ValueError(f"cannot read learned budget costs from {path}: {exc}; delete the file or save a new "
-                             "one with Learned.save") from exc

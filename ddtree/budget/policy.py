@@ -156,10 +156,6 @@ class AutoBudget(BudgetPolicy):
         """A policy for one call on ``generator``: its builder and what its earlier calls learned."""
         return cls(builder=generator.builder, learned=generator.learned, **options)
 
-    @property
-    def row_tokens(self) -> float | None:
-        return None if self._row_tokens is None else self._row_tokens.value
-
     # ------------------------------------------------------------------ before drafting
 
     def prepare(self, context_len: int, batch: int) -> None:
@@ -198,7 +194,7 @@ class AutoBudget(BudgetPolicy):
         """Drafting's rate here at this call's tokens per row (else earlier calls'), at batch > 1 priced by
         the row that lags: a call lasts until its last row is done."""
         seconds = self.costs.drafted_seconds(batch, context)
-        row = self.row_tokens
+        row = None if self._row_tokens is None else self._row_tokens.value
         spread = self.carried.spread.get(batch)
         if row is None and spread is not None and spread.prior_rounds(self.settings.acceptance_prior,
                                                                       self.settings.min_generations):
@@ -213,8 +209,7 @@ class AutoBudget(BudgetPolicy):
     def _retry_interval(self, key: Key, plain: float, drafted: float,
                         seconds: tuple[float | None, float | None]) -> int:
         """The retry interval at ``key``: back to the first when the cost table shifted or a winning plain rate
-        moved by ``load_moved`` (the interval cut short is held, restored if the retry confirms the winner);
-        spaced anew when the winner changed."""
+        moved by ``load_moved``; spaced anew when the winner changed."""
         s = self.settings
         b = self.carried.retries.setdefault(key, Backoff(interval=0))
         shifts, plain_wins = self.costs.shifts.get(key, 0), plain >= drafted
@@ -222,7 +217,6 @@ class AutoBudget(BudgetPolicy):
             b.plain_won, b.shifts, b.reference = plain_wins, shifts, plain
         moved = plain_wins and self._load_moved(b.reference, plain)
         if b.moved(shifts) or moved:
-            b.held = b.held or b.interval or s.first_interval
             b.interval = s.first_interval
         elif b.plain_won != plain_wins:
             b.interval = spaced(s.first_interval, plain, drafted, s.retry_every, s.retry_cost, *seconds)
@@ -239,9 +233,8 @@ class AutoBudget(BudgetPolicy):
         return reference is not None and not reference / m <= plain <= reference * m
 
     def _retried(self, key: Key, batch: int, context: int, plain_won: bool, fresh: bool) -> None:
-        """After a retry is booked: the wait doubles while the winner holds (at least the held interval), starts
-        again when the other wins; when plain takes over on a rate the load moved, drafting is measured again
-        soon, its next round replacing the old figure."""
+        """After a retry is booked: the wait doubles while the winner holds, starts again when the other wins;
+        when plain takes over on a rate the load moved, drafting's next round replaces its old figure."""
         s = self.settings
         plain_seconds = self.costs.plain_seconds(batch, context)
         drafted = self._drafted_rate(batch, context)
@@ -249,14 +242,12 @@ class AutoBudget(BudgetPolicy):
             return
         plain = batch / max(plain_seconds, 1e-12)
         b = self.carried.retries[key]
-        interval, held = b.interval or s.first_interval, b.held or s.first_interval
-        reference = plain if b.reference is None else b.reference
-        b.held = None
+        interval, reference = b.interval or s.first_interval, plain if b.reference is None else b.reference
         plain_wins = plain >= drafted
         if plain_wins != plain_won:
             interval = s.first_interval
         elif not fresh:  # a call's first try of its own prompts says nothing of the schedule
-            interval = max(2 * interval, held)
+            interval = 2 * interval
         if plain_wins and not plain_won and self._load_moved(reference, plain):
             self.costs.expire(batch, context, plain=False)
         else:
@@ -440,40 +431,30 @@ class AutoBudget(BudgetPolicy):
         self.reasons[reason] += 1
 
     def describe(self) -> dict[str, Any]:
-        cal = self.carried.calibration
-        context, batch = self.last.get("context", 0), self.last.get("batch", 1)
+        cal, context, batch = self.carried.calibration, self.last.get("context", 0), self.last.get("batch", 1)
         plain = self.costs.plain_seconds(batch, context)
-        drafted = self._drafted_rate(batch, context)
         return {"policy": "auto", "cost_model": COST_MODEL, "candidates": list(self.candidates),
                 "rounds": self.rounds, "plain_rounds": self.plain_rounds, "explorations": self.explorations,
                 "choices": {str(k): v for k, v in sorted(self.choices.items())}, "reasons": dict(self.reasons),
                 "plain_round_seconds": None if plain is None else round(plain, 6),
-                "drafted_tokens_per_second": None if drafted is None else round(drafted, 2),
                 "depth_calibration": [round(c, 4) for c in
                                       cal.factors(cal.reached.numel(), self.settings.prior_rounds).tolist()],
                 "lagging_row_share": {str(b): round(v, 4) for b, v in sorted(self.carried.lagging.items())},
                 "costs": self.costs.describe(), "last_round": self.last, "state": self.explain()}
 
     def explain(self) -> list[str]:
-        """The current state in a few lines: the last choice and why, the rates it weighed, what comes next."""
-        if not self.last and not self.plain_rounds:
-            return ["no round yet"]
+        """The state in a few lines: the last choice and why, the rates it weighed, when the next tries come."""
         context, batch = self.last.get("context", 0), self.last.get("batch", 1)
-        key = self.costs.key(batch, context)
-        plain = self.costs.plain_seconds(batch, context)
-        drafted = self._drafted_rate(batch, context)
-        lines = [f"last tree: budget {self.last.get('chosen')} ({self.last.get('reason')}) at batch {batch}, "
-                 f"context bucket {key[0]}; rounds {self.rounds}, plain {self.plain_rounds}, by reason "
-                 f"{dict(self.reasons)}"]
-        if plain is not None:
-            rate = "not measured" if drafted is None else f"{drafted:.1f} tokens/s"
-            lines.append(f"plain {batch / max(plain, 1e-12):.1f} tokens/s against drafting {rate}"
-                         f" (own tokens per row {self.row_tokens or 0:.2f})")
+        key, plain, drafted = self.costs.key(batch, context), self.costs.plain_seconds(batch, context), \
+            self._drafted_rate(batch, context)
+        lines = [f"{self.rounds} rounds ({self.plain_rounds} plain) by reason {dict(self.reasons)}; last tree: "
+                 f"budget {self.last.get('chosen')} ({self.last.get('reason')}) at batch {batch}, context {key[0]}"]
+        if plain is not None and drafted is not None:
+            lines.append(f"plain {batch / plain:.1f} tokens/s against drafting {drafted:.1f} tokens/s")
         retry, near = self.carried.retries.get(key), self.carried.neighbours.get(key)
         if retry is not None and retry.plain_won is not None:
-            loser = "drafting" if retry.plain_won else "plain"
-            lines.append(f"{loser} is retried {max(0, retry.interval - retry.since(not retry.plain_won))} rounds "
-                         f"from now (interval {retry.interval})")
+            wait = max(0, retry.interval - retry.since(not retry.plain_won))
+            lines.append(f"{'drafting' if retry.plain_won else 'plain'} is retried in {wait} rounds")
         if near is not None and self.best is not None:
             lines.append(f"best budget {self.best}; a neighbour is tried in {max(0, near.left)} drafting rounds")
         return lines

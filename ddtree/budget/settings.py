@@ -47,8 +47,6 @@ class Settings:
     """Drafting rounds before a call's own figures tell (its lagging row, its place in the spread)."""
     context_floor: int = 64
     """Smallest context bucket: short contexts cost alike."""
-    reach: float = 2.0
-    """A budget up to this times the largest measured node count is priced by the last two's slope."""
 
     def __post_init__(self) -> None:
         if not self.candidates or any(int(c) < 1 for c in self.candidates):
