@@ -7,6 +7,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from ddtree.budget.settings import Settings
+
 
 @dataclass
 class Backoff:
@@ -53,13 +55,13 @@ class Backoff:
         return self.visits - (self.plain_at if plain else self.drafted_at)
 
 
-def spaced(interval: int, rate: float, other: float, most: int, cost: float,
+def spaced(interval: int, rate: float, other: float, s: Settings,
            seconds: float | None = None, other_seconds: float | None = None) -> int:
-    """At least ``interval`` (at most ``most``), and enough rounds that one try of the loser costs at most
-    ``cost`` of them: the loser's rate loss times its round's length over the winner's, over ``cost``."""
+    """At least ``interval`` (at most ``retry_every``), and enough rounds that one try of the loser costs at most
+    ``retry_cost`` of them: the loser's rate loss times its round's length over the winner's, over the cost."""
     loss = 1.0 - min(rate, other) / max(rate, other, 1e-12)
     length = 1.0
     if seconds is not None and other_seconds is not None and min(seconds, other_seconds) > 0:
         winner, loser = (seconds, other_seconds) if rate >= other else (other_seconds, seconds)
         length = loser / winner
-    return int(min(most, max(interval, math.ceil(loss * length / cost - 1e-9))))
+    return int(min(s.retry_every, max(interval, math.ceil(loss * length / s.retry_cost - 1e-9))))

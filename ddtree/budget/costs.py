@@ -165,11 +165,6 @@ class RoundCosts:
         """``{nodes: round}`` of the verify forwards measured at exactly this key."""
         return {n: e.stamp for n, e in self.verify.get(self.key(batch, context), {}).items()}
 
-    def verify_changed(self, nodes: int, batch: int, context: int) -> int:
-        """The round the last lasting change of this verify began in (-1: none)."""
-        entry = self.verify.get(self.key(batch, context), {}).get(int(nodes))
-        return -1 if entry is None else entry.changed_at
-
     def overhead_seconds(self, batch: int, context: int) -> float | None:
         return self._read(self.overhead, batch, context)
 

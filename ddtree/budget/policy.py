@@ -1,9 +1,5 @@
-"""Budget policies: how many draft nodes each round's tree gets, or none.
-
-``FixedBudget(n)`` gives every round ``n``. ``AutoBudget`` (``tree_budget="auto"``) wires the cost table
-(:mod:`~ddtree.budget.costs`), the acceptance model (:mod:`~ddtree.budget.acceptance`), the back-off schedules
-(:mod:`~ddtree.budget.backoff`) and the decision (:mod:`~ddtree.budget.decide`); every constant is in
-:class:`~ddtree.budget.settings.Settings`.
+"""Budget policies: ``FixedBudget(n)``, and ``AutoBudget`` (``tree_budget="auto"``), glue over the cost table,
+the acceptance model, the back-off schedules and the decision (one module each), its constants in ``Settings``.
 """
 
 from __future__ import annotations
@@ -116,12 +112,9 @@ class _Round:
 class AutoBudget(BudgetPolicy):
     """``tree_budget="auto"``: a plain step, or the budget of highest expected committed tokens per second.
 
-    Before drafting, the measured rates of plain and drafting rounds decide (the loser retried on a back-off
-    schedule); with the proposal, each measured budget's expected tokens (the acceptance model) over its
-    seconds (the cost table), a neighbour tried on a back-off schedule. Drafting is priced at the call's own
-    tokens per row (from a prior earlier calls weigh) and, at batch > 1, by the row that lags. ``clock`` is
-    read once per round, in :meth:`prepare` (inject a fake one to test); where it counts work, not wall time
-    (:func:`~ddtree.runtime.timing.work_clock`), ``wall_clock`` rescales the verify's wall seconds.
+    Drafting is priced at the call's own tokens per row (its prior weighed from earlier calls) and, at batch > 1,
+    by the row that lags. ``clock`` is read once per round, in :meth:`prepare` (inject a fake one to test); where
+    it counts work (:func:`~ddtree.runtime.timing.work_clock`), ``wall_clock`` rescales the verify's wall seconds.
     ``overrides``: :class:`Settings` fields.
     """
 
@@ -176,7 +169,7 @@ class AutoBudget(BudgetPolicy):
             if self.costs.samples(not plain_wins) < 2:  # the first round of a kind also paid first-call costs
                 interval = s.first_interval
             if plain_wins and self._row_tokens is None:  # prompts never drafted: one retry, spaced by loss
-                once = spaced(s.first_interval, plain, drafted, s.retry_every, s.retry_cost, *seconds)
+                once = spaced(s.first_interval, plain, drafted, s, *seconds)
                 fresh, interval = once < interval, min(interval, once)
             due = self.carried.retries[key].since(not plain_wins) >= interval
             if due:
@@ -219,12 +212,12 @@ class AutoBudget(BudgetPolicy):
         if b.moved(shifts) or moved:
             b.interval = s.first_interval
         elif b.plain_won != plain_wins:
-            b.interval = spaced(s.first_interval, plain, drafted, s.retry_every, s.retry_cost, *seconds)
+            b.interval = spaced(s.first_interval, plain, drafted, s, *seconds)
         if moved or b.plain_won != plain_wins:
             b.reference = plain
         b.plain_won = plain_wins
         if not b.interval:
-            b.interval = spaced(s.first_interval, plain, drafted, s.retry_every, s.retry_cost, *seconds)
+            b.interval = spaced(s.first_interval, plain, drafted, s, *seconds)
         return b.interval
 
     def _load_moved(self, reference: float | None, plain: float) -> bool:
@@ -251,7 +244,7 @@ class AutoBudget(BudgetPolicy):
         if plain_wins and not plain_won and self._load_moved(reference, plain):
             self.costs.expire(batch, context, plain=False)
         else:
-            interval = spaced(interval, plain, drafted, s.retry_every, s.retry_cost, plain_seconds,
+            interval = spaced(interval, plain, drafted, s, plain_seconds,
                               self.costs.drafted_seconds(batch, context))
         b.interval, b.plain_won, b.reference = interval, plain_wins, plain
         b.moved(self.costs.shifts.get(key, 0))
@@ -281,13 +274,9 @@ class AutoBudget(BudgetPolicy):
         if decision.reason == EXPLORE and decision.best is not None:
             self.explorations += 1
             interval = min(2 * schedule.interval, s.explore_every)
-            stamps = self.costs.verify_stamps(batch, context_len)
-            current = stamps.get(decision.budget + 1, -1) >= self.costs.verify_changed(decision.best + 1, batch,
-                                                                                      context_len)
-            if decision.budget in measured and current:  # a try priced well below the best waits longer
+            if decision.budget in measured:  # a try priced well below the best waits longer
                 rate = {n: expected[n] / measured[n] for n in (decision.best, decision.budget)}
-                interval = spaced(interval, rate[decision.best], rate[decision.budget], s.retry_every,
-                                  s.retry_cost)
+                interval = spaced(interval, rate[decision.best], rate[decision.budget], s)
             schedule.tried(interval)
         elif explore and decision.best is not None:
             schedule.tried(min(2 * schedule.interval, s.explore_every))
