@@ -174,18 +174,8 @@ class RoundCosts:
         return self._read(self.plain, batch, context)
 
     def drafted_seconds(self, batch: int, context: int) -> float | None:
-        """A drafting round's seconds here, else the nearest key's scaled by the plain rounds' ratio."""
-        key = self.key(batch, context)
-        near = nearest(self.drafted, key)
-        if near is None:
-            return None
-        seconds = self.drafted[near].value
-        if near != key:
-            here, there = self.plain_seconds(batch, context), self.plain_seconds(near[1], near[0])
-            if here is None or there is None or seconds is None:
-                return None
-            seconds *= here / max(there, 1e-12)
-        return seconds
+        """A drafting round's seconds here, else at the nearest key as they are."""
+        return self._read(self.drafted, batch, context)
 
     def _read(self, table: dict[Key, Estimate], batch: int, context: int) -> float | None:
         near = nearest(table, self.key(batch, context))
