@@ -14,8 +14,8 @@ from ddtree.budget.settings import Settings
 class Backoff:
     """``left`` rounds until the next try, ``interval`` the wait after it, ``shifts`` the cost table's lasting
     changes at this key when last looked at. As a retry schedule it also counts the key's rounds
-    (``visits``) and the visit at which each option last ran (``plain_at``, ``drafted_at``), the winner and
-    and plain's rate when it last moved (``reference``)."""
+    (``visits``) and the visit at which each option last ran (``plain_at``, ``drafted_at``), the winner
+    (``plain_won``) and plain's rate when it last moved (``reference``)."""
 
     interval: int = 2
     left: int = 2
@@ -53,6 +53,48 @@ class Backoff:
     def since(self, plain: bool) -> int:
         """Rounds at this key since the option last ran here."""
         return self.visits - (self.plain_at if plain else self.drafted_at)
+
+    def retry_interval(self, plain: float, drafted: float, shifts: int, s: Settings,
+                       seconds: tuple[float | None, float | None]) -> int:
+        """The wait before the loser's retry (rates in tokens per second): back to the first when the cost table
+        shifted or a winning plain rate moved by ``load_moved``; spaced anew when the winner changed."""
+        plain_wins = plain >= drafted
+        if self.plain_won is None:
+            self.plain_won, self.shifts, self.reference = plain_wins, shifts, plain
+        moved = plain_wins and load_moved(self.reference, plain, s)
+        if self.moved(shifts) or moved:
+            self.interval = s.first_interval
+        elif self.plain_won != plain_wins:
+            self.interval = spaced(s.first_interval, plain, drafted, s, *seconds)
+        if moved or self.plain_won != plain_wins:
+            self.reference = plain
+        self.plain_won = plain_wins
+        if not self.interval:
+            self.interval = spaced(s.first_interval, plain, drafted, s, *seconds)
+        return self.interval
+
+    def retried(self, plain: float, drafted: float, plain_won: bool, fresh: bool, shifts: int, s: Settings,
+                seconds: tuple[float | None, float | None]) -> bool:
+        """After a retry (``plain_won``: the winner before it): the wait doubles while the winner holds (not on a
+        call's ``fresh`` first try of its own prompts), starts again when the other wins. Returns whether plain
+        took over on a rate the load moved: drafting's figure is from another load, to be measured again."""
+        interval, reference = self.interval or s.first_interval, plain if self.reference is None else self.reference
+        plain_wins = plain >= drafted
+        if plain_wins != plain_won:
+            interval = s.first_interval
+        elif not fresh:
+            interval = 2 * interval
+        stale = plain_wins and not plain_won and load_moved(reference, plain, s)
+        if not stale:
+            interval = spaced(interval, plain, drafted, s, *seconds)
+        self.interval, self.plain_won, self.reference = interval, plain_wins, plain
+        self.moved(shifts)
+        return stale
+
+
+def load_moved(reference: float | None, plain: float, s: Settings) -> bool:
+    """Plain's rate is one token per row per round, so a move of it by ``load_moved`` is the load's."""
+    return reference is not None and not reference / s.load_moved <= plain <= reference * s.load_moved
 
 
 def spaced(interval: int, rate: float, other: float, s: Settings,

@@ -164,7 +164,8 @@ class AutoBudget(BudgetPolicy):
         due = fresh = False
         if plain is not None and drafted is not None:
             seconds = (plain_seconds, self.costs.drafted_seconds(batch, context_len))
-            interval = self._retry_interval(key, plain, drafted, seconds)
+            interval = self.carried.retries.setdefault(key, Backoff(interval=0)).retry_interval(
+                plain, drafted, self.costs.shifts.get(key, 0), s, seconds)
             plain_wins = plain >= drafted
             if self.costs.samples(not plain_wins) < 2:  # the first round of a kind also paid first-call costs
                 interval = s.first_interval
@@ -199,55 +200,14 @@ class AutoBudget(BudgetPolicy):
             return None
         return row * batch / max(seconds, 1e-12) * self.carried.lagging.get(batch, 1.0)
 
-    def _retry_interval(self, key: Key, plain: float, drafted: float,
-                        seconds: tuple[float | None, float | None]) -> int:
-        """The retry interval at ``key``: back to the first when the cost table shifted or a winning plain rate
-        moved by ``load_moved``; spaced anew when the winner changed."""
-        s = self.settings
-        b = self.carried.retries.setdefault(key, Backoff(interval=0))
-        shifts, plain_wins = self.costs.shifts.get(key, 0), plain >= drafted
-        if b.plain_won is None:
-            b.plain_won, b.shifts, b.reference = plain_wins, shifts, plain
-        moved = plain_wins and self._load_moved(b.reference, plain)
-        if b.moved(shifts) or moved:
-            b.interval = s.first_interval
-        elif b.plain_won != plain_wins:
-            b.interval = spaced(s.first_interval, plain, drafted, s, *seconds)
-        if moved or b.plain_won != plain_wins:
-            b.reference = plain
-        b.plain_won = plain_wins
-        if not b.interval:
-            b.interval = spaced(s.first_interval, plain, drafted, s, *seconds)
-        return b.interval
-
-    def _load_moved(self, reference: float | None, plain: float) -> bool:
-        """Plain's rate is one token per row per round, so a move of it is the load's."""
-        m = self.settings.load_moved
-        return reference is not None and not reference / m <= plain <= reference * m
-
     def _retried(self, key: Key, batch: int, context: int, plain_won: bool, fresh: bool) -> None:
-        """After a retry is booked: the wait doubles while the winner holds, starts again when the other wins;
-        when plain takes over on a rate the load moved, drafting's next round replaces its old figure."""
-        s = self.settings
-        plain_seconds = self.costs.plain_seconds(batch, context)
-        drafted = self._drafted_rate(batch, context)
+        plain_seconds, drafted = self.costs.plain_seconds(batch, context), self._drafted_rate(batch, context)
         if plain_seconds is None or drafted is None:
             return
-        plain = batch / max(plain_seconds, 1e-12)
-        b = self.carried.retries[key]
-        interval, reference = b.interval or s.first_interval, plain if b.reference is None else b.reference
-        plain_wins = plain >= drafted
-        if plain_wins != plain_won:
-            interval = s.first_interval
-        elif not fresh:  # a call's first try of its own prompts says nothing of the schedule
-            interval = 2 * interval
-        if plain_wins and not plain_won and self._load_moved(reference, plain):
+        seconds = (plain_seconds, self.costs.drafted_seconds(batch, context))
+        if self.carried.retries[key].retried(batch / max(plain_seconds, 1e-12), drafted, plain_won, fresh,
+                                             self.costs.shifts.get(key, 0), self.settings, seconds):
             self.costs.expire(batch, context, plain=False)
-        else:
-            interval = spaced(interval, plain, drafted, s, plain_seconds,
-                              self.costs.drafted_seconds(batch, context))
-        b.interval, b.plain_won, b.reference = interval, plain_wins, plain
-        b.moved(self.costs.shifts.get(key, 0))
 
     # ------------------------------------------------------------------ with the proposal
 
