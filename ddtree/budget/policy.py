@@ -336,7 +336,8 @@ class AutoBudget(BudgetPolicy):
         self._row_tokens.update(value, self.rounds)
         self._own.add(value)
         spread = self.carried.spread.get(self._own_batch)
-        if (spread is not None and self._row_tokens.count > self._own.count + 1 and self._own.count >= 3
+        if (spread is not None and self._row_tokens.count > self._own.count + 1
+                and self._own.count >= s.unlike_after
                 and spread.unlike(self._own.mean, self._own.count, s.unlike_sigmas, s.min_generations)):
             self._row_tokens.value, self._row_tokens.count = self._own.mean, self._own.count  # not like them
             self._row_tokens.weight = s.tokens_weight

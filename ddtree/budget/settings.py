@@ -43,6 +43,8 @@ class Settings:
     """Calls behind a spread before it weighs a prior: two means say nothing of their spread's spread."""
     unlike_sigmas: float = 3.0
     """A call whose own mean lies this many standard deviations off earlier calls' drops their prior."""
+    unlike_after: int = 3
+    """A call's own drafting rounds before its mean is judged against earlier calls' (fewer are mostly luck)."""
     min_rounds: int = 4
     """Drafting rounds before a call's own figures tell (its lagging row, its place in the spread)."""
     context_floor: int = 64
