@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ddtree.budget.costs import Estimate, Key, nearest
+from ddtree.budget.settings import Settings
 from ddtree.budget.shrink import Moments, between, shrink
 from ddtree.core.builders import TreeBuilder, best_first
 from ddtree.core.tree import DraftTree
@@ -168,3 +170,60 @@ class RowProgress:
         noise = sum(row.variance for row in self.rows) / batch / self.rounds  # of one row's mean
         low = shrink(min(row.mean for row in self.rows), means.mean, between(means, noise), noise)
         return max(0.0, min(1.0, low / means.mean))
+
+
+class CallTokens:
+    """A call's committed tokens per row of a drafting round: a running mean from a prior the earlier calls give
+    (their mean at this batch, counted as the rounds their ``spread`` is worth; else the nearest key's figure in
+    ``tokens``, else what the policy expected of the first tree, as one round), left once the call's own rounds
+    say its prompts are unlike theirs. Its rounds also update ``tokens``, the next call's figures by key."""
+
+    def __init__(self, s: Settings, spread: dict[int, PromptSpread], tokens: dict[Key, Estimate]) -> None:
+        self.s, self.spread, self.tokens = s, spread, tokens
+        self.estimate: Estimate | None = None
+        self.own, self.batch = Moments(), 1  # this call's own rounds, at the batch it started drafting at
+
+    def value(self, key: Key) -> float | None:
+        """Tokens per row to price drafting at: the call's own, else earlier calls' where they tell."""
+        if self.estimate is not None:
+            return self.estimate.value
+        spread = self.spread.get(key[1])
+        if spread is not None and spread.prior_rounds(self.s.acceptance_prior, self.s.min_generations):
+            return spread.means.mean
+        near = nearest(self.tokens, key)
+        return None if near is None else self.tokens[near].value
+
+    def add(self, key: Key, value: float, expected: float | None, stamp: int) -> None:
+        """One drafting round's tokens per row (``expected``: what the policy expected of it, per row)."""
+        s = self.s
+        if self.estimate is None:
+            self.estimate, self.own, self.batch = self._prior(key, expected), Moments(), key[1]
+        self.estimate.update(value, stamp)
+        self.own.add(value)
+        spread = self.spread.get(self.batch)
+        if (spread is not None and self.estimate.count > self.own.count + 1 and self.own.count >= s.unlike_after
+                and spread.unlike(self.own.mean, self.own.count, s.unlike_sigmas, s.min_generations)):
+            self.estimate.value, self.estimate.count = self.own.mean, self.own.count  # not like theirs
+            self.estimate.weight = s.tokens_weight
+        if key not in self.tokens:
+            self.tokens[key] = self._prior(key, expected, table=True)
+        self.tokens[key].update(value, stamp)
+
+    def _prior(self, key: Key, expected: float | None, table: bool = False) -> Estimate:
+        """The estimate before the first round (for the ``table`` of keys a nearest key's figure is a start, not
+        a round)."""
+        s, mean, count = self.s, Estimate(self.s.tokens_weight), 1
+        found = None if table else self.spread.get(key[1])
+        rounds = None if found is None else found.prior_rounds(s.acceptance_prior, s.min_generations)
+        near = nearest(self.tokens, key)
+        if found is not None and rounds is not None:
+            mean.value, count = found.means.mean, max(1, round(rounds))
+        elif near is not None:
+            mean.value = self.tokens[near].value
+            if table:
+                return mean
+        else:
+            mean.value = expected
+        if mean.value is not None:
+            mean.count, mean.averaging, mean.weight = count, True, min(mean.weight, 1.0 / count)
+        return mean

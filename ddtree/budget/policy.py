@@ -12,9 +12,9 @@ from typing import Any
 
 import torch
 
-from ddtree.budget.acceptance import COST_MODEL, RowProgress, TreePricer, expected_tokens
+from ddtree.budget.acceptance import COST_MODEL, CallTokens, RowProgress, TreePricer, expected_tokens
 from ddtree.budget.backoff import Backoff, spaced
-from ddtree.budget.costs import Estimate, Key, nearest
+from ddtree.budget.costs import Key
 from ddtree.budget.decide import EXPLORE, FIRST, FIXED, RETRY, Decision, decide, plain_or_draft
 from ddtree.budget.learned import Learned
 from ddtree.budget.settings import Settings
@@ -140,8 +140,7 @@ class AutoBudget(BudgetPolicy):
         self._pending: _Round | None = None
         self._start: tuple[float, float | None] | None = None
         self._predicted: torch.Tensor | None = None  # [B, D] the chosen tree's p_d per row
-        self._row_tokens: Estimate | None = None  # this call's tokens per row of a drafting round
-        self._own, self._own_batch = Moments(), 1
+        self.tokens = CallTokens(s, self.carried.spread, self.carried.tokens)
         self._rows = RowProgress(s.min_rounds)
 
     @classmethod
@@ -169,7 +168,7 @@ class AutoBudget(BudgetPolicy):
             plain_wins = plain >= drafted
             if self.costs.samples(not plain_wins) < 2:  # the first round of a kind also paid first-call costs
                 interval = s.first_interval
-            if plain_wins and self._row_tokens is None:  # prompts never drafted: one retry, spaced by loss
+            if plain_wins and self.tokens.estimate is None:  # prompts never drafted: one retry, spaced by loss
                 once = spaced(s.first_interval, plain, drafted, s, *seconds)
                 fresh, interval = once < interval, min(interval, once)
             due = self.carried.retries[key].since(not plain_wins) >= interval
@@ -187,15 +186,7 @@ class AutoBudget(BudgetPolicy):
     def _drafted_rate(self, batch: int, context: int) -> float | None:
         """Drafting's rate here at this call's tokens per row (else earlier calls'), at batch > 1 priced by
         the row that lags: a call lasts until its last row is done."""
-        seconds = self.costs.drafted_seconds(batch, context)
-        row = None if self._row_tokens is None else self._row_tokens.value
-        spread = self.carried.spread.get(batch)
-        if row is None and spread is not None and spread.prior_rounds(self.settings.acceptance_prior,
-                                                                      self.settings.min_generations):
-            row = spread.means.mean
-        near = nearest(self.carried.tokens, self.costs.key(batch, context))
-        if row is None and near is not None:
-            row = self.carried.tokens[near].value
+        seconds, row = self.costs.drafted_seconds(batch, context), self.tokens.value(self.costs.key(batch, context))
         if seconds is None or row is None:
             return None
         return row * batch / max(seconds, 1e-12) * self.carried.lagging.get(batch, 1.0)
@@ -321,58 +312,19 @@ class AutoBudget(BudgetPolicy):
             self.costs.record_tree(pending.nodes, pending.batch, pending.context, seconds, verify,
                                    chosen=not pending.explored)
             if not pending.explored:  # a try of a neighbour prices its verify, not drafting's rate
-                self._book_tokens(key, pending)
+                expected = None if pending.expected is None else pending.expected / pending.batch
+                self.tokens.add(key, pending.tokens / pending.batch, expected, self.rounds)
         self.carried.retries.setdefault(key, Backoff(interval=0)).ran(pending.plain)
         if pending.retry and self.carried.retries[key].plain_won is not None:
             self._retried(key, pending.batch, pending.context, bool(self.carried.retries[key].plain_won),
                           pending.fresh)
 
-    def _book_tokens(self, key: Key, pending: _Round) -> None:
-        s, value = self.settings, pending.tokens / pending.batch
-        expected = None if pending.expected is None else pending.expected / pending.batch
-        if self._row_tokens is None:
-            self._row_tokens = self._prior(key, expected)
-            self._own, self._own_batch = Moments(), pending.batch
-        self._row_tokens.update(value, self.rounds)
-        self._own.add(value)
-        spread = self.carried.spread.get(self._own_batch)
-        if (spread is not None and self._row_tokens.count > self._own.count + 1
-                and self._own.count >= s.unlike_after
-                and spread.unlike(self._own.mean, self._own.count, s.unlike_sigmas, s.min_generations)):
-            self._row_tokens.value, self._row_tokens.count = self._own.mean, self._own.count  # not like them
-            self._row_tokens.weight = s.tokens_weight
-        if key not in self.carried.tokens:
-            self.carried.tokens[key] = self._prior(key, expected, table=True)
-        self.carried.tokens[key].update(value, self.rounds)
-
-    def _prior(self, key: Key, expected: float | None, table: bool = False) -> Estimate:
-        """Tokens per row of a drafting round before the first: earlier calls' mean at this batch, counted as
-        the rounds their spread is worth; else the nearest key's figure (else what the policy expected of its
-        first tree) as one round. For the ``table`` of keys, a nearest key's figure is a start, not a round."""
-        s = self.settings
-        mean = Estimate(s.tokens_weight)
-        found = None if table else self.carried.spread.get(key[1])
-        rounds = None if found is None else found.prior_rounds(s.acceptance_prior, s.min_generations)
-        near = nearest(self.carried.tokens, key)
-        count = 1
-        if found is not None and rounds is not None:
-            mean.value, count = found.means.mean, max(1, round(rounds))
-        elif near is not None:
-            mean.value = self.carried.tokens[near].value
-            if table:
-                return mean
-        else:
-            mean.value = expected
-        if mean.value is not None:
-            mean.count, mean.averaging, mean.weight = count, True, min(mean.weight, 1.0 / count)
-        return mean
-
     def finish(self) -> None:
         """Hand this call's figures on to the generator's next call (its own mean joins the spread of calls
         once it drafted ``min_rounds`` rounds)."""
-        self.learned.hand_on(self.carried, self._own if self._own.count >= self.settings.min_rounds else None,
-                             self._own_batch)
-        self._own = Moments()
+        own = self.tokens.own
+        self.learned.hand_on(self.carried, own if own.count >= self.settings.min_rounds else None, self.tokens.batch)
+        self.tokens.own = Moments()
 
     # ------------------------------------------------------------------ reporting
 
