@@ -94,9 +94,11 @@ class Recording(BudgetPolicy):
 def tp_only(gen: SpeculativeGenerator, rank: int) -> dict:
     """What only a tensor-parallel run can show: rank-dependent clocks and default seeds still give one run."""
     out = {}
-    # A clock that depends on the rank: rank 1's rounds seem 50x longer than rank 0's (their verifies not).
+    # Ranks that would choose apart: rank 1's rounds seem 50x longer than rank 0's (their verifies not), and it
+    # starts from a smaller tree.
     clock = time.perf_counter if rank == 0 else (lambda: 50.0 * time.perf_counter())
-    policy = Recording(AutoBudget(builder=gen.builder, candidates=(1, 2, 4, 8, 16), clock=clock))
+    policy = Recording(AutoBudget(builder=gen.builder, candidates=(1, 2, 4, 8, 16), clock=clock,
+                                  start=4 if rank == 0 else 1))
     o = gen.generate(PROMPTS[1], max_new_tokens=40, tree_budget=policy)
     out["skewed"] = {**_pack(o), "local": policy.local}
     out["auto"] = _pack(gen.generate(PROMPTS[1], max_new_tokens=40, tree_budget="auto"))
