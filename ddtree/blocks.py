@@ -7,7 +7,6 @@ own layer module; the README's "Building blocks" table lists every name here (``
 checks that both ways). Helpers not listed here stay importable from their own modules.
 """
 
-from ddtree.budget.latency import FunctionLatency, LatencyModel, ProfiledLatency
 from ddtree.budget.policy import AutoBudget, BudgetPolicy, FixedBudget
 from ddtree.core.builders import TreeBuilder, beam, best_first, chain, resolve_builder
 from ddtree.core.graft import Branches, graft_paths
@@ -67,8 +66,8 @@ __all__ = [
     "prefill", "Prefilled",
     # padded rows, dropping finished rows
     "padding_mask", "select_rows",
-    # budget per round, latency models
-    "FixedBudget", "AutoBudget", "BudgetPolicy", "LatencyModel", "ProfiledLatency", "FunctionLatency",
+    # budget per round
+    "FixedBudget", "AutoBudget", "BudgetPolicy",
     # decoding rule
     "SamplingConfig", "choose_tokens", "processed_logprobs",
     # keyed draws

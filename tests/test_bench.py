@@ -213,7 +213,7 @@ def test_heap_reference_builds_the_same_trees():
 def test_heap_reference_matches_on_wide_and_deep_trees():
     """Budgets where the deep levels outgrow best_first's first cap (and it must lift it), and peaked
     drafter-like rows where the pruning bounds bite."""
-    from ddtree.budget.latency import synthetic_logprobs
+    from ddtree.bench.tree_build import synthetic_logprobs
 
     g = torch.Generator().manual_seed(1)
     root = torch.tensor([0])

@@ -1,4 +1,4 @@
-"""AutoBudget: the documented cost model picks the known optimum; calibration and profiling behave."""
+"""AutoBudget: the documented cost model picks the known optimum; calibration behaves; the round's contract."""
 
 from __future__ import annotations
 
@@ -10,7 +10,9 @@ from tiny import ScriptedDrafter, tiny_drafter, tiny_target
 
 from ddtree import SpeculativeGenerator
 from ddtree.blocks import VerifyResult, best_first, chain
-from ddtree.budget.latency import FunctionLatency, ProfiledLatency, context_bucket
+from ddtree.budget.acceptance import expected_tokens
+from ddtree.budget.costs import context_bucket
+from ddtree.budget.learned import Learned
 from ddtree.budget.policy import AutoBudget
 from ddtree.core.builders import beam
 
@@ -22,9 +24,18 @@ def certain_logprobs(depth: int, vocab: int = 11) -> torch.Tensor:
     return lp
 
 
+def measured(verify, candidates=(1, 2, 4, 8, 16), batch: int = 1, overhead: float = 0.01, **kw) -> AutoBudget:
+    """A policy whose cost table measured every candidate once: ``verify(nodes, batch)`` seconds of the verify
+    and ``overhead`` seconds for the rest of the round."""
+    learned = Learned()
+    for n in candidates:
+        v = verify(n + 1, batch)
+        learned.costs.record_tree(n + 1, batch, 100, round_seconds=overhead + v, verify_seconds=v)
+    return AutoBudget(learned=learned, candidates=candidates, **kw)
+
+
 def linear_policy(fixed: float, per_node: float, candidates=(1, 2, 4, 8, 16), **kw) -> AutoBudget:
-    latency = FunctionLatency(lambda nodes, ctx: fixed + per_node * nodes, "linear")
-    return AutoBudget(latency, candidates=candidates, overhead_seconds=0.01, **kw)
+    return measured(lambda nodes, batch: fixed + per_node * nodes, candidates, **kw)
 
 
 def test_known_optimum_cheap_nodes():
@@ -61,8 +72,8 @@ def test_choice_is_argmax_of_documented_formula():
 @pytest.mark.parametrize("builder", [best_first, chain, beam(3, 4)])
 def test_candidate_trees_are_prefixes(builder):
     lp = (torch.randn(1, 4, 30, generator=torch.Generator().manual_seed(0)) * 2).log_softmax(-1)
-    policy = AutoBudget(FunctionLatency(lambda n, c: 1.0), builder=builder, candidates=(1, 2, 5, 9))
-    reach = policy.reach_probabilities(lp)
+    policy = AutoBudget(builder=builder, candidates=(1, 2, 5, 9))
+    reach = policy.pricer.reach(lp).mean(dim=0)
     for i, n in enumerate(policy.candidates):
         tree = builder(torch.zeros(1, dtype=torch.long), lp, n)
         p = torch.zeros(4, dtype=torch.float64)
@@ -79,18 +90,19 @@ def test_the_round_tree_cut_from_the_pricing_tree_is_the_built_one(kind):
     vocab = 3 if kind == "tiny vocabulary" else 40
     lp = torch.randn(2, 5, vocab, generator=gen) * 2
     lp = ((lp * 2).round() / 2 if kind == "tied" else lp).log_softmax(-1)
-    policy = AutoBudget(FunctionLatency(lambda n, c: 1.0), candidates=(1, 2, 4, 8, 16, 64))
+    policy = AutoBudget(candidates=(1, 2, 4, 8, 16, 64))
     roots = torch.tensor([7, 9])
-    policy.row_reach(lp, 16)
+    policy.pricer.reach(lp, 16)
     for n in (1, 2, 3, 4, 8, 16):
         want = best_first(roots, lp, n)
-        got = policy.built_tree(lp, roots, n)
+        got = policy.tree(lp, roots, n, best_first)
         for name in ("tokens", "parents", "depths", "scores", "visibility"):
             assert torch.equal(getattr(got, name), getattr(want, name)), (n, name)
-    assert policy.built_tree(lp, roots, 17) is None and policy.built_tree(lp.clone(), roots, 4) is None
-    other = AutoBudget(FunctionLatency(lambda n, c: 1.0), builder=chain, candidates=(1, 2, 4))
-    other.row_reach(lp, 4)
-    assert other.built_tree(lp, roots, 4) is None
+    assert policy.tree(lp, roots, 17, best_first) is None and policy.tree(lp.clone(), roots, 4, best_first) is None
+    assert policy.tree(lp, roots, 4, chain) is None  # the round builds another builder's tree itself
+    other = AutoBudget(builder=chain, candidates=(1, 2, 4))
+    other.pricer.reach(lp, 4)
+    assert other.tree(lp, roots, 4, best_first) is None
 
 
 def _result(num_accepted: int) -> VerifyResult:
@@ -104,7 +116,7 @@ def test_calibration_learns_that_deep_drafts_fail():
     assert policy.choose(lp, 10) == 8
     for i in range(30):  # the drafter is sure, yet the target never goes past depth 1
         policy.observe([2], verify_seconds=0.019, context_len=10 + i)
-    c = policy.calibration(6)
+    c = policy.carried.calibration.factors(6, policy.settings.prior_rounds)
     assert c[0] > 0.95 and bool((c[1:] < 0.2).all())
     assert policy.choose(lp, 50) < 8  # the deep half of the tree no longer pays for itself
     d = policy.describe()
@@ -112,17 +124,8 @@ def test_calibration_learns_that_deep_drafts_fail():
     assert "E[tokens|n]" in d["cost_model"]
 
 
-def test_scale_follows_observed_verify_time():
-    policy = linear_policy(0.01, 0.001, candidates=(4,))
-    for i in range(40):
-        assert policy.choose(certain_logprobs(6), 10 + i) == 4
-        policy.observe([5], verify_seconds=2 * (0.01 + 0.001 * 5), context_len=10 + i)
-    assert policy.scale == pytest.approx(2.0, rel=0.01)
-
-
 def test_observe_names_a_row_count_mismatch():
-    policy = AutoBudget(FunctionLatency(lambda nodes, ctx, batch=1: 0.01 + 0.001 * nodes * batch),
-                        candidates=(1, 2, 4), overhead_seconds=0.01)
+    policy = measured(lambda nodes, batch: 0.01 + 0.001 * nodes * batch, candidates=(1, 2, 4), batch=2)
     policy.choose(certain_logprobs(6).expand(2, -1, -1), 10)
     with pytest.raises(ValueError, match="one count per active row"):
         policy.observe([3], verify_seconds=0.01, context_len=10)
@@ -137,30 +140,17 @@ def test_auto_on_tiny_pair_is_lossless_and_described():
     target = tiny_target("qwen3")
     drafter = tiny_drafter(target)
     gen = SpeculativeGenerator(target, drafter)
-    policy = AutoBudget.for_generator(gen, latency=ProfiledLatency(gen, [1, 2, 5, 17], repeats=1),
-                                      candidates=(1, 4, 16))
+    policy = AutoBudget.for_generator(gen, candidates=(1, 4, 16))
     ids = torch.randint(0, 90, (1, 12))
     out = gen.generate(ids, max_new_tokens=20, tree_budget=policy)
     ref = gen.generate(ids, max_new_tokens=20, tree_budget=0)
     assert torch.equal(out.sequences, ref.sequences)
     assert set(out.stats.budgets) <= {0, 1, 4, 16} and out.stats.budgets  # 0: a round that did not draft
+    assert all(1 <= a <= min(b, 4) + 1 for a, b in zip(out.acceptance_lengths, out.stats.budgets))
     desc = out.stats.budget_policy
-    profile = desc["latency"]["verify_seconds"]["64x1"]
-    assert list(profile) == ["1", "2", "5", "17"][: len(profile)] and len(profile) >= 2
-    times = list(profile.values())
-    assert times == sorted(times)  # made monotone in the node count
     assert desc["last_round"]["chosen"] in (1, 4, 16)
-
-
-def test_profiled_latency_interpolates():
-    torch.manual_seed(0)
-    target = tiny_target("llama")
-    gen = SpeculativeGenerator(target, tiny_drafter(target))
-    lat = ProfiledLatency(gen, [2, 10], repeats=1)
-    lat.profiles[(64, 1)] = {2: 1.0, 10: 3.0}  # a known table: no measuring needed
-    assert lat.seconds(6, 20) == pytest.approx(2.0)
-    assert lat.seconds(2, 63) == 1.0
-    assert lat.seconds(14, 5) == pytest.approx(4.0)
+    assert len(out.stats.reasons) == len(out.stats.budgets) and out.stats.reasons[0] == "first measurement"
+    assert desc["state"] and all(isinstance(line, str) for line in desc["state"])
 
 
 def test_auto_learns_from_its_rounds_without_a_profiling_stall():
@@ -213,28 +203,30 @@ class ModelClock:
 
 
 class Modelled(AutoBudget):
-    """An AutoBudget whose rounds take exactly what its latency model says (not what the machine did): a plain
-    round ``latency(1 node)``, a drafting round ``overhead + latency(nodes)``, added to its :class:`ModelClock`."""
+    """An AutoBudget whose rounds take exactly what ``verify(nodes)`` says (not what the machine did): a plain
+    round ``verify(1)``, a drafting round ``overhead + verify(nodes)``, added to its :class:`ModelClock`."""
+
+    def __init__(self, verify, overhead: float, **kw):
+        super().__init__(clock=ModelClock(), **kw)
+        self.verify, self.overhead = verify, overhead
 
     def observe(self, accepted, verify_seconds, context_len):
-        plain = self._pending["plain"]
-        nodes = 1 if plain else self._pending["nodes"]
-        seconds = self.latency.seconds(nodes, context_len, len(accepted))
-        self.clock.now += seconds + (0.0 if plain else self.fixed_overhead)
+        nodes = 1 if self.skip_draft else self.last["chosen"] + 1
+        seconds = self.verify(nodes)
+        self.clock.now += seconds + (0.0 if self.skip_draft else self.overhead)
         super().observe(accepted, seconds, context_len)
 
 
 def test_auto_decodes_plainly_while_no_tree_pays_and_stays_exact():
     """Verify cost proportional to the node count (a compute-bound batch), a plain round of 10 ms on a fake clock
     and a drafter that is confident and never right: a plain step first, then the start tree (55 ms for 1
-    token; it was expected to commit 5, and that expectation is the first key's prior: 3 tokens, 55 tokens/s
-    against plain's 100). The first drafting round is no evidence to back off on, so it is retried after 2, at
-    round 4 (budget 1 now: the calibration expects little; 2.33 tokens in rounds still priced at 55 ms, the one
-    25 ms round a lone outlier). Confirmed, the wait doubles to 50 rounds (at least 0.58 * 5.5 / ``retry_cost``
-    0.1 = 32, the price of a retry: its rate loss times its round's length in plain rounds): round 55. The
-    context reaches 64 tokens at round 60, a new context bucket counting its own rounds: a first retry after 5
-    (priced from the last bucket's rates), round 65; then 10 and 20 as each retry confirms plain: 76, 97.
-    No wall-clock time enters the choice: the sequence of budgets is exact."""
+    token; it was expected to commit 5, and that expectation is the call's prior: 3 tokens, 55 tokens/s
+    against plain's 100), each a first measurement. The first drafting round is no evidence to back off on, so
+    it is retried after 2, at round 4, on the one measured tree (budget 4). Confirmed, the wait is spaced so
+    that a retry costs at most ``retry_cost`` of the rounds' time (its rate loss times its round's length in
+    plain rounds): round 55. The context reaches 64 tokens at round 60, a new context bucket counting its own
+    rounds and spacing its first retry the same way: round 95. Every other round is plain at the best rate.
+    No wall-clock time enters the choice: the sequence of budgets and reasons is exact."""
     target = tiny_target("qwen3")
     prompt = [5, 17, 3, 9]
     ids = torch.tensor([prompt])
@@ -243,29 +235,32 @@ def test_auto_decodes_plainly_while_no_tree_pays_and_stays_exact():
     wrong = torch.tensor(prompt + [(t + 1) % 97 for t in ref] + [0] * 8)
     drafter = ScriptedDrafter(wrong, 97)
     gen = SpeculativeGenerator(target, drafter)
-    clock = ModelClock()
-    policy = Modelled(FunctionLatency(lambda n, c, b=1: 0.01 * n), candidates=(1, 2, 4), overhead_seconds=0.005,
-                      clock=clock, retry_every=64, retry_cost=0.1)
+    policy = Modelled(lambda n: 0.01 * n, 0.005, candidates=(1, 2, 4), retry_every=64, retry_cost=0.1)
+    clock = policy.clock
     out = gen.generate(prompt, max_new_tokens=120, tree_budget=policy)
     assert out.row_tokens[0] == ref
     assert out.acceptance_lengths == [1] * 119  # the drafter is never right
     budgets = out.stats.budgets
     trees = [i for i, b in enumerate(budgets) if b > 0]
-    assert trees == [1, 4, 55, 65, 76, 97] and [budgets[i] for i in trees] == [4, 1, 1, 1, 1, 1], budgets
+    assert trees == [1, 4, 55, 95] and [budgets[i] for i in trees] == [4, 4, 4, 4], budgets
+    reasons = {0: "first measurement", 1: "first measurement", 4: "retry", 55: "retry", 95: "retry"}
+    assert out.stats.reasons == [reasons.get(i, "best rate") for i in range(len(budgets))]
     assert desc_calibration_falls(out.stats.budget_policy)
     assert len(drafter.proposals) == len(trees)  # skipped rounds did not draft
     desc = out.stats.budget_policy
     assert desc["plain_rounds"] == budgets.count(0) and desc["plain_round_seconds"] == pytest.approx(0.01)
-    assert desc["verify_scale"] == 1.0 and clock.reads == len(budgets)
-    # cheap trees and a drafter that is always right: after the plain step every round drafts, the full
-    # budget-4 chain but for its neighbour (2) tried once at round 2 (next after 20 rounds: it is priced at
-    # 0.61x the best) and plain retried once at round 3 (its first round is no evidence yet); then plain
-    # (0.23x the drafting rate) would be retried after about 39 rounds
+    assert clock.reads == len(budgets)
+    # cheap trees and a drafter that is always right: after the plain step every round drafts the full budget-4
+    # chain but for plain retried once at round 3 (its first round is no evidence yet) and the neighbour (2)
+    # explored at round 4 (never measured) and round 8 (measured: next after 37 drafting rounds, as it is
+    # priced well below the best); plain, at 0.23x the drafting rate, waits out the longest interval
     right = ScriptedDrafter(torch.tensor(prompt + ref + [0] * 8), 97)
-    cheap = Modelled(FunctionLatency(lambda n, c, b=1: 0.01 + 0.0001 * n), candidates=(1, 2, 4),
-                     overhead_seconds=0.001, clock=ModelClock())
+    cheap = Modelled(lambda n: 0.01 + 0.0001 * n, 0.001, candidates=(1, 2, 4))
     out = SpeculativeGenerator(target, right).generate(prompt, max_new_tokens=40, tree_budget=cheap)
-    assert out.row_tokens[0] == ref[:40] and out.stats.budgets == [0, 4, 2, 0] + [4] * 6, out.stats.budgets
+    assert out.row_tokens[0] == ref[:40] and out.stats.budgets == [0, 4, 4, 0, 2, 4, 4, 4, 2, 4, 4], out.stats.budgets
+    reasons = {0: "first measurement", 1: "first measurement", 3: "retry", 4: "explore", 8: "explore"}
+    assert out.stats.reasons == [reasons.get(i, "best rate") for i in range(11)]
+    assert any("a neighbour is tried in 37 drafting rounds" in line for line in out.stats.budget_policy["state"])
     accepted = [1 if b == 0 else min(b, 4) + 1 for b in out.stats.budgets]
     assert out.acceptance_lengths[:-1] == accepted[:-1]  # every draft accepted
 
@@ -273,27 +268,6 @@ def test_auto_decodes_plainly_while_no_tree_pays_and_stays_exact():
 def desc_calibration_falls(desc: dict) -> bool:
     """The drafter's depth-1 calibration fell well below 1 (it was never right)."""
     return desc["depth_calibration"][0] < 0.5
-
-
-def test_profiled_latency_times_forwards_on_its_clock():
-    """A fake clock advanced by the target itself (1 ms per forward plus 1 ms per query token): the profile is
-    exactly that cost, the warm-up forward is not counted, and counts past the hopeless ratio are not timed."""
-    torch.manual_seed(0)
-    target = tiny_target("llama")
-    gen = SpeculativeGenerator(target, tiny_drafter(target))  # block size 5: hopeless beyond 10x one node
-    clock = TickClock(0.0)
-    target.register_forward_pre_hook(
-        lambda module, args, kwargs: setattr(clock, "now", clock.now + 0.001 * (1 + kwargs["input_ids"].shape[1])),
-        with_kwargs=True)
-    lat = ProfiledLatency(gen, [1, 2, 5, 9, 17, 33, 65], repeats=2, clock=clock)
-    assert lat.hopeless == 10
-    table = lat.profile(64)
-    # 33 nodes (34 ms) is the first count slower than 10x one node (2 ms): timed, then the profile stops
-    assert table == pytest.approx({1: 0.002, 2: 0.003, 5: 0.006, 9: 0.010, 17: 0.018, 33: 0.034})
-    assert lat.measured(40) == {1, 2, 5, 9, 17, 33}
-    assert lat.seconds(65, 40) == pytest.approx(0.034 + 0.001 * 32)  # extrapolated from the last two
-    # the prefill of 64 tokens, one untimed warm-up forward, then 2 repeats of every timed count
-    assert lat.profile_seconds == pytest.approx(0.065 + 0.002 + 2 * (0.002 + 0.003 + 0.006 + 0.010 + 0.018 + 0.034))
 
 
 def test_auto_at_batch_three_is_lossless_and_accepts_what_each_budget_allows():
@@ -330,19 +304,17 @@ def test_batch_budget_sums_rows_and_hopeless_rows_add_only_their_bonus():
     one token whatever the budget, so next to a sure row they pull the choice down (they widen the verify
     without adding to what a bigger tree earns)."""
     per_node = 0.002
-    latency = FunctionLatency(lambda nodes, ctx, batch=1: 0.01 + per_node * nodes * batch, "per node")
-
-    def policy():
-        return AutoBudget(latency, candidates=(1, 2, 4, 8, 16), overhead_seconds=0.01)
+    def policy(batch: int) -> AutoBudget:
+        return measured(lambda nodes, batch: 0.01 + per_node * nodes * batch, batch=batch)
 
     sure = certain_logprobs(6, vocab=50)
     hopeless = torch.full((3, 6, 50), -math.log(50))
-    alone = policy().choose(sure, 100)
-    mixed = policy()
+    alone = policy(1).choose(sure, 100)
+    mixed = policy(4)
     batch = torch.cat([sure, hopeless])
     chosen = mixed.choose(batch, 100)
-    rows = mixed.row_reach(batch)
-    expected = mixed.expected_tokens(rows)  # [B, C]
+    rows = mixed.pricer.reach(batch)
+    expected = expected_tokens(rows, mixed.carried.calibration.factors(6, 1.0))  # [B, C]
     total = expected.sum(dim=0)
     rates = {n: float(total[i]) / (0.01 + 0.01 + per_node * (n + 1) * 4) for i, n in enumerate(mixed.candidates)}
     assert chosen == max(rates, key=lambda n: (rates[n], -n)) and chosen < alone, (chosen, alone, rates)
@@ -350,13 +322,12 @@ def test_batch_budget_sums_rows_and_hopeless_rows_add_only_their_bonus():
     assert row_tokens[0] == pytest.approx(1 + min(chosen, 6)) and all(t < 1.2 for t in row_tokens[1:])
 
 
-def test_the_generation_saves_the_profile_when_every_row_has_stopped(tmp_path):
-    """The round calls ``finish`` once, when the last row stops: an AutoBudget with a profile writes its costs
-    there, and the next generation's policy starts from them (its table goes on counting the first's rounds)."""
+def test_the_round_calls_finish_once_and_the_next_call_starts_from_what_it_learned():
+    """The round calls ``finish`` once, when the last row stops: the call hands its figures on, and the
+    generator's next call starts from them (its cost table goes on counting the first call's rounds)."""
     torch.manual_seed(0)
     target = tiny_target("llama")
     gen = SpeculativeGenerator(target, tiny_drafter(target))
-    path = tmp_path / "costs.json"
     calls = []
 
     class Counted(AutoBudget):
@@ -364,7 +335,9 @@ def test_the_generation_saves_the_profile_when_every_row_has_stopped(tmp_path):
             calls.append(self.rounds)
             super().finish()
 
-    out = gen.generate([[5, 17, 3, 9], [8, 2, 44]], max_new_tokens=12, tree_budget=Counted(profile=path))
-    assert calls == [out.stats.budget_policy["rounds"]] and path.exists()
-    again = gen.generate([5, 17, 3, 9], max_new_tokens=12, tree_budget=AutoBudget(profile=path))
+    out = gen.generate([[5, 17, 3, 9], [8, 2, 44]], max_new_tokens=12,
+                       tree_budget=Counted.for_generator(gen))
+    assert calls == [out.stats.budget_policy["rounds"]]
+    assert gen.learned.carried.retries  # handed on
+    again = gen.generate([5, 17, 3, 9], max_new_tokens=12, tree_budget="auto")
     assert again.stats.budget_policy["costs"]["rounds"] > out.stats.budget_policy["rounds"]

@@ -14,6 +14,7 @@ import datetime
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -24,7 +25,6 @@ from tiny import ScriptedDrafter  # noqa: E402
 
 from ddtree import BudgetPolicy, SpeculativeGenerator  # noqa: E402
 from ddtree.blocks import AutoBudget  # noqa: E402
-from ddtree.budget.latency import FunctionLatency  # noqa: E402
 from ddtree.drafters.dflash.model import DFlashDraftModel  # noqa: E402
 from ddtree.runtime.distributed import (  # noqa: E402
     gather_lists,
@@ -94,10 +94,11 @@ class Recording(BudgetPolicy):
 def tp_only(gen: SpeculativeGenerator, rank: int) -> dict:
     """What only a tensor-parallel run can show: rank-dependent clocks and default seeds still give one run."""
     out = {}
-    # A clock that depends on the rank: rank 0 sees free verifies, rank 1 a steep cost per node.
-    slope = 0.0 if rank == 0 else 5e-3
-    latency = FunctionLatency(lambda nodes, context: 1e-3 + slope * nodes, name=f"rank{rank}-clock")
-    policy = Recording(AutoBudget(latency, builder=gen.builder, candidates=(1, 2, 4, 8, 16), overhead_seconds=1e-3))
+    # Ranks that would choose apart: rank 1's rounds seem 50x longer than rank 0's (their verifies not), and it
+    # starts from a smaller tree.
+    clock = time.perf_counter if rank == 0 else (lambda: 50.0 * time.perf_counter())
+    policy = Recording(AutoBudget(builder=gen.builder, candidates=(1, 2, 4, 8, 16), clock=clock,
+                                  start=4 if rank == 0 else 1))
     o = gen.generate(PROMPTS[1], max_new_tokens=40, tree_budget=policy)
     out["skewed"] = {**_pack(o), "local": policy.local}
     out["auto"] = _pack(gen.generate(PROMPTS[1], max_new_tokens=40, tree_budget="auto"))

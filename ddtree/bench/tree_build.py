@@ -28,10 +28,26 @@ from pathlib import Path
 
 import torch
 
-from ddtree.budget.latency import synthetic_logprobs
 from ddtree.core import reference_builders as reference
 from ddtree.core.builders import best_first, best_first_from_topk, chain, ranked_topk
 from ddtree.core.tree import DraftTree
+
+
+def synthetic_logprobs(depth: int, vocab: int, seed: int) -> torch.Tensor:
+    """Drafter-like rows ``[1, depth, vocab]``: a confident head (top-1 0.7 fading to 0.35) over a random tail.
+
+    Peaked like a trained drafter, so best_first trees grow deep (a flat random
+    distribution would only ever give depth-1 and depth-2 trees): the trees timed
+    are shaped like the trees rounds verify.
+    """
+    g = torch.Generator().manual_seed(seed)
+    fade = torch.linspace(1.0, 0.5, depth).view(depth, 1)
+    head = fade * torch.tensor([0.7, 0.12, 0.05, 0.03])  # [depth, 4]
+    tail = torch.softmax(torch.randn(depth, vocab, generator=g) * 1.5, dim=-1) * (1.0 - head.sum(-1, keepdim=True))
+    ids = torch.stack([torch.randperm(vocab, generator=g)[:4] for _ in range(depth)])
+    probs = tail.scatter_add(1, ids, head)
+    return probs.log()[None]
+
 
 _F32 = struct.Struct("f")
 

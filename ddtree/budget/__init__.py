@@ -1,1 +1,2 @@
-"""How many draft nodes a round gets: policies (``policy``) and the verify-latency models they use (``latency``)."""
+"""How many draft nodes a round gets: the policies (``policy``) and, one concept a module, what ``"auto"`` is
+made of: ``settings``, ``costs``, ``acceptance``, ``shrink``, ``backoff``, ``decide`` and ``learned``."""

@@ -64,16 +64,18 @@ def unpack_accepted(rows: list[list[int]], tree: DraftTree) -> AcceptedOnHost:
 
 
 def observe_accepted(state: DecodeState, tree: DraftTree, host: AcceptedOnHost, budget: int | None,
-                     tree_rows: list[int] | None = None) -> None:
+                     tree_rows: list[int] | None = None, reason: str | None = None) -> None:
     """Count the round from its host read: ``host`` has one entry per active row (``rows.active`` order), whose
-    tree is row ``tree_rows[i]`` of ``tree`` (default ``i``); each row's tree is recorded when recording."""
+    tree is row ``tree_rows[i]`` of ``tree`` (default ``i``); each row's tree is recorded when recording;
+    ``reason``: the policy's for the budget."""
     rows = state.rows
     tree_rows = list(range(len(rows.active))) if tree_rows is None else tree_rows
     records = None
     if state.stats.record:
         records = [RoundRecord(rows.host_lengths[i], tree.row(t), host.paths[i], host.bonus[i])
                    for i, t in enumerate(tree_rows)]
-    state.stats.observe(rows.active, host.counts, budget=budget, sources=host.sources, records=records)
+    state.stats.observe(rows.active, host.counts, budget=budget, sources=host.sources, records=records,
+                        reason=reason)
 
 
 def emit_accepted(state: DecodeState, host: AcceptedOnHost) -> tuple[list[list[int]], list[int | None]]:

@@ -17,9 +17,8 @@ from typing import Any, cast
 
 import torch
 
-from ddtree.budget.costs import RoundCosts
+from ddtree.budget.learned import Learned
 from ddtree.budget.policy import (
-    DEFAULT_CANDIDATES,
     AutoBudget,
     BudgetPolicy,
     FixedBudget,
@@ -59,8 +58,8 @@ from ddtree.targets.backends import get_backend
 class GenerationStats:
     """Counts and seconds for one ``generate`` call; ``seconds`` is keyed by stage.
 
-    ``seconds["calibration"]`` is the budget policy's ``prepare`` before each round (where an
-    explicit :class:`~ddtree.budget.latency.ProfiledLatency` profiles). ``mean_acceptance`` pools
+    ``seconds["calibration"]`` is the budget policy's ``prepare`` before each round; ``reasons``, each
+    round's reason for its budget (:mod:`ddtree.budget.decide`). ``mean_acceptance`` pools
     every row's rounds.
     ``accepted_by_source`` counts accepted draft tokens by the proposer that put
     them in the tree (set when the drafter merges sources, see :mod:`ddtree.drafters.lookup`).
@@ -74,6 +73,7 @@ class GenerationStats:
     seconds: dict[str, float]
     tree_budget: int | str | BudgetPolicy | None = None
     budgets: list[int] = field(default_factory=list)
+    reasons: list[str] = field(default_factory=list)
     budget_policy: dict | None = None
     batch_size: int = 1
     accepted_by_source: dict[str, int] | None = None
@@ -144,9 +144,9 @@ class SpeculativeGenerator:
     ``prefill_chunk`` (default 4096) is the prompt tokens per prefill forward, which bounds a long prompt's
     prefill memory; ``None`` prefills in one forward.
 
-    It holds models and settings only (plus a verify-latency profile that
-    ``tree_budget="auto"`` shares): every call keeps its own state, so calls can
-    interleave.
+    It holds models and settings only (plus the round costs ``tree_budget="auto"``
+    learns and shares, :class:`~ddtree.budget.learned.Learned`): every call keeps its
+    own state, so calls can interleave.
     """
 
     def __init__(
@@ -185,7 +185,7 @@ class SpeculativeGenerator:
         self._static_steps: dict[tuple, StaticSteps] = {}  # compiled static-round steps by builder, budget, rule
         if options.compile:
             check_static_support(self)
-        self._costs = RoundCosts()  # round costs of this model on this machine, learned by every "auto" call
+        self.learned = Learned()  # what "auto" calls learn of this model on this machine, shared by every call
 
     @classmethod
     def from_pretrained(
@@ -444,9 +444,9 @@ class SpeculativeGenerator:
             device = self.target.get_input_embeddings().weight.device
             clock, wall = work_clock(device)
             # under compile, each candidate budget is its own graphs: a short ladder of them
-            candidates = compiled_ladder(device) if self._options.compile else DEFAULT_CANDIDATES
-            return AutoBudget(builder=builder or self.builder, costs=self._costs, clock=clock, wall_clock=wall,
-                              candidates=candidates)
+            ladder: dict[str, Any] = {"candidates": compiled_ladder(device)} if self._options.compile else {}
+            return AutoBudget(builder=builder or self.builder, learned=self.learned, clock=clock, wall_clock=wall,
+                              **ladder)
         return budget
 
     @property
@@ -489,6 +489,7 @@ class SpeculativeGenerator:
             seconds=dict(state.timer.seconds),
             tree_budget=self.tree_budget if tree_budget is None else tree_budget,
             budgets=list(counted.budgets),
+            reasons=list(counted.reasons),
             budget_policy=None if state.policy is None else state.policy.describe(),
             batch_size=rows,
             accepted_by_source=dict(counted.accepted_by_source) if any(counted.accepted_by_source.values()) else None,

@@ -28,7 +28,6 @@ from typing import Any, cast
 import torch
 
 from ddtree.budget.policy import BudgetPolicy
-from ddtree.core.builders import best_first
 from ddtree.core.masks import tree_position_ids
 from ddtree.core.sampling import choose_tokens
 from ddtree.core.tree import DraftTree, root_only
@@ -97,7 +96,7 @@ def _static_tree_round(state: DecodeState) -> RoundResult:
             live_rows = proposal.logprobs.index_select(0, torch.tensor(rows.slots, device=proposal.logprobs.device))
             steps = gen.static_steps(policy.choose(live_rows, context), state.sampling)  # finished rows ride along
             tree = steps.build(proposal, rows.roots)
-    result = static_round(state, steps, rows, tree)
+    result = static_round(state, steps, rows, tree, policy.reason)
     policy.observe([a for a in result.acceptance if a is not None], state.timer.last("verify"), context)
     if state.done:
         policy.finish()
@@ -229,13 +228,12 @@ def _tree_round(state: DecodeState, policy: BudgetPolicy) -> RoundResult:
     with state.timer.stage("commit"):
         accepted = _read_accepted(tree, result)
         _commit(state, tree, out, result, accepted)
-    _observe(state, tree, accepted, budget)
+    _observe(state, tree, accepted, budget, policy.reason)
     emitted = _emit_accepted(state, accepted, result)
     verify_seconds = state.timer.last("verify")  # after the host read: on CUDA its events are complete
     policy.observe([a for a in emitted.acceptance if a is not None], verify_seconds, context)
-    finish = getattr(policy, "finish", None)  # a policy not derived from BudgetPolicy may lack it
-    if state.done and finish is not None:
-        finish()
+    if state.done:
+        policy.finish()
     return emitted
 
 
@@ -254,8 +252,7 @@ def _draft_tree(state: DecodeState, policy: BudgetPolicy, context: int) -> tuple
             proposal = coupled_proposal(proposal, state.sampling, keys, cast(torch.Tensor, state.on_device.lengths))
     with state.timer.stage("tree_build"):
         size = gen.lockstep.share(policy.choose(proposal.logprobs, context))  # each rank's clock differs
-        cut = getattr(policy, "built_tree", None)  # a policy that grew this round's tree while choosing
-        built = cut(proposal.logprobs, roots, size) if cut is not None and gen.builder is best_first else None
+        built = policy.tree(proposal.logprobs, roots, size, gen.builder)  # grown while choosing, if it was
         tree = proposal_tree(proposal, roots, gen.builder, size, built)
     return tree, size
 
@@ -314,9 +311,10 @@ def _commit(state: DecodeState, tree: DraftTree, out: Any, result: VerifyResult,
         state.on_device.append_draft(*append)
 
 
-def _observe(state: DecodeState, tree: DraftTree, host: AcceptedOnHost, budget: int) -> None:
-    """Count the round from its one host read (:func:`observe_accepted`, shared with the static round)."""
-    observe_accepted(state, tree, host, budget)
+def _observe(state: DecodeState, tree: DraftTree, host: AcceptedOnHost, budget: int, reason: str) -> None:
+    """Count the round from its one host read (:func:`observe_accepted`, shared with the static round), with the
+    policy's reason for its budget."""
+    observe_accepted(state, tree, host, budget, reason=reason)
 
 
 def _emit_accepted(state: DecodeState, host: AcceptedOnHost, result: VerifyResult) -> RoundResult:

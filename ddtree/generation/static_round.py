@@ -257,10 +257,10 @@ def to_static(state: DecodeState) -> StaticRows:
 
 
 def static_round(state: DecodeState, steps: StaticSteps, rows: StaticRows,
-                 tree: DraftTree | None = None) -> RoundResult:
+                 tree: DraftTree | None = None, reason: str = "fixed") -> RoundResult:
     """One static round for every buffer row (finished ones ride along unseen); returns what each row committed.
     ``tree``: this round's trees when the caller drafted them (the adaptive budget; its CUDA-graph generation
-    already begun), else the steps draft them."""
+    already begun), else the steps draft them; ``reason``: the policy's for the budget."""
     timer, book, held = state.timer, state.rows, state.on_device
     need = max(book.host_lengths) + steps.budget + 1
     if need > rows.cache.capacity:
@@ -284,7 +284,7 @@ def static_round(state: DecodeState, steps: StaticSteps, rows: StaticRows,
                                               rows.alive)
         rows.lengths, rows.roots = lengths.clone(), roots.clone()  # outputs a later replay may overwrite
         host = unpack_accepted(packed.tolist(), tree).select(rows.slots)  # the round's one host read
-    observe_accepted(state, tree, host, steps.budget, tree_rows=rows.slots)
+    observe_accepted(state, tree, host, steps.budget, tree_rows=rows.slots, reason=reason)
     tokens, acceptance = emit_accepted(state, host)
     finished = [row for row in book.active if book.finished[row]]
     if finished:

@@ -1,0 +1,229 @@
+"""The acceptance model: expected committed tokens per row for each candidate budget (:data:`COST_MODEL`).
+
+``p_d(n)``: the drafter's probability that the target's path reaches depth ``d`` in the budget-``n`` tree (the
+sum of ``exp(path log-prob)`` over its depth-``d`` nodes); ``c_d`` calibrates it by depth against the accepted
+counts. :class:`PromptSpread` and :class:`RowProgress` weigh what a call and a row accept against noise.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from ddtree.budget.costs import Estimate, Key, nearest
+from ddtree.budget.settings import Settings
+from ddtree.budget.shrink import Moments, between, shrink
+from ddtree.core.builders import TreeBuilder, best_first
+from ddtree.core.tree import DraftTree
+
+COST_MODEL = ("tokens_per_second(n) = sum_rows E[tokens|n] / (overhead(B, ctx) + verify(B x n+1 nodes, ctx)); "
+              "tokens_per_second(plain) = B / plain(B, ctx); E[tokens|n] = 1 + sum_d min(1, c_d * p_d(n)), "
+              "non-increasing in d")
+
+
+@dataclass
+class Calibration:
+    """Decayed per-depth sums: rounds that reached depth ``d``, and the ``p_d`` the chosen trees predicted."""
+
+    reached: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.float64))
+    predicted: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.float64))
+
+    def factors(self, depth: int, prior_rounds: float) -> torch.Tensor:
+        """``c_d`` for depths ``1..depth``: 1 where nothing was measured."""
+        c = torch.ones(depth, dtype=torch.float64)
+        n = min(depth, self.reached.numel())
+        c[:n] = (prior_rounds + self.reached[:n]) / (prior_rounds + self.predicted[:n])
+        return c
+
+    def add(self, predicted_rows: torch.Tensor, accepted: Sequence[int], forget: float) -> None:
+        """One round: ``predicted_rows`` ``[B, D]`` the chosen tree's ``p_d`` per row, ``accepted`` each row's
+        accepted count (root included)."""
+        depth = max(1, predicted_rows.shape[1])
+        if self.reached.numel() < depth:
+            pad = torch.zeros(depth - self.reached.numel(), dtype=torch.float64)
+            self.reached, self.predicted = torch.cat([self.reached, pad]), torch.cat([self.predicted, pad])
+        counts = torch.tensor([int(a) for a in accepted], dtype=torch.float64)[:, None] - 1
+        self.reached *= forget
+        self.predicted *= forget
+        self.reached[:depth] += (torch.arange(1, depth + 1, dtype=torch.float64)[None] <= counts).double().mean(0)
+        if predicted_rows.shape[1]:
+            self.predicted[:depth] += predicted_rows.mean(dim=0)
+
+
+class TreePricer:
+    """Prices every candidate from one tree grown at the largest budget wanted (best-first, chain and beam
+    trees are ordered, so the budget-``n`` tree is its first ``n`` nodes), and keeps that tree so the round can
+    take the chosen budget's cut instead of growing it again."""
+
+    def __init__(self, builder: TreeBuilder, candidates: Sequence[int]) -> None:
+        self.builder, self.candidates = builder, list(candidates)
+        self._built: tuple[torch.Tensor, DraftTree, int] | None = None
+
+    def reach(self, logprobs: torch.Tensor, top: int | None = None) -> torch.Tensor:
+        """``p_d(n)`` per row ``[B, len(candidates), D]`` (float64, host), from one tree at budget ``top``
+        (default the largest candidate; larger candidates get its figures): the round's one policy read."""
+        bsz, depth, _ = logprobs.shape
+        top = self.candidates[-1] if top is None else top
+        empty = torch.zeros(bsz, len(self.candidates), depth, dtype=torch.float64)
+        if top == 0 or depth == 0:
+            return empty
+        tree = self.builder(torch.zeros(bsz, dtype=torch.long, device=logprobs.device), logprobs, top)
+        self._built = (logprobs, tree, top)
+        probs = tree.scores[:, 1:].float().exp()  # [B, N-1]
+        nodes = probs.shape[1]
+        if nodes == 0:
+            return empty
+        depths = (tree.depths[:, 1:] - 1).clamp(0, depth - 1)
+        per_depth = probs.new_zeros(bsz, nodes, depth).scatter_(2, depths[..., None], probs[..., None])
+        take = torch.tensor([min(n, nodes) - 1 for n in self.candidates], device=per_depth.device)
+        return per_depth.cumsum(dim=1).index_select(1, take).clamp(max=1.0).cpu().double()
+
+    def tree(self, logprobs: torch.Tensor, roots: torch.Tensor, budget: int, builder: TreeBuilder) -> DraftTree | None:
+        """The tree ``builder`` grows from ``logprobs`` under ``budget``, cut from the pricing tree when that is
+        exact (the same tensor, best-first, a budget within it); else ``None``."""
+        if self._built is None or self._built[0] is not logprobs or builder is not best_first:
+            return None
+        _, tree, top = self._built
+        if self.builder is not best_first or budget > top:
+            return None
+        n = min(budget + 1, tree.num_nodes)  # fewer nodes than asked: the candidates ran out in both
+        return DraftTree(torch.cat([roots.view(-1, 1).long(), tree.tokens[:, 1:n]], dim=1), tree.parents[:, :n],
+                         tree.depths[:, :n], tree.scores[:, :n], tree.visibility[:, :n, :n])
+
+
+def expected_tokens(reach: torch.Tensor, calibration: torch.Tensor) -> torch.Tensor:
+    """``E[tokens | n]`` ``[..., C]`` from ``p_d(n)`` ``[..., C, D]`` and ``c_d`` ``[D]``."""
+    r = torch.cummin((reach * calibration).clamp(max=1.0), dim=-1).values  # reaching d needs d-1
+    return 1.0 + r.sum(dim=-1)
+
+
+@dataclass
+class PromptSpread:
+    """How far calls' own tokens per row lie apart at one batch size against how much one call's rounds vary:
+    the rounds' worth a new call's prior deserves. Calls alike make a strong prior, calls apart a weak one."""
+
+    means: Moments = field(default_factory=Moments)  # of the calls' means
+    within: float = 0.0  # summed: each call's variance of a round's tokens per row
+    noise: float = 0.0  # summed: each call's variance of its mean
+
+    def add(self, rounds: Moments) -> None:
+        self.means.add(rounds.mean)
+        self.within += rounds.variance
+        self.noise += rounds.variance / max(1, rounds.count)
+
+    def variances(self, least: int) -> tuple[float, float] | None:
+        """``(within, between)`` once ``least`` calls tell, else ``None``."""
+        n = self.means.count
+        return None if n < least else (self.within / n, between(self.means, self.noise / n))
+
+    def prior_rounds(self, most: float, least: int = 3) -> float | None:
+        """The prior's weight in rounds, in ``[1, most]``."""
+        spread = self.variances(least)
+        if spread is None:
+            return None
+        within, apart = spread
+        return 1.0 if within <= 0 else most if apart <= 0 else min(most, max(1.0, within / apart))
+
+    def unlike(self, mean: float, rounds: int, sigmas: float = 3.0, least: int = 3) -> bool:
+        """Whether a call's own mean over ``rounds`` lies ``sigmas`` standard deviations off these calls'."""
+        spread = self.variances(least)
+        if spread is None or rounds < 1:
+            return False
+        within, apart = spread
+        return (mean - self.means.mean) ** 2 > sigmas ** 2 * (max(apart, 0.0) + within / rounds)
+
+
+class RowProgress:
+    """Each active row's tokens over the drafting rounds since the batch last lost a row, to price drafting by
+    the row that lags (a call lasts until its last row is done): its mean shrunk towards the batch's by how
+    much of the rows' spread their round-to-round noise explains."""
+
+    def __init__(self, min_rounds: int = 4) -> None:
+        self.min_rounds = max(2, min_rounds)
+        self.rows: list[Moments] = []
+
+    @property
+    def rounds(self) -> int:
+        return self.rows[0].count if self.rows else 0
+
+    def add(self, accepted: Sequence[int]) -> None:
+        """One drafting round's counts, one per active row; another number of rows starts again."""
+        if len(accepted) != len(self.rows):
+            self.rows = [Moments() for _ in accepted]
+        for row, a in zip(self.rows, accepted):
+            row.add(float(a))
+
+    def lagging(self, batch: int) -> float | None:
+        """The lagging row's expected tokens over the batch's mean: 1.0 for one row, ``None`` until
+        ``min_rounds`` rounds of these ``batch`` rows tell a slow row from an unlucky one."""
+        if batch < 2:
+            return 1.0
+        if len(self.rows) != batch or self.rounds < self.min_rounds:
+            return None
+        means = Moments()
+        for row in self.rows:
+            means.add(row.mean)
+        if means.mean <= 0:
+            return 1.0
+        noise = sum(row.variance for row in self.rows) / batch / self.rounds  # of one row's mean
+        low = shrink(min(row.mean for row in self.rows), means.mean, between(means, noise), noise)
+        return max(0.0, min(1.0, low / means.mean))
+
+
+class CallTokens:
+    """A call's committed tokens per row of a drafting round: a running mean from a prior the earlier calls give
+    (their mean at this batch, counted as the rounds their ``spread`` is worth; else the nearest key's figure in
+    ``tokens``, else what the policy expected of the first tree, as one round), left once the call's own rounds
+    say its prompts are unlike theirs. Its rounds also update ``tokens``, the next call's figures by key."""
+
+    def __init__(self, s: Settings, spread: dict[int, PromptSpread], tokens: dict[Key, Estimate]) -> None:
+        self.s, self.spread, self.tokens = s, spread, tokens
+        self.estimate: Estimate | None = None
+        self.own, self.batch = Moments(), 1  # this call's own rounds, at the batch it started drafting at
+
+    def value(self, key: Key) -> float | None:
+        """Tokens per row to price drafting at: the call's own, else earlier calls' where they tell."""
+        if self.estimate is not None:
+            return self.estimate.value
+        spread = self.spread.get(key[1])
+        if spread is not None and spread.prior_rounds(self.s.acceptance_prior, self.s.min_generations):
+            return spread.means.mean
+        near = nearest(self.tokens, key)
+        return None if near is None else self.tokens[near].value
+
+    def add(self, key: Key, value: float, expected: float | None, stamp: int) -> None:
+        """One drafting round's tokens per row (``expected``: what the policy expected of it, per row)."""
+        s = self.s
+        if self.estimate is None:
+            self.estimate, self.own, self.batch = self._prior(key, expected), Moments(), key[1]
+        self.estimate.update(value, stamp)
+        self.own.add(value)
+        spread = self.spread.get(self.batch)
+        if (spread is not None and self.estimate.count > self.own.count + 1 and self.own.count >= s.unlike_after
+                and spread.unlike(self.own.mean, self.own.count, s.unlike_sigmas, s.min_generations)):
+            self.estimate.value, self.estimate.count = self.own.mean, self.own.count  # not like theirs
+            self.estimate.weight = s.tokens_weight
+        if key not in self.tokens:
+            self.tokens[key] = self._prior(key, expected, table=True)
+        self.tokens[key].update(value, stamp)
+
+    def _prior(self, key: Key, expected: float | None, table: bool = False) -> Estimate:
+        """The estimate before the first round (for the ``table`` of keys a nearest key's figure is a start, not
+        a round)."""
+        s, mean, count = self.s, Estimate(self.s.tokens_weight), 1
+        found = None if table else self.spread.get(key[1])
+        rounds = None if found is None else found.prior_rounds(s.acceptance_prior, s.min_generations)
+        near = nearest(self.tokens, key)
+        if found is not None and rounds is not None:
+            mean.value, count = found.means.mean, max(1, round(rounds))
+        elif near is not None:
+            mean.value = self.tokens[near].value
+            if table:
+                return mean
+        else:
+            mean.value = expected
+        if mean.value is not None:
+            mean.count, mean.averaging, mean.weight = count, True, min(mean.weight, 1.0 / count)
+        return mean
