@@ -201,7 +201,7 @@ def test_options_are_checked_once_when_made_and_each_refusal_names_its_fix(tiny_
         "threads": (0, ValueError, "threads must be 'auto', an int >= 1 or None"),
         "compile": ("", ValueError, "compile must be True, False or a torch.compile backend name"),
         "prefill_chunk": (0, ValueError, "prefill_chunk must be an int >= 1"),
-        "coupled_drafts": ("yes", ValueError, "coupled_drafts must be True or False"),
+        "coupled_drafts": ("yes", ValueError, "coupled_drafts must be True, False or None"),
         "prompt_lookup": (1, ValueError, "prompt_lookup must be True, False or None"),
     }
     assert set(bad) == {f.name for f in dataclasses.fields(GeneratorOptions)}  # every setting has its check

@@ -242,7 +242,7 @@ def test_the_hash_runs_on_wrapping_int64():
 
 
 def test_a_coupled_drafters_first_guess_is_the_targets_draw_when_they_agree():
-    """Coupling ranks each depth by the drafter's processed log-probs plus the target's noise at that position:
+    """Coupling ranks each depth by the drafter's tempered log-probs plus the target's noise at that position:
     where the drafter's distribution is the target's, its top candidate is exactly the target's keyed draw."""
     from ddtree.core.sampling import coupled_logprobs
 
@@ -250,7 +250,7 @@ def test_a_coupled_drafters_first_guess_is_the_targets_draw_when_they_agree():
     logits = torch.randn(3, 4, 50)  # [B, D, V]: the target's (and the drafter's) distribution at depths 1..4
     start = torch.tensor([7, 30, 2])
     keys = row_keys([4, 5, 6], 3)
-    for rule in (SamplingConfig(1.0), SamplingConfig(0.7, top_k=10, top_p=0.9)):
+    for rule in (SamplingConfig(1.0), SamplingConfig(0.7)):  # (the drafter's ranks are not cut by top-k/top-p)
         coupled = coupled_logprobs(logits.log_softmax(-1), rule, keys, start)
         drawn = choose_tokens(logits, rule, keys=keys, positions=start[:, None] + torch.arange(1, 5))
         assert torch.equal(coupled.argmax(-1), drawn)
@@ -259,6 +259,11 @@ def test_a_coupled_drafters_first_guess_is_the_targets_draw_when_they_agree():
 
 
 def test_coupling_changes_the_trees_not_the_tokens(pair):
+    """Forced on or off, coupling builds other trees and the same tokens; by default it is on from T = 1.0."""
+    from ddtree.generation.options import coupled_at
+
+    assert [coupled_at(None, t) for t in (0.0, 0.6, 0.99, 1.0, 1.2)] == [False, False, False, True, True]
+    assert coupled_at(True, 0.5) and not coupled_at(False, 1.5) and not coupled_at(True, 0.0)
     target, drafter = pair
     rule = dict(temperature=1.2)
     want = plain(target, drafter, **rule)

@@ -1,5 +1,6 @@
 """Sampling through the whole generator: the output distribution is the target's, and
-the first round's acceptance has the mean the verification rule predicts.
+the first round's acceptance of independent (uncoupled) trees has the mean the verification rule predicts;
+coupled trees give the same tokens.
 
 Exact target probabilities over the first H tokens are enumerated on a tiny
 vocabulary; the speculative samples are compared with a chi-square test at a
@@ -96,15 +97,18 @@ def check_sampling(target, cfg, builder, budget, samples: int = SAMPLES):
     torch.manual_seed(3)
     dcfg = DFlashConfig.for_target(target.config, num_hidden_layers=1, block_size=4, mask_token_id=VOCAB - 1)
     drafter = DFlashDraftModel(dcfg).double().eval()
-    gen = SpeculativeGenerator(target, drafter, tree_budget=budget, builder=builder)
+    # Independent trees (no coupling) for the acceptance formula, which assumes the tree does not know the draws.
+    gen = SpeculativeGenerator(target, drafter, tree_budget=budget, builder=builder, coupled_drafts=False)
+    coupled = SpeculativeGenerator(target, drafter, tree_budget=budget, builder=builder, coupled_drafts=True)
     exact = exact_distribution(target, cfg)
     counts: dict[tuple, int] = {}
-    acc, expected, by_first = [], [], {}
+    acc, expected, by_first, coupled_acc = [], [], {}, []
     for seed in range(samples):
-        out = gen.generate(
-            torch.tensor([PROMPT]), max_new_tokens=HORIZON, temperature=cfg.temperature,
-            top_k=cfg.top_k, top_p=cfg.top_p, seed=seed, record_trees=True,
-        )
+        call = dict(max_new_tokens=HORIZON, temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p, seed=seed)
+        out = gen.generate(torch.tensor([PROMPT]), record_trees=True, **call)
+        both = coupled.generate(torch.tensor([PROMPT]), **call)
+        assert both.row_tokens == out.row_tokens  # keyed draws: coupling changes the trees, never the tokens
+        coupled_acc.append(both.acceptance_lengths[0])
         seq = tuple(out.new_tokens[0].tolist())
         counts[seq] = counts.get(seq, 0) + 1
         acc.append(out.acceptance_lengths[0])
@@ -121,3 +125,5 @@ def check_sampling(target, cfg, builder, budget, samples: int = SAMPLES):
     se = acc_t.std() / math.sqrt(samples)
     assert abs(acc_t.mean() - exp_t.mean()) <= 4.5 * se + 1e-9, (acc_t.mean(), exp_t.mean(), se)
     assert acc_t.mean() > 1.2
+    # Coupled trees (ranked with the target's own noise) draft other trees: they too are accepted past the root.
+    assert sum(coupled_acc) / samples > 1.2

@@ -99,12 +99,14 @@ def choose_tokens(logits: torch.Tensor, cfg: SamplingConfig, generator: torch.Ge
 
 def coupled_logprobs(logprobs: torch.Tensor, cfg: SamplingConfig, keys: torch.Tensor,
                      start: torch.Tensor) -> torch.Tensor:
-    """A drafter's per-depth log-probs ``[B, D, V]`` under the target's rule, plus the noise the target draws
-    with at the same positions (depth ``d + 1`` after a root at ``start``: position ``start + d + 1``),
+    """A drafter's per-depth log-probs ``[B, D, V]`` at the target's temperature, plus the noise the target
+    draws with at the same positions (depth ``d + 1`` after a root at ``start``: position ``start + d + 1``),
     renormalised. Their argmax is the drafter's own keyed sample, which is the target's token whenever the two
-    distributions agree, so a tree built from them puts first what the target will pick. Greedy: unchanged."""
+    distributions agree, so a tree built from them puts first what the target will pick. Top-k and top-p are
+    not applied: the drafter's top-k is not the target's, and cutting it cost acceptance. Greedy: unchanged."""
     if cfg.greedy:
         return logprobs
     depth = logprobs.shape[1]
     positions = start.view(-1, 1).to(logprobs.device) + torch.arange(1, depth + 1, device=logprobs.device)
-    return (processed_logprobs(logprobs, cfg) + gumbel_noise(keys, positions, logprobs.shape[-1])).log_softmax(-1)
+    tempered = logprobs.float() / cfg.temperature  # no top-k/top-p: the drafter's top-k is not the target's
+    return (tempered + gumbel_noise(keys, positions, logprobs.shape[-1])).log_softmax(-1)

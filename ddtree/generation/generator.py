@@ -39,6 +39,7 @@ from ddtree.generation.options import (
     MODEL_SETTINGS,
     PER_CALL,
     GeneratorOptions,
+    coupled_at,
     split_call_options,
 )
 from ddtree.generation.round import speculative_round
@@ -346,7 +347,8 @@ class SpeculativeGenerator:
                          frozenset(settings.stop_token_ids)),
             sampling=settings.sampling, policy=self.budget_policy(budget, builder=builder), seed=seed,
             timer=StageTimer(embed.device), stats=RoundStats(len(rows), record=record_trees),
-            prefill_chunk=call.prefill_chunk, on_device=DeviceState(keys=keys), coupled_drafts=call.coupled_drafts,
+            prefill_chunk=call.prefill_chunk, on_device=DeviceState(keys=keys),
+            coupled_drafts=coupled_at(call.coupled_drafts, settings.sampling.temperature),
         )
 
     def call_options(self, options: dict) -> GeneratorOptions:

@@ -26,6 +26,19 @@ from ddtree.core.builders import TreeBuilder, resolve_builder
 from ddtree.targets.backends import get_backend
 from ddtree.targets.forward import PREFILL_CHUNK, check_prefill_chunk
 
+COUPLED_FROM_TEMPERATURE = 1.0
+"""``coupled_drafts=None`` couples from this temperature up: on the default pair coupling raised tokens per round
+by 5-14% at T = 1.2 and up to 5% at 1.0, and left them within noise or lower below (-5% at 0.6; a random
+drafter on a sharp tiny target with top-k 3 at T = 0.8 accepted less coupled). docs/benchmarks.md."""
+
+
+def coupled_at(coupled_drafts: bool | None, temperature: float) -> bool:
+    """Whether a generation at ``temperature`` builds coupled trees (greedy never does: nothing is drawn)."""
+    if temperature == 0:
+        return False
+    return temperature >= COUPLED_FROM_TEMPERATURE if coupled_drafts is None else coupled_drafts
+
+
 PER_CALL = ("tree_budget", "builder", "prefill_chunk", "coupled_drafts")
 """Settings a single ``generate`` / ``stream`` / ``start`` call may override."""
 MODEL_SETTINGS = ("attention", "cpu_linear", "threads", "compile", "prompt_lookup")
@@ -43,9 +56,10 @@ class GeneratorOptions:
     tree, under the same budget (a drafter that already merges one is kept as it is).
     ``cpu_linear="auto"`` reads ``False`` under ``compile``: the compiled steps trace torch's own linears, even on a
     target that another generator routed through :mod:`ddtree.targets.cpu_linear`.
-    ``coupled_drafts``: under sampling, trees are built from the drafter's scores plus the target's keyed noise
-    (:func:`~ddtree.drafters.base.coupled_proposal`), so the drafter's first guess is its own sample under the
-    target's draw; the tokens are the same either way, the acceptance is not.
+    ``coupled_drafts``: under sampling, trees are built from the drafter's tempered scores plus the target's
+    keyed noise (:func:`~ddtree.drafters.base.coupled_proposal`), so the drafter's first guess is its own sample
+    under the target's draw; the tokens are the same either way, the acceptance is not. ``None`` (the default):
+    on from temperature :data:`COUPLED_FROM_TEMPERATURE`, where it was measured to win.
     """
 
     tree_budget: int | str | BudgetPolicy | None = None
@@ -55,7 +69,7 @@ class GeneratorOptions:
     threads: int | str | None = None
     prefill_chunk: int | None = PREFILL_CHUNK
     compile: bool | str = False
-    coupled_drafts: bool = True
+    coupled_drafts: bool | None = None
     prompt_lookup: bool | None = None  # None: the generator's default (DEFAULT_PROMPT_LOOKUP)
 
     def __post_init__(self) -> None:
@@ -71,8 +85,9 @@ class GeneratorOptions:
             raise ValueError(f"prompt_lookup must be True, False or None (the default), got {self.prompt_lookup!r}")
         if self.compile and self.cpu_linear == "auto":  # what a compiled generator uses: torch's own linears
             object.__setattr__(self, "cpu_linear", False)
-        if not isinstance(self.coupled_drafts, bool):
-            raise ValueError(f"coupled_drafts must be True or False, got {self.coupled_drafts!r}")
+        if self.coupled_drafts is not None and not isinstance(self.coupled_drafts, bool):
+            raise ValueError(f"coupled_drafts must be True, False or None (on from temperature "
+                             f"{COUPLED_FROM_TEMPERATURE}), got {self.coupled_drafts!r}")
 
     def replace(self, **changes: Any) -> GeneratorOptions:
         """A checked copy with ``changes``; an unknown name is refused with the list of settings."""

@@ -171,7 +171,7 @@ class DecodeState:
     timer: StageTimer
     stats: RoundStats
     prefill_chunk: int | None = PREFILL_CHUNK  # prompt tokens per prefill forward; None: the whole prompt at once
-    coupled_drafts: bool = False  # under sampling, build trees from the drafter's scores plus the keyed noise
+    coupled_drafts: bool = False  # build trees from the drafter's scores plus the keyed noise (options.coupled_at)
     on_device: DeviceState = field(default_factory=DeviceState)
 
     @property
