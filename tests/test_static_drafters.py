@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 from test_dflash2 import bigram_pair
+from test_static_round import fresh_dynamo  # noqa: F401  (autouse: each test starts with dynamo reset)
 from tiny import tiny_drafter, tiny_target
 
 from ddtree import SpeculativeGenerator
@@ -17,14 +18,6 @@ from ddtree.generation.round import speculative_round
 BACKEND = "aot_eager"
 PROMPTS = [[5, 17, 42, 8, 9, 33, 5, 17, 42], [7, 7, 21, 60, 12, 5, 44, 3, 19, 7, 7], [11, 4, 11, 4, 11]]
 NEW = 16
-
-
-@pytest.fixture(autouse=True)
-def fresh_dynamo():
-    torch._dynamo.reset()
-    torch._dynamo.utils.counters.clear()
-    yield
-    torch._dynamo.reset()
 
 
 def rounds(gen, **call):
