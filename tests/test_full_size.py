@@ -150,7 +150,12 @@ def test_the_full_widths_build_models_of_the_published_sizes():
     from ddtree.drafters.dflash.model import DFlashDraftModel
 
     meta = torch.device("meta")
-    for name, (low, high) in {"qwen3-8b": (8.1e9, 8.3e9), "qwen36-27b-hybrid": (26.5e9, 27.5e9)}.items():
+    from transformers import CONFIG_MAPPING
+
+    sizes = {"qwen3-8b": (8.1e9, 8.3e9), "qwen36-27b-hybrid": (26.5e9, 27.5e9)}
+    if "qwen3_5_text" not in CONFIG_MAPPING:  # an older transformers (the lowest admitted): no GDN hybrid
+        del sizes["qwen36-27b-hybrid"]
+    for name, (low, high) in sizes.items():
         shape = fs.SHAPES["full"][name]
         target = fs.build_target(shape, meta, torch.bfloat16)
         assert low < sum(p.numel() for p in target.parameters()) < high
@@ -159,8 +164,9 @@ def test_the_full_widths_build_models_of_the_published_sizes():
             drafter = DFlashDraftModel(config)
         assert drafter.fc.weight.shape == (shape.widths["hidden_size"], 5 * shape.widths["hidden_size"])
         assert config.block_size == 16 and config.target_layer_ids == list(shape.drafter.target_layer_ids)
-    assert config.layer_types == ["sliding_attention"] * 4 + ["full_attention"] and config.sliding_window == 2048
-    assert target.config.layer_types.count("full_attention") == 16
+    if "qwen36-27b-hybrid" in sizes:  # the last built: the hybrid and its drafter
+        assert config.layer_types == ["sliding_attention"] * 4 + ["full_attention"] and config.sliding_window == 2048
+        assert target.config.layer_types.count("full_attention") == 16
 
 
 def test_the_headline_compiled_pair_may_spend_what_the_later_models_keep(tmp_path):

@@ -221,7 +221,10 @@ def build_target(shape: ModelShape, device: torch.device, dtype: torch.dtype, lm
                                          **common)
     elif shape.family == "qwen3_5":
         if "qwen3_5_text" not in CONFIG_MAPPING:
-            raise RuntimeError("this transformers has no qwen3_5_text (the GDN hybrid): install transformers>=5.0")
+            import transformers
+
+            raise RuntimeError(f"transformers {transformers.__version__} has no qwen3_5_text (the GDN hybrid): "
+                               "install a newer transformers for the hybrid's widths")
         types = [FULL_ATTENTION if (i + 1) % 4 == 0 else LINEAR for i in range(shape.layers)]
         config = make_config("qwen3_5_text", layer_types=types, **common)
     else:

@@ -143,13 +143,19 @@ def _proposer(generator, kind: str):
     return lookup if kind == "lookup" else WithLookup(generator.drafter, lookup)
 
 
+def _never_emitted(target) -> int:
+    """An id past the vocabulary, as a stop that never fires: transformers 5.0's prompt-lookup candidate
+    generator fails on ``eos_token_id=None`` (it tests candidates against it)."""
+    return int(target.get_output_embeddings().weight.shape[0])
+
+
 @torch.inference_mode()
 def hf_prompt_lookup(target, input_ids: torch.Tensor, max_new_tokens: int, stops: frozenset[int],
                      num_tokens: int = 10) -> list[int]:
     """transformers' own prompt-lookup decoding (greedy), the baseline for ddtree's lookup branch."""
     out = target.generate(input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=max_new_tokens,
                           do_sample=False, prompt_lookup_num_tokens=num_tokens,
-                          eos_token_id=sorted(stops) or None, pad_token_id=0)
+                          eos_token_id=sorted(stops) or [_never_emitted(target)], pad_token_id=0)
     new = out[0, input_ids.shape[1]:].tolist()
     cut = next((i + 1 for i, t in enumerate(new) if t in stops), len(new))
     return new[:cut]
