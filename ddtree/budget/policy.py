@@ -42,7 +42,8 @@ class BudgetPolicy:
         return None
 
     def choose(self, logprobs: torch.Tensor, context_len: int) -> int:
-        raise NotImplementedError
+        # the one method a policy must define: there is no default budget to fall back on
+        raise NotImplementedError(f"{type(self).__name__} must define choose(logprobs, context_len) -> budget")
 
     def tree(self, logprobs: torch.Tensor, roots: torch.Tensor, budget: int,
              builder: TreeBuilder) -> DraftTree | None:
