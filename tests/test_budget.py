@@ -15,6 +15,10 @@ from ddtree.budget.costs import context_bucket
 from ddtree.budget.learned import Learned
 from ddtree.budget.policy import AutoBudget
 from ddtree.core.builders import beam
+from ddtree.core.graft import Branches
+from ddtree.core.pairwise import PairwiseScores
+from ddtree.drafters.base import Proposal, proposal_tree
+from ddtree.runtime.host_reads import count_host_reads
 
 
 def certain_logprobs(depth: int, vocab: int = 11) -> torch.Tensor:
@@ -42,13 +46,13 @@ def test_known_optimum_cheap_nodes():
     # E[tokens | n] = 1 + min(n, 6); seconds = 0.01 + 0.01 + 0.001 * (n + 1):
     # n=4 -> 5 / 0.025 = 200, n=8 -> 7 / 0.029 = 241, n=16 -> 7 / 0.037 = 189 tokens/s.
     policy = linear_policy(0.01, 0.001)
-    assert policy.choose(certain_logprobs(6), 100) == 8
+    assert policy.choose(Proposal(certain_logprobs(6)), 100) == 8
     assert policy.last["expected_tokens"] == {1: 2.0, 2: 3.0, 4: 5.0, 8: 7.0, 16: 7.0}
 
 
 def test_known_optimum_expensive_nodes():
     # seconds = 0.02 + 0.01 * (n + 1): n=2 -> 3 / 0.05 = 60, n=4 -> 5 / 0.07 = 71.4, n=8 -> 7 / 0.11 = 63.6.
-    assert linear_policy(0.01, 0.01).choose(certain_logprobs(6), 100) == 4
+    assert linear_policy(0.01, 0.01).choose(Proposal(certain_logprobs(6)), 100) == 4
 
 
 def test_choice_is_argmax_of_documented_formula():
@@ -66,19 +70,19 @@ def test_choice_is_argmax_of_documented_formula():
             p.scatter_add_(0, tree.depths[0, 1:] - 1, tree.scores[0, 1:].double().exp())
             r = torch.cummin(p.clamp(max=1), 0).values
             rates[n] = float(1 + r.sum()) / (0.01 + 0.004 + per_node * (n + 1))
-        assert policy.choose(lp, 50) == max(cands, key=lambda n: (rates[n], -n))
+        assert policy.choose(Proposal(lp), 50) == max(cands, key=lambda n: (rates[n], -n))
 
 
 @pytest.mark.parametrize("builder", [best_first, chain, beam(3, 4)])
 def test_candidate_trees_are_prefixes(builder):
     lp = (torch.randn(1, 4, 30, generator=torch.Generator().manual_seed(0)) * 2).log_softmax(-1)
     policy = AutoBudget(builder=builder, candidates=(1, 2, 5, 9))
-    reach = policy.pricer.reach(lp).mean(dim=0)
+    reach = policy.pricer.reach(Proposal(lp)).mean(dim=0)
     for i, n in enumerate(policy.candidates):
         tree = builder(torch.zeros(1, dtype=torch.long), lp, n)
         p = torch.zeros(4, dtype=torch.float64)
         p.scatter_add_(0, tree.depths[0, 1:] - 1, tree.scores[0, 1:].double().exp())
-        assert torch.allclose(reach[i], p.clamp(max=1))
+        assert torch.allclose(reach[i].double(), p.clamp(max=1), atol=1e-6)
 
 
 @pytest.mark.parametrize("kind", ["random", "tied", "tiny vocabulary"])
@@ -92,17 +96,19 @@ def test_the_round_tree_cut_from_the_pricing_tree_is_the_built_one(kind):
     lp = ((lp * 2).round() / 2 if kind == "tied" else lp).log_softmax(-1)
     policy = AutoBudget(candidates=(1, 2, 4, 8, 16, 64))
     roots = torch.tensor([7, 9])
-    policy.pricer.reach(lp, 16)
+    proposal = Proposal(lp)
+    policy.pricer.reach(proposal, 16)
     for n in (1, 2, 3, 4, 8, 16):
         want = best_first(roots, lp, n)
-        got = policy.tree(lp, roots, n, best_first)
+        got = policy.tree(proposal, roots, n, best_first)
         for name in ("tokens", "parents", "depths", "scores", "visibility"):
             assert torch.equal(getattr(got, name), getattr(want, name)), (n, name)
-    assert policy.tree(lp, roots, 17, best_first) is None and policy.tree(lp.clone(), roots, 4, best_first) is None
-    assert policy.tree(lp, roots, 4, chain) is None  # the round builds another builder's tree itself
+    assert policy.tree(proposal, roots, 17, best_first) is None  # past the pricing tree
+    assert policy.tree(Proposal(lp), roots, 4, best_first) is None  # another proposal, if with equal values
+    assert policy.tree(proposal, roots, 4, chain) is None  # the round builds another builder's tree itself
     other = AutoBudget(builder=chain, candidates=(1, 2, 4))
-    other.pricer.reach(lp, 4)
-    assert other.tree(lp, roots, 4, best_first) is None
+    other.pricer.reach(proposal, 4)
+    assert other.tree(proposal, roots, 4, best_first) is None
 
 
 def _result(num_accepted: int) -> VerifyResult:
@@ -113,12 +119,12 @@ def _result(num_accepted: int) -> VerifyResult:
 def test_calibration_learns_that_deep_drafts_fail():
     policy = linear_policy(0.01, 0.001)
     lp = certain_logprobs(6)
-    assert policy.choose(lp, 10) == 8
+    assert policy.choose(Proposal(lp), 10) == 8
     for i in range(30):  # the drafter is sure, yet the target never goes past depth 1
         policy.observe([2], verify_seconds=0.019, context_len=10 + i)
     c = policy.carried.calibration.factors(6, policy.settings.prior_rounds)
-    assert c[0] > 0.95 and bool((c[1:] < 0.2).all())
-    assert policy.choose(lp, 50) < 8  # the deep half of the tree no longer pays for itself
+    assert c[0] > 0.95 and all(f < 0.2 for f in c[1:])
+    assert policy.choose(Proposal(lp), 50) < 8  # the deep half of the tree no longer pays for itself
     d = policy.describe()
     assert d["policy"] == "auto" and d["rounds"] == 30 and len(d["depth_calibration"]) == 6
     assert "E[tokens|n]" in d["cost_model"]
@@ -126,7 +132,7 @@ def test_calibration_learns_that_deep_drafts_fail():
 
 def test_observe_names_a_row_count_mismatch():
     policy = measured(lambda nodes, batch: 0.01 + 0.001 * nodes * batch, candidates=(1, 2, 4), batch=2)
-    policy.choose(certain_logprobs(6).expand(2, -1, -1), 10)
+    policy.choose(Proposal(certain_logprobs(6).expand(2, -1, -1)), 10)
     with pytest.raises(ValueError, match="one count per active row"):
         policy.observe([3], verify_seconds=0.01, context_len=10)
 
@@ -309,12 +315,12 @@ def test_batch_budget_sums_rows_and_hopeless_rows_add_only_their_bonus():
 
     sure = certain_logprobs(6, vocab=50)
     hopeless = torch.full((3, 6, 50), -math.log(50))
-    alone = policy(1).choose(sure, 100)
+    alone = policy(1).choose(Proposal(sure), 100)
     mixed = policy(4)
     batch = torch.cat([sure, hopeless])
-    chosen = mixed.choose(batch, 100)
-    rows = mixed.pricer.reach(batch)
-    expected = expected_tokens(rows, mixed.carried.calibration.factors(6, 1.0))  # [B, C]
+    chosen = mixed.choose(Proposal(batch), 100)
+    rows = mixed.pricer.reach(Proposal(batch))
+    expected = expected_tokens(rows, torch.tensor(mixed.carried.calibration.factors(6, 1.0)))  # [B, C]
     total = expected.sum(dim=0)
     rates = {n: float(total[i]) / (0.01 + 0.01 + per_node * (n + 1) * 4) for i, n in enumerate(mixed.candidates)}
     assert chosen == max(rates, key=lambda n: (rates[n], -n)) and chosen < alone, (chosen, alone, rates)
@@ -341,3 +347,41 @@ def test_the_round_calls_finish_once_and_the_next_call_starts_from_what_it_learn
     assert gen.learned.carried.retries  # handed on
     again = gen.generate([5, 17, 3, 9], max_new_tokens=12, tree_budget="auto")
     assert again.stats.budget_policy["costs"]["rounds"] > out.stats.budget_policy["rounds"]
+
+
+def _pairwise_and_branches(bsz: int = 3, depth: int = 5, k: int = 6, vocab: int = 40):
+    g = torch.Generator().manual_seed(1)
+    cand = torch.stack([torch.randperm(vocab, generator=g)[:k].sort().values for _ in range(bsz * depth)])
+    scores = PairwiseScores(cand.view(bsz, depth, k), (torch.randn(bsz, k, generator=g) * 2).log_softmax(-1),
+                            (torch.randn(bsz, depth - 1, k, k, generator=g) * 2).log_softmax(-1))
+    lp = scores.along(scores.greedy_indices(), vocab)
+    cumulative = torch.tensor([0.6, 0.5, 0.4, 0.3, 0.2]).log().cumsum(0).expand(bsz, 2, depth).contiguous()
+    branches = Branches(torch.randint(0, vocab, (bsz, 2, depth), generator=g), cumulative,
+                        torch.tensor([[5, 3], [0, 2], [4, 0]]))
+    return lp, scores, branches
+
+
+@pytest.mark.parametrize("kind", ["grafted", "pairwise", "pairwise and grafted"])
+def test_the_policy_prices_the_tree_the_round_verifies(kind):
+    """A DFlash2 proposal is verified as its pairwise tree and lookup branches are grafted in: the price of each
+    candidate is the per-depth mass of exactly that tree at that budget, not of a best-first tree over the
+    per-depth view (which would price another tree)."""
+    lp, scores, branches = _pairwise_and_branches()
+    proposal = Proposal(lp, paths=None if kind == "pairwise" else branches,
+                        pairwise=None if kind == "grafted" else scores)
+    policy = AutoBudget(candidates=(1, 2, 4, 8, 16))
+    reach, plain_view = policy.pricer.reach(proposal), policy.pricer.reach(Proposal(lp))
+    for i, n in enumerate(policy.candidates):
+        tree = proposal_tree(proposal, torch.zeros(3, dtype=torch.long), best_first, n)
+        mass = torch.zeros(3, 5).scatter_add_(1, tree.depths[:, 1:] - 1, tree.scores[:, 1:].float().exp())
+        assert torch.allclose(reach[:, i], mass.clamp(max=1), atol=1e-6), n
+    assert not torch.allclose(reach, plain_view)
+
+
+def test_choose_reads_the_device_once():
+    """The price of every candidate comes back in one read (on a GPU each read waits for the device)."""
+    lp, scores, branches = _pairwise_and_branches()
+    policy = linear_policy(0.01, 0.001)
+    with count_host_reads() as reads:
+        policy.choose(Proposal(lp, paths=branches, pairwise=scores), 100)
+    assert reads.count == 1, dict(reads.by_site)

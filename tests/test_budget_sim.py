@@ -19,6 +19,7 @@ from ddtree.budget.costs import Estimate, RoundCosts, interpolate
 from ddtree.budget.policy import AutoBudget
 from ddtree.budget.shrink import Moments
 from ddtree.core.builders import best_first
+from ddtree.drafters.base import Proposal
 
 CANDIDATES = (1, 2, 4, 8, 16, 32, 64)
 VOCAB, DEPTH = 24, 8
@@ -181,7 +182,7 @@ def play_round(choice, machine: Machine, drafter: Drafter, rows: list[int], cont
                      + machine.plain_extra)
         verify = machine.verify(batch, 1, context, r)
     else:
-        n = policy.choose(lp, context) if policy is not None else choice
+        n = policy.choose(Proposal(lp), context) if policy is not None else choice
         accepted = accepted_counts(best_first(torch.zeros(batch, dtype=torch.long), lp, n), path)
         spent, verify = machine.tree_round(batch, n + 1, context, r)
     if cap is not None:
@@ -328,7 +329,7 @@ def test_when_the_load_leaves_during_a_plain_retry_drafting_is_measured_again_at
         if policy.skip_draft:
             spent, verify, accepted, n = machine.plain_round(1, 256, r), machine.verify(1, 1, 256, r), [1], 0
         else:
-            n = policy.choose(lp, 256)
+            n = policy.choose(Proposal(lp), 256)
             accepted = accepted_counts(best_first(torch.zeros(1, dtype=torch.long), lp, n), drafter.target_path(lp))
             spent, verify = machine.tree_round(1, n + 1, 256, r)
         policy.observe(accepted, verify, 256)
@@ -352,8 +353,8 @@ def test_the_neighbour_schedule_is_shared_by_generations_and_kept_through_near_t
     class Counting(AutoBudget):
         tries = 0
 
-        def choose(self, logprobs, context_len):
-            n = super().choose(logprobs, context_len)
+        def choose(self, proposal, context_len):
+            n = super().choose(proposal, context_len)
             self.tries += self.last["reason"] == "explore"
             return n
 
@@ -515,7 +516,7 @@ def test_retries_count_each_keys_own_rounds_when_rows_finish_one_by_one():
                 spent, verify = machine.plain_round(batch, 256, r), machine.verify(batch, 1, 256, r)
                 accepted = [1] * batch
             else:
-                n = policy.choose(lp, 256)
+                n = policy.choose(Proposal(lp), 256)
                 accepted = accepted_counts(best_first(torch.zeros(batch, dtype=torch.long), lp, n),
                                            drafter.target_path(lp))
                 spent, verify = machine.tree_round(batch, n + 1, 256, r)

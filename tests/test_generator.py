@@ -8,6 +8,7 @@ from tiny import ScriptedDrafter, tiny_drafter, tiny_target
 
 from ddtree import BudgetPolicy, SpeculativeGenerator
 from ddtree.blocks import beam
+from ddtree.drafters.base import Proposal
 
 PROMPTS = [[5, 17, 3], [11, 2, 2, 40, 61, 7, 9, 33, 12, 1, 80], list(range(10, 50))]
 NEW = 64
@@ -241,7 +242,7 @@ class Replay(BudgetPolicy):
         self.rounds += 1
         self.skip_draft = self.budgets[self.rounds - 1] == 0
 
-    def choose(self, logprobs: torch.Tensor, context_len: int) -> int:
+    def choose(self, proposal: Proposal, context_len: int) -> int:
         return self.budgets[self.rounds - 1]
 
 

@@ -16,6 +16,7 @@ from test_generator import expected_acceptance, reference
 from tiny import tiny_drafter, tiny_target
 
 from ddtree import SpeculativeGenerator
+from ddtree.budget.policy import AutoBudget
 from ddtree.core.tree import LOOKUP, DraftTree
 from ddtree.drafters.dflash.drafter import DFlashDrafter
 from ddtree.drafters.dflash2.config import DFlash2Config
@@ -195,4 +196,42 @@ def test_prompt_lookup_rounds_read_once(target, references, merged, rows, sample
             continue
         ref = reference(target, prompt, new=NEW + 5)[0].tolist()  # past the end: the last round may accept beyond
         assert state.new_tokens[b] == ref[len(prompt):len(prompt) + NEW]
+        assert state.acceptance[b] == [expected_acceptance(rec, ref) for rec in state.records[b]]
+
+
+@pytest.mark.parametrize("kind", ["dflash", "dflash2", "dflash with lookup"])
+@pytest.mark.parametrize("rows", [1, 4])
+def test_auto_reads_the_price_once_and_the_round_once(target, references, kind, rows):
+    """Under ``"auto"`` the budget is a shape chosen from this round's proposal, so a drafting round reads twice:
+    the candidates' price (one packed tensor) and the accepted tokens; a plain round once. On the policy's clock
+    a plain round takes a second and a drafting round 10 ms, so it drafts but for its retries of plain."""
+    prompts = PROMPTS[:rows]
+    model = drafter("dflash2" if kind == "dflash2" else "dflash", target)
+    proposer = WithLookup(DFlashDrafter(model, target), PromptLookup.for_target(target, block_size=5)) \
+        if kind == "dflash with lookup" else model
+    gen = SpeculativeGenerator(target, proposer)
+    now, budgets = [0.0], []
+
+    def clock() -> float:  # read once per round, as the last one ends
+        now[0] += 0.01 if budgets and budgets[-1] else 1.0
+        return now[0]
+
+    policy = AutoBudget.for_generator(gen, clock=clock, candidates=(1, 2, 4, 8))
+    state = gen.start(prompts, max_new_tokens=NEW, stop_token_ids=(), record_trees=True, tree_budget=policy)
+    speculative_round(state)
+    reads = []
+    while not state.done:
+        with count_host_reads() as counted:
+            speculative_round(state)
+        budgets.append(state.stats.budgets[-1])
+        reads.append(counted)
+    assert sum(b > 0 for b in budgets) >= 5 and 0 in budgets
+    for counted, budget in zip(reads, budgets):
+        sites = {site.rsplit(":", 1)[0] for site in counted.by_site}
+        assert counted.count == (2 if budget else 1), dict(counted.by_site)
+        assert sites == {"ddtree.generation.round._read_accepted"} | ({"ddtree.budget.acceptance.price"} if budget
+                                                                      else set())
+    for b, prompt in enumerate(prompts):
+        ref = references[tuple(prompt)]
+        assert state.new_tokens[b] == ref[len(prompt):]
         assert state.acceptance[b] == [expected_acceptance(rec, ref) for rec in state.records[b]]

@@ -9,6 +9,7 @@ from tiny import ScriptedDrafter, tiny_drafter, tiny_target
 
 from ddtree import BudgetPolicy, SpeculativeGenerator
 from ddtree.core.tree import DRAFTER, LOOKUP
+from ddtree.drafters.base import Proposal
 from ddtree.generation.round import HELD_BACK_MOST, speculative_round
 from ddtree.generation.rows import RowBook
 from ddtree.generation.state import _merge_full_runs
@@ -96,7 +97,7 @@ class SkipThenDraft(BudgetPolicy):
         self.rounds += 1
         self.skip_draft = self.rounds in self.plain
 
-    def choose(self, logprobs: torch.Tensor, context_len: int) -> int:
+    def choose(self, proposal: Proposal, context_len: int) -> int:
         return self.budget
 
 

@@ -83,8 +83,8 @@ class Recording(BudgetPolicy):
     def prepare(self, context_len, batch):
         self.policy.prepare(context_len, batch)
 
-    def choose(self, logprobs, context_len):
-        self.local.append(self.policy.choose(logprobs, context_len))
+    def choose(self, proposal, context_len):
+        self.local.append(self.policy.choose(proposal, context_len))
         return self.local[-1]
 
     def observe(self, accepted, verify_seconds, context_len):

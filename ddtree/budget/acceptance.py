@@ -1,8 +1,9 @@
 """The acceptance model: expected committed tokens per row for each candidate budget (:data:`COST_MODEL`).
 
-``p_d(n)``: the drafter's probability that the target's path reaches depth ``d`` in the budget-``n`` tree (the
-sum of ``exp(path log-prob)`` over its depth-``d`` nodes); ``c_d`` calibrates it by depth against the accepted
-counts. :class:`PromptSpread` and :class:`RowProgress` weigh what a call and a row accept against noise.
+``p_d(n)``: the probability, by the proposal's scores, that the target's path reaches depth ``d`` in the
+budget-``n`` tree the round would verify (the sum of ``exp(path log-prob)`` over its depth-``d`` nodes); ``c_d``
+calibrates it by depth against the accepted counts. :class:`PromptSpread` and :class:`RowProgress` weigh what a
+call and a row accept against noise.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from ddtree.budget.settings import Settings
 from ddtree.budget.shrink import Moments, between, shrink
 from ddtree.core.builders import TreeBuilder, best_first
 from ddtree.core.tree import DraftTree
+from ddtree.drafters.base import Proposal, proposal_tree
 
 COST_MODEL = ("tokens_per_second(n) = sum_rows E[tokens|n] / (overhead(B, ctx) + verify(B x n+1 nodes, ctx)); "
               "tokens_per_second(plain) = B / plain(B, ctx); E[tokens|n] = 1 + sum_d min(1, c_d * p_d(n)), "
@@ -27,63 +29,78 @@ COST_MODEL = ("tokens_per_second(n) = sum_rows E[tokens|n] / (overhead(B, ctx) +
 class Calibration:
     """Decayed per-depth sums: rounds that reached depth ``d``, and the ``p_d`` the chosen trees predicted."""
 
-    reached: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.float64))
-    predicted: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.float64))
+    reached: list[float] = field(default_factory=list)
+    predicted: list[float] = field(default_factory=list)
 
-    def factors(self, depth: int, prior_rounds: float) -> torch.Tensor:
+    def factors(self, depth: int, prior_rounds: float) -> list[float]:
         """``c_d`` for depths ``1..depth``: 1 where nothing was measured."""
-        c = torch.ones(depth, dtype=torch.float64)
-        n = min(depth, self.reached.numel())
-        c[:n] = (prior_rounds + self.reached[:n]) / (prior_rounds + self.predicted[:n])
-        return c
+        known = [(prior_rounds + r) / (prior_rounds + p) for r, p in zip(self.reached, self.predicted)]
+        return (known + [1.0] * depth)[:depth]
 
-    def add(self, predicted_rows: torch.Tensor, accepted: Sequence[int], forget: float) -> None:
-        """One round: ``predicted_rows`` ``[B, D]`` the chosen tree's ``p_d`` per row, ``accepted`` each row's
-        accepted count (root included)."""
-        depth = max(1, predicted_rows.shape[1])
-        if self.reached.numel() < depth:
-            pad = torch.zeros(depth - self.reached.numel(), dtype=torch.float64)
-            self.reached, self.predicted = torch.cat([self.reached, pad]), torch.cat([self.predicted, pad])
-        counts = torch.tensor([int(a) for a in accepted], dtype=torch.float64)[:, None] - 1
-        self.reached *= forget
-        self.predicted *= forget
-        self.reached[:depth] += (torch.arange(1, depth + 1, dtype=torch.float64)[None] <= counts).double().mean(0)
-        if predicted_rows.shape[1]:
-            self.predicted[:depth] += predicted_rows.mean(dim=0)
+    def add(self, predicted_rows: Sequence[Sequence[float]], accepted: Sequence[int], forget: float) -> None:
+        """One round: ``predicted_rows`` the chosen tree's ``p_d`` per row, ``accepted`` each row's accepted
+        count (root included)."""
+        depth, rows = max([1, *(len(p) for p in predicted_rows)]), len(accepted)
+        grow = [0.0] * (depth - len(self.reached))
+        self.reached = [forget * r for r in self.reached + grow]
+        self.predicted = [forget * p for p in self.predicted + grow]
+        for d in range(depth):
+            self.reached[d] += sum(int(a) - 1 > d for a in accepted) / rows
+            self.predicted[d] += sum(p[d] for p in predicted_rows if d < len(p)) / rows
+
+
+@dataclass
+class Priced:
+    """The candidates' prices, read once: ``expected[b][i]`` ``E[tokens | candidates[i]]`` of row ``b``, and
+    ``reach[b][i]`` its ``p_d`` by depth."""
+
+    expected: list[list[float]]
+    reach: list[list[list[float]]]
 
 
 class TreePricer:
-    """Prices every candidate from one tree grown at the largest budget wanted (best-first, chain and beam
-    trees are ordered, so the budget-``n`` tree is its first ``n`` nodes), and keeps that tree so the round can
-    take the chosen budget's cut instead of growing it again."""
+    """Prices every candidate from the tree the round would verify at the largest budget wanted (the builder's
+    tree or its pairwise form, lookup branches grafted: ordered by score, so the budget-``n`` tree is its first
+    ``n`` nodes), on the device; keeps the builder's tree so the round can take the chosen budget's cut."""
 
     def __init__(self, builder: TreeBuilder, candidates: Sequence[int]) -> None:
         self.builder, self.candidates = builder, list(candidates)
-        self._built: tuple[torch.Tensor, DraftTree, int] | None = None
+        self._built: tuple[Proposal, DraftTree, int] | None = None
 
-    def reach(self, logprobs: torch.Tensor, top: int | None = None) -> torch.Tensor:
-        """``p_d(n)`` per row ``[B, len(candidates), D]`` (float64, host), from one tree at budget ``top``
-        (default the largest candidate; larger candidates get its figures): the round's one policy read."""
+    def reach(self, proposal: Proposal, top: int | None = None) -> torch.Tensor:
+        """``p_d(n)`` per row ``[B, len(candidates), D]`` on the proposal's device, from one tree at budget
+        ``top`` (default the largest candidate; larger candidates get its figures)."""
+        logprobs = proposal.logprobs
         bsz, depth, _ = logprobs.shape
         top = self.candidates[-1] if top is None else top
-        empty = torch.zeros(bsz, len(self.candidates), depth, dtype=torch.float64)
+        reach = torch.zeros(bsz, len(self.candidates), depth, device=logprobs.device)
         if top == 0 or depth == 0:
-            return empty
-        tree = self.builder(torch.zeros(bsz, dtype=torch.long, device=logprobs.device), logprobs, top)
-        self._built = (logprobs, tree, top)
+            return reach
+        roots = torch.zeros(bsz, dtype=torch.long, device=logprobs.device)
+        built = None if proposal.pairwise is not None else self.builder(roots, logprobs, top)
+        if built is not None:
+            self._built = (proposal, built, top)
+        tree = proposal_tree(proposal, roots, self.builder, top, built)
         probs = tree.scores[:, 1:].float().exp()  # [B, N-1]
         nodes = probs.shape[1]
         if nodes == 0:
-            return empty
+            return reach
         depths = (tree.depths[:, 1:] - 1).clamp(0, depth - 1)
         per_depth = probs.new_zeros(bsz, nodes, depth).scatter_(2, depths[..., None], probs[..., None])
         take = torch.tensor([min(n, nodes) - 1 for n in self.candidates], device=per_depth.device)
-        return per_depth.cumsum(dim=1).index_select(1, take).clamp(max=1.0).cpu().double()
+        return per_depth.cumsum(dim=1).index_select(1, take).clamp(max=1.0)
 
-    def tree(self, logprobs: torch.Tensor, roots: torch.Tensor, budget: int, builder: TreeBuilder) -> DraftTree | None:
-        """The tree ``builder`` grows from ``logprobs`` under ``budget``, cut from the pricing tree when that is
-        exact (the same tensor, best-first, a budget within it); else ``None``."""
-        if self._built is None or self._built[0] is not logprobs or builder is not best_first:
+    def price(self, proposal: Proposal, top: int, calibration: Sequence[float]) -> Priced:
+        """:meth:`reach` and ``E[tokens | n]`` under ``calibration`` (``c_d``), in the policy's one host read."""
+        reach = self.reach(proposal, top)
+        c = torch.tensor(list(calibration), dtype=reach.dtype, device=reach.device)
+        packed = torch.cat([expected_tokens(reach, c)[..., None], reach], dim=-1).tolist()  # the one read
+        return Priced([[n[0] for n in row] for row in packed], [[n[1:] for n in row] for row in packed])
+
+    def tree(self, proposal: Proposal, roots: torch.Tensor, budget: int, builder: TreeBuilder) -> DraftTree | None:
+        """The builder's tree for ``proposal`` under ``budget``, cut from the pricing tree when that is exact (the
+        same proposal, best-first, a budget within it); else ``None``."""
+        if self._built is None or self._built[0] is not proposal or builder is not best_first:
             return None
         _, tree, top = self._built
         if self.builder is not best_first or budget > top:

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from ddtree.budget.acceptance import COST_MODEL, CallTokens, RowProgress, TreePricer, expected_tokens
+from ddtree.budget.acceptance import COST_MODEL, CallTokens, RowProgress, TreePricer
 from ddtree.budget.backoff import Backoff, spaced
 from ddtree.budget.costs import Key
 from ddtree.budget.decide import EXPLORE, FIRST, FIXED, RETRY, Decision, decide, plain_or_draft
@@ -21,6 +21,7 @@ from ddtree.budget.settings import Settings
 from ddtree.budget.shrink import Moments
 from ddtree.core.builders import TreeBuilder, best_first
 from ddtree.core.tree import DraftTree
+from ddtree.drafters.base import Proposal
 
 
 class BudgetPolicy:
@@ -41,13 +42,13 @@ class BudgetPolicy:
     def prepare(self, context_len: int, batch: int) -> None:
         return None
 
-    def choose(self, logprobs: torch.Tensor, context_len: int) -> int:
+    def choose(self, proposal: Proposal, context_len: int) -> int:
         # the one method a policy must define: there is no default budget to fall back on
-        raise NotImplementedError(f"{type(self).__name__} must define choose(logprobs, context_len) -> budget")
+        raise NotImplementedError(f"{type(self).__name__} must define choose(proposal, context_len) -> budget")
 
-    def tree(self, logprobs: torch.Tensor, roots: torch.Tensor, budget: int,
+    def tree(self, proposal: Proposal, roots: torch.Tensor, budget: int,
              builder: TreeBuilder) -> DraftTree | None:
-        """The tree ``builder`` would grow from ``logprobs`` under ``budget``, when :meth:`choose` grew it."""
+        """The tree ``builder`` would grow from ``proposal`` under ``budget``, when :meth:`choose` grew it."""
         return None
 
     def observe(self, accepted: Sequence[int], verify_seconds: float, context_len: int) -> None:
@@ -69,7 +70,7 @@ class FixedBudget(BudgetPolicy):
         check_budget(budget)
         self.budget = budget
 
-    def choose(self, logprobs: torch.Tensor, context_len: int) -> int:
+    def choose(self, proposal: Proposal, context_len: int) -> int:
         return self.budget
 
     def describe(self) -> dict[str, Any]:
@@ -140,7 +141,7 @@ class AutoBudget(BudgetPolicy):
         self.best: int | None = None
         self._pending: _Round | None = None
         self._start: tuple[float, float | None] | None = None
-        self._predicted: torch.Tensor | None = None  # [B, D] the chosen tree's p_d per row
+        self._predicted: list[list[float]] | None = None  # the chosen tree's p_d per row
         self.tokens = CallTokens(s, self.carried.spread, self.carried.tokens)
         self._rows = RowProgress(s.min_rounds)
 
@@ -203,8 +204,8 @@ class AutoBudget(BudgetPolicy):
 
     # ------------------------------------------------------------------ with the proposal
 
-    def choose(self, logprobs: torch.Tensor, context_len: int) -> int:
-        s, batch = self.settings, logprobs.shape[0]
+    def choose(self, proposal: Proposal, context_len: int) -> int:
+        s, batch = self.settings, proposal.logprobs.shape[0]
         key = self.costs.key(batch, context_len)
         priced = {n: self._tree_seconds(n, batch, context_len) for n in self.candidates}
         measured = {n: t for n, (t, known) in priced.items() if known and t is not None}
@@ -215,9 +216,9 @@ class AutoBudget(BudgetPolicy):
         top = max(measured or [start])
         if explore:
             top = next((c for c in self.candidates if c > top), top)
-        reach = self.pricer.reach(logprobs, top)  # the round's one host read for the policy
-        rows = expected_tokens(reach, self.carried.calibration.factors(reach.shape[-1], s.prior_rounds))
-        expected = {n: e for n, e in zip(self.candidates, rows.sum(dim=0).tolist()) if n <= top}
+        factors = self.carried.calibration.factors(proposal.logprobs.shape[1], s.prior_rounds)
+        price = self.pricer.price(proposal, top, factors)  # the policy's one host read
+        expected = {n: sum(row[i] for row in price.expected) for i, n in enumerate(self.candidates) if n <= top}
         near = {n: self._neighbour(n, batch, context_len) for n in measured} if explore else None
         decision = decide({n: t for n, t in measured.items() if n <= top}, expected, start, near)
         self.best = decision.best if decision.best is not None else self.best
@@ -232,8 +233,8 @@ class AutoBudget(BudgetPolicy):
             schedule.tried(interval)
         elif explore and decision.best is not None:
             schedule.tried(min(2 * schedule.interval, s.explore_every))
-        reason = RETRY if pending.retry else decision.reason
-        self._predicted = reach[:, self.candidates.index(decision.budget)]
+        reason, chosen = RETRY if pending.retry else decision.reason, self.candidates.index(decision.budget)
+        self._predicted = [row[chosen] for row in price.reach]
         pending.nodes, pending.expected = decision.budget + 1, expected.get(decision.budget)
         pending.explored = decision.reason == EXPLORE
         self._pending, self.reason = pending, reason
@@ -241,13 +242,12 @@ class AutoBudget(BudgetPolicy):
         self.last = {"context": context_len, "batch": batch, "chosen": decision.budget, "reason": reason,
                      "expected_tokens": {n: round(e, 4) for n, e in expected.items()},
                      "round_seconds": {n: round(t, 6) for n, t in measured.items()},
-                     "row_expected_tokens": [round(e, 4) for e in
-                                             rows[:, self.candidates.index(decision.budget)].tolist()]}
+                     "row_expected_tokens": [round(row[chosen], 4) for row in price.expected]}
         return decision.budget
 
-    def tree(self, logprobs: torch.Tensor, roots: torch.Tensor, budget: int,
+    def tree(self, proposal: Proposal, roots: torch.Tensor, budget: int,
              builder: TreeBuilder) -> DraftTree | None:
-        return self.pricer.tree(logprobs, roots, budget, builder)
+        return self.pricer.tree(proposal, roots, budget, builder)
 
     def _tree_seconds(self, n: int, batch: int, context: int) -> tuple[float | None, bool]:
         """A drafting round's seconds at budget ``n``, and whether its verify counts as measured."""
@@ -287,9 +287,9 @@ class AutoBudget(BudgetPolicy):
         self.rounds += 1
         if pending.plain or self._predicted is None:
             return
-        if len(accepted) != self._predicted.shape[0]:
+        if len(accepted) != len(self._predicted):
             raise ValueError(f"observe got {len(accepted)} accepted counts for a round of "
-                             f"{self._predicted.shape[0]} rows: pass one count per active row, in row order")
+                             f"{len(self._predicted)} rows: pass one count per active row, in row order")
         self._rows.add(accepted)
         share = self._rows.lagging(len(accepted))
         if share is not None and len(accepted) > 1:
@@ -340,8 +340,7 @@ class AutoBudget(BudgetPolicy):
                 "rounds": self.rounds, "plain_rounds": self.plain_rounds, "explorations": self.explorations,
                 "choices": {str(k): v for k, v in sorted(self.choices.items())}, "reasons": dict(self.reasons),
                 "plain_round_seconds": None if plain is None else round(plain, 6),
-                "depth_calibration": [round(c, 4) for c in
-                                      cal.factors(cal.reached.numel(), self.settings.prior_rounds).tolist()],
+                "depth_calibration": [round(c, 4) for c in cal.factors(len(cal.reached), self.settings.prior_rounds)],
                 "lagging_row_share": {str(b): round(v, 4) for b, v in sorted(self.carried.lagging.items())},
                 "costs": self.costs.describe(), "last_round": self.last, "state": self.explain()}
 

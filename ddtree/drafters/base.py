@@ -183,6 +183,23 @@ def coupled_proposal(proposal: Proposal, cfg: SamplingConfig, keys: torch.Tensor
     return Proposal(logprobs, proposal.paths, scores)
 
 
+def proposal_rows(proposal: Proposal, rows: Sequence[int]) -> Proposal:
+    """The proposal of ``rows`` only (a batch's live rows): every part indexed on its own device, host paths by
+    list."""
+    def pick(t: torch.Tensor) -> torch.Tensor:
+        return t.index_select(0, torch.tensor(list(rows), device=t.device))
+
+    paths = proposal.paths
+    if isinstance(paths, Branches):
+        paths = Branches(pick(paths.tokens), pick(paths.scores), pick(paths.lengths))
+    elif paths is not None:
+        paths = [paths[r] for r in rows]
+    scores = proposal.pairwise
+    if scores is not None:
+        scores = PairwiseScores(pick(scores.candidates), pick(scores.first), pick(scores.table))
+    return Proposal(pick(proposal.logprobs), paths, scores)
+
+
 def proposal_tree(proposal: Proposal, root_tokens: torch.Tensor, builder: TreeBuilder, budget: int,
                   built: DraftTree | None = None) -> DraftTree:
     """The tree a proposal asks for under ``budget`` draft nodes: ``builder``'s pairwise form over

@@ -32,7 +32,7 @@ from ddtree.core.masks import tree_position_ids
 from ddtree.core.sampling import choose_tokens
 from ddtree.core.tree import DraftTree, root_only
 from ddtree.core.verify import VerifyResult, verify_tree
-from ddtree.drafters.base import DraftContext, check_proposal, coupled_proposal, proposal_tree
+from ddtree.drafters.base import DraftContext, check_proposal, coupled_proposal, proposal_rows, proposal_tree
 from ddtree.generation.accepted import AcceptedOnHost, emit_accepted, observe_accepted, pack_accepted, unpack_accepted
 from ddtree.generation.prefill import prefill_padded
 from ddtree.generation.state import DecodeState, RoundResult
@@ -93,8 +93,8 @@ def _static_tree_round(state: DecodeState) -> RoundResult:
         with state.timer.stage("draft"):
             proposal = steps.propose(rows.draft, rows.roots, rows.lengths, keys)
         with state.timer.stage("tree_build"):
-            live_rows = proposal.logprobs.index_select(0, torch.tensor(rows.slots, device=proposal.logprobs.device))
-            steps = gen.static_steps(policy.choose(live_rows, context), state.sampling)  # finished rows ride along
+            live_rows = proposal_rows(proposal, rows.slots)  # finished rows ride along unpriced
+            steps = gen.static_steps(policy.choose(live_rows, context), state.sampling)
             tree = steps.build(proposal, rows.roots)
     result = static_round(state, steps, rows, tree, policy.reason)
     policy.observe([a for a in result.acceptance if a is not None], state.timer.last("verify"), context)
@@ -251,8 +251,8 @@ def _draft_tree(state: DecodeState, policy: BudgetPolicy, context: int) -> tuple
         if keys is not None and state.coupled_drafts:  # rank by the target's own noise (the tokens stay the same)
             proposal = coupled_proposal(proposal, state.sampling, keys, cast(torch.Tensor, state.on_device.lengths))
     with state.timer.stage("tree_build"):
-        size = gen.lockstep.share(policy.choose(proposal.logprobs, context))  # each rank's clock differs
-        built = policy.tree(proposal.logprobs, roots, size, gen.builder)  # grown while choosing, if it was
+        size = gen.lockstep.share(policy.choose(proposal, context))  # each rank's clock differs
+        built = policy.tree(proposal, roots, size, gen.builder)  # grown while choosing, if it was
         tree = proposal_tree(proposal, roots, gen.builder, size, built)
     return tree, size
 
