@@ -588,7 +588,7 @@ def test_costs_fall_back_to_the_nearest_measured_key():
     assert costs.verify_seconds(2, 1, 100)[0] == pytest.approx(0.04)  # never cheaper than the smallest measured
     # batch 2 never measured: batch 1's table at the same total node count (2 x 5 nodes = 10 -> 10 at batch 1)
     assert costs.verify_seconds(5, 2, 100)[0] == pytest.approx(0.06 + 0.005 * 1)
-    assert costs.overhead_seconds(1, 5000) == pytest.approx(0.01)  # another context bucket: the nearest
+    assert costs.seconds("overhead", 1, 5000) == pytest.approx(0.01)  # another context bucket: the nearest
     assert interpolate({4: 1.0}, 8) == 2.0 and interpolate({}, 3) is None
 
 

@@ -2,9 +2,9 @@
 
 Kinds: ``verify`` (the target forward over ``nodes`` nodes per row), ``overhead`` (the rest of a drafting
 round), ``plain`` (a whole round that does not draft) and ``drafted`` (a whole drafting round of the policy's
-own choice). Each entry is one :class:`Estimate`. A key never measured is read from the nearest measured one
-(context bucket and batch; verify at the same total node count ``batch * nodes``). ``shifts`` counts the
-lasting changes (the drift rule) seen at each key: an event the policy's schedules watch.
+own choice), one :class:`Estimate` each. A key never measured reads the nearest measured one (context bucket
+and batch; verify at the same total node count). ``shifts`` counts each key's lasting changes (the drift rule):
+an event the policy's schedules watch.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from ddtree.budget.settings import Settings
 
 Key = tuple[int, int]  # (context bucket, batch)
 T = TypeVar("T")
+KINDS = ("overhead", "plain", "drafted")
 
 
 class Estimate:
@@ -27,11 +28,8 @@ class Estimate:
                  stale_after: int = 1 << 62) -> None:
         self.weight, self.outlier, self.drift_after, self.stale_after = weight, outlier, drift_after, stale_after
         self.value: float | None = None
-        self.count = 0
-        self.stamp = -1  # the round it was last measured in
-        self.changed_at = -1  # the round the last lasting change began in
-        self.averaging = False  # a plain mean of the first 1 / weight values (a prior counts as its rounds)
-        self.expired = False
+        self.count, self.stamp, self.changed_at = 0, -1, -1  # stamp: last measured; changed_at: last change began
+        self.averaging = self.expired = False  # averaging: a plain mean of the first 1 / weight values
         self._surprises: list[float] = []
         self._first_surprise = -1
 
@@ -42,14 +40,13 @@ class Estimate:
     def update(self, value: float, stamp: int) -> bool:
         """Take one measurement at round ``stamp``; whether the value moved to a lasting change."""
         stale = stamp - self.stamp > self.stale_after or self.expired
-        self.stamp, self.expired = stamp, False
-        self.count += 1
+        self.stamp, self.expired, self.count = stamp, False, self.count + 1
         if self.value is None or stale:
             self.value = value
             self._surprises.clear()
             return False
         ratio = value / max(self.value, 1e-12)
-        if ratio > self.outlier or ratio * self.outlier < 1.0:
+        if not 1.0 / self.outlier <= ratio <= self.outlier:
             if self._surprises and (self._surprises[-1] > self.value) != (value > self.value):
                 self._surprises.clear()  # a surprise on the other side: the run is broken
             if not self._surprises:
@@ -57,13 +54,11 @@ class Estimate:
             self._surprises.append(value)
             if len(self._surprises) < self.drift_after:
                 return False
-            self.value = sorted(self._surprises)[len(self._surprises) // 2]
+            self.value, self.changed_at = sorted(self._surprises)[len(self._surprises) // 2], self._first_surprise
             self._surprises.clear()
-            self.changed_at = self._first_surprise
             return True
         self._surprises.clear()
-        weight = max(self.weight, 1.0 / self.count) if self.averaging else self.weight
-        self.value += weight * (value - self.value)
+        self.value += (max(self.weight, 1.0 / self.count) if self.averaging else self.weight) * (value - self.value)
         return False
 
 
@@ -80,14 +75,12 @@ def interpolate(table: dict[int, float], nodes: float) -> float | None:
     xs = sorted(table)
     if nodes <= xs[0]:
         return table[xs[0]]
-    if nodes >= xs[-1]:
-        if len(xs) == 1:
-            return table[xs[0]] * nodes / xs[0]
-        a, b = xs[-2], xs[-1]
-        return table[b] + max(0.0, (table[b] - table[a]) / (b - a)) * (nodes - b)
-    b = next(x for x in xs if x >= nodes)
+    if len(xs) == 1:
+        return table[xs[0]] * nodes / xs[0]
+    b = next((x for x in xs if x >= nodes), xs[-1])
     a = xs[xs.index(b) - 1]
-    return table[a] + (table[b] - table[a]) * (nodes - a) / (b - a)
+    slope = (table[b] - table[a]) / (b - a)
+    return table[b] + max(0.0, slope) * (nodes - b) if nodes > b else table[a] + slope * (nodes - a)
 
 
 class RoundCosts:
@@ -101,17 +94,16 @@ class RoundCosts:
         self.plain: dict[Key, Estimate] = {}
         self.drafted: dict[Key, Estimate] = {}
         self.shifts: dict[Key, int] = {}
-        self.visits: dict[Key, int] = {}  # rounds recorded at each key: an entry's stamp is one of them
+        self.visits: dict[Key, int] = {}  # rounds recorded at each key: staleness counts a key's own rounds
         self.rounds = 0
 
     def key(self, batch: int, context: int) -> Key:
         return (context_bucket(context, self.settings.context_floor), int(batch))
 
-    def _entry(self, table: dict[Key, Estimate], key: Key) -> Estimate:
-        return table.setdefault(key, Estimate.seconds(self.settings))
+    def _record(self, table: dict[Key, Estimate], key: Key, seconds: float, stamp: int) -> bool:
+        return table.setdefault(key, Estimate.seconds(self.settings)).update(seconds, stamp)
 
     def _stamp(self, key: Key) -> int:
-        """Count a round at ``key``: staleness counts the key's own rounds, so calls elsewhere do not age it."""
         self.rounds += 1
         self.visits[key] = self.visits.get(key, 0) + 1
         return self.visits[key]
@@ -121,8 +113,7 @@ class RoundCosts:
         """A drafting round over ``nodes`` nodes per row; ``chosen``: the policy's own choice (not a try of a
         neighbour), whose round seconds price drafting against plain rounds."""
         key = self.key(batch, context)
-        stamp = self._stamp(key)
-        table = self.verify.setdefault(key, {})
+        stamp, table = self._stamp(key), self.verify.setdefault(key, {})
         entry = table.setdefault(int(nodes), Estimate.seconds(self.settings))
         before = entry.value
         moved = entry.update(verify_seconds, stamp)
@@ -130,15 +121,15 @@ class RoundCosts:
             for other in table.values():
                 if other is not entry and other.value is not None and other.stamp < entry.changed_at:
                     other.value *= entry.value / before
-        moved |= self._entry(self.overhead, key).update(max(0.0, round_seconds - verify_seconds), stamp)
+        moved |= self._record(self.overhead, key, max(0.0, round_seconds - verify_seconds), stamp)
         if chosen:
-            self._entry(self.drafted, key).update(round_seconds, stamp)
+            self._record(self.drafted, key, round_seconds, stamp)
         self.shifts[key] = self.shifts.get(key, 0) + int(moved)
 
     def record_plain(self, batch: int, context: int, round_seconds: float) -> None:
         key = self.key(batch, context)
-        moved = self._entry(self.plain, key).update(round_seconds, self._stamp(key))
-        self.shifts[key] = self.shifts.get(key, 0) + int(moved)
+        self.shifts[key] = self.shifts.get(key, 0) + int(self._record(self.plain, key, round_seconds,
+                                                                      self._stamp(key)))
 
     def expire(self, batch: int, context: int, plain: bool) -> None:
         """The next round of this kind here replaces its seconds outright (one round under a new load would be
@@ -158,42 +149,29 @@ class RoundCosts:
         near = nearest(self.verify, self.key(batch, context))
         if near is None:
             return None, False
-        table, x = _values(self.verify[near]), nodes * batch / near[1]
+        table = {n: e.value for n, e in self.verify[near].items() if e.value is not None}
+        x = nodes * batch / near[1]
         return interpolate(table, x), x <= max(table) and (len(table) > 1 or x >= min(table))
 
     def verify_stamps(self, batch: int, context: int) -> dict[int, int]:
         """``{nodes: round}`` of the verify forwards measured at exactly this key."""
         return {n: e.stamp for n, e in self.verify.get(self.key(batch, context), {}).items()}
 
-    def overhead_seconds(self, batch: int, context: int) -> float | None:
-        return self._read(self.overhead, batch, context)
-
-    def plain_seconds(self, batch: int, context: int) -> float | None:
-        """A plain round's seconds here, else at the nearest key as they are: a plain step is bound by reading
-        the weights, and a guess that errs towards plain is corrected by plain's first round here."""
-        return self._read(self.plain, batch, context)
-
-    def drafted_seconds(self, batch: int, context: int) -> float | None:
-        """A drafting round's seconds here, else at the nearest key as they are."""
-        return self._read(self.drafted, batch, context)
-
-    def _read(self, table: dict[Key, Estimate], batch: int, context: int) -> float | None:
+    def seconds(self, kind: str, batch: int, context: int) -> float | None:
+        """A round's (``plain``, ``drafted``) or a drafting round's ``overhead`` seconds here, else at the nearest
+        key as they are (a guess that errs is corrected by the kind's first round here)."""
+        table: dict[Key, Estimate] = getattr(self, kind)
         near = nearest(table, self.key(batch, context))
         return None if near is None else table[near].value
 
     def describe(self) -> dict[str, Any]:
-        def secs(e: Estimate) -> float | None:
-            return None if e.value is None else round(e.value, 6)
+        def secs(table: dict[Any, Estimate]) -> dict[str, float | None]:
+            return {(f"{k[0]}x{k[1]}" if isinstance(k, tuple) else str(k)):
+                    None if e.value is None else round(e.value, 6) for k, e in sorted(table.items())}
 
-        return {"rounds": self.rounds,
-                "verify_seconds": {_name(k): {str(n): secs(e) for n, e in sorted(t.items())}
-                                   for k, t in sorted(self.verify.items())},
-                **{f"{kind}_seconds": {_name(k): secs(e) for k, e in sorted(getattr(self, kind).items())}
-                   for kind in ("overhead", "plain", "drafted")}}
-
-
-def _name(k: Key) -> str:
-    return f"{k[0]}x{k[1]}"
+        return {"rounds": self.rounds, "verify_seconds": {f"{k[0]}x{k[1]}": secs(t) for k, t in
+                                                          sorted(self.verify.items())},
+                **{f"{kind}_seconds": secs(getattr(self, kind)) for kind in KINDS}}
 
 
 def nearest(entries: dict[Key, T], key: Key) -> Key | None:
@@ -202,10 +180,6 @@ def nearest(entries: dict[Key, T], key: Key) -> Key | None:
     if key in known or not known:
         return key if known else None
     return min(known, key=lambda k: (abs(math.log2(k[0] / key[0])) + abs(math.log2(k[1] / key[1])), k))
-
-
-def _values(table: dict[int, Estimate]) -> dict[int, float]:
-    return {n: e.value for n, e in table.items() if e.value is not None}
 
 
 def _has_value(entry: object) -> bool:

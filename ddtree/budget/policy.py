@@ -157,49 +157,42 @@ class AutoBudget(BudgetPolicy):
         now = self.clock()
         wall = None if self.wall_clock is None else self.wall_clock()
         self._book(now, wall)
-        self._start = (now, wall)
-        s, key = self.settings, self.costs.key(batch, context_len)
-        plain_seconds = self.costs.plain_seconds(batch, context_len)
-        plain = None if plain_seconds is None else batch / max(plain_seconds, 1e-12)
-        drafted = self._drafted_rate(batch, context_len)
+        self._start, s, key = (now, wall), self.settings, self.costs.key(batch, context_len)
+        plain, drafted, seconds = self._rates(batch, context_len)
         due = fresh = False
         if plain is not None and drafted is not None:
-            seconds = (plain_seconds, self.costs.drafted_seconds(batch, context_len))
-            interval = self.carried.retries.setdefault(key, Backoff(interval=0)).retry_interval(
-                plain, drafted, self.costs.shifts.get(key, 0), s, seconds)
+            retries = self.carried.retries.setdefault(key, Backoff(interval=0))
+            interval = retries.retry_interval(plain, drafted, self.costs.shifts.get(key, 0), s, seconds)
             plain_wins = plain >= drafted
             if self.costs.samples(not plain_wins) < 2:  # the first round of a kind also paid first-call costs
                 interval = s.first_interval
             if plain_wins and self.tokens.estimate is None:  # prompts never drafted: one retry, spaced by loss
                 once = spaced(s.first_interval, plain, drafted, s, *seconds)
                 fresh, interval = once < interval, min(interval, once)
-            due = self.carried.retries[key].since(not plain_wins) >= interval
+            due = retries.since(not plain_wins) >= interval
             if due:
                 self.costs.expire(batch, context_len, not plain_wins)  # the loser's one fresh look
                 self.explorations += 1
         decision = plain_or_draft(plain, drafted, due)
-        self.skip_draft = decision.budget == 0
+        self.skip_draft, self.reason = decision.budget == 0, decision.reason
         self._pending = _Round(self.skip_draft, batch, context_len, retry=due, fresh=fresh)
-        self.reason = decision.reason
         if self.skip_draft:
             self.plain_rounds += 1
             self._note(0, decision.reason)
 
-    def _drafted_rate(self, batch: int, context: int) -> float | None:
-        """Drafting's rate here at this call's tokens per row (else earlier calls'), at batch > 1 priced by
-        the row that lags: a call lasts until its last row is done."""
-        seconds, row = self.costs.drafted_seconds(batch, context), self.tokens.value(self.costs.key(batch, context))
-        if seconds is None or row is None:
-            return None
-        return row * batch / max(seconds, 1e-12) * self.carried.lagging.get(batch, 1.0)
+    def _rates(self, batch: int, context: int) -> tuple[float | None, float | None, tuple[float | None, float | None]]:
+        """Plain's and drafting's tokens per second here (``None``: not known yet), and their rounds' seconds.
+        Drafting is priced at this call's tokens per row (else earlier calls') and, at batch > 1, by the row
+        that lags: a call lasts until its last row is done."""
+        plain, drafted = self.costs.seconds("plain", batch, context), self.costs.seconds("drafted", batch, context)
+        row, lag = self.tokens.value(self.costs.key(batch, context)), self.carried.lagging.get(batch, 1.0)
+        return (None if plain is None else batch / max(plain, 1e-12),
+                None if drafted is None or row is None else row * batch / max(drafted, 1e-12) * lag, (plain, drafted))
 
     def _retried(self, key: Key, batch: int, context: int, plain_won: bool, fresh: bool) -> None:
-        plain_seconds, drafted = self.costs.plain_seconds(batch, context), self._drafted_rate(batch, context)
-        if plain_seconds is None or drafted is None:
-            return
-        seconds = (plain_seconds, self.costs.drafted_seconds(batch, context))
-        if self.carried.retries[key].retried(batch / max(plain_seconds, 1e-12), drafted, plain_won, fresh,
-                                             self.costs.shifts.get(key, 0), self.settings, seconds):
+        plain, drafted, seconds = self._rates(batch, context)
+        if plain is not None and drafted is not None and self.carried.retries[key].retried(
+                plain, drafted, plain_won, fresh, self.costs.shifts.get(key, 0), self.settings, seconds):
             self.costs.expire(batch, context, plain=False)
 
     # ------------------------------------------------------------------ with the proposal
@@ -224,15 +217,13 @@ class AutoBudget(BudgetPolicy):
         self.best = decision.best if decision.best is not None else self.best
         if decision.best is not None and self._restart(schedule, decision.best, batch, context_len):
             schedule.restart(s.first_interval)
-        if decision.reason == EXPLORE and decision.best is not None:
-            self.explorations += 1
+        if explore and decision.best is not None:
             interval = min(2 * schedule.interval, s.explore_every)
-            if decision.budget in measured:  # a try priced well below the best waits longer
+            if decision.reason == EXPLORE and decision.budget in measured:  # a try priced below the best waits
                 rate = {n: expected[n] / measured[n] for n in (decision.best, decision.budget)}
                 interval = spaced(interval, rate[decision.best], rate[decision.budget], s)
+            self.explorations += decision.reason == EXPLORE
             schedule.tried(interval)
-        elif explore and decision.best is not None:
-            schedule.tried(min(2 * schedule.interval, s.explore_every))
         reason, chosen = RETRY if pending.retry else decision.reason, self.candidates.index(decision.budget)
         self._predicted = [row[chosen] for row in price.reach]
         pending.nodes, pending.expected = decision.budget + 1, expected.get(decision.budget)
@@ -252,7 +243,7 @@ class AutoBudget(BudgetPolicy):
     def _tree_seconds(self, n: int, batch: int, context: int) -> tuple[float | None, bool]:
         """A drafting round's seconds at budget ``n``, and whether its verify counts as measured."""
         verify, known = self.costs.verify_seconds(n + 1, batch, context)
-        overhead = self.costs.overhead_seconds(batch, context)
+        overhead = self.costs.seconds("overhead", batch, context)
         return (None, False) if verify is None or overhead is None else (overhead + verify, known)
 
     def _start_budget(self, batch: int) -> int:
@@ -335,7 +326,7 @@ class AutoBudget(BudgetPolicy):
 
     def describe(self) -> dict[str, Any]:
         cal, context, batch = self.carried.calibration, self.last.get("context", 0), self.last.get("batch", 1)
-        plain = self.costs.plain_seconds(batch, context)
+        plain = self.costs.seconds("plain", batch, context)
         return {"policy": "auto", "cost_model": COST_MODEL, "candidates": list(self.candidates),
                 "rounds": self.rounds, "plain_rounds": self.plain_rounds, "explorations": self.explorations,
                 "choices": {str(k): v for k, v in sorted(self.choices.items())}, "reasons": dict(self.reasons),
@@ -347,12 +338,11 @@ class AutoBudget(BudgetPolicy):
     def explain(self) -> list[str]:
         """The state in a few lines: the last choice and why, the rates it weighed, when the next tries come."""
         context, batch = self.last.get("context", 0), self.last.get("batch", 1)
-        key, plain, drafted = self.costs.key(batch, context), self.costs.plain_seconds(batch, context), \
-            self._drafted_rate(batch, context)
+        key, (plain, drafted, _) = self.costs.key(batch, context), self._rates(batch, context)
         lines = [f"{self.rounds} rounds ({self.plain_rounds} plain) by reason {dict(self.reasons)}; last tree: "
                  f"budget {self.last.get('chosen')} ({self.last.get('reason')}) at batch {batch}, context {key[0]}"]
         if plain is not None and drafted is not None:
-            lines.append(f"plain {batch / plain:.1f} tokens/s against drafting {drafted:.1f} tokens/s")
+            lines.append(f"plain {plain:.1f} tokens/s against drafting {drafted:.1f} tokens/s")
         retry, near = self.carried.retries.get(key), self.carried.neighbours.get(key)
         if retry is not None and retry.plain_won is not None:
             wait = max(0, retry.interval - retry.since(not retry.plain_won))
