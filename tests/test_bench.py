@@ -439,6 +439,117 @@ def test_batch_bench_runs_auto_beside_plain_and_fixed_budgets():
             assert set(acc) <= allowed and acc[0] > 1
 
 
+class GenerateSpy:
+    """Wraps ``SpeculativeGenerator.generate``: per call, the generator, its budget and new tokens, the round
+    costs its ``auto`` calls had learned before the call and after it, and the call's ``stats.reasons``."""
+
+    def __init__(self, monkeypatch):
+        self.calls: list[dict] = []
+        real = SpeculativeGenerator.generate
+
+        def generate(gen, *args, **kwargs):
+            before = gen.learned.costs.rounds
+            out = real(gen, *args, **kwargs)
+            self.calls.append({"gen": gen, "budget": kwargs.get("tree_budget"), "new": kwargs["max_new_tokens"],
+                               "before": before, "after": gen.learned.costs.rounds,
+                               "reasons": list(out.stats.reasons), "batch": out.stats.batch_size})
+            return out
+
+        monkeypatch.setattr(SpeculativeGenerator, "generate", generate)
+
+    def timed_reasons(self, budget, new: int, batch: int = 1) -> dict[str, int]:
+        """The rounds by reason summed over the calls of ``new`` tokens at ``budget`` and ``batch`` (the timed
+        ones: warm-ups have 16)."""
+        from collections import Counter
+
+        return dict(Counter(x for c in self.calls if (c["budget"], c["new"], c["batch"]) == (budget, new, batch)
+                            for x in c["reasons"]))
+
+
+def test_short_warmup_starts_every_method_and_repeat_on_a_fresh_generator(monkeypatch):
+    """``warmup="short"``: before each repeat every tree method gets a generator of its own that has learned
+    nothing, and one 16-token call; auto's first timed call starts from that call's round costs alone (a
+    generator kept from the last repeat, or a full warm-up, would have more). The rounds by reason in the
+    summary and in results.md are the timed calls' stats.reasons summed."""
+    from ddtree.bench.report import reasons_section, reasons_text
+
+    target = tiny_target("qwen3")
+    prompts = [Prompt("p0", list(range(3, 14))), Prompt("p1", [40, 41, 42, 7])]
+    gen = scripted_generator(target, [p.input_ids for p in prompts], 20)
+    methods = parse_methods("chain,best_first@8,auto")
+    spy = GenerateSpy(monkeypatch)
+    bench = Bench(gen, methods, max_new_tokens=20, seed=1)
+    runs = bench.run(prompts, repeats=2, warmup="short", progress=False)
+    assert len(runs) == 2 * len(prompts) * len(methods)
+    by_budget = {b: [c for c in spy.calls if c["budget"] == b] for b in (bench.depth, 8, "auto")}  # chain: depth
+    assert sum(map(len, by_budget.values())) == len(spy.calls) == 2 * (1 + len(prompts)) * 3
+    gens = {b: list(dict.fromkeys(id(c["gen"]) for c in calls)) for b, calls in by_budget.items()}
+    assert all(len(g) == 2 for g in gens.values())  # one per repeat
+    assert len({g for ids in gens.values() for g in ids}) == 6  # and per method
+    assert not {id(g) for g in bench.generators.values()} & {g for ids in gens.values() for g in ids}
+    for auto_gen in gens["auto"]:
+        calls = [c for c in by_budget["auto"] if id(c["gen"]) == auto_gen]
+        warm, first = calls[0], calls[1]
+        assert [c["new"] for c in calls] == [16, 20, 20]
+        assert warm["before"] == 0 and warm["after"] > 0  # nothing learned before the warm-up, its rounds after
+        assert first["before"] == warm["after"]
+    rows = {r["method"]: r for r in summarize(runs, methods, bench.depth, greedy=True)}
+    assert all(r["lossless"] for r in rows.values())
+    assert rows["ar"]["budget_reasons"] is None
+    for name, budget in (("chain", bench.depth), ("best_first@8", 8), ("auto", "auto")):
+        want = spy.timed_reasons(budget, 20)
+        assert rows[name]["budget_reasons"] == want and sum(want.values()) == rows[name]["rounds"], name
+    assert set(rows["chain"]["budget_reasons"]) == {"fixed"}
+    assert set(rows["auto"]["budget_reasons"]) - {"fixed"}
+    counts = list(rows["auto"]["budget_reasons"].values())
+    assert counts == sorted(counts, reverse=True)  # the most common first
+    section = reasons_section(list(rows.values()))
+    for name in ("chain", "best_first@8", "auto"):
+        assert f"- {name}: {reasons_text(rows[name]['budget_reasons'])}\n" in section
+    assert f"- chain: fixed {rows['chain']['rounds']}\n" in section and "- ar:" not in section
+    with pytest.raises(ValueError, match="warm-up must be one of full, short, none"):
+        bench.run(prompts, repeats=1, warmup="brief", progress=False)
+
+
+def test_cli_short_warmup_at_batch_sizes_writes_the_reasons(saved_tiny_pair, tmp_path, monkeypatch):
+    """``--batch-size 1,2 --warmup short``: per batch size and repeat a fresh generator per method and one
+    16-token batch first; batch_results.json and .md carry each method's rounds by reason, summed over the timed
+    calls. ``--no-warmup`` still parses, as ``--warmup none``."""
+    from ddtree.bench.main import build_parser
+    from ddtree.bench.report import reasons_text
+    from ddtree.runtime import threads
+
+    assert build_parser().parse_args(["--no-warmup"]).warmup == "none"
+    assert build_parser().parse_args([]).warmup == "full"
+    monkeypatch.setattr(threads, "_explicit", None)  # restored after: --threads 1 sets it for the process
+    target, drafter = saved_tiny_pair
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"id": "x", "input_ids": [5, 17, 3, 9, 22]}\n{"id": "y", "input_ids": [4, 9, 2, 30]}\n')
+    spy = GenerateSpy(monkeypatch)
+    out = tmp_path / "out"
+    assert run_main_bench([
+        "--target", str(target), "--drafter", str(drafter), "--prompts", str(prompts), "--methods", "chain,auto",
+        "--max-new-tokens", "18", "--repeats", "2", "--batch-size", "1,2", "--warmup", "short", "--out", str(out),
+        "--no-plots", "--no-progress", "--threads", "1", "--ignore-eos",
+    ]) == 0
+    auto = [c for c in spy.calls if c["budget"] == "auto"]
+    # per size and repeat: a fresh generator, its 16-token warm-up, then the timed batches (2 at batch 1, 1 at 2)
+    assert [c["new"] for c in auto] == [16, 18, 18] * 2 + [16, 18] * 2
+    assert len({id(c["gen"]) for c in auto}) == 4 and all(c["before"] == 0 for c in auto if c["new"] == 16)
+    result = json.loads((out / "batch_results.json").read_text())
+    assert result["meta"]["warmup"] == "short"
+    md = (out / "batch_results.md").read_text()
+    for row in result["rows"]:
+        size, method = row["batch_size"], row["method"]
+        if method in ("hf", "ar"):
+            assert row["budget_reasons"] is None
+            continue
+        want = spy.timed_reasons("auto" if method == "auto" else 4, 18, size)  # chain: the draft depth, 4
+        assert row["budget_reasons"] == want and want, (size, method)
+        assert f"- batch {size}, {method}: {reasons_text(want)}\n" in md
+    assert "warm-up short" in md
+
+
 def test_eager_regression_runs_each_tree_in_its_own_process(saved_tiny_pair, tmp_path):
     """This tree against itself on the tiny pair, one child process each: each child imports the tree it is
     given, both agree token for token and acceptance for acceptance, and plain decoding accepts one a round."""

@@ -7,8 +7,12 @@ padding, greedy), ``ar`` (ddtree's own plain path, budget 0), and the tree
 methods given with ``--methods``. Per batch size and method it reports total
 tokens/s (median over repeats), the speedup over both plain baselines,
 acceptance per round pooled over rows, whether each row's acceptance equals
-its batch-1 run, verify milliseconds per round, and how many rows equal their
-batch-1 plain output token for token.
+its batch-1 run, verify milliseconds per round, how many rows equal their
+batch-1 plain output token for token, and the tree rounds by the reason for
+their budget (``stats.reasons``). The warm-up is one of ``runner.WARMUPS``:
+``full`` (per batch size, one untimed batch of each method, ``auto``'s in full,
+on generators kept across sizes and repeats), ``short`` (per batch size and
+repeat, a fresh generator per method and one 16-token batch) or ``none``.
 """
 
 from __future__ import annotations
@@ -19,8 +23,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ddtree.bench.methods import Method
+from ddtree.bench.methods import Method, _proposer
 from ddtree.bench.prompts import Prompt
+from ddtree.bench.report import budget_reasons, reasons_section
+from ddtree.bench.runner import SHORT_WARMUP_TOKENS, warmup_mode
 
 
 @dataclass
@@ -35,6 +41,7 @@ class BatchRun:
     rounds: int = 0
     acceptance: list[list[int]] = field(default_factory=list)
     tokens: list[list[int]] = field(default_factory=list, repr=False)
+    reasons: list[str] = field(default_factory=list)  # each tree round's reason for its budget (stats.reasons)
 
 
 def _batches(prompts: list[Prompt], size: int) -> list[list[Prompt]]:
@@ -63,33 +70,54 @@ def _hf_generate(target, batch: list[Prompt], max_new_tokens: int, pad: int, sto
 
 
 def run_batches(gen, methods: list[Method], prompts: list[Prompt], batch_sizes: list[int], *,
-                max_new_tokens: int, repeats: int, stops: list[int], depth: int) -> list[BatchRun]:
-    """Every method on every batch of every size, ``repeats`` times, methods interleaved (order rotating)."""
-    from ddtree.generation.generator import SpeculativeGenerator
-
+                max_new_tokens: int, repeats: int, stops: list[int], depth: int,
+                warmup: bool | str = "full") -> list[BatchRun]:
+    """Every method on every batch of every size, ``repeats`` times, methods interleaved (order rotating);
+    ``warmup`` as in the module docstring (``True`` / ``False``: ``full`` / ``none``)."""
+    mode = warmup_mode(warmup)
+    alone = [m.name for m in methods if m.kind == "ar" and m.name not in ("ar", "ar_stock")]
+    if alone:
+        raise ValueError(f"the batch bench does not run {', '.join(alone)} (batch 1 only): leave it out of --methods "
+                         "or run without --batch-size")
     names = ["hf"] + [m.name for m in methods if m.name not in ("hf", "ar_stock")]
     by_name = {m.name: m for m in methods}
-    gens = {m.builder: SpeculativeGenerator(gen.target, gen.drafter, tree_budget=0, builder=m.builder,
-                                            attention=gen.backend) for m in methods if m.kind == "tree"}
-    gens["ar"] = gen
+    shared = {m.name: _tree_generator(gen, m) for m in methods if m.kind == "tree"}  # full and none
     runs: list[BatchRun] = []
     with torch.inference_mode():
         for size in batch_sizes:
             batches = _batches(prompts, size)
-            for name in names:  # warm-up, untimed: one batch each (auto learns this batch size's costs here)
-                _one(gens, name, by_name.get(name), batches[0], size, 0, max_new_tokens if name == "auto" else 8,
-                     stops, depth)
+            if mode == "full":  # untimed: one batch each (auto learns this batch size's costs here)
+                for name in names:
+                    _one(gen, shared, name, by_name.get(name), batches[0], size, 0,
+                         max_new_tokens if name == "auto" else 8, stops, depth)
             for r in range(repeats):
+                gens = shared
+                if mode == "short":  # a new user's start: new generators, one short untimed batch each
+                    gens = {m.name: _tree_generator(gen, m) for m in methods if m.kind == "tree"}
+                    for name in names:
+                        _one(gen, gens, name, by_name.get(name), batches[0], size, r,
+                             min(SHORT_WARMUP_TOKENS, max_new_tokens), stops, depth)
                 for i, batch in enumerate(batches):
                     shift = (r + i) % len(names)
                     for name in names[shift:] + names[:shift]:
-                        runs.append(_one(gens, name, by_name.get(name), batch, size, r, max_new_tokens, stops, depth))
+                        runs.append(_one(gen, gens, name, by_name.get(name), batch, size, r, max_new_tokens, stops,
+                                         depth))
     return runs
 
 
-def _one(gens, name, method, batch, size, repeat, max_new_tokens, stops, depth) -> BatchRun:
+def _tree_generator(gen, m: Method):
+    """A generator of its own for tree method ``m`` on ``gen``'s models (its proposer: the drafter, lookup or
+    both); nothing learned yet."""
+    from ddtree.generation.generator import SpeculativeGenerator
+
+    return SpeculativeGenerator(gen.target, _proposer(gen, m.proposer), tree_budget=0, builder=m.builder,
+                                attention=gen.backend)
+
+
+def _one(plain, gens, name, method, batch, size, repeat, max_new_tokens, stops, depth) -> BatchRun:
+    """One timed call: ``plain`` (the caller's generator) runs ``hf`` and ``ar``, ``gens[name]`` a tree method."""
     ids = [p.input_ids for p in batch]
-    gen = gens["ar"] if name in ("hf", "ar") else gens[method.builder]
+    gen = plain if name in ("hf", "ar") else gens[name]
     if name == "hf":
         t0 = time.perf_counter()
         tokens = _hf_generate(gen.target, batch, max_new_tokens, gen.pad_token_id, stops)
@@ -101,7 +129,7 @@ def _one(gens, name, method, batch, size, repeat, max_new_tokens, stops, depth) 
     acc = out.row_acceptance
     s = out.stats
     return BatchRun(name, size, repeat, [p.id for p in batch], s.new_tokens, s.total_seconds,
-                    s.seconds.get("verify", 0.0), s.rounds, acc, out.row_tokens)
+                    s.seconds.get("verify", 0.0), s.rounds, acc, out.row_tokens, list(s.reasons))
 
 
 def summarize_batches(runs: list[BatchRun]) -> list[dict]:
@@ -140,6 +168,7 @@ def summarize_batches(runs: list[BatchRun]) -> list[dict]:
                 "acceptance_equals_batch_1": (sum(same_acc), len(same_acc)) if pooled and base_acc else None,
                 "verify_ms_per_round": 1e3 * sum(r.verify_seconds for r in rs) / rounds if rounds else None,
                 "rows_equal_to_batch_1_plain": (sum(same_out), len(same_out)) if same_out else None,
+                "budget_reasons": budget_reasons(x for r in rs for x in r.reasons) or None,
             })
     return rows
 
@@ -159,4 +188,4 @@ def markdown_batch_table(rows: list[dict]) -> str:
             f"{'–' if r['verify_ms_per_round'] is None else format(r['verify_ms_per_round'], '.1f')} | "
             f"{frac(r['rows_equal_to_batch_1_plain'])} |"
         )
-    return head + "\n".join(lines) + "\n"
+    return head + "\n".join(lines) + "\n" + reasons_section(rows, lambda r: f"batch {r['batch_size']}, {r['method']}")

@@ -40,10 +40,11 @@ from ddtree.bench.report import (
     cost_table,
     depth_tables,
     markdown_table,
+    reasons_section,
     summarize,
     write_plots,
 )
-from ddtree.bench.runner import Bench
+from ddtree.bench.runner import SHORT_WARMUP_TOKENS, WARMUPS, Bench
 from ddtree.runtime import distributed
 
 EXAMPLES = [
@@ -102,7 +103,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", type=Path, default=Path("bench_out"), help="output directory")
     p.add_argument("--save-trees", action="store_true", help="write every round's tree to OUT/trees.jsonl")
     p.add_argument("--no-plots", action="store_true", help="skip the matplotlib plots")
-    p.add_argument("--no-warmup", action="store_true", help="skip the warm-up generation of every method")
+    p.add_argument("--warmup", choices=WARMUPS, default="full",
+                   help="untimed warm-up before the clock: 'full' (each method once on generators kept for the "
+                        "whole run; auto runs in full on the longest prompt, or on one batch per --batch-size, so "
+                        "it has learned the round costs), 'short' (what a new user meets: before every repeat, and "
+                        "per batch size, a fresh generator per method, nothing learned, then one untimed "
+                        f"{SHORT_WARMUP_TOKENS}-token call of each method on the first prompt or batch; auto then "
+                        "learns only from that call and the repeat's own calls) or 'none'")
+    p.add_argument("--no-warmup", dest="warmup", action="store_const", const="none", default="full",
+                   help="the same as --warmup none")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     return p
 
@@ -164,7 +173,7 @@ def _run_bench(args, argv) -> int:
     rank = distributed.rank()
     trees = args.out / (f"trees.rank{rank}.jsonl" if distributed.is_distributed() else "trees.jsonl")
     with distributed.fail_together("running the bench"):
-        runs = bench.run(prompts, repeats=args.repeats, warmup=not args.no_warmup, progress=not args.no_progress,
+        runs = bench.run(prompts, repeats=args.repeats, warmup=args.warmup, progress=not args.no_progress,
                          trees_path=trees if args.save_trees else None)
     runs = [replace(r, rank=k) for k, rank_runs in enumerate(distributed.gather_lists(runs)) for r in rank_runs]
     rows = summarize(runs, methods, bench.depth, greedy=args.temperature == 0)
@@ -175,7 +184,7 @@ def _run_bench(args, argv) -> int:
         return 1 if any(r["lossless"] is False for r in rows) else 0
     meta = _meta(args, gen, all_prompts, time.time() - t0, argv, threads)
     comps = comparisons(rows)
-    table = markdown_table(rows) + cost_table(rows) + comparison_section(comps)
+    table = markdown_table(rows) + reasons_section(rows) + cost_table(rows) + comparison_section(comps)
     (args.out / "results.json").write_text(json.dumps({"meta": meta, "methods": rows, "comparisons": comps, "runs": [
         {k: v for k, v in asdict(r).items() if k != "tokens"} for r in runs]}, indent=1))
     (args.out / "results.md").write_text(_md_header(meta) + table + depth_tables(rows) + category_table(rows))
@@ -201,7 +210,7 @@ def _run_batch_bench(args, argv, gen, methods, prompts, stops, depth, t0, thread
     if not sizes or sizes[0] < 1:
         raise SystemExit(f"--batch-size values must be >= 1, got {args.batch_size!r}")
     runs = run_batches(gen, methods, prompts, sizes, max_new_tokens=args.max_new_tokens, repeats=args.repeats,
-                       stops=stops, depth=depth)
+                       stops=stops, depth=depth, warmup=args.warmup)
     rows = summarize_batches(runs)
     meta = _meta(args, gen, prompts, time.time() - t0, argv, threads)
     table = markdown_batch_table(rows)

@@ -14,6 +14,7 @@ from ddtree.bench.methods import STAGES, Method
 from ddtree.bench.noise import comparison_lines, mean_and_se, round_rate, spread_ms, verify_order_notes
 from ddtree.bench.prompts import DEFAULT_PROMPTS
 from ddtree.bench.runner import Run, lossless_check
+from ddtree.budget.decide import FIXED, REASONS
 from ddtree.runtime import distributed
 from ddtree.runtime.threads import ThreadInfo, thread_info
 from ddtree.targets import cpu_linear
@@ -76,11 +77,38 @@ def summarize(runs: list[Run], methods: list[Method], depth: int, greedy: bool) 
             "lossless_detail": checks.get(m.name),
             "tau_by_category": _tau_by_category(rs) if acc else {},
             "accepted_by_source": _sum_sources(rs),
+            "budget_reasons": budget_reasons(x for r in rs for x in r.reasons) or None,
         }
         if m.kind == "tree":
             row["budget_histogram"] = _histogram(b for r in rs for b in r.budgets) if m.budget == "auto" else None
         rows.append(row)
     return rows
+
+
+def budget_reasons(reasons: Iterable[str]) -> dict[str, int]:
+    """Rounds by reason, the most common first (ties in :data:`~ddtree.budget.decide.REASONS` order, then by
+    name): what the tables print."""
+    counts: dict[str, int] = {}
+    for r in reasons:
+        counts[r] = counts.get(r, 0) + 1
+    order = {r: i for i, r in enumerate(REASONS)}
+    return dict(sorted(counts.items(), key=lambda kv: (-kv[1], order.get(kv[0], len(order)), kv[0])))
+
+
+def reasons_text(counts: dict[str, int] | None) -> str:
+    """``best rate 41, explore 6, retry 2`` (``–`` for none)."""
+    return ", ".join(f"{k} {v}" for k, v in counts.items()) if counts else "–"
+
+
+def reasons_section(rows: list[dict], label=lambda r: r["method"]) -> str:
+    """One line per row that had tree rounds: its rounds by reason (``budget_reasons``); empty when every round
+    of every row had a fixed budget (the rounds column says as much)."""
+    rows = [r for r in rows if r.get("budget_reasons")]
+    if not any(set(r["budget_reasons"]) - {FIXED} for r in rows):
+        return ""
+    lines = [f"- {label(r)}: {reasons_text(r['budget_reasons'])}" for r in rows]
+    return ("\nTree rounds by the reason for their budget (stats.reasons), summed over the timed calls; "
+            "fixed: a fixed budget:\n\n" + "\n".join(lines) + "\n")
 
 
 def _verify_ms_per_run(rs: list[Run], m: Method) -> list[float]:
@@ -328,6 +356,7 @@ def _meta(args, gen, prompts, seconds, argv, threads: ThreadInfo | None = None) 
         "temperature": args.temperature,
         "seed": args.seed,
         "repeats": args.repeats,
+        "warmup": args.warmup,
         "wall_seconds": round(seconds, 1),
         "data_parallel_ranks": distributed.world_size(),
     }
@@ -341,5 +370,5 @@ def _md_header(meta: dict) -> str:
         f"torch {meta['torch']} ({meta['torch_threads']} threads), transformers {meta['transformers']}, "
         f"{linears}, tree attention {meta.get('attention', 'sdpa')}; "
         f"{meta['num_prompts']} prompts x {meta['max_new_tokens']} new tokens, temperature {meta['temperature']}, "
-        f"{meta['repeats']} interleaved repeats, {meta['wall_seconds']} s.\n\n"
+        f"{meta['repeats']} interleaved repeats, warm-up {meta.get('warmup', 'full')}, {meta['wall_seconds']} s.\n\n"
     )

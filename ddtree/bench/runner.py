@@ -1,6 +1,9 @@
 """``Bench``: every method on every prompt in every repeat, interleaved, and the lossless check.
 
-The order rotates per prompt, so machine drift lands on all methods alike.
+The order rotates per prompt, so machine drift lands on all methods alike. The warm-up before the clock
+starts is one of :data:`WARMUPS`: ``full`` (each method once, ``auto`` in full, so it has learned the round
+costs), ``short`` (what a new user meets: a fresh generator per method and repeat, one short call, then the
+timed ones) or ``none``.
 """
 
 from __future__ import annotations
@@ -47,10 +50,25 @@ class Run:
     nodes_per_depth: list[int] = field(default_factory=list)  # draft nodes at depth 1, 2, ... summed over rounds
     round_seconds: list[float] = field(default_factory=list)  # each round after the prefill (plain: each step)
     round_tokens: list[int] = field(default_factory=list)  # the tokens each of those rounds committed
+    reasons: list[str] = field(default_factory=list)  # each tree round's reason for its budget (stats.reasons)
+
+
+WARMUPS = ("full", "short", "none")
+SHORT_WARMUP_TOKENS = 16  # the new tokens of a short warm-up call
+
+
+def warmup_mode(warmup: bool | str) -> str:
+    """``True`` / ``False`` (the older flag) as ``"full"`` / ``"none"``; a name checked against :data:`WARMUPS`."""
+    if isinstance(warmup, bool):
+        return "full" if warmup else "none"
+    if warmup not in WARMUPS:
+        raise ValueError(f"warm-up must be one of {', '.join(WARMUPS)}, got {warmup!r}")
+    return warmup
 
 
 class Bench:
-    """Runs methods on prompts with one target and drafter; ``generators`` holds one per builder."""
+    """Runs methods on prompts with one target and drafter; ``generators`` holds one per builder and proposer,
+    shared by every repeat; a ``short`` warm-up puts a new one per tree method in ``fresh`` each repeat."""
 
     def __init__(self, generator, methods: list[Method], *, max_new_tokens: int = 128, temperature: float = 0.0,
                  top_k: int | None = None, top_p: float | None = None, seed: int = 0,
@@ -64,14 +82,24 @@ class Bench:
         self.seed = seed
         self.stops = frozenset(int(t) for t in stop_token_ids)
         self.depth = generator.drafter.block_size - 1
-        self.generators = {}
+        self.generators: dict[tuple[str, str], SpeculativeGenerator] = {}
         for m in methods:
             if m.kind == "tree" and (m.builder, m.proposer) not in self.generators:
-                self.generators[(m.builder, m.proposer)] = SpeculativeGenerator(
-                    generator.target, _proposer(generator, m.proposer), tree_budget=0, builder=m.builder,
-                    attention=generator.backend,
-                )
+                self.generators[(m.builder, m.proposer)] = self.new_generator(m)
+        self.fresh: dict[str, SpeculativeGenerator] = {}  # by method name: this repeat's own (short warm-up)
         self.policies: dict[str, dict | None] = {}
+
+    def new_generator(self, m: Method):
+        """A generator for tree method ``m`` on the shared models: nothing learned yet (``auto``'s round costs
+        live on the generator, in ``learned``)."""
+        from ddtree.generation.generator import SpeculativeGenerator
+
+        return SpeculativeGenerator(self.base.target, _proposer(self.base, m.proposer), tree_budget=0,
+                                    builder=m.builder, attention=self.base.backend)
+
+    def generator(self, m: Method):
+        """The generator tree method ``m`` runs on: its fresh one under a short warm-up, else the shared one."""
+        return self.fresh[m.name] if m.name in self.fresh else self.generators[(m.builder, m.proposer)]
 
     def budget(self, m: Method) -> int | str:
         return self.depth if m.budget is None else m.budget
@@ -95,7 +123,7 @@ class Bench:
                 tokens, stages, steps = autoregressive(self.base.target, ids, n, self.sampling, seed, self.stops)
             return Run(m.name, prompt.id, repeat, len(tokens), time.perf_counter() - t0, [], stages, [], tokens,
                        prompt.category, round_seconds=steps, round_tokens=[1] * len(steps)), []
-        gen = self.generators[(m.builder, m.proposer)]
+        gen = self.generator(m)
         clock = RoundClock()
         out = gen.generate(  # every round's tree is kept, for the per-depth node counts
             ids, max_new_tokens=n, temperature=self.sampling.temperature, top_k=self.sampling.top_k,
@@ -110,19 +138,23 @@ class Bench:
         run = Run(m.name, prompt.id, repeat, s.new_tokens, s.total_seconds, list(out.row_acceptance[0]),
                   stages, list(s.budgets), out.new_tokens[0].tolist(), prompt.category, s.accepted_by_source,
                   nodes_per_depth=nodes_per_depth(rounds, self.depth), round_seconds=clock.round_seconds(),
-                  round_tokens=clock.tokens[1:])
+                  round_tokens=clock.tokens[1:], reasons=list(s.reasons))
         return run, rounds if record_trees else []
 
-    def run(self, prompts: list[Prompt], repeats: int = 3, warmup: bool = True, progress: bool = True,
+    def run(self, prompts: list[Prompt], repeats: int = 3, warmup: bool | str = "full", progress: bool = True,
             trees_path: Path | None = None) -> list[Run]:
-        """All methods on all prompts, ``repeats`` times, interleaved; trees of repeat 0 go to ``trees_path``."""
-        if warmup:
+        """All methods on all prompts, ``repeats`` times, interleaved; trees of repeat 0 go to ``trees_path``.
+        ``warmup``: one of :data:`WARMUPS` (``True`` / ``False``: ``full`` / ``none``)."""
+        mode = warmup_mode(warmup)
+        if mode == "full":
             self.warmup(prompts)
         bar = _Progress(len(self.methods) * len(prompts) * repeats, enabled=progress)
         runs: list[Run] = []
         tree_file = open(trees_path, "w") if trees_path is not None else None
         try:
             for r in range(repeats):
+                if mode == "short":
+                    self.short_warmup(prompts[0], r)
                 for p_i, prompt in enumerate(prompts):
                     shift = (r * len(prompts) + p_i) % len(self.methods)
                     for m in self.methods[shift:] + self.methods[:shift]:
@@ -133,6 +165,7 @@ class Bench:
                             write_rounds(tree_file, m.name, prompt.id, rounds)
                         bar.update(f"{m.name} {run.new_tokens / max(run.seconds, 1e-9):.1f} tok/s")
         finally:
+            self.fresh = {}
             bar.close()
             if tree_file is not None:
                 tree_file.close()
@@ -145,6 +178,13 @@ class Bench:
         for m in self.methods:
             full = m.budget == "auto"
             self.run_one(m, longest if full else prompts[0], 0, None if full else min(16, self.max_new_tokens))
+
+    def short_warmup(self, prompt: Prompt, repeat: int) -> None:
+        """Untimed, before repeat ``repeat``: a new generator per tree method, then one short call of each method
+        on ``prompt``, as a user's first call would be; the repeat's calls then learn only from there."""
+        self.fresh = {m.name: self.new_generator(m) for m in self.methods if m.kind == "tree"}
+        for m in self.methods:
+            self.run_one(m, prompt, repeat, min(SHORT_WARMUP_TOKENS, self.max_new_tokens))
 
 
 class RoundClock:
