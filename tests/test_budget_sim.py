@@ -14,10 +14,9 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
-from ddtree.budget.acceptance import PromptSpread, RowProgress
+from ddtree.budget.acceptance import Moments, PromptSpread, RowProgress
 from ddtree.budget.costs import Estimate, RoundCosts, interpolate
 from ddtree.budget.policy import AutoBudget
-from ddtree.budget.shrink import Moments
 from ddtree.core.builders import best_first
 from ddtree.drafters.base import Proposal
 
@@ -632,7 +631,7 @@ def test_the_lagging_row_is_told_from_an_unlucky_one():
     assert 0.45 <= slow.lagging(4) <= 0.6  # the slow row's 1 token against the batch's mean of 1.75
     assert slow.lagging(3) is None and RowProgress().lagging(1) == 1.0  # another batch; one row
     slow.add([2, 2, 2])  # a row left: the sums start again
-    assert slow.rounds == 1 and slow.lagging(3) is None
+    assert slow.rows[0].count == 1 and slow.lagging(3) is None
 
 
 def test_a_batch_whose_rows_the_drafter_follows_unequally_is_priced_by_the_slowest():

@@ -1,2 +1,2 @@
 """How many draft nodes a round gets: the policies (``policy``) and, one concept a module, what ``"auto"`` is
-made of: ``settings``, ``costs``, ``acceptance``, ``shrink``, ``backoff``, ``decide`` and ``learned``."""
+made of: ``settings``, ``costs``, ``acceptance`` (with its shrinkage rule), ``backoff``, ``decide`` and ``learned``."""

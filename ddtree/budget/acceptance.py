@@ -3,7 +3,7 @@
 ``p_d(n)``: the probability, by the proposal's scores, that the target's path reaches depth ``d`` in the
 budget-``n`` tree the round would verify (the sum of ``exp(path log-prob)`` over its depth-``d`` nodes); ``c_d``
 calibrates it by depth against the accepted counts. :class:`PromptSpread` and :class:`RowProgress` weigh what a
-call and a row accept against noise.
+call and a row accept against noise, through one shrinkage rule (:func:`shrink`, empirical Bayes).
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ import torch
 
 from ddtree.budget.costs import Estimate, Key, nearest
 from ddtree.budget.settings import Settings
-from ddtree.budget.shrink import Moments, between, shrink
 from ddtree.core.builders import TreeBuilder, best_first
 from ddtree.core.tree import DraftTree
 from ddtree.drafters.base import Proposal, proposal_tree
@@ -117,6 +116,38 @@ def expected_tokens(reach: torch.Tensor, calibration: torch.Tensor) -> torch.Ten
 
 
 @dataclass
+class Moments:
+    """Count, mean and summed squared deviation of values (Welford)."""
+
+    count: int = 0
+    mean: float = 0.0
+    m2: float = 0.0
+
+    def add(self, value: float) -> None:
+        self.count += 1
+        delta = value - self.mean
+        self.mean += delta / self.count
+        self.m2 += delta * (value - self.mean)
+
+    @property
+    def variance(self) -> float:
+        """The sample variance (0 before two values)."""
+        return self.m2 / (self.count - 1) if self.count > 1 else 0.0
+
+
+def between(means: Moments, noise: float) -> float:
+    """The variance of groups' true means: their means' variance less ``noise``, each mean's own variance (<= 0:
+    the groups are alike)."""
+    return means.variance - noise
+
+
+def shrink(value: float, centre: float, spread: float, noise: float) -> float:
+    """``value`` pulled towards ``centre`` by how much of its distance ``noise`` (its own variance) explains
+    against ``spread`` (the true values' variance): all the way when ``spread <= 0``."""
+    return centre if spread <= 0 else centre + spread / (spread + noise) * (value - centre)
+
+
+@dataclass
 class PromptSpread:
     """How far calls' own tokens per row lie apart at one batch size against how much one call's rounds vary:
     the rounds' worth a new call's prior deserves. Calls alike make a strong prior, calls apart a weak one."""
@@ -146,10 +177,8 @@ class PromptSpread:
     def unlike(self, mean: float, rounds: int, sigmas: float = 3.0, least: int = 3) -> bool:
         """Whether a call's own mean over ``rounds`` lies ``sigmas`` standard deviations off these calls'."""
         spread = self.variances(least)
-        if spread is None or rounds < 1:
-            return False
-        within, apart = spread
-        return (mean - self.means.mean) ** 2 > sigmas ** 2 * (max(apart, 0.0) + within / rounds)
+        return spread is not None and rounds >= 1 and \
+            (mean - self.means.mean) ** 2 > sigmas ** 2 * (max(spread[1], 0.0) + spread[0] / rounds)
 
 
 class RowProgress:
@@ -160,10 +189,6 @@ class RowProgress:
     def __init__(self, min_rounds: int = 4) -> None:
         self.min_rounds = max(2, min_rounds)
         self.rows: list[Moments] = []
-
-    @property
-    def rounds(self) -> int:
-        return self.rows[0].count if self.rows else 0
 
     def add(self, accepted: Sequence[int]) -> None:
         """One drafting round's counts, one per active row; another number of rows starts again."""
@@ -177,14 +202,14 @@ class RowProgress:
         ``min_rounds`` rounds of these ``batch`` rows tell a slow row from an unlucky one."""
         if batch < 2:
             return 1.0
-        if len(self.rows) != batch or self.rounds < self.min_rounds:
+        if len(self.rows) != batch or self.rows[0].count < self.min_rounds:
             return None
         means = Moments()
         for row in self.rows:
             means.add(row.mean)
         if means.mean <= 0:
             return 1.0
-        noise = sum(row.variance for row in self.rows) / batch / self.rounds  # of one row's mean
+        noise = sum(row.variance for row in self.rows) / batch / self.rows[0].count  # of one row's mean
         low = shrink(min(row.mean for row in self.rows), means.mean, between(means, noise), noise)
         return max(0.0, min(1.0, low / means.mean))
 

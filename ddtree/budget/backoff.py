@@ -9,6 +9,8 @@ from dataclasses import dataclass
 
 from ddtree.budget.settings import Settings
 
+Seconds = tuple[float | None, float | None]  # (plain round, drafting round)
+
 
 @dataclass
 class Backoff:
@@ -45,36 +47,29 @@ class Backoff:
     def ran(self, plain: bool) -> None:
         """A round ran at this key (a plain one or a drafting one)."""
         self.visits += 1
-        if plain:
-            self.plain_at = self.visits
-        else:
-            self.drafted_at = self.visits
+        self.plain_at, self.drafted_at = (self.visits, self.drafted_at) if plain else (self.plain_at, self.visits)
 
     def since(self, plain: bool) -> int:
         """Rounds at this key since the option last ran here."""
         return self.visits - (self.plain_at if plain else self.drafted_at)
 
-    def retry_interval(self, plain: float, drafted: float, shifts: int, s: Settings,
-                       seconds: tuple[float | None, float | None]) -> int:
+    def retry_interval(self, plain: float, drafted: float, shifts: int, s: Settings, seconds: Seconds) -> int:
         """The wait before the loser's retry (rates in tokens per second): back to the first when the cost table
         shifted or a winning plain rate moved by ``load_moved``; spaced anew when the winner changed."""
         plain_wins = plain >= drafted
         if self.plain_won is None:
             self.plain_won, self.shifts, self.reference = plain_wins, shifts, plain
-        moved = plain_wins and load_moved(self.reference, plain, s)
+        moved, flipped = plain_wins and load_moved(self.reference, plain, s), self.plain_won != plain_wins
         if self.moved(shifts) or moved:
             self.interval = s.first_interval
-        elif self.plain_won != plain_wins:
+        elif flipped:
             self.interval = spaced(s.first_interval, plain, drafted, s, *seconds)
-        if moved or self.plain_won != plain_wins:
-            self.reference = plain
-        self.plain_won = plain_wins
-        if not self.interval:
-            self.interval = spaced(s.first_interval, plain, drafted, s, *seconds)
+        self.reference, self.plain_won = plain if moved or flipped else self.reference, plain_wins
+        self.interval = self.interval or spaced(s.first_interval, plain, drafted, s, *seconds)
         return self.interval
 
     def retried(self, plain: float, drafted: float, plain_won: bool, fresh: bool, shifts: int, s: Settings,
-                seconds: tuple[float | None, float | None]) -> bool:
+                seconds: Seconds) -> bool:
         """After a retry (``plain_won``: the winner before it): the wait doubles while the winner holds (not on a
         call's ``fresh`` first try of its own prompts), starts again when the other wins. Returns whether plain
         took over on a rate the load moved: drafting's figure is from another load, to be measured again."""
@@ -85,9 +80,8 @@ class Backoff:
         elif not fresh:
             interval = 2 * interval
         stale = plain_wins and not plain_won and load_moved(reference, plain, s)
-        if not stale:
-            interval = spaced(interval, plain, drafted, s, *seconds)
-        self.interval, self.plain_won, self.reference = interval, plain_wins, plain
+        self.interval = interval if stale else spaced(interval, plain, drafted, s, *seconds)
+        self.plain_won, self.reference = plain_wins, plain
         self.moved(shifts)
         return stale
 
@@ -101,9 +95,7 @@ def spaced(interval: int, rate: float, other: float, s: Settings,
            seconds: float | None = None, other_seconds: float | None = None) -> int:
     """At least ``interval`` (at most ``retry_every``), and enough rounds that one try of the loser costs at most
     ``retry_cost`` of them: the loser's rate loss times its round's length over the winner's, over the cost."""
-    loss = 1.0 - min(rate, other) / max(rate, other, 1e-12)
-    length = 1.0
+    loss, length = 1.0 - min(rate, other) / max(rate, other, 1e-12), 1.0
     if seconds is not None and other_seconds is not None and min(seconds, other_seconds) > 0:
-        winner, loser = (seconds, other_seconds) if rate >= other else (other_seconds, seconds)
-        length = loser / winner
+        length = other_seconds / seconds if rate >= other else seconds / other_seconds
     return int(min(s.retry_every, max(interval, math.ceil(loss * length / s.retry_cost - 1e-9))))

@@ -11,11 +11,10 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass, field
 
-from ddtree.budget.acceptance import Calibration, PromptSpread
+from ddtree.budget.acceptance import Calibration, Moments, PromptSpread
 from ddtree.budget.backoff import Backoff
 from ddtree.budget.costs import Estimate, Key, RoundCosts
 from ddtree.budget.settings import Settings
-from ddtree.budget.shrink import Moments
 
 
 @dataclass

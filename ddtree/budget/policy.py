@@ -12,13 +12,11 @@ from typing import Any
 
 import torch
 
-from ddtree.budget.acceptance import COST_MODEL, CallTokens, RowProgress, TreePricer
+from ddtree.budget.acceptance import COST_MODEL, CallTokens, Moments, RowProgress, TreePricer
 from ddtree.budget.backoff import Backoff, spaced
-from ddtree.budget.costs import Key
 from ddtree.budget.decide import EXPLORE, FIRST, FIXED, RETRY, Decision, decide, plain_or_draft
 from ddtree.budget.learned import Learned
 from ddtree.budget.settings import Settings
-from ddtree.budget.shrink import Moments
 from ddtree.core.builders import TreeBuilder, best_first
 from ddtree.core.tree import DraftTree
 from ddtree.drafters.base import Proposal
@@ -46,8 +44,7 @@ class BudgetPolicy:
         # the one method a policy must define: there is no default budget to fall back on
         raise NotImplementedError(f"{type(self).__name__} must define choose(proposal, context_len) -> budget")
 
-    def tree(self, proposal: Proposal, roots: torch.Tensor, budget: int,
-             builder: TreeBuilder) -> DraftTree | None:
+    def tree(self, proposal: Proposal, roots: torch.Tensor, budget: int, builder: TreeBuilder) -> DraftTree | None:
         """The tree ``builder`` would grow from ``proposal`` under ``budget``, when :meth:`choose` grew it."""
         return None
 
@@ -97,14 +94,15 @@ def check_budget(budget: object) -> None:
 
 @dataclass
 class _Round:
-    """The round in flight, booked into the costs at the next :meth:`AutoBudget.prepare`."""
+    """The round in flight, booked into the costs at the next :meth:`AutoBudget.prepare` (``fresh``: a retry of
+    drafting for prompts this call never drafted)."""
 
     plain: bool
     batch: int
     context: int
     nodes: int = 1
     retry: bool = False
-    fresh: bool = False  # a retry of drafting for prompts this call never drafted
+    fresh: bool = False
     explored: bool = False
     expected: float | None = None
     verify: float | None = None
@@ -114,9 +112,8 @@ class _Round:
 class AutoBudget(BudgetPolicy):
     """``tree_budget="auto"``: a plain step, or the budget of highest expected committed tokens per second.
 
-    Drafting is priced at the call's own tokens per row (its prior weighed from earlier calls) and, at batch > 1,
-    by the row that lags. ``clock`` is read once per round, in :meth:`prepare` (inject a fake one to test); where
-    it counts work (:func:`~ddtree.runtime.timing.work_clock`), ``wall_clock`` rescales the verify's wall seconds.
+    ``clock`` is read once per round, in :meth:`prepare` (inject a fake one to test); where it counts work
+    (:func:`~ddtree.runtime.timing.work_clock`), ``wall_clock`` rescales the verify's wall seconds.
     ``overrides``: :class:`Settings` fields.
     """
 
@@ -134,7 +131,7 @@ class AutoBudget(BudgetPolicy):
         self.clock, self.wall_clock, self.builder = clock, wall_clock, builder
         self.candidates = sorted(s.candidates)
         self.pricer = TreePricer(builder, self.candidates)
-        self.rounds = self.plain_rounds = self.explorations = 0
+        self.rounds = self.explorations = 0
         self.choices: Counter[int] = Counter()
         self.reasons: Counter[str] = Counter()
         self.last: dict[str, Any] = {}
@@ -149,6 +146,10 @@ class AutoBudget(BudgetPolicy):
     def for_generator(cls, generator: Any, **options: Any) -> AutoBudget:
         """A policy for one call on ``generator``: its builder and what its earlier calls learned."""
         return cls(builder=generator.builder, learned=generator.learned, **options)
+
+    @property
+    def plain_rounds(self) -> int:
+        return self.choices[0]
 
     # ------------------------------------------------------------------ before drafting
 
@@ -177,7 +178,6 @@ class AutoBudget(BudgetPolicy):
         self.skip_draft, self.reason = decision.budget == 0, decision.reason
         self._pending = _Round(self.skip_draft, batch, context_len, retry=due, fresh=fresh)
         if self.skip_draft:
-            self.plain_rounds += 1
             self._note(0, decision.reason)
 
     def _rates(self, batch: int, context: int) -> tuple[float | None, float | None, tuple[float | None, float | None]]:
@@ -189,23 +189,22 @@ class AutoBudget(BudgetPolicy):
         return (None if plain is None else batch / max(plain, 1e-12),
                 None if drafted is None or row is None else row * batch / max(drafted, 1e-12) * lag, (plain, drafted))
 
-    def _retried(self, key: Key, batch: int, context: int, plain_won: bool, fresh: bool) -> None:
-        plain, drafted, seconds = self._rates(batch, context)
-        if plain is not None and drafted is not None and self.carried.retries[key].retried(
-                plain, drafted, plain_won, fresh, self.costs.shifts.get(key, 0), self.settings, seconds):
-            self.costs.expire(batch, context, plain=False)
-
     # ------------------------------------------------------------------ with the proposal
 
     def choose(self, proposal: Proposal, context_len: int) -> int:
         s, batch = self.settings, proposal.logprobs.shape[0]
         key = self.costs.key(batch, context_len)
-        priced = {n: self._tree_seconds(n, batch, context_len) for n in self.candidates}
-        measured = {n: t for n, (t, known) in priced.items() if known and t is not None}
+        measured = {}
+        for n in self.candidates:  # a drafting round's seconds at budget n, where its verify counts as measured
+            verify, known = self.costs.verify_seconds(n + 1, batch, context_len)
+            overhead = self.costs.seconds("overhead", batch, context_len)
+            if known and verify is not None and overhead is not None:
+                measured[n] = overhead + verify
         schedule = self.carried.neighbours.setdefault(key, Backoff(s.first_interval, s.first_interval))
         pending = self._pending if self._pending is not None else _Round(False, batch, context_len)
         explore = not pending.retry and bool(measured) and schedule.tick()
-        start = self._start_budget(batch)
+        fits = [c for c in self.candidates if c <= max(1, s.start // max(1, batch))]  # start: nodes the rows share
+        start = fits[-1] if fits else self.candidates[0]
         top = max(measured or [start])
         if explore:
             top = next((c for c in self.candidates if c > top), top)
@@ -236,20 +235,8 @@ class AutoBudget(BudgetPolicy):
                      "row_expected_tokens": [round(row[chosen], 4) for row in price.expected]}
         return decision.budget
 
-    def tree(self, proposal: Proposal, roots: torch.Tensor, budget: int,
-             builder: TreeBuilder) -> DraftTree | None:
+    def tree(self, proposal: Proposal, roots: torch.Tensor, budget: int, builder: TreeBuilder) -> DraftTree | None:
         return self.pricer.tree(proposal, roots, budget, builder)
-
-    def _tree_seconds(self, n: int, batch: int, context: int) -> tuple[float | None, bool]:
-        """A drafting round's seconds at budget ``n``, and whether its verify counts as measured."""
-        verify, known = self.costs.verify_seconds(n + 1, batch, context)
-        overhead = self.costs.seconds("overhead", batch, context)
-        return (None, False) if verify is None or overhead is None else (overhead + verify, known)
-
-    def _start_budget(self, batch: int) -> int:
-        """``start`` nodes shared by the rows, at least the smallest candidate."""
-        fits = [c for c in self.candidates if c <= max(1, self.settings.start // max(1, batch))]
-        return fits[-1] if fits else self.candidates[0]
 
     def _neighbour(self, best: int, batch: int, context: int) -> int:
         """A hill-climb step from ``best``: a neighbour never measured here (upwards first), else the one
@@ -293,23 +280,26 @@ class AutoBudget(BudgetPolicy):
         pending, self._pending = self._pending, None
         if pending is None or pending.verify is None or self._start is None:
             return
-        then, wall_then = self._start
+        (then, wall_then), (batch, context) = self._start, (pending.batch, pending.context)
         seconds, verify = now - then, pending.verify
         if wall is not None and wall_then is not None and wall > wall_then:
             verify = min(seconds, verify * seconds / (wall - wall_then))
-        key = self.costs.key(pending.batch, pending.context)
+        key = self.costs.key(batch, context)
         if pending.plain:
-            self.costs.record_plain(pending.batch, pending.context, seconds)
+            self.costs.record_plain(batch, context, seconds)
         else:
-            self.costs.record_tree(pending.nodes, pending.batch, pending.context, seconds, verify,
-                                   chosen=not pending.explored)
+            self.costs.record_tree(pending.nodes, batch, context, seconds, verify, chosen=not pending.explored)
             if not pending.explored:  # a try of a neighbour prices its verify, not drafting's rate
-                expected = None if pending.expected is None else pending.expected / pending.batch
-                self.tokens.add(key, pending.tokens / pending.batch, expected, self.rounds)
-        self.carried.retries.setdefault(key, Backoff(interval=0)).ran(pending.plain)
-        if pending.retry and self.carried.retries[key].plain_won is not None:
-            self._retried(key, pending.batch, pending.context, bool(self.carried.retries[key].plain_won),
-                          pending.fresh)
+                expected = None if pending.expected is None else pending.expected / batch
+                self.tokens.add(key, pending.tokens / batch, expected, self.rounds)
+        retries = self.carried.retries.setdefault(key, Backoff(interval=0))
+        retries.ran(pending.plain)
+        if pending.retry and retries.plain_won is not None:
+            plain, drafted, seconds_here = self._rates(batch, context)
+            if plain is not None and drafted is not None and retries.retried(
+                    plain, drafted, retries.plain_won, pending.fresh, self.costs.shifts.get(key, 0), self.settings,
+                    seconds_here):
+                self.costs.expire(batch, context, plain=False)
 
     def finish(self) -> None:
         """Hand this call's figures on to the generator's next call (its own mean joins the spread of calls
