@@ -8,7 +8,9 @@ from tiny import ScriptedDrafter, tiny_drafter, tiny_target
 
 from ddtree import BudgetPolicy, SpeculativeGenerator
 from ddtree.blocks import beam
+from ddtree.core.tree import LOOKUP
 from ddtree.drafters.base import Proposal
+from ddtree.drafters.lookup import PromptLookup, WithLookup
 
 PROMPTS = [[5, 17, 3], [11, 2, 2, 40, 61, 7, 9, 33, 12, 1, 80], list(range(10, 50))]
 NEW = 64
@@ -263,6 +265,28 @@ def test_the_default_budget_is_auto_and_a_fixed_one_under_compile(tiny_pair):
         assert out.sequences[0].tolist() == reference(target, prompt, new=40)[0].tolist()
         replayed = gen.generate(prompt, max_new_tokens=40, tree_budget=Replay(out.stats.budgets))
         assert replayed.acceptance_lengths == out.acceptance_lengths and replayed.stats.budgets == out.stats.budgets
+
+
+@pytest.mark.real_default
+def test_the_default_generator_merges_prompt_lookup_and_accepts_its_branch(tiny_pair):
+    """By default every tree gets a prompt-lookup branch (``prompt_lookup=False`` keeps the bare drafter; prompt
+    lookup itself is not wrapped again). On a prompt that repeats itself the target's greedy tokens, each round
+    accepting what its recorded tree gives under them, and lookup nodes among the accepted ones."""
+    target, draft = tiny_pair
+    gen = SpeculativeGenerator(target, draft, tree_budget=6)
+    assert gen.options.prompt_lookup is True and isinstance(gen.drafter, WithLookup)
+    assert not isinstance(SpeculativeGenerator(target, draft, prompt_lookup=False).drafter, WithLookup)
+    lookup = PromptLookup.for_target(target, block_size=5)
+    assert SpeculativeGenerator(target, lookup).drafter is lookup
+    ref = reference(target, PROMPTS[2], new=40)[0].tolist()
+    prompt = ref[:len(PROMPTS[2]) + 20] * 2  # the target's own continuation, twice: lookup has it to match
+    want = reference(target, prompt, new=24 + 6)[0].tolist()  # the last round may accept past the end
+    out = gen.generate(prompt, max_new_tokens=24, record_trees=True, stop_token_ids=())
+    assert out.sequences[0].tolist() == want[:len(prompt) + 24]
+    assert out.acceptance_lengths == [expected_acceptance(rec, want) for rec in out.rounds]
+    accepted_lookup = [int(rec.tree.sources[0, i]) & LOOKUP for rec in out.rounds if rec.tree.sources is not None
+                       for i in rec.accepted[1:]]
+    assert any(accepted_lookup)
 
 
 def _decoy_case(target):

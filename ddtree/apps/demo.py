@@ -15,7 +15,6 @@ import textwrap
 
 import torch
 
-from ddtree.drafters.lookup import PromptLookup, WithLookup
 from ddtree.generation.generator import GenerationOutput, SpeculativeGenerator
 from ddtree.generation.stats import RoundRecord
 from ddtree.runtime.threads import configure_threads
@@ -70,7 +69,8 @@ def run_demo(args: argparse.Namespace) -> int:
     if (args.target is None) != (args.drafter is None):
         raise SystemExit("give --target and --drafter together (or neither, for the default pair)")
     print(f"loading {'the default pair' if args.target is None else args.target} ({args.dtype}) ...", flush=True)
-    gen = SpeculativeGenerator.from_pretrained(args.target, args.drafter, dtype=dtype, attention=args.attention)
+    gen = SpeculativeGenerator.from_pretrained(args.target, args.drafter, dtype=dtype, attention=args.attention,
+                                               prompt_lookup=False)
     tok = gen.tokenizer
     if tok is None:
         raise SystemExit(f"the target in {args.target} has no tokenizer (its directory lacks the tokenizer files, "
@@ -87,8 +87,8 @@ def run_demo(args: argparse.Namespace) -> int:
     depth = gen.drafter.block_size - 1
     # The last row adds a prompt-lookup branch to each tree (same budget): answers that repeat the
     # prompt or themselves are accepted further (see ddtree.drafters.lookup).
-    merged = SpeculativeGenerator(gen.target, WithLookup(gen.drafter, PromptLookup.for_target(
-        gen.target, block_size=gen.drafter.block_size)), tree_budget=args.budget, attention=gen.backend)
+    merged = SpeculativeGenerator(gen.target, gen.drafter, tree_budget=args.budget, attention=gen.backend,
+                                  prompt_lookup=True)
     methods = [("plain", gen, "best_first", 0), ("chain", gen, "chain", depth),
                (f"ddtree@{args.budget}", gen, "best_first", args.budget),
                (f"ddtree@{args.budget}+lookup", merged, "best_first", args.budget)]

@@ -111,7 +111,7 @@ def _tree_generator(gen, m: Method):
     from ddtree.generation.generator import SpeculativeGenerator
 
     return SpeculativeGenerator(gen.target, _proposer(gen, m.proposer), tree_budget=0, builder=m.builder,
-                                attention=gen.backend)
+                                attention=gen.backend, prompt_lookup=False)
 
 
 def _one(plain, gens, name, method, batch, size, repeat, max_new_tokens, stops, depth) -> BatchRun:

@@ -74,7 +74,7 @@ def default_pair() -> tuple:
     from ddtree.apps.demo import DEFAULT_PROMPT
     from ddtree.generation.generator import SpeculativeGenerator
 
-    gen = SpeculativeGenerator.from_pretrained(dtype=torch.float32, cpu_linear=False)
+    gen = SpeculativeGenerator.from_pretrained(dtype=torch.float32, cpu_linear=False, prompt_lookup=False)
     ids = gen.tokenizer.apply_chat_template([{"role": "user", "content": DEFAULT_PROMPT}],
                                             add_generation_prompt=True, return_tensors="pt")
     ids = ids["input_ids"] if hasattr(ids, "keys") else ids
@@ -86,7 +86,7 @@ def measure(target, drafter, builder: str, budget: int, compile: bool | str, pro
     from ddtree.generation.generator import SpeculativeGenerator
 
     gen = SpeculativeGenerator(target, drafter, tree_budget=budget, builder=builder, attention="sdpa",
-                               compile=compile)
+                               compile=compile, prompt_lookup=False)
     t0 = time.perf_counter()
     gen.generate(prompt, max_new_tokens=new_tokens, stop_token_ids=())  # warm-up: compiles the steps
     warm = time.perf_counter() - t0

@@ -113,7 +113,7 @@ def measure(target, drafter, prompts, new: int, cases) -> dict:
     refs = target.generate(prompts, max_new_tokens=new, do_sample=False, pad_token_id=0)[:, prompts.shape[1]:]
     out = {}
     for name, builder, budget in cases:
-        gen = SpeculativeGenerator(target, drafter, tree_budget=budget, builder=builder)
+        gen = SpeculativeGenerator(target, drafter, tree_budget=budget, builder=builder, prompt_lookup=False)
         acc = []
         for i in range(prompts.shape[0]):
             res = gen.generate(prompts[i : i + 1], max_new_tokens=new)

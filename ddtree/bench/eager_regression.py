@@ -38,7 +38,7 @@ def _child(spec_json: str) -> None:
     spec = json.loads(spec_json)
     torch.set_num_threads(spec["threads"])
     base = SpeculativeGenerator.from_pretrained(spec["target"], spec["drafter"], dtype=torch.float32,
-                                                threads=spec["threads"])
+                                                threads=spec["threads"], prompt_lookup=False)
     depth = base.drafter.block_size - 1
     gens = {}
 
@@ -49,7 +49,7 @@ def _child(spec_json: str) -> None:
         else:
             if name not in gens:  # as the bench does: one generator per builder, sharing the models
                 gens[name] = SpeculativeGenerator(base.target, base.drafter, tree_budget=0, builder=name,
-                                                  attention=base.backend)
+                                                  attention=base.backend, prompt_lookup=False)
             gen, budget = gens[name], budget or str(depth)
         t0 = time.perf_counter()
         out = gen.generate(ids, max_new_tokens=new_tokens, tree_budget=int(budget))

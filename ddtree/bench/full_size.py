@@ -286,7 +286,7 @@ def measure(target: Any, drafter: Any, builder: str, budget: int | str, compile:
     from ddtree.generation.generator import SpeculativeGenerator
 
     gen = SpeculativeGenerator(target, drafter, tree_budget=budget, builder=builder, attention="sdpa",
-                               compile=compile)
+                               compile=compile, prompt_lookup=False)
     t0 = time.perf_counter()
     gen.generate(prompts, max_new_tokens=new_tokens, stop_token_ids=())
     warm = time.perf_counter() - t0

@@ -54,7 +54,7 @@ def make_generators(seed: int = 0, block_size: int = 8) -> dict[str, Speculative
     for method in METHODS:
         name, _, budget = method.partition("@")
         budget, merged = (budget.removesuffix("+lookup"), budget.endswith("+lookup"))
-        common = dict(threads=None, attention="sdpa")
+        common = dict(threads=None, attention="sdpa", prompt_lookup=False)
         if name == "lookup":
             gens[method] = SpeculativeGenerator(target, PromptLookup.for_target(target, block_size=block_size),
                                                 tree_budget=block_size - 1, builder="chain", **common)

@@ -235,7 +235,8 @@ def tiny_generator(max_positions: int, budget: int, builder: str = "best_first",
         target.lm_head.weight.mul_(4.0)  # as the test targets: greedy continuations less degenerate
     dcfg = DFlashConfig.for_target(cfg, num_hidden_layers=2, block_size=8, mask_token_id=96)
     drafter = DFlashDraftModel(dcfg).double().eval()
-    return SpeculativeGenerator(target, drafter, tree_budget=budget, builder=builder, threads="auto")
+    return SpeculativeGenerator(target, drafter, tree_budget=budget, builder=builder, threads="auto",
+                                prompt_lookup=False)
 
 
 def encode(tokenizer, prompt: str) -> torch.Tensor:
@@ -286,7 +287,7 @@ def main(argv: list[str] | None = None) -> int:
         if (args.target is None) != (args.drafter is None):
             raise SystemExit("give --drafter along with --target (or neither, for the shipped pair)")
         gen = SpeculativeGenerator.from_pretrained(args.target, args.drafter, tree_budget=args.budget,
-                                                   builder=args.builder, threads="auto")
+                                                   builder=args.builder, threads="auto", prompt_lookup=False)
         if gen.tokenizer is None:
             raise SystemExit("the target has no tokenizer: pass --tiny or a target directory with tokenizer files")
         prompt_ids = encode(gen.tokenizer, args.prompt)

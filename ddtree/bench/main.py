@@ -132,7 +132,7 @@ def load_generator(args):
             ) from None
     return SpeculativeGenerator.from_pretrained(
         args.target, args.drafter, device=args.device, dtype=dtype, attention=args.attention, draft_vocab=vocab,
-        cpu_linear={"auto": "auto", "on": True, "off": False}[args.cpu_linear],
+        cpu_linear={"auto": "auto", "on": True, "off": False}[args.cpu_linear], prompt_lookup=False,
     )
 
 

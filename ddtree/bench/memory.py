@@ -159,7 +159,8 @@ def child(args) -> dict:
         from ddtree.blocks import speculative_round
 
         drafter = build_drafter(target)
-        gen = SpeculativeGenerator(target, drafter, tree_budget=args.budget, prefill_chunk=args.chunk or None)
+        gen = SpeculativeGenerator(target, drafter, tree_budget=args.budget, prefill_chunk=args.chunk or None,
+                                   prompt_lookup=False)
         if args.warmup:
             gen.generate(warm, max_new_tokens=args.new, stop_token_ids=())
         context_seconds = _time_context_appends(gen.drafter, device)

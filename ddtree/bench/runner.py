@@ -95,7 +95,7 @@ class Bench:
         from ddtree.generation.generator import SpeculativeGenerator
 
         return SpeculativeGenerator(self.base.target, _proposer(self.base, m.proposer), tree_budget=0,
-                                    builder=m.builder, attention=self.base.backend)
+                                    builder=m.builder, attention=self.base.backend, prompt_lookup=False)
 
     def generator(self, m: Method):
         """The generator tree method ``m`` runs on: its fresh one under a short warm-up, else the shared one."""

@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
 
     pair = () if args.target is None else (args.target, args.drafter)
-    gen = SpeculativeGenerator.from_pretrained(*pair, threads=args.threads)
+    gen = SpeculativeGenerator.from_pretrained(*pair, threads=args.threads, prompt_lookup=False)
     prompts = load_prompts(args.prompts, gen.tokenizer, limit=args.limit)
     depth = gen.drafter.block_size - 1
     methods = []

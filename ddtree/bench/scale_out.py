@@ -61,7 +61,7 @@ def generate_all(gen, new_tokens: int) -> dict:
 
     out = {}
     for builder, budget in CASES:
-        g = SpeculativeGenerator(gen.target, gen.drafter, tree_budget=budget, builder=builder)
+        g = SpeculativeGenerator(gen.target, gen.drafter, tree_budget=budget, builder=builder, prompt_lookup=False)
         g.generate(PROMPT, max_new_tokens=4)  # warm
         sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
         sync()
@@ -79,7 +79,7 @@ def _load(pair: Path, **placement):
     from ddtree.generation.generator import SpeculativeGenerator
 
     return SpeculativeGenerator.from_pretrained(str(pair / "target"), str(pair / "drafter"), dtype=torch.float32,
-                                                cpu_linear=False, **placement)
+                                                cpu_linear=False, prompt_lookup=False, **placement)
 
 
 def _compare(name: str, got: dict, want: dict) -> list[dict]:

@@ -532,8 +532,9 @@ class _CallEngine:
         return getattr(self._generator, name)
 
 
-DEFAULT_PROMPT_LOOKUP = False
-"""Whether a generator merges a prompt-lookup branch into its trees unless told (``prompt_lookup=``)."""
+DEFAULT_PROMPT_LOOKUP = True
+"""Whether a generator merges a prompt-lookup branch into its trees unless told (``prompt_lookup=``): the
+policy prices its nodes like the drafter's, and where nothing matches it adds none."""
 
 DEFAULT_TREE_BUDGET = "auto"
 """The default ``tree_budget`` on every device: each round a plain step or the budget that its own measured

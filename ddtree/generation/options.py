@@ -53,7 +53,8 @@ class GeneratorOptions:
     generator fills it in);
     ``threads=None`` leaves torch's thread count as it is.
     ``prompt_lookup``: merge a prompt-lookup branch (:class:`~ddtree.drafters.lookup.WithLookup`) into every
-    tree, under the same budget (a drafter that already merges one is kept as it is).
+    tree, under the same budget (on by default; prompt lookup itself, or a drafter that merges it already, is kept
+    as it is).
     ``cpu_linear="auto"`` reads ``False`` under ``compile``: the compiled steps trace torch's own linears, even on a
     target that another generator routed through :mod:`ddtree.targets.cpu_linear`.
     ``coupled_drafts``: under sampling, trees are built from the drafter's tempered scores plus the target's

@@ -71,7 +71,8 @@ def load_drafter(path_or_id: str | os.PathLike, target: Any, *, dtype: torch.dty
 def resolve_drafter(drafter: Any, target: Any, prompt_lookup: bool = False) -> Drafter:
     """``drafter`` ready to serve ``target``: a directory or hub id is loaded (:func:`load_drafter`), a raw drafter
     model bound by its registered class, a drafter kept as it is; then checked for every part of the protocol.
-    ``prompt_lookup``: merge a prompt-lookup branch into its trees (a drafter that merges one is kept)."""
+    ``prompt_lookup``: merge a prompt-lookup branch into its trees (prompt lookup itself, or a drafter that merges
+    it already, is kept)."""
     if isinstance(drafter, (str, os.PathLike)):
         drafter = load_drafter(drafter, target)
     else:
@@ -79,6 +80,6 @@ def resolve_drafter(drafter: Any, target: Any, prompt_lookup: bool = False) -> D
         if cls is not None:
             drafter = cls(drafter, target)
     check_drafter(drafter)
-    if prompt_lookup and not isinstance(drafter, WithLookup):
+    if prompt_lookup and not isinstance(drafter, (WithLookup, PromptLookup)):
         drafter = WithLookup(drafter, PromptLookup.for_target(target, block_size=drafter.block_size))
     return drafter

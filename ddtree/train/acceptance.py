@@ -51,7 +51,8 @@ def realised_acceptance(drafter_dir, target, prompts: list[list[int]], *, max_ne
     chain_len = drafter.model.config.block_size - 1
     result = {}
     for name, builder, budget in (("chain", "chain", chain_len), ("tree", "best_first", tree_budget)):
-        gen = SpeculativeGenerator(target, drafter, builder=builder, tree_budget=budget, threads=None)
+        gen = SpeculativeGenerator(target, drafter, builder=builder, tree_budget=budget, threads=None,
+                               prompt_lookup=False)
         lengths = []
         for ids in prompts:
             out = gen.generate(torch.tensor([ids], device=device), max_new_tokens=max_new_tokens, do_sample=False,

@@ -118,7 +118,8 @@ def _load(target: str | None, drafter: str | None, dtype: torch.dtype, device: s
     target_path = str(smollm2_path()) if target is None else str(target)
     drafter_path = str(default_drafter_dir()) if drafter is None else str(drafter)
     # Engines run the drafter over the full vocabulary (they do not read draft_vocab.safetensors).
-    gen = SpeculativeGenerator.from_pretrained(target_path, drafter_path, dtype=dtype, draft_vocab=None, device=device)
+    gen = SpeculativeGenerator.from_pretrained(target_path, drafter_path, dtype=dtype, draft_vocab=None, device=device,
+                                               prompt_lookup=False)
     return gen, target_path, drafter_path
 
 
@@ -321,7 +322,7 @@ def diagnose(target: str | None = None, drafter: str | None = None, *, prompts: 
 
         # A fault that changes the target does so inside its hooks.
         gen = SpeculativeGenerator(generator.target, dr, tree_budget=chain, builder="chain",
-                                   attention=generator.backend)
+                                   attention=generator.backend, prompt_lookup=False)
         t = time.perf_counter()
         with hooks:
             counts = run(gen, chain, "chain")
