@@ -7,6 +7,8 @@ import tiny
 import torch
 from tiny import tiny_drafter, tiny_target, tiny_tokenizer
 
+from ddtree.generation import generator
+
 
 @pytest.fixture(autouse=True)
 def one_thread():
@@ -17,15 +19,28 @@ def one_thread():
     torch.set_num_threads(before)
 
 
-@pytest.fixture(autouse=True)
-def fixed_default_budget(request, monkeypatch):
+REAL_DEFAULTS = {"DEFAULT_TREE_BUDGET": generator.DEFAULT_TREE_BUDGET,
+                 "DEFAULT_PROMPT_LOOKUP": generator.DEFAULT_PROMPT_LOOKUP}
+
+
+@pytest.fixture(scope="session", autouse=True)
+def fixed_default_budget():
     """The default tree budget is ``"auto"``, whose choices follow wall time. The suite's tests of the
     speculative path check acceptance against fixed expectations, so a generator built without a budget runs
     the earlier fixed default (4) here, and no merged prompt lookup (its branches change the trees those
-    expectations were written for), unless the test is marked ``real_default``."""
-    if "real_default" not in request.keywords:
-        monkeypatch.setattr("ddtree.generation.generator.DEFAULT_TREE_BUDGET", 4)
-        monkeypatch.setattr("ddtree.generation.generator.DEFAULT_PROMPT_LOOKUP", False)
+    expectations were written for): for the whole session, so generators that module-scoped fixtures build
+    see it too. A test marked ``real_default`` gets the real defaults back."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(generator, "DEFAULT_TREE_BUDGET", 4)
+        patch.setattr(generator, "DEFAULT_PROMPT_LOOKUP", False)
+        yield
+
+
+@pytest.fixture(autouse=True)
+def restore_real_defaults(request, monkeypatch):
+    if "real_default" in request.keywords:
+        for name, value in REAL_DEFAULTS.items():
+            monkeypatch.setattr(generator, name, value)
 
 
 @pytest.fixture(params=["qwen3", "llama"])
