@@ -41,7 +41,7 @@ DTYPE = torch.float64
 
 def load(root: Path, kind: str, **placement) -> SpeculativeGenerator:
     return SpeculativeGenerator.from_pretrained(str(root / kind / "target"), str(root / kind / "drafter"),
-                                                dtype=DTYPE, **placement)
+                                                dtype=DTYPE, prompt_lookup=False, **placement)
 
 
 def _pack(out) -> dict:
@@ -50,22 +50,27 @@ def _pack(out) -> dict:
 
 def cases(gen: SpeculativeGenerator) -> dict:
     """Greedy chain/best_first (DFlash drafter, one prompt and a left-padded batch; a scripted drafter with a
-    decoy, for acceptance above 1) and seeded sampling: what must equal the single-process run."""
+    decoy, for acceptance above 1), the DFlash tree with a prompt-lookup branch, and seeded sampling: what must
+    equal the single-process run. Every generator says ``prompt_lookup`` (the worker runs the library's default,
+    the single-process run the suite's)."""
     target, drafter = gen.target, gen.drafter
     vocab = target.get_input_embeddings().weight.shape[0]
     out = {}
     for builder, budget in (("chain", 4), ("best_first", 8)):
-        g = SpeculativeGenerator(target, drafter, tree_budget=budget, builder=builder)
+        g = SpeculativeGenerator(target, drafter, tree_budget=budget, builder=builder, prompt_lookup=False)
         for i, p in enumerate(PROMPTS):
             out[f"{builder}/dflash/{i}"] = _pack(g.generate(p, max_new_tokens=NEW))
         out[f"{builder}/dflash/batch"] = _pack(g.generate(PROMPTS, max_new_tokens=12))
-    plain = SpeculativeGenerator(target, drafter, tree_budget=0).generate(PROMPTS[1], max_new_tokens=40)
+    plain = SpeculativeGenerator(target, drafter, tree_budget=0, prompt_lookup=False).generate(PROMPTS[1],
+                                                                                                max_new_tokens=40)
     out["plain"] = _pack(plain)
     scripted = ScriptedDrafter(plain.sequences[0].cpu(), vocab=vocab, block_size=5, decoy_at={2: 0})
     for builder, budget in (("chain", 4), ("best_first", 8)):
-        g = SpeculativeGenerator(target, scripted, tree_budget=budget, builder=builder)
+        g = SpeculativeGenerator(target, scripted, tree_budget=budget, builder=builder, prompt_lookup=False)
         out[f"{builder}/scripted"] = _pack(g.generate(PROMPTS[1], max_new_tokens=40))
-    g = SpeculativeGenerator(target, drafter, tree_budget=8)
+    merged = SpeculativeGenerator(target, drafter, tree_budget=8, prompt_lookup=True)
+    out["best_first/dflash+lookup"] = _pack(merged.generate(PROMPTS[1] * 2, max_new_tokens=NEW))
+    g = SpeculativeGenerator(target, drafter, tree_budget=8, prompt_lookup=False)
     out["sampled/seed"] = _pack(g.generate(PROMPTS[0], max_new_tokens=NEW, temperature=1.0, top_k=20, seed=123))
     return out
 
