@@ -131,7 +131,7 @@ class AutoBudget(BudgetPolicy):
         self.clock, self.wall_clock, self.builder = clock, wall_clock, builder
         self.candidates = sorted(s.candidates)
         self.pricer = TreePricer(builder, self.candidates)
-        self.rounds = self.explorations = 0
+        self.rounds = 0
         self.choices: Counter[int] = Counter()
         self.reasons: Counter[str] = Counter()
         self.last: dict[str, Any] = {}
@@ -150,6 +150,11 @@ class AutoBudget(BudgetPolicy):
     @property
     def plain_rounds(self) -> int:
         return self.choices[0]
+
+    @property
+    def explorations(self) -> int:
+        """Rounds that tried what the policy is not doing: the loser's retries and neighbours of the best."""
+        return self.reasons[RETRY] + self.reasons[EXPLORE]
 
     # ------------------------------------------------------------------ before drafting
 
@@ -173,7 +178,6 @@ class AutoBudget(BudgetPolicy):
             due = retries.since(not plain_wins) >= interval
             if due:
                 self.costs.expire(batch, context_len, not plain_wins)  # the loser's one fresh look
-                self.explorations += 1
         decision = plain_or_draft(plain, drafted, due)
         self.skip_draft, self.reason = decision.budget == 0, decision.reason
         self._pending = _Round(self.skip_draft, batch, context_len, retry=due, fresh=fresh)
@@ -221,7 +225,6 @@ class AutoBudget(BudgetPolicy):
             if decision.reason == EXPLORE and decision.budget in measured:  # a try priced below the best waits
                 rate = {n: expected[n] / measured[n] for n in (decision.best, decision.budget)}
                 interval = spaced(interval, rate[decision.best], rate[decision.budget], s)
-            self.explorations += decision.reason == EXPLORE
             schedule.tried(interval)
         reason, chosen = RETRY if pending.retry else decision.reason, self.candidates.index(decision.budget)
         self._predicted = [row[chosen] for row in price.reach]

@@ -186,8 +186,10 @@ def coupled_proposal(proposal: Proposal, cfg: SamplingConfig, keys: torch.Tensor
 def proposal_rows(proposal: Proposal, rows: Sequence[int]) -> Proposal:
     """The proposal of ``rows`` only (a batch's live rows): every part indexed on its own device, host paths by
     list."""
+    index = torch.tensor(list(rows), device=proposal.logprobs.device)  # one copy to the device for every part
+
     def pick(t: torch.Tensor) -> torch.Tensor:
-        return t.index_select(0, torch.tensor(list(rows), device=t.device))
+        return t.index_select(0, index.to(t.device))
 
     paths = proposal.paths
     if isinstance(paths, Branches):
