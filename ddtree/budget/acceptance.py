@@ -135,15 +135,10 @@ class Moments:
         return self.m2 / (self.count - 1) if self.count > 1 else 0.0
 
 
-def between(means: Moments, noise: float) -> float:
-    """The variance of groups' true means: their means' variance less ``noise``, each mean's own variance (<= 0:
-    the groups are alike)."""
-    return means.variance - noise
-
-
 def shrink(value: float, centre: float, spread: float, noise: float) -> float:
     """``value`` pulled towards ``centre`` by how much of its distance ``noise`` (its own variance) explains
-    against ``spread`` (the true values' variance): all the way when ``spread <= 0``."""
+    against ``spread`` (the true values' variance: their estimates' variance less ``noise``): all the way when
+    ``spread <= 0``."""
     return centre if spread <= 0 else centre + spread / (spread + noise) * (value - centre)
 
 
@@ -164,7 +159,7 @@ class PromptSpread:
     def variances(self, least: int) -> tuple[float, float] | None:
         """``(within, between)`` once ``least`` calls tell, else ``None``."""
         n = self.means.count
-        return None if n < least else (self.within / n, between(self.means, self.noise / n))
+        return None if n < least else (self.within / n, self.means.variance - self.noise / n)
 
     def prior_rounds(self, most: float, least: int = 3) -> float | None:
         """The prior's weight in rounds, in ``[1, most]``."""
@@ -210,7 +205,7 @@ class RowProgress:
         if means.mean <= 0:
             return 1.0
         noise = sum(row.variance for row in self.rows) / batch / self.rows[0].count  # of one row's mean
-        low = shrink(min(row.mean for row in self.rows), means.mean, between(means, noise), noise)
+        low = shrink(min(row.mean for row in self.rows), means.mean, means.variance - noise, noise)
         return max(0.0, min(1.0, low / means.mean))
 
 
@@ -229,9 +224,8 @@ class CallTokens:
         """Tokens per row to price drafting at: the call's own, else earlier calls' where they tell."""
         if self.estimate is not None:
             return self.estimate.value
-        spread = self.spread.get(key[1])
-        if spread is not None and spread.prior_rounds(self.s.acceptance_prior, self.s.min_generations):
-            return spread.means.mean
+        if self._prior_rounds(key[1]) is not None:
+            return self.spread[key[1]].means.mean
         near = nearest(self.tokens, key)
         return None if near is None else self.tokens[near].value
 
@@ -239,7 +233,12 @@ class CallTokens:
         """One drafting round's tokens per row (``expected``: what the policy expected of it, per row)."""
         s = self.s
         if self.estimate is None:
-            self.estimate, self.own, self.batch = self._prior(key, expected), Moments(), key[1]
+            rounds, near = self._prior_rounds(key[1]), nearest(self.tokens, key)
+            if rounds is not None:
+                self.estimate = self._start(self.spread[key[1]].means.mean, max(1, round(rounds)))
+            else:
+                self.estimate = self._start(expected if near is None else self.tokens[near].value)
+            self.own, self.batch = Moments(), key[1]
         self.estimate.update(value, stamp)
         self.own.add(value)
         spread = self.spread.get(self.batch)
@@ -247,25 +246,19 @@ class CallTokens:
                 and spread.unlike(self.own.mean, self.own.count, s.unlike_sigmas, s.min_generations)):
             self.estimate.value, self.estimate.count = self.own.mean, self.own.count  # not like theirs
             self.estimate.weight = s.tokens_weight
-        if key not in self.tokens:
-            self.tokens[key] = self._prior(key, expected, table=True)
+        if key not in self.tokens:  # a nearest key's figure is where the key's estimate starts, not a round
+            near = nearest(self.tokens, key)
+            self.tokens[key] = self._start(expected) if near is None else self._start(self.tokens[near].value, 0)
         self.tokens[key].update(value, stamp)
 
-    def _prior(self, key: Key, expected: float | None, table: bool = False) -> Estimate:
-        """The estimate before the first round (for the ``table`` of keys a nearest key's figure is a start, not
-        a round)."""
-        s, mean, count = self.s, Estimate(self.s.tokens_weight), 1
-        found = None if table else self.spread.get(key[1])
-        rounds = None if found is None else found.prior_rounds(s.acceptance_prior, s.min_generations)
-        near = nearest(self.tokens, key)
-        if found is not None and rounds is not None:
-            mean.value, count = found.means.mean, max(1, round(rounds))
-        elif near is not None:
-            mean.value = self.tokens[near].value
-            if table:
-                return mean
-        else:
-            mean.value = expected
-        if mean.value is not None:
-            mean.count, mean.averaging, mean.weight = count, True, min(mean.weight, 1.0 / count)
+    def _prior_rounds(self, batch: int) -> float | None:
+        spread = self.spread.get(batch)
+        return None if spread is None else spread.prior_rounds(self.s.acceptance_prior, self.s.min_generations)
+
+    def _start(self, value: float | None, rounds: int = 1) -> Estimate:
+        """An estimate at ``value``, counted as ``rounds`` rounds of a plain mean (0: a start, not a round)."""
+        mean = Estimate(self.s.tokens_weight)
+        mean.value = value
+        if value is not None and rounds:
+            mean.count, mean.averaging, mean.weight = rounds, True, min(mean.weight, 1.0 / rounds)
         return mean

@@ -10,12 +10,12 @@ an event the policy's schedules watch.
 from __future__ import annotations
 
 import math
-from typing import Any, TypeVar
+from collections.abc import Iterable
+from typing import Any
 
 from ddtree.budget.settings import Settings
 
 Key = tuple[int, int]  # (context bucket, batch)
-T = TypeVar("T")
 KINDS = ("overhead", "plain", "drafted")
 
 
@@ -166,23 +166,19 @@ class RoundCosts:
 
     def describe(self) -> dict[str, Any]:
         def secs(table: dict[Any, Estimate]) -> dict[str, float | None]:
-            return {(f"{k[0]}x{k[1]}" if isinstance(k, tuple) else str(k)):
-                    None if e.value is None else round(e.value, 6) for k, e in sorted(table.items())}
+            return {_label(k): None if e.value is None else round(e.value, 6) for k, e in sorted(table.items())}
 
-        return {"rounds": self.rounds, "verify_seconds": {f"{k[0]}x{k[1]}": secs(t) for k, t in
-                                                          sorted(self.verify.items())},
+        return {"rounds": self.rounds, "verify_seconds": {_label(k): secs(t) for k, t in sorted(self.verify.items())},
                 **{f"{kind}_seconds": secs(getattr(self, kind)) for kind in KINDS}}
 
 
-def nearest(entries: dict[Key, T], key: Key) -> Key | None:
-    """``key`` if it has a value, else the key with one closest in log2 context bucket and log2 batch."""
-    known = [k for k, v in entries.items() if _has_value(v)]
+def _label(key: Key | int) -> str:
+    return f"{key[0]}x{key[1]}" if isinstance(key, tuple) else str(key)
+
+
+def nearest(measured: Iterable[Key], key: Key) -> Key | None:
+    """``key`` if measured, else the measured key closest in log2 context bucket and log2 batch."""
+    known = list(measured)
     if key in known or not known:
         return key if known else None
     return min(known, key=lambda k: (abs(math.log2(k[0] / key[0])) + abs(math.log2(k[1] / key[1])), k))
-
-
-def _has_value(entry: object) -> bool:
-    if isinstance(entry, dict):
-        return any(_has_value(e) for e in entry.values())
-    return getattr(entry, "value", entry) is not None

@@ -95,7 +95,7 @@ def check_budget(budget: object) -> None:
 @dataclass
 class _Round:
     """The round in flight, booked into the costs at the next :meth:`AutoBudget.prepare` (``fresh``: a retry of
-    drafting for prompts this call never drafted)."""
+    drafting for prompts this call never drafted; ``predicted``: the chosen tree's ``p_d`` per row)."""
 
     plain: bool
     batch: int
@@ -105,6 +105,7 @@ class _Round:
     fresh: bool = False
     explored: bool = False
     expected: float | None = None
+    predicted: list[list[float]] | None = None
     verify: float | None = None
     tokens: int = 0
 
@@ -138,7 +139,6 @@ class AutoBudget(BudgetPolicy):
         self.best: int | None = None
         self._pending: _Round | None = None
         self._start: tuple[float, float | None] | None = None
-        self._predicted: list[list[float]] | None = None  # the chosen tree's p_d per row
         self.tokens = CallTokens(s, self.carried.spread, self.carried.tokens)
         self._rows = RowProgress(s.min_rounds)
 
@@ -227,8 +227,8 @@ class AutoBudget(BudgetPolicy):
                 interval = spaced(interval, rate[decision.best], rate[decision.budget], s)
             schedule.tried(interval)
         reason, chosen = RETRY if pending.retry else decision.reason, self.candidates.index(decision.budget)
-        self._predicted = [row[chosen] for row in price.reach]
         pending.nodes, pending.expected = decision.budget + 1, expected.get(decision.budget)
+        pending.predicted = [row[chosen] for row in price.reach]
         pending.explored = decision.reason == EXPLORE
         self._pending, self.reason = pending, reason
         self._note(decision.budget, reason)
@@ -266,16 +266,16 @@ class AutoBudget(BudgetPolicy):
             return
         pending.verify, pending.tokens = verify_seconds, sum(int(a) for a in accepted)
         self.rounds += 1
-        if pending.plain or self._predicted is None:
+        if pending.plain or pending.predicted is None:
             return
-        if len(accepted) != len(self._predicted):
+        if len(accepted) != len(pending.predicted):
             raise ValueError(f"observe got {len(accepted)} accepted counts for a round of "
-                             f"{len(self._predicted)} rows: pass one count per active row, in row order")
+                             f"{len(pending.predicted)} rows: pass one count per active row, in row order")
         self._rows.add(accepted)
         share = self._rows.lagging(len(accepted))
         if share is not None and len(accepted) > 1:
             self.carried.lagging[len(accepted)] = share
-        self.carried.calibration.add(self._predicted, accepted, self.settings.forget)
+        self.carried.calibration.add(pending.predicted, accepted, self.settings.forget)
 
     def _book(self, now: float, wall: float | None) -> None:
         """The round since the last :meth:`prepare` into the costs (its verify rescaled from wall time when
