@@ -35,18 +35,21 @@ def test_round_cost_and_the_reason_a_method_loses():
 
 
 def test_the_demo_prints_its_legend(saved_tiny_pair, capsys, monkeypatch):
-    """The whole demo on the tiny pair: lossless for all four methods, and every mark it prints is explained."""
+    """The whole demo on the tiny pair: lossless for all five methods, and every mark it prints is explained."""
     monkeypatch.setattr(threads, "_explicit", None)
     target, drafter = saved_tiny_pair
     code = demo.main(["--target", str(target), "--drafter", str(drafter), "--max-new-tokens", "12",
                       "--threads", "1", "--prompt", "the tree"])
     out = capsys.readouterr().out
-    assert code == 0 and "output identical for all 4 methods: yes" in out
+    assert code == 0 and "output identical for all 5 methods: yes" in out
+    table = out.split("\nmethod ", 1)[1].split("\n\n", 1)[0].splitlines()  # the header's tail, then the rows
+    assert [line.split()[0] for line in table[1:]] == ["plain", "chain", "ddtree@4", "ddtree@4+lookup", "default"]
     header = next(line for line in out.splitlines() if line.startswith("method"))
     assert header.split() == ["method", "accept", "len", "round", "cost", "tokens/s", "speedup"]
     text = " ".join(out.split())  # the explanation is wrapped
     assert "accept len: tokens per verify round" in text and "round cost: a round's time in plain steps" in text
     assert "+lookup: each tree also gets a branch" in text
+    assert "default: SpeculativeGenerator's own settings, tree_budget=4 (4 draft nodes), without the lookup" in text
     assert "On a CPU a round" in text
     if "one DDTree round" in out:  # a round was recorded (it always is past the prefill's token)
         assert ("* = accepted by the target, no mark = drafted and rejected, -> = the bonus token the target's "

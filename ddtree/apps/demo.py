@@ -1,7 +1,7 @@
-"""``python -m ddtree demo``: one prompt through plain decoding, the DFlash chain, DDTree, and DDTree
-with a prompt-lookup branch in each tree.
+"""``python -m ddtree demo``: one prompt through plain decoding, the DFlash chain, DDTree, DDTree
+with a prompt-lookup branch in each tree, and the generator's defaults.
 
-Prints the text once (checked identical across the four under greedy decoding),
+Prints the text once (checked identical across the five under greedy decoding),
 then acceptance length, round cost, tokens/s and speedup per method with what each
 means and why a method can be slower than plain decoding, and one round's tree
 with its accepted branch and a legend of its marks.
@@ -15,6 +15,7 @@ import textwrap
 
 import torch
 
+from ddtree.generation import generator as defaults
 from ddtree.generation.generator import GenerationOutput, SpeculativeGenerator
 from ddtree.generation.stats import RoundRecord
 from ddtree.runtime.threads import configure_threads
@@ -91,7 +92,8 @@ def run_demo(args: argparse.Namespace) -> int:
                                   prompt_lookup=True)
     methods = [("plain", gen, "best_first", 0), ("chain", gen, "chain", depth),
                (f"ddtree@{args.budget}", gen, "best_first", args.budget),
-               (f"ddtree@{args.budget}+lookup", merged, "best_first", args.budget)]
+               (f"ddtree@{args.budget}+lookup", merged, "best_first", args.budget),
+               ("default", SpeculativeGenerator(gen.target, gen.drafter, attention=gen.backend), "best_first", None)]
     kwargs = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, stop_token_ids=stop, seed=args.seed)
     # Warm up every path once so first-call costs do not land on one method.
     for _, g, builder, budget in methods:
@@ -142,6 +144,13 @@ def explain_table(runs: dict[str, GenerationOutput], plain: GenerationOutput, de
         f"chain: DFlash's one path of {depth} draft tokens; ddtree@N: a tree of N draft nodes; +lookup: each tree "
         "also gets a branch copied from where the prompt or the answer so far repeats itself.",
     ]
+    if "default" in runs:
+        lookup = "with" if defaults.DEFAULT_PROMPT_LOOKUP else "without"
+        budget = defaults.DEFAULT_TREE_BUDGET
+        how = ("each round a plain step or the tree size its measured costs make fastest, learned from the "
+               "generator's own rounds" if budget == "auto" else f"{budget} draft nodes")
+        lines.append(f"default: SpeculativeGenerator's own settings, tree_budget={budget!r} ({how}), {lookup} the "
+                     "lookup branch.")
     slow = {n: o for n, o in runs.items() if o.stats.tokens_per_second < plain.stats.tokens_per_second}
     if slow:
         name, o = min(slow.items(), key=lambda item: item[1].stats.tokens_per_second)
