@@ -213,12 +213,14 @@ class CallTokens:
     """A call's committed tokens per row of a drafting round: a running mean from a prior the earlier calls give
     (their mean at this batch, counted as the rounds their ``spread`` is worth; else the nearest key's figure in
     ``tokens``, else what the policy expected of the first tree, as one round), left once the call's own rounds
-    say its prompts are unlike theirs. Its rounds also update ``tokens``, the next call's figures by key."""
+    say its prompts are unlike theirs. Its rounds also update ``tokens``, the next call's figures by key. A
+    drafting round after plain ones starts from the mean drawn back up towards the call's own (:meth:`_reverted`)."""
 
     def __init__(self, s: Settings, spread: dict[int, PromptSpread], tokens: dict[Key, Estimate]) -> None:
         self.s, self.spread, self.tokens = s, spread, tokens
         self.estimate: Estimate | None = None
         self.own, self.batch = Moments(), 1  # this call's own rounds, at the batch it started drafting at
+        self.idle = 0  # plain rounds since the call last drafted
 
     def value(self, key: Key) -> float | None:
         """Tokens per row to price drafting at: the call's own, else earlier calls' where they tell."""
@@ -239,6 +241,9 @@ class CallTokens:
             else:
                 self.estimate = self._start(expected if near is None else self.tokens[near].value)
             self.own, self.batch = Moments(), key[1]
+        else:
+            self.estimate.value = self._reverted(self.estimate)
+        self.idle = 0
         self.estimate.update(value, stamp)
         self.own.add(value)
         spread = self.spread.get(self.batch)
@@ -250,6 +255,16 @@ class CallTokens:
             near = nearest(self.tokens, key)
             self.tokens[key] = self._start(expected) if near is None else self._start(self.tokens[near].value, 0)
         self.tokens[key].update(value, stamp)
+
+    def _reverted(self, estimate: Estimate) -> float | None:
+        """The running mean, when below the call's whole mean, drawn back up to it by ``forget`` a plain round: a
+        poor stretch of text ends, and plain rounds cannot show it, so a retry's one round would otherwise be
+        weighed against the stretch. Above it, it stays: plain then won on the seconds (a load), which the cost
+        table follows."""
+        value, own = estimate.value, self.own
+        if value is None or not self.idle or own.count < self.s.min_rounds or value >= own.mean:
+            return value
+        return own.mean + (value - own.mean) * self.s.forget ** self.idle
 
     def _prior_rounds(self, batch: int) -> float | None:
         spread = self.spread.get(batch)

@@ -290,6 +290,7 @@ class AutoBudget(BudgetPolicy):
         key = self.costs.key(batch, context)
         if pending.plain:
             self.costs.record_plain(batch, context, seconds)
+            self.tokens.idle += 1
         else:
             self.costs.record_tree(pending.nodes, batch, context, seconds, verify, chosen=not pending.explored)
             if not pending.explored:  # a try of a neighbour prices its verify, not drafting's rate

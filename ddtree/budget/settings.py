@@ -18,7 +18,8 @@ class Settings:
     stale_after: int = 8  # a key's rounds after which an estimate is replaced outright: what it measured may be gone
     tokens_weight: float = 0.15  # least move of a tokens mean: acceptance varies round to round more than seconds
     prior_rounds: float = 1.0  # the depth calibration's prior, rounds at ratio 1: the drafter's own probabilities
-    forget: float = 0.97  # per-round decay of the depth calibration: ~30 rounds of memory, it follows the prompts
+    forget: float = 0.97  # per-round decay of the depth calibration and of a poor stretch's tokens mean: ~30
+    # rounds of memory, they follow the text
     first_interval: int = 2  # rounds before a first (or restarted) try of what the policy is not doing
     explore_every: int = 16  # longest wait between tries of a neighbour of the best: a change is still found
     retry_every: int = 128  # longest wait between retries of the losing option (plain or drafting)
