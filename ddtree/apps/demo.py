@@ -15,7 +15,6 @@ import textwrap
 
 import torch
 
-from ddtree.generation import generator as defaults
 from ddtree.generation.generator import GenerationOutput, SpeculativeGenerator
 from ddtree.generation.stats import RoundRecord
 from ddtree.runtime.threads import configure_threads
@@ -90,10 +89,11 @@ def run_demo(args: argparse.Namespace) -> int:
     # prompt or themselves are accepted further (see ddtree.drafters.lookup).
     merged = SpeculativeGenerator(gen.target, gen.drafter, tree_budget=args.budget, attention=gen.backend,
                                   prompt_lookup=True)
+    default = SpeculativeGenerator(gen.target, gen.drafter, attention=gen.backend)  # what a user gets unless told
     methods = [("plain", gen, "best_first", 0), ("chain", gen, "chain", depth),
                (f"ddtree@{args.budget}", gen, "best_first", args.budget),
                (f"ddtree@{args.budget}+lookup", merged, "best_first", args.budget),
-               ("default", SpeculativeGenerator(gen.target, gen.drafter, attention=gen.backend), "best_first", None)]
+               ("default", default, "best_first", None)]
     kwargs = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, stop_token_ids=stop, seed=args.seed)
     # Warm up every path once so first-call costs do not land on one method.
     for _, g, builder, budget in methods:
@@ -119,7 +119,7 @@ def run_demo(args: argparse.Namespace) -> int:
         cost = "-" if name == "plain" else f"{round_cost(o, plain):.2f}"
         speed = o.stats.tokens_per_second / plain.stats.tokens_per_second
         print(f"{name:<21}{tau:>11}{cost:>11}{o.stats.tokens_per_second:>11.1f}{speed:>8.2f}x")
-    print("\n" + explain_table({n: o for n, o in outs.items() if n != "plain"}, plain, depth))
+    print("\n" + explain_table({n: o for n, o in outs.items() if n != "plain"}, plain, depth, default))
     tree_run = outs[methods[2][0]]
     if tree_run.rounds:
         best = max(tree_run.rounds, key=lambda r: len(r.accepted))
@@ -135,7 +135,8 @@ def round_cost(out: GenerationOutput, plain: GenerationOutput) -> float:
     return out.stats.total_seconds / max(1, out.stats.rounds) / per_token
 
 
-def explain_table(runs: dict[str, GenerationOutput], plain: GenerationOutput, depth: int) -> str:
+def explain_table(runs: dict[str, GenerationOutput], plain: GenerationOutput, depth: int,
+                  default: SpeculativeGenerator | None = None) -> str:
     """The table's columns and the rows' names, then why a method can lose: each round pays a drafter forward
     and a target forward over all its draft tokens, and wins only by accepting more tokens than that costs."""
     lines = [
@@ -144,9 +145,9 @@ def explain_table(runs: dict[str, GenerationOutput], plain: GenerationOutput, de
         f"chain: DFlash's one path of {depth} draft tokens; ddtree@N: a tree of N draft nodes; +lookup: each tree "
         "also gets a branch copied from where the prompt or the answer so far repeats itself.",
     ]
-    if "default" in runs:
-        lookup = "with" if defaults.DEFAULT_PROMPT_LOOKUP else "without"
-        budget = defaults.DEFAULT_TREE_BUDGET
+    if default is not None:
+        lookup = "with" if default.options.prompt_lookup else "without"
+        budget = default.tree_budget
         how = ("each round a plain step or the tree size its measured costs make fastest, learned from the "
                "generator's own rounds" if budget == "auto" else f"{budget} draft nodes")
         lines.append(f"default: SpeculativeGenerator's own settings, tree_budget={budget!r} ({how}), {lookup} the "

@@ -233,9 +233,9 @@ class CallTokens:
 
     def add(self, key: Key, value: float, expected: float | None, stamp: int) -> None:
         """One drafting round's tokens per row (``expected``: what the policy expected of it, per row)."""
-        s = self.s
+        s, near = self.s, nearest(self.tokens, key)
         if self.estimate is None:
-            rounds, near = self._prior_rounds(key[1]), nearest(self.tokens, key)
+            rounds = self._prior_rounds(key[1])
             if rounds is not None:
                 self.estimate = self._start(self.spread[key[1]].means.mean, max(1, round(rounds)))
             else:
@@ -252,7 +252,6 @@ class CallTokens:
             self.estimate.value, self.estimate.count = self.own.mean, self.own.count  # not like theirs
             self.estimate.weight = s.tokens_weight
         if key not in self.tokens:  # a nearest key's figure is where the key's estimate starts, not a round
-            near = nearest(self.tokens, key)
             self.tokens[key] = self._start(expected) if near is None else self._start(self.tokens[near].value, 0)
         self.tokens[key].update(value, stamp)
 
