@@ -3,10 +3,13 @@ than plain decoding, and the marks of its tree drawing."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
 import ddtree.apps.demo as demo
+from ddtree.budget.decide import BEST, EXPLORE, FIRST, RETRY
 from ddtree.generation.generator import GenerationOutput, GenerationStats
 from ddtree.runtime import threads
 
@@ -32,6 +35,20 @@ def test_round_cost_and_the_reason_a_method_loses():
     assert "chain: DFlash's one path of 5 draft tokens" in text and "+lookup:" in text
     assert "On a CPU a round" in text and "on a GPU" in text
     assert "slower than plain" not in demo.explain_table({"ddtree@4": tree}, plain, 5)
+
+
+def test_the_default_row_says_how_auto_spent_its_rounds():
+    """Under ``"auto"`` the legend counts the call's drafted and plain rounds and those that measured an option
+    it was not taking (first measurements, explorations, retries); a fixed default gets no such line."""
+    plain = _run(100, 99, 10.0, 1.0)
+    run = _run(100, 6, 8.0, 1.5)
+    run.stats.budgets = [4, 4, 0, 0, 8, 0, 2]
+    run.stats.reasons = [FIRST, BEST, FIRST, BEST, EXPLORE, RETRY, BEST]
+    assert "4 drafted, 3 plain; 4 of them measured an option" in " ".join(demo.default_rounds(run).split())
+    auto = SimpleNamespace(tree_budget="auto", options=SimpleNamespace(prompt_lookup=True))
+    fixed = SimpleNamespace(tree_budget=4, options=SimpleNamespace(prompt_lookup=False))
+    assert "default's rounds here" in demo.explain_table({"default": run}, plain, 5, auto)
+    assert "default's rounds here" not in demo.explain_table({"default": run}, plain, 5, fixed)
 
 
 def test_the_demo_prints_its_legend(saved_tiny_pair, capsys, monkeypatch):

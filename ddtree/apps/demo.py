@@ -15,6 +15,7 @@ import textwrap
 
 import torch
 
+from ddtree.budget.decide import EXPLORE, FIRST, RETRY
 from ddtree.generation.generator import GenerationOutput, SpeculativeGenerator
 from ddtree.generation.stats import RoundRecord
 from ddtree.runtime.threads import configure_threads
@@ -152,6 +153,9 @@ def explain_table(runs: dict[str, GenerationOutput], plain: GenerationOutput, de
                "generator's own rounds" if budget == "auto" else f"{budget} draft nodes")
         lines.append(f"default: SpeculativeGenerator's own settings, tree_budget={budget!r} ({how}), {lookup} the "
                      "lookup branch.")
+        run = runs.get("default")
+        if budget == "auto" and run is not None and run.stats.budgets:
+            lines.append(default_rounds(run))
     slow = {n: o for n, o in runs.items() if o.stats.tokens_per_second < plain.stats.tokens_per_second}
     if slow:
         name, o = min(slow.items(), key=lambda item: item[1].stats.tokens_per_second)
@@ -162,6 +166,17 @@ def explain_table(runs: dict[str, GenerationOutput], plain: GenerationOutput, de
                  "forward over a few dozen tokens costs about one step, and chains and trees gain close to their "
                  "accept len.")
     return "\n".join(textwrap.fill(line, 100, subsequent_indent="  ") for line in lines)
+
+
+def default_rounds(run: GenerationOutput) -> str:
+    """How ``"auto"`` spent the call's rounds: on a new generator it also measures the options it decides
+    between, so one call can trail the best fixed tree."""
+    budgets, reasons = run.stats.budgets, run.stats.reasons
+    plain, tried = budgets.count(0), sum(r in (FIRST, EXPLORE, RETRY) for r in reasons)
+    return (f"default's rounds here: {len(budgets) - plain} drafted, {plain} plain; {tried} of them measured an "
+            "option it was not taking (a first measurement, a neighbouring tree size, a retry of plain or "
+            "drafting). The generator is new (a short warm-up call before this one): its later calls start from "
+            "what it measured.")
 
 
 EXAMPLES = [

@@ -128,9 +128,9 @@ class SpeculativeGenerator:
     ``tree_budget`` is the number of draft nodes per round; a fixed 0 is plain
     target-only decoding (the drafter does no work), the baseline for speedups. ``None`` (the default)
     is ``"auto"``: each round a plain step or the budget its measured costs make fastest
-    (:func:`default_tree_budget`; under ``compile=True`` a fixed budget for the device). Seeded sampling
-    repeats its tokens under a fixed budget only: ``"auto"``'s trees follow the machine's timings, and the
-    draws follow the trees (the distribution is the target's either way). ``builder`` is ``"best_first"`` (DDTree),
+    (:func:`default_tree_budget`; under ``compile=True`` a fixed budget for the device). With a seed the
+    tokens are plain decoding's with that seed, whatever the budget (``"auto"`` included) or builder: draws are
+    keyed by position, not by tree (:mod:`ddtree.core.noise`). ``builder`` is ``"best_first"`` (DDTree),
     ``"chain"`` (DFlash), ``"beam@WxD"``, ``"module:function"`` or any callable
     with the :class:`~ddtree.core.builders.TreeBuilder` signature. ``attention`` names the
     tree-verify attention backend (see :mod:`ddtree.targets.backends`). ``cpu_linear``
