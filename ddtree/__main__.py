@@ -7,7 +7,8 @@ import sys
 USAGE = """usage: python -m ddtree COMMAND [options]
 
 commands:
-  demo    one prompt through plain decoding, the DFlash chain and DDTree (default pair)
+  demo    one prompt through plain decoding, the DFlash chain, DDTree (with and without a lookup branch)
+          and the generator's defaults (default pair)
   chat    a multi-turn chat decoded by DDTree, streamed, with per-reply speed (default pair)
   doctor  why an engine's acceptance is low: config check, reference profile, fault signatures
   bench   benchmarks (python -m ddtree.bench --help)

@@ -1,4 +1,4 @@
-"""Two ways to own the decoding loop with ddtree's building blocks (``ddtree.blocks``).
+"""Three ways to own the decoding loop with ddtree's building blocks (``ddtree.blocks``).
 
 Run: python examples/custom_loop.py            (a tiny random pair, checks losslessness)
      python examples/custom_loop.py --default  (the shipped SmolLM2 pair)
@@ -116,15 +116,18 @@ def main(argv=None):
                     help="use the shipped SmolLM2-135M pair (default: a tiny random pair)")
     ap.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate (default: 64)")
     args = ap.parse_args(argv)
+    # The spelled-out loops grow their trees from the drafter's log-probs alone; the generator's default also
+    # grafts a prompt-lookup branch into each tree (ddtree.drafters.lookup), so it is off here to compare like
+    # with like.
     if args.default:
-        gen = ddtree.SpeculativeGenerator.from_pretrained()
+        gen = ddtree.SpeculativeGenerator.from_pretrained(prompt_lookup=False)
         tok = gen.tokenizer
         msgs = [{"role": "user", "content": "Write a haiku about the sea."}]
         prompt = tok.apply_chat_template(msgs, add_generation_prompt=True, return_tensors="pt", return_dict=True)
         prompt = prompt["input_ids"]
     else:
         target, drafter, tok = tiny_pair()
-        gen = ddtree.SpeculativeGenerator(target, drafter)
+        gen = ddtree.SpeculativeGenerator(target, drafter, prompt_lookup=False)
         prompt = torch.tensor([[3, 1, 4, 1, 5, 9, 2, 6]])
     with torch.inference_mode():
         eos = gen.target.generation_config.eos_token_id  # the round loop stops there by default; so does this one

@@ -72,3 +72,13 @@ def test_the_demo_prints_its_legend(saved_tiny_pair, capsys, monkeypatch):
         assert ("* = accepted by the target, no mark = drafted and rejected, -> = the bonus token the target's "
                 "verify adds") in text
         assert "\n* root" in out and "then bonus -> " in out
+
+
+def test_the_demo_under_sampling_draws_the_same_tokens_for_every_method(saved_tiny_pair, capsys, monkeypatch):
+    """Keyed draws: with a seed, every row of the table samples plain decoding's tokens, and the demo says so."""
+    monkeypatch.setattr(threads, "_explicit", None)
+    target, drafter = saved_tiny_pair
+    code = demo.main(["--target", str(target), "--drafter", str(drafter), "--max-new-tokens", "12",
+                      "--threads", "1", "--prompt", "the tree", "--temperature", "0.8", "--seed", "3"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert code == 0 and "temperature 0.8, seed 3: the same sampled tokens for all 5 methods: yes" in out

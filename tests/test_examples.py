@@ -5,6 +5,8 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
+import pytest
+
 EXAMPLES = Path(__file__).parents[1] / "examples"
 
 
@@ -15,6 +17,7 @@ def _load(name: str):
     return module
 
 
+@pytest.mark.real_default  # the generator's own defaults (lookup merged), as a user runs the example
 def test_custom_loop_both_loops_are_lossless_and_agree(capsys):
     _load("custom_loop").main(["--max-new-tokens", "24"])  # asserts losslessness and equal acceptance itself
     out = capsys.readouterr().out

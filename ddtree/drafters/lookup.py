@@ -31,6 +31,7 @@ from ddtree.drafters.base import (
     Proposal,
     StaticDraftContext,
     check_proposal,
+    takes_host_counts,
     takes_host_rows,
 )
 
@@ -315,10 +316,14 @@ class MergedContext(DraftContext):
 
     def __init__(self, model_context: DraftContext, lookup_context: LookupContext) -> None:
         self.model, self.lookup = model_context, lookup_context
+        self._model_host_counts = takes_host_counts(model_context)  # optional in the protocol
 
     def append(self, features: torch.Tensor | None, tokens: torch.Tensor, counts: torch.Tensor | None = None,
                host_counts: Sequence[int] | None = None) -> None:
-        self.model.append(features, tokens, counts, host_counts=host_counts)
+        if self._model_host_counts:
+            self.model.append(features, tokens, counts, host_counts=host_counts)
+        else:
+            self.model.append(features, tokens, counts)
         self.lookup.append(None, tokens, counts, host_counts=host_counts)
 
     def select_rows(self, rows: torch.Tensor, host_rows: Sequence[int] | None = None) -> None:

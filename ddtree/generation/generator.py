@@ -238,7 +238,7 @@ class SpeculativeGenerator:
 
     @options.setter
     def options(self, options: GeneratorOptions) -> None:
-        """Swap the per-generation settings; the per-model ones (attention, cpu_linear, threads) stay as built."""
+        """Swap the per-generation settings; the per-model ones (:data:`MODEL_SETTINGS`) stay as built."""
         if not isinstance(options, GeneratorOptions):
             raise TypeError(f"options must be a ddtree GeneratorOptions, got {type(options).__name__}")
         current = getattr(self, "_options", None)
@@ -297,11 +297,10 @@ class SpeculativeGenerator:
         ``[B, T]`` ids (with ``attention_mask`` for left padding, as HF pads), a
         list of ids, a list of prompts of any lengths, what a tokenizer returns, or
         text when the generator has a tokenizer. ``options`` may hold this call's
-        ``tree_budget``, ``builder`` and ``prefill_chunk`` (overriding the generator's
-        :attr:`options`); the rest (``max_new_tokens``, ``temperature``, ``top_k``, ``top_p``,
-        ``do_sample``, ``eos_token_id`` / ``stop_token_ids``, ``seed``), with ``generation_config``,
-        are resolved by :func:`ddtree.generation.inputs.resolve_generation`: stop tokens default to the
-        target's EOS ids (``stop_token_ids=()`` turns that off), and options that
+        :data:`PER_CALL` settings (overriding the generator's :attr:`options`); the rest (``max_new_tokens``,
+        ``temperature``, ``top_k``, ``top_p``, ``do_sample``, ``eos_token_id`` / ``stop_token_ids``, ``seed``),
+        with ``generation_config``, are resolved by :func:`ddtree.generation.inputs.resolve_generation`: stop
+        tokens default to the target's EOS ids (``stop_token_ids=()`` turns that off), and options that
         cannot be honoured exactly are refused by name. Everything is checked before any state exists,
         so a bad call leaves nothing behind.
         """
@@ -354,8 +353,8 @@ class SpeculativeGenerator:
     def call_options(self, options: dict) -> GeneratorOptions:
         """This generator's :attr:`options` with the per-call settings in ``options`` (taken out of it) applied.
 
-        ``tree_budget``, ``builder`` and ``prefill_chunk`` may change per call; ``attention``, ``cpu_linear``
-        and ``threads`` are refused (they prepared the models).
+        The :data:`PER_CALL` settings may change per call; the :data:`MODEL_SETTINGS` are refused (they
+        prepared the models).
         """
         given = split_call_options(options)
         return self._options.replace(**given) if given else self._options
@@ -542,7 +541,7 @@ costs make fastest. A fixed budget pays only where enough of its tree is accepte
 moves with the device, the batch and the load: on a CPU past batch 1 every fixed budget ran slower than plain
 decoding, and ``"auto"`` ran at or above it (docs/benchmarks.md, issue 33)."""
 DEFAULT_COMPILED_BUDGET = {"cpu": 4}
-"""``compile=True`` takes a fixed budget (each tree size is its own graph): by device type, the fastest fixed
+"""``compile=True``'s budget when none is given (each tree size is its own graph): by device type, the fastest fixed
 budget measured on the default pair on a CPU; other devices verify wide trees nearly for free, and get
 ``DEFAULT_COMPILED_BUDGET_ACCELERATOR``."""
 DEFAULT_COMPILED_BUDGET_ACCELERATOR = 32
