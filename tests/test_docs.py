@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_generator import expected_acceptance
 from tiny import tiny_drafter, tiny_target, tiny_tokenizer
 
 import ddtree
@@ -71,24 +72,6 @@ def greedy(target, prompt_ids: torch.Tensor, n: int) -> list[int]:
     return out[0, prompt_ids.shape[1]:].tolist()
 
 
-def expected_acceptance(rounds, reference: list[int]) -> list[int]:
-    """Each round's acceptance recomputed from its tree: 1 + the depth of the deepest node on the path of
-    ``reference`` tokens (the target's own greedy continuation) below the root; siblings may repeat a token (a
-    grafted lookup branch beside the drafter's), so every matching node counts."""
-    counts, done = [], 1  # the prefill emits the first token
-    for record in rounds:
-        tokens, parents = record.tree.tokens[0].tolist(), record.tree.parents[0].tolist()
-        depths = record.tree.depths[0].tolist()
-        on_path, deepest = [True] + [False] * (len(tokens) - 1), 0
-        for j in range(1, len(tokens)):  # parents come before their children
-            at = done + depths[j] - 1
-            on_path[j] = on_path[parents[j]] and at < len(reference) and tokens[j] == reference[at]
-            deepest = max(deepest, depths[j] if on_path[j] else 0)
-        counts.append(deepest + 1)
-        done += deepest + 1
-    return counts
-
-
 def check_model_free_proposer(scope: dict) -> None:
     """The protocol section's worked example is lossless, and every round accepted exactly what its own tree
     and the target's greedy continuation say."""
@@ -99,7 +82,8 @@ def check_model_free_proposer(scope: dict) -> None:
     out = gen.generate(prompt_ids, max_new_tokens=40, stop_token_ids=(), record_trees=True)
     reference = greedy(target, prompt_ids, 40 + 16)  # past the end: the last round may accept beyond it
     assert out.row_tokens[0] == reference[:40]
-    assert out.row_acceptance[0] == expected_acceptance(out.row_rounds[0], reference)
+    full = prompt_ids[0].tolist() + reference
+    assert out.row_acceptance[0] == [expected_acceptance(record, full) for record in out.row_rounds[0]]
     assert max(out.row_acceptance[0]) > 1, "the frequency proposer never hit: the acceptance check would not bite"
     scope["checked"] = True
 
