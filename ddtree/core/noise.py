@@ -28,10 +28,15 @@ def _signed(x: int) -> int:
 
 
 GOLDEN, MIX1, MIX2 = _signed(_GOLDEN), _signed(_MIX1), _signed(_MIX2)
-# The tensor arithmetic multiplies by 0-dim tensors, not Python ints: inductor's CPU code inlines an int literal
-# into expressions whose int64 wraparound C++ leaves undefined (seen as heap corruption and hangs under
-# compile=True); a tensor operand stays a loaded value, multiplied as the eager op does.
-_T_GOLDEN, _T_MIX1, _T_MIX2 = (torch.tensor(c, dtype=torch.long) for c in (GOLDEN, MIX1, MIX2))
+_CPU_MULTIPLIERS = tuple(torch.tensor(c, dtype=torch.long) for c in (GOLDEN, MIX1, MIX2))
+
+
+def _multipliers(device: torch.device) -> tuple[int | torch.Tensor, ...]:
+    """``(GOLDEN, MIX1, MIX2)`` for arithmetic on ``device``: on a CPU as 0-dim tensors, since inductor's C++
+    inlines an int literal into expressions whose int64 wraparound it leaves undefined (under compile=True: heap
+    corruption, hangs), while a tensor stays a loaded value; elsewhere as ints (a CUDA graph takes no CPU
+    tensor)."""
+    return _CPU_MULTIPLIERS if device.type == "cpu" else (GOLDEN, MIX1, MIX2)
 
 
 def _shift_right(x: torch.Tensor, bits: int) -> torch.Tensor:
@@ -40,14 +45,15 @@ def _shift_right(x: torch.Tensor, bits: int) -> torch.Tensor:
 
 
 def _mix(x: torch.Tensor) -> torch.Tensor:
-    x = (x ^ _shift_right(x, 30)) * _T_MIX1
-    x = (x ^ _shift_right(x, 27)) * _T_MIX2
+    _, mix1, mix2 = _multipliers(x.device)
+    x = (x ^ _shift_right(x, 30)) * mix1
+    x = (x ^ _shift_right(x, 27)) * mix2
     return x ^ _shift_right(x, 31)
 
 
 def _chain(h: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """Hash ``x`` into the running hash ``h`` (a splitmix step from state ``h`` at counter ``x + 1``)."""
-    return _mix(h + (x + 1) * _T_GOLDEN)
+    return _mix(h + (x + 1) * _multipliers(x.device)[0])
 
 
 def _mix_int(x: int) -> int:
@@ -88,9 +94,10 @@ def _token_bits(keys: torch.Tensor, positions: torch.Tensor, vocab: int) -> torc
     if keys.dim() != 1 or positions.shape[0] != keys.shape[0]:
         raise ValueError(f"keys {tuple(keys.shape)} must be one per row of positions {tuple(positions.shape)}")
     h = _chain(keys.view(-1, *([1] * (positions.dim() - 1))), positions.long()).unsqueeze(-1)
-    x = torch.arange(1, vocab + 1, dtype=torch.long, device=keys.device) * _T_GOLDEN + h  # _chain's argument
+    golden, mix1, mix2 = _multipliers(keys.device)
+    x = torch.arange(1, vocab + 1, dtype=torch.long, device=keys.device) * golden + h  # _chain's argument
     spare = torch.empty_like(x)
-    for bits, multiplier in ((30, _T_MIX1), (27, _T_MIX2), (31, None)):  # _mix, in place
+    for bits, multiplier in ((30, mix1), (27, mix2), (31, None)):  # _mix, in place
         torch.bitwise_right_shift(x, bits, out=spare)
         x.bitwise_xor_(spare.bitwise_and_((1 << (64 - bits)) - 1))
         if multiplier is not None:
