@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import math
 
 import numpy as np
 import pytest
@@ -11,7 +12,7 @@ from test_generator import expected_acceptance
 from test_sampling_e2e import chi2_critical, chi2_statistic, exact_distribution
 from tiny import tiny_drafter, tiny_target
 
-from ddtree import SpeculativeGenerator
+from ddtree import DraftContext, Drafter, Proposal, SpeculativeGenerator
 from ddtree.blocks import DFlashDrafter, best_first
 from ddtree.core.graft import graft_paths
 from ddtree.core.tree import DRAFTER, LOOKUP
@@ -134,3 +135,57 @@ def test_default_pair_repeating_its_answer_is_accepted_through_the_lookup_branch
     src = out.stats.accepted_by_source
     assert src["lookup"] + src["both"] > 4 * max(1, src["drafter"])
     assert out.stats.mean_acceptance > 1.4 * alone.stats.mean_acceptance and out.stats.mean_acceptance > 2.5
+
+
+class _NoPaths(Drafter):
+    """A proposer whose proposals say "no extra branches" as an empty list (the protocol allows it)."""
+
+    needs_hidden_states, target_layer_ids, block_size = False, [], 4
+
+    def context_features(self, hidden_states):
+        return None
+
+    def new_context(self, batch_size=1):
+        return _NoPathsContext()
+
+
+class _NoPathsContext(DraftContext):
+    def append(self, features, tokens, counts=None):
+        pass
+
+    def select_rows(self, rows):
+        pass
+
+    def propose(self, root_tokens):
+        return Proposal(torch.full((root_tokens.numel(), 3, 97), -math.log(97.0)), paths=[])
+
+
+def test_a_proposal_with_an_empty_path_list_takes_the_lookup_branch_alone():
+    """``paths=[]`` is no branches: merged with the lookup, the round grafts the lookup's alone (the empty list
+    was once concatenated as a batch of no rows) and decodes as plain decoding does, accepting through lookup."""
+    target = tiny_target("llama")
+    prompt = [5, 9, 12, 5, 9, 12, 5]
+    merged = SpeculativeGenerator(target, _NoPaths(), tree_budget=4, prompt_lookup=True)
+    out = merged.generate(prompt, max_new_tokens=16, stop_token_ids=())
+    plain = SpeculativeGenerator(target, _NoPaths(), tree_budget=0).generate(prompt, max_new_tokens=16,
+                                                                            stop_token_ids=())
+    assert out.row_tokens == plain.row_tokens
+    assert out.stats.accepted_by_source["lookup"] + out.stats.accepted_by_source["both"] > 0
+
+
+def test_prompt_lookup_false_unwraps_a_drafter_that_merges_it():
+    """``gen.drafter`` of a generator with lookup merged, handed to another with ``prompt_lookup=False``, drafts
+    without the branch there (the setting once said off while the branch stayed); left unsaid, it keeps it."""
+    target = tiny_target("qwen3")
+    drafter = DFlashDrafter(tiny_drafter(target, block_size=6), target)
+    merged = SpeculativeGenerator(target, drafter, tree_budget=8, prompt_lookup=True)
+    off = SpeculativeGenerator(target, merged.drafter, tree_budget=8, prompt_lookup=False)
+    kept = SpeculativeGenerator(target, merged.drafter, tree_budget=8)  # the suite's default is off
+    assert isinstance(merged.drafter, WithLookup) and off.drafter is drafter and kept.drafter is merged.drafter
+    prompt = [5, 17, 3, 9, 22]
+    out = off.generate(prompt, max_new_tokens=40)
+    assert out.stats.accepted_by_source is None  # no merged sources to count
+    assert out.row_tokens == SpeculativeGenerator(target, drafter, tree_budget=8).generate(
+        prompt, max_new_tokens=40).row_tokens
+    with_lookup = merged.generate(prompt, max_new_tokens=40)
+    assert with_lookup.stats.accepted_by_source["lookup"] + with_lookup.stats.accepted_by_source["both"] > 0

@@ -283,7 +283,8 @@ class StaticMergedContext:
     def propose(self, root_tokens: torch.Tensor, lengths: torch.Tensor) -> Proposal:
         proposal = self.model.propose(root_tokens, lengths)
         lookup = self.lookup.branches(root_tokens, lengths)
-        paths = lookup if proposal.paths is None else as_branches(proposal.paths, lookup.scores).cat(lookup)
+        own = proposal.paths if proposal.has_paths else None  # an empty list is no branches too
+        paths = lookup if own is None else as_branches(own, lookup.scores).cat(lookup)
         return dataclasses.replace(proposal, paths=paths)
 
 
@@ -345,5 +346,6 @@ class MergedContext(DraftContext):
     def propose(self, root_tokens: torch.Tensor) -> Proposal:
         proposal = check_proposal(self.model.propose(root_tokens), self.model)
         lookup = self.lookup.paths(root_tokens)
-        paths = lookup if proposal.paths is None else as_branches(proposal.paths, lookup.scores).cat(lookup)
+        own = proposal.paths if proposal.has_paths else None  # an empty list is no branches too
+        paths = lookup if own is None else as_branches(own, lookup.scores).cat(lookup)
         return dataclasses.replace(proposal, paths=paths)
