@@ -9,11 +9,11 @@ import torch
 from tiny import ScriptedDrafter, tiny_drafter, tiny_target
 
 from ddtree import SpeculativeGenerator
-from ddtree.blocks import VerifyResult, best_first, chain
+from ddtree.blocks import DFlashDrafter, VerifyResult, best_first, chain
 from ddtree.budget.acceptance import expected_tokens
 from ddtree.budget.costs import context_bucket
 from ddtree.budget.learned import Learned
-from ddtree.budget.policy import AutoBudget
+from ddtree.budget.policy import AutoBudget, BudgetPolicy
 from ddtree.core.builders import beam
 from ddtree.core.graft import Branches
 from ddtree.core.pairwise import PairwiseScores
@@ -385,3 +385,30 @@ def test_choose_reads_the_device_once():
     with count_host_reads() as reads:
         policy.choose(Proposal(lp, paths=branches, pairwise=scores), 100)
     assert reads.count == 1, dict(reads.by_site)
+
+
+class _Returns(BudgetPolicy):
+    def __init__(self, value) -> None:
+        self.value = value
+
+    def choose(self, proposal, context_len):
+        return self.value
+
+
+def test_a_policys_choice_is_an_int_budget_or_refused_naming_the_policy():
+    """An integer of any kind (numpy, a 0-dim tensor) is a budget; anything else is refused at the round, naming
+    the policy, not deep inside a tree builder."""
+    import numpy as np
+
+    target = tiny_target("qwen3")
+    drafter = DFlashDrafter(tiny_drafter(target), target)
+    want = SpeculativeGenerator(target, drafter, tree_budget=5).generate([5, 9, 12], max_new_tokens=12)
+    for value in (np.int64(5), torch.tensor(5)):
+        out = SpeculativeGenerator(target, drafter, tree_budget=_Returns(value)).generate([5, 9, 12],
+                                                                                       max_new_tokens=12)
+        assert out.row_tokens == want.row_tokens and out.row_acceptance == want.row_acceptance
+        assert out.stats.budgets == [5] * len(out.stats.budgets)
+    for value in (2.5, -1, True, "4"):
+        gen = SpeculativeGenerator(target, drafter, tree_budget=_Returns(value))
+        with pytest.raises(ValueError, match=r"_Returns\.choose returned .*a tree budget is an int >= 0"):
+            gen.generate([5, 9, 12], max_new_tokens=4)

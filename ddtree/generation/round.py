@@ -23,6 +23,7 @@ With budget 0 (no policy) a round is one plain decode step per row.
 
 from __future__ import annotations
 
+import operator
 from typing import Any, cast
 
 import torch
@@ -94,7 +95,7 @@ def _static_tree_round(state: DecodeState) -> RoundResult:
             proposal = steps.propose(rows.draft, rows.roots, rows.lengths, keys)
         with state.timer.stage("tree_build"):
             live_rows = proposal_rows(proposal, rows.slots)  # finished rows ride along unpriced
-            steps = gen.static_steps(policy.choose(live_rows, context), state.sampling)
+            steps = gen.static_steps(chosen_budget(policy, policy.choose(live_rows, context)), state.sampling)
             tree = steps.build(proposal, rows.roots)
     result = static_round(state, steps, rows, tree, policy.reason)
     policy.observe([a for a in result.acceptance if a is not None], state.timer.last("verify"), context)
@@ -251,10 +252,23 @@ def _draft_tree(state: DecodeState, policy: BudgetPolicy, context: int) -> tuple
         if keys is not None and state.coupled_drafts:  # rank by the target's own noise (the tokens stay the same)
             proposal = coupled_proposal(proposal, state.sampling, keys, cast(torch.Tensor, state.on_device.lengths))
     with state.timer.stage("tree_build"):
-        size = gen.lockstep.share(policy.choose(proposal, context))  # each rank's clock differs
+        size = gen.lockstep.share(chosen_budget(policy, policy.choose(proposal, context)))  # ranks' clocks differ
         built = policy.tree(proposal, roots, size, gen.builder)  # grown while choosing, if it was
         tree = proposal_tree(proposal, roots, gen.builder, size, built)
     return tree, size
+
+
+def chosen_budget(policy: BudgetPolicy, value: Any) -> int:
+    """A policy's choice as an int (a numpy or 0-dim tensor integer is one), refused here, naming the policy,
+    when it is not a budget."""
+    try:
+        budget = operator.index(value)
+    except TypeError:
+        budget = -1
+    if budget < 0 or isinstance(value, bool):
+        raise ValueError(f"{type(policy).__name__}.choose returned {value!r}: a tree budget is an int >= 0 (draft "
+                         "nodes this round; 0 is a root-only round)")
+    return budget
 
 
 def _verify(state: DecodeState, tree: DraftTree) -> tuple[Any, VerifyResult]:
