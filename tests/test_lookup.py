@@ -172,20 +172,3 @@ def test_a_proposal_with_an_empty_path_list_takes_the_lookup_branch_alone():
     assert out.row_tokens == plain.row_tokens
     assert out.stats.accepted_by_source["lookup"] + out.stats.accepted_by_source["both"] > 0
 
-
-def test_prompt_lookup_false_unwraps_a_drafter_that_merges_it():
-    """``gen.drafter`` of a generator with lookup merged, handed to another with ``prompt_lookup=False``, drafts
-    without the branch there (the setting once said off while the branch stayed); left unsaid, it keeps it."""
-    target = tiny_target("qwen3")
-    drafter = DFlashDrafter(tiny_drafter(target, block_size=6), target)
-    merged = SpeculativeGenerator(target, drafter, tree_budget=8, prompt_lookup=True)
-    off = SpeculativeGenerator(target, merged.drafter, tree_budget=8, prompt_lookup=False)
-    kept = SpeculativeGenerator(target, merged.drafter, tree_budget=8)  # the suite's default is off
-    assert isinstance(merged.drafter, WithLookup) and off.drafter is drafter and kept.drafter is merged.drafter
-    prompt = [5, 17, 3, 9, 22]
-    out = off.generate(prompt, max_new_tokens=40)
-    assert out.stats.accepted_by_source is None  # no merged sources to count
-    assert out.row_tokens == SpeculativeGenerator(target, drafter, tree_budget=8).generate(
-        prompt, max_new_tokens=40).row_tokens
-    with_lookup = merged.generate(prompt, max_new_tokens=40)
-    assert with_lookup.stats.accepted_by_source["lookup"] + with_lookup.stats.accepted_by_source["both"] > 0

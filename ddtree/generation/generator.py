@@ -166,11 +166,10 @@ class SpeculativeGenerator:
         options = (options or GeneratorOptions()).replace(**settings)  # every setting checked here, once
         self.threads = _apply_thread_policy(target, options.threads)
         self.lockstep = Lockstep.for_model(target)  # ranks of a tensor-parallel target; inactive otherwise
-        lookup_off = options.prompt_lookup is False  # asked for: a drafter merging lookup is unwrapped
         if options.prompt_lookup is None:
             options = options.replace(prompt_lookup=DEFAULT_PROMPT_LOOKUP)
         # a directory, hub id or raw model becomes a drafter for target (with a lookup branch when asked)
-        drafter = resolve_drafter(drafter, target, bool(options.prompt_lookup), unwrap=lookup_off)
+        drafter = resolve_drafter(drafter, target, bool(options.prompt_lookup))
         if self.lockstep.active:
             self.lockstep.agree(_drafter_identity(drafter), "the drafter")
         self.target = target.eval()

@@ -68,14 +68,12 @@ def load_drafter(path_or_id: str | os.PathLike, target: Any, *, dtype: torch.dty
     return cls.from_pretrained(directory, target, dtype=dtype, device=device, **options)
 
 
-def resolve_drafter(drafter: Any, target: Any, prompt_lookup: bool = False, unwrap: bool = False) -> Drafter:
+def resolve_drafter(drafter: Any, target: Any, prompt_lookup: bool = False) -> Drafter:
     """``drafter`` ready to serve ``target``: a directory or hub id is loaded (:func:`load_drafter`), a raw drafter
     model bound by its registered class, a drafter kept as it is; then checked for every part of the protocol.
     ``prompt_lookup``: merge a prompt-lookup branch into its trees (prompt lookup itself, or a drafter that merges
-    it already, is kept); ``unwrap`` (``prompt_lookup=False`` asked for): a drafter that merges it gives its
-    model drafter (another generator's ``gen.drafter`` then drafts without the branch, as asked)."""
-    if unwrap and isinstance(drafter, WithLookup):
-        drafter = drafter.drafter
+    it already, is kept: ``prompt_lookup=False`` adds none, it does not take apart a ``WithLookup`` it is given,
+    such as another generator's ``gen.drafter``; pass ``gen.drafter.drafter`` for the model drafter alone)."""
     if isinstance(drafter, (str, os.PathLike)):
         drafter = load_drafter(drafter, target)
     else:
