@@ -282,10 +282,13 @@ class StaticMergedContext:
 
     def propose(self, root_tokens: torch.Tensor, lengths: torch.Tensor) -> Proposal:
         proposal = self.model.propose(root_tokens, lengths)
-        lookup = self.lookup.branches(root_tokens, lengths)
-        own = proposal.paths if proposal.has_paths else None  # an empty list is no branches too
-        paths = lookup if own is None else as_branches(own, lookup.scores).cat(lookup)
-        return dataclasses.replace(proposal, paths=paths)
+        return with_lookup_branch(proposal, self.lookup.branches(root_tokens, lengths))
+
+
+def with_lookup_branch(proposal: Proposal, lookup: Branches) -> Proposal:
+    """``proposal`` with the lookup's branches after its own paths (an empty path list is none)."""
+    own = proposal.paths if proposal.has_paths else None
+    return dataclasses.replace(proposal, paths=lookup if own is None else as_branches(own, lookup.scores).cat(lookup))
 
 
 class WithLookup(Drafter):
@@ -345,7 +348,4 @@ class MergedContext(DraftContext):
 
     def propose(self, root_tokens: torch.Tensor) -> Proposal:
         proposal = check_proposal(self.model.propose(root_tokens), self.model)
-        lookup = self.lookup.paths(root_tokens)
-        own = proposal.paths if proposal.has_paths else None  # an empty list is no branches too
-        paths = lookup if own is None else as_branches(own, lookup.scores).cat(lookup)
-        return dataclasses.replace(proposal, paths=paths)
+        return with_lookup_branch(proposal, self.lookup.paths(root_tokens))
