@@ -1,0 +1,434 @@
+/* Row-invariant CPU kernels: a linear layer and tree attention (see ddtree/targets/row_kernels.py).
+ *
+ * Every output is reduced in one fixed order that depends only on the output's own inputs, never on how
+ * many rows, nodes or threads share the call. So a token's logits from a tree-verify forward are bit for
+ * bit what a one-token forward computes for it, in every dtype: float32, bfloat16 and float16 are computed
+ * in float32 and rounded once (to nearest even), float64 in float64.
+ *
+ * linear:    y[m, j] = sum_k x[m, k] * w[j, k] (+ bias[j])   (w row-major [N, K]; or [K, N] with transposed)
+ * attention: for each query, softmax over its visible keys in logical order (the row's committed prefix
+ *            from its first visible column, then its tree ancestors and itself in index order), then the
+ *            weighted sum of their values. The plain decode step passes the same keys in the same order.
+ */
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+enum { DT_F32 = 0, DT_BF16 = 1, DT_F16 = 2, DT_F64 = 3 };
+
+/* ------------------------------------------------------------------ conversions */
+
+static inline float bf16_to_f32(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40); /* quiet NaN */
+    u += 0x7fffu + ((u >> 16) & 1u);                                          /* round to nearest even */
+    return (uint16_t)(u >> 16);
+}
+
+static inline float f16_to_f32(uint16_t h) { return _cvtsh_ss(h); }
+
+static inline uint16_t f32_to_f16(float f) { return (uint16_t)_cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT); }
+
+static inline float load_one(const void *p, long i, int dt) {
+    switch (dt) {
+        case DT_BF16: return bf16_to_f32(((const uint16_t *)p)[i]);
+        case DT_F16: return f16_to_f32(((const uint16_t *)p)[i]);
+        default: return ((const float *)p)[i];
+    }
+}
+
+static inline void store_one(void *p, long i, float v, int dt) {
+    switch (dt) {
+        case DT_BF16: ((uint16_t *)p)[i] = f32_to_bf16(v); break;
+        case DT_F16: ((uint16_t *)p)[i] = f32_to_f16(v); break;
+        default: ((float *)p)[i] = v;
+    }
+}
+
+/* 8 consecutive elements of a float32, bfloat16 or float16 array as float32 lanes */
+static inline __m256 load8_f32(const float *p) { return _mm256_loadu_ps(p); }
+static inline __m256 load8_bf16(const uint16_t *p) {
+    __m128i h = _mm_loadu_si128((const __m128i *)p);
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+static inline __m256 load8_f16(const uint16_t *p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
+static inline float load1_f32(const float *p) { return *p; }
+static inline float load1_bf16(const uint16_t *p) { return bf16_to_f32(*p); }
+static inline float load1_f16(const uint16_t *p) { return f16_to_f32(*p); }
+
+static inline float hsum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+static inline double hsum_pd(__m256d v) {
+    __m128d s = _mm_add_pd(_mm256_castpd256_pd128(v), _mm256_extractf128_pd(v, 1));
+    return _mm_cvtsd_f64(_mm_add_sd(s, _mm_unpackhi_pd(s, s)));
+}
+
+/* One fixed-order dot product of float32 x with a weight row of type T: 8 lanes over whole blocks of 8,
+ * their fixed horizontal sum, then the tail in order. Every linear output and attention score uses it. */
+#define DOT(T)                                                                                   \
+    static inline float dot_##T(const float *x, const T##_t *w, long K) {                       \
+        __m256 acc = _mm256_setzero_ps();                                                        \
+        long k = 0;                                                                              \
+        for (; k + 8 <= K; k += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(x + k), load8_##T(w + k), acc); \
+        float s = hsum(acc);                                                                     \
+        for (; k < K; k++) s = fmaf(x[k], load1_##T(w + k), s);                                  \
+        return s;                                                                                \
+    }
+typedef float f32_t;
+typedef uint16_t bf16_t;
+typedef uint16_t f16_t;
+DOT(f32)
+DOT(bf16)
+DOT(f16)
+
+/* ------------------------------------------------------------------ linear, weight [N, K] */
+
+/* MB float32 input rows against the weight rows w0 and w1 (w1 == w0 when there is one): each output is
+ * exactly dot_T(x row, weight row), the weight rows read once for all MB input rows. */
+#define ROWS(T, MB)                                                                              \
+    static void rows_##T##_##MB(const float *x, const T##_t *w0, const T##_t *w1, float *y2,     \
+                                long K) {                                                        \
+        __m256 a0[MB], a1[MB];                                                                   \
+        for (int m = 0; m < MB; m++) a0[m] = a1[m] = _mm256_setzero_ps();                        \
+        long k = 0;                                                                              \
+        for (; k + 8 <= K; k += 8) {                                                             \
+            __m256 v0 = load8_##T(w0 + k), v1 = load8_##T(w1 + k);                              \
+            for (int m = 0; m < MB; m++) {                                                       \
+                __m256 xv = _mm256_loadu_ps(x + m * K + k);                                      \
+                a0[m] = _mm256_fmadd_ps(xv, v0, a0[m]);                                          \
+                a1[m] = _mm256_fmadd_ps(xv, v1, a1[m]);                                          \
+            }                                                                                    \
+        }                                                                                        \
+        for (int m = 0; m < MB; m++) {                                                           \
+            float s0 = hsum(a0[m]), s1 = hsum(a1[m]);                                            \
+            for (long t = k; t < K; t++) {                                                       \
+                s0 = fmaf(x[m * K + t], load1_##T(w0 + t), s0);                                  \
+                s1 = fmaf(x[m * K + t], load1_##T(w1 + t), s1);                                  \
+            }                                                                                    \
+            y2[2 * m] = s0;                                                                      \
+            y2[2 * m + 1] = s1;                                                                  \
+        }                                                                                        \
+    }
+
+#define LINEAR_NK(T)                                                                             \
+    ROWS(T, 1) ROWS(T, 2) ROWS(T, 3) ROWS(T, 4)                                                  \
+    static void linear_nk_##T(const float *x, const T##_t *w, const float *bias, void *y, int ydt, \
+                              long M, long K, long N, int threads) {                             \
+        long pairs = (N + 1) / 2;                                                                \
+        _Pragma("omp parallel for num_threads(threads) schedule(static)")                        \
+        for (long p = 0; p < pairs; p++) {                                                       \
+            long j = 2 * p;                                                                      \
+            int two = j + 1 < N;                                                                 \
+            const T##_t *w0 = w + j * K, *w1 = two ? w0 + K : w0;                                \
+            if (j + 12 < N) _mm_prefetch((const char *)(w0 + 10 * K), _MM_HINT_T0);              \
+            float out[8];                                                                        \
+            for (long m = 0; m < M; m += 4) {                                                    \
+                long mb = M - m < 4 ? M - m : 4;                                                 \
+                const float *xm = x + m * K;                                                     \
+                switch (mb) {                                                                    \
+                    case 4: rows_##T##_4(xm, w0, w1, out, K); break;                             \
+                    case 3: rows_##T##_3(xm, w0, w1, out, K); break;                             \
+                    case 2: rows_##T##_2(xm, w0, w1, out, K); break;                             \
+                    default: rows_##T##_1(xm, w0, w1, out, K); break;                            \
+                }                                                                                \
+                for (long r = 0; r < mb; r++) {                                                  \
+                    float s0 = out[2 * r], s1 = out[2 * r + 1];                                  \
+                    if (bias) { s0 += bias[j]; if (two) s1 += bias[j + 1]; }                     \
+                    store_one(y, (m + r) * N + j, s0, ydt);                                      \
+                    if (two) store_one(y, (m + r) * N + j + 1, s1, ydt);                         \
+                }                                                                                \
+            }                                                                                    \
+        }                                                                                        \
+    }
+LINEAR_NK(f32)
+LINEAR_NK(bf16)
+LINEAR_NK(f16)
+
+/* ------------------------------------------------------------------ linear, weight [K, N] (x @ w) */
+
+/* Each output y[m, j] is sum_k x[m, k] * w[k, j] accumulated in k order, 8 outputs j at a time. */
+#define LINEAR_KN(T)                                                                             \
+    static void linear_kn_##T(const float *x, const T##_t *w, const float *bias, void *y, int ydt, \
+                              long M, long K, long N, int threads) {                             \
+        long blocks = (N + 7) / 8;                                                               \
+        _Pragma("omp parallel for num_threads(threads) schedule(static)")                        \
+        for (long bj = 0; bj < blocks; bj++) {                                                   \
+            long j = bj * 8, width = N - j < 8 ? N - j : 8;                                      \
+            float out[8];                                                                        \
+            for (long m = 0; m < M; m++) {                                                       \
+                const float *xm = x + m * K;                                                     \
+                if (width == 8) {                                                                \
+                    __m256 acc = _mm256_setzero_ps();                                            \
+                    for (long k = 0; k < K; k++)                                                 \
+                        acc = _mm256_fmadd_ps(_mm256_set1_ps(xm[k]), load8_##T(w + k * N + j), acc); \
+                    _mm256_storeu_ps(out, acc);                                                  \
+                } else {                                                                         \
+                    for (long c = 0; c < width; c++) out[c] = 0.f;                               \
+                    for (long k = 0; k < K; k++)                                                 \
+                        for (long c = 0; c < width; c++)                                         \
+                            out[c] = fmaf(xm[k], load1_##T(w + k * N + j + c), out[c]);          \
+                }                                                                                \
+                for (long c = 0; c < width; c++)                                                 \
+                    store_one(y, m * N + j + c, bias ? out[c] + bias[j + c] : out[c], ydt);      \
+            }                                                                                    \
+        }                                                                                        \
+    }
+LINEAR_KN(f32)
+LINEAR_KN(bf16)
+LINEAR_KN(f16)
+
+/* ------------------------------------------------------------------ float64 linear */
+
+static double dot_f64(const double *x, const double *w, long K) {
+    __m256d acc = _mm256_setzero_pd();
+    long k = 0;
+    for (; k + 4 <= K; k += 4) acc = _mm256_fmadd_pd(_mm256_loadu_pd(x + k), _mm256_loadu_pd(w + k), acc);
+    double s = hsum_pd(acc);
+    for (; k < K; k++) s = fma(x[k], w[k], s);
+    return s;
+}
+
+static void linear_f64(const double *x, const double *w, const double *bias, double *y, long M, long K, long N,
+                       int transposed, int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (long j = 0; j < N; j++) {
+        for (long m = 0; m < M; m++) {
+            double s;
+            if (transposed) {
+                s = 0.0;
+                for (long k = 0; k < K; k++) s = fma(x[m * K + k], w[k * N + j], s);
+            } else {
+                s = dot_f64(x + m * K, w + j * K, K);
+            }
+            y[m * N + j] = bias ? s + bias[j] : s;
+        }
+    }
+}
+
+/* x [M, K] and y [M, N] contiguous, of dtype dt; w [N, K] (or [K, N] when transposed) of dtype dt;
+ * bias [N] of dtype dt or NULL. float16/bfloat16 inputs are widened to float32 once (x) or as they are
+ * read (w), and every output is rounded once. */
+void ddtree_row_linear(const void *x, const void *w, const void *bias, void *y, long M, long K, long N, int dt,
+                       int transposed, int threads) {
+    if (dt == DT_F64) {
+        linear_f64((const double *)x, (const double *)w, (const double *)bias, (double *)y, M, K, N, transposed,
+                   threads);
+        return;
+    }
+    float *xf = (float *)malloc(sizeof(float) * (size_t)(M * K > 0 ? M * K : 1));
+    float *bf = bias ? (float *)malloc(sizeof(float) * (size_t)N) : NULL;
+    for (long i = 0; i < M * K; i++) xf[i] = load_one(x, i, dt);
+    if (bf)
+        for (long j = 0; j < N; j++) bf[j] = load_one(bias, j, dt);
+    if (transposed) {
+        switch (dt) {
+            case DT_BF16: linear_kn_bf16(xf, (const uint16_t *)w, bf, y, dt, M, K, N, threads); break;
+            case DT_F16: linear_kn_f16(xf, (const uint16_t *)w, bf, y, dt, M, K, N, threads); break;
+            default: linear_kn_f32(xf, (const float *)w, bf, y, dt, M, K, N, threads);
+        }
+    } else {
+        switch (dt) {
+            case DT_BF16: linear_nk_bf16(xf, (const uint16_t *)w, bf, y, dt, M, K, N, threads); break;
+            case DT_F16: linear_nk_f16(xf, (const uint16_t *)w, bf, y, dt, M, K, N, threads); break;
+            default: linear_nk_f32(xf, (const float *)w, bf, y, dt, M, K, N, threads);
+        }
+    }
+    free(xf);
+    free(bf);
+}
+
+/* ------------------------------------------------------------------ attention */
+
+/* exp for 8 lanes: exp(x) = 2^n * e^r with n = round(x / ln 2), r = x - n ln 2 (in two parts), e^r by a
+ * degree-6 polynomial; below -87 it is 0 (so a masked -inf is 0). One formula for every lane and call. */
+static inline __m256 exp8(__m256 x) {
+    const __m256 lo = _mm256_set1_ps(-87.0f), hi = _mm256_set1_ps(88.0f);
+    __m256 under = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
+    x = _mm256_min_ps(_mm256_max_ps(x, lo), hi);
+    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    p = _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+    return _mm256_andnot_ps(under, p);
+}
+
+static inline float exp1(float x) {
+    float in[8] = {x, x, x, x, x, x, x, x}, out[8];
+    _mm256_storeu_ps(out, exp8(_mm256_loadu_ps(in)));
+    return out[0];
+}
+
+/* One query group's softmax-weighted values over T gathered keys (float32 path): scores s [G][T] in, the
+ * G outputs [G][D] out. Lanes run over keys in blocks of 8 from the first key, so the order depends on T
+ * and the keys alone. */
+static void softmax_values(float *s, long T, long G, const float *sinks, float softcap, const float *const *vrows,
+                           long D, float *o) {
+    long TP = (T + 7) / 8 * 8;
+    for (long g = 0; g < G; g++) {
+        float *sg = s + g * TP;
+        if (softcap > 0.f)
+            for (long t = 0; t < T; t++) sg[t] = softcap * tanhf(sg[t] / softcap);
+        float m = -INFINITY;
+        for (long t = 0; t < T; t++) m = sg[t] > m ? sg[t] : m;
+        if (sinks && sinks[g] > m) m = sinks[g];
+        for (long t = T; t < TP; t++) sg[t] = -INFINITY;
+        __m256 mv = _mm256_set1_ps(m), lv = _mm256_setzero_ps();
+        for (long t = 0; t < TP; t += 8) {
+            __m256 p = exp8(_mm256_sub_ps(_mm256_loadu_ps(sg + t), mv));
+            _mm256_storeu_ps(sg + t, p);
+            lv = _mm256_add_ps(lv, p);
+        }
+        float l = hsum(lv);
+        if (sinks) l += exp1(sinks[g] - m);
+        float *og = o + g * D;
+        long d = 0;
+        for (; d + 8 <= D; d += 8) {
+            __m256 acc = _mm256_setzero_ps();
+            for (long t = 0; t < T; t++) acc = _mm256_fmadd_ps(_mm256_set1_ps(sg[t]), _mm256_loadu_ps(vrows[t] + d), acc);
+            _mm256_storeu_ps(og + d, acc);
+        }
+        for (; d < D; d++) {
+            float acc = 0.f;
+            for (long t = 0; t < T; t++) acc = fmaf(sg[t], vrows[t][d], acc);
+            og[d] = acc;
+        }
+        float inv = l > 0.f ? l : 1.f;
+        for (d = 0; d < D; d++) og[d] = og[d] / inv;
+    }
+}
+
+static void softmax_values_f64(double *s, long T, long G, const double *sinks, double softcap,
+                               const double *const *vrows, long D, double *o) {
+    for (long g = 0; g < G; g++) {
+        double *sg = s + g * T;
+        if (softcap > 0.0)
+            for (long t = 0; t < T; t++) sg[t] = softcap * tanh(sg[t] / softcap);
+        double m = -INFINITY;
+        for (long t = 0; t < T; t++) m = sg[t] > m ? sg[t] : m;
+        if (sinks && sinks[g] > m) m = sinks[g];
+        double l = 0.0;
+        for (long t = 0; t < T; t++) {
+            sg[t] = exp(sg[t] - m);
+            l += sg[t];
+        }
+        if (sinks) l += exp(sinks[g] - m);
+        double *og = o + g * D;
+        for (long d = 0; d < D; d++) {
+            double acc = 0.0;
+            for (long t = 0; t < T; t++) acc = fma(sg[t], vrows[t][d], acc);
+            og[d] = acc / (l > 0.0 ? l : 1.0);
+        }
+    }
+}
+
+/* q [B, Hq, N, D], k and v [B, Hkv, S, D] (element strides qs/ks/vs, last dim contiguous), S = P + N: the
+ * prefix in columns [0, P), the N tree nodes after it. Node n of row b sees the prefix columns
+ * [start[b, n], P), then the tree columns P + m with tree[b, n, m] != 0, in that order. out [B, N, Hq, D]
+ * contiguous. sinks [Hq] (float32, or float64 for dt float64) or NULL; softcap <= 0: none. */
+void ddtree_row_attention(const void *q, const void *k, const void *v, void *out, int dt, long B, long Hq,
+                          long Hkv, long N, long D, const long *qs, const long *ks, const long *vs,
+                          const int64_t *start, long P, const uint8_t *tree, const void *sinks, double softcap,
+                          double scale, int threads) {
+    long G = Hq / Hkv;
+    long tasks = B * Hkv * N;
+    size_t esize = dt == DT_F64 ? 8 : (dt == DT_F32 ? 4 : 2);
+#pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
+    for (long task = 0; task < tasks; task++) {
+        long n = task % N, hk = (task / N) % Hkv, b = task / (N * Hkv);
+        long first = start[b * N + n];
+        if (first < 0) first = 0;
+        if (first > P) first = P;
+        const uint8_t *vis = tree + (b * N + n) * N;
+        long T = P - first;
+        for (long m = 0; m < N; m++) T += vis[m] != 0;
+        long *cols = (long *)malloc(sizeof(long) * (size_t)(T > 0 ? T : 1));
+        long t = 0;
+        for (long c = first; c < P; c++) cols[t++] = c;
+        for (long m = 0; m < N; m++)
+            if (vis[m]) cols[t++] = P + m;
+        const char *kb = (const char *)k + (size_t)(b * ks[0] + hk * ks[1]) * esize;
+        const char *vb = (const char *)v + (size_t)(b * vs[0] + hk * vs[1]) * esize;
+        if (dt == DT_F64) {
+            double *sc = (double *)malloc(sizeof(double) * (size_t)(G * (T > 0 ? T : 1)));
+            double *o = (double *)malloc(sizeof(double) * (size_t)(G * D));
+            const double **vrows = (const double **)malloc(sizeof(double *) * (size_t)(T > 0 ? T : 1));
+            for (long g = 0; g < G; g++) {
+                const double *qg = (const double *)q + b * qs[0] + (hk * G + g) * qs[1] + n * qs[2];
+                for (long i = 0; i < T; i++)
+                    sc[g * T + i] = dot_f64(qg, (const double *)(kb + (size_t)(cols[i] * ks[2]) * esize), D) * scale;
+            }
+            for (long i = 0; i < T; i++) vrows[i] = (const double *)(vb + (size_t)(cols[i] * vs[2]) * esize);
+            const double *sk = sinks ? (const double *)sinks + hk * G : NULL;
+            softmax_values_f64(sc, T, G, sk, softcap, vrows, D, o);
+            for (long g = 0; g < G; g++)
+                memcpy((double *)out + ((b * N + n) * Hq + hk * G + g) * D, o + g * D, sizeof(double) * (size_t)D);
+            free(sc);
+            free(o);
+            free(vrows);
+        } else {
+            long TP = (T + 7) / 8 * 8;
+            float *qf = (float *)malloc(sizeof(float) * (size_t)(G * D));
+            float *sc = (float *)malloc(sizeof(float) * (size_t)(G * (TP > 0 ? TP : 8)));
+            float *kf = (float *)malloc(sizeof(float) * (size_t)D);
+            float *vf = (float *)malloc(sizeof(float) * (size_t)((T > 0 ? T : 1) * D));
+            const float **vrows = (const float **)malloc(sizeof(float *) * (size_t)(T > 0 ? T : 1));
+            float *o = (float *)malloc(sizeof(float) * (size_t)(G * D));
+            for (long g = 0; g < G; g++) {
+                const char *qg = (const char *)q + (size_t)(b * qs[0] + (hk * G + g) * qs[1] + n * qs[2]) * esize;
+                for (long d = 0; d < D; d++) qf[g * D + d] = load_one(qg, d, dt);
+            }
+            for (long i = 0; i < T; i++) {
+                const char *kr = kb + (size_t)(cols[i] * ks[2]) * esize;
+                const char *vr = vb + (size_t)(cols[i] * vs[2]) * esize;
+                for (long d = 0; d < D; d++) {
+                    kf[d] = load_one(kr, d, dt);
+                    vf[i * D + d] = load_one(vr, d, dt);
+                }
+                vrows[i] = vf + i * D;
+                for (long g = 0; g < G; g++) sc[g * TP + i] = dot_f32(qf + g * D, kf, D) * (float)scale;
+            }
+            float sk[64];
+            const float *skp = NULL;
+            if (sinks) {
+                for (long g = 0; g < G && g < 64; g++) sk[g] = ((const float *)sinks)[hk * G + g];
+                skp = sk;
+            }
+            softmax_values(sc, T, G, skp, (float)softcap, vrows, D, o);
+            for (long g = 0; g < G; g++) {
+                long base = ((b * N + n) * Hq + hk * G + g) * D;
+                for (long d = 0; d < D; d++) store_one(out, base + d, o[g * D + d], dt);
+            }
+            free(qf);
+            free(sc);
+            free(kf);
+            free(vf);
+            free(vrows);
+            free(o);
+        }
+        free(cols);
+    }
+}

@@ -1,0 +1,94 @@
+"""The row-invariant CPU kernels as torch functions: :func:`linear` and :func:`tree_attention`.
+
+Each output is reduced in one fixed order that depends only on that output's own inputs (``csrc/row_invariant.c``),
+never on how many rows, nodes or threads share the call: a tree-verify forward through them gives every node
+the bits a one-token forward gives it. float32, bfloat16 and float16 are computed in float32 and rounded once;
+float64 in float64. Inputs are CPU tensors with no gradient; :func:`ddtree.targets.native.library` says where the
+kernels cannot run.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ddtree.targets import native
+
+DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.float64: 3}
+"""The dtypes the kernels take, by the code the C side switches on."""
+
+
+def _library():
+    lib, why = native.library()
+    if lib is None:
+        raise RuntimeError(f"the ddtree row-invariant CPU kernels cannot run here: {why}")
+    return lib
+
+
+def _check_cpu(name: str, *tensors: torch.Tensor | None) -> torch.dtype:
+    dtypes = {t.dtype for t in tensors if t is not None}
+    if len(dtypes) != 1 or next(iter(dtypes)) not in DTYPE_CODES:
+        raise ValueError(f"{name}: the row-invariant kernels take one dtype among float32, bfloat16, float16 and "
+                         f"float64, got {sorted(str(d) for d in dtypes)}")
+    if any(t is not None and t.device.type != "cpu" for t in tensors):
+        raise ValueError(f"{name}: the row-invariant C kernels run on CPU tensors")
+    return next(iter(dtypes))
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+           transposed: bool = False) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` (``weight`` ``[N, K]``), or ``x @ weight + bias`` with ``transposed``
+    (``weight`` ``[K, N]``), each output row summed in the same order whatever the number of rows."""
+    if weight.dim() != 2:
+        raise ValueError(f"linear: the weight must be 2-D, got shape {tuple(weight.shape)}")
+    k, n = (weight.shape[0], weight.shape[1]) if transposed else (weight.shape[1], weight.shape[0])
+    if x.shape[-1] != k:
+        raise ValueError(f"linear: input has {x.shape[-1]} features but the weight {tuple(weight.shape)} expects {k}")
+    if bias is not None and bias.shape != (n,):
+        raise ValueError(f"linear: bias has shape {tuple(bias.shape)}, expected ({n},)")
+    dtype = _check_cpu("linear", x, weight, bias)
+    lib = _library()
+    rows = x.numel() // k if k else 0
+    x2 = x.reshape(rows, k).contiguous()
+    w = weight.contiguous()
+    b = None if bias is None else bias.contiguous()
+    y = torch.empty(rows, n, dtype=dtype)
+    if rows and n:
+        lib.ddtree_row_linear(x2.data_ptr(), w.data_ptr(), 0 if b is None else b.data_ptr(), y.data_ptr(), rows, k,
+                              n, DTYPE_CODES[dtype], int(transposed), torch.get_num_threads())
+    return y.view(*x.shape[:-1], n)
+
+
+def tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: torch.Tensor, visible: torch.Tensor, *,
+                   scale: float, sinks: torch.Tensor | None = None, softcap: float | None = None) -> torch.Tensor:
+    """Attention of ``N`` tree nodes per row over the committed prefix and their own paths, in logical order.
+
+    ``q`` ``[B, Hq, N, D]``; ``k``/``v`` ``[B, Hkv, P + N, D]`` (the prefix in the first ``P`` columns, the
+    nodes after it); node ``n`` of row ``b`` sees the prefix columns ``start[b, n] ..  P - 1`` and the node
+    columns ``m`` with ``visible[b, n, m]`` (its ancestors and itself: index order is path order). ``sinks``
+    ``[Hq]``: a learned logit per head in every softmax's denominator (gpt-oss). Returns ``[B, N, Hq, D]``.
+    A one-token step is the case ``N = 1``: the same keys in the same order give the same bits.
+    """
+    bsz, hq, n, d = q.shape
+    hkv, width = k.shape[1], k.shape[2]
+    if hq % hkv or k.shape[0] != bsz or v.shape[:3] != k.shape[:3] or k.shape[3] != d or v.shape[3] != d:
+        raise ValueError(f"tree_attention: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} do not fit "
+                         "[B, Hq, N, D] / [B, Hkv, P + N, D] with Hq a multiple of Hkv")
+    if start.shape != (bsz, n) or visible.shape != (bsz, n, n):
+        raise ValueError(f"tree_attention: start must be [{bsz}, {n}] and visible [{bsz}, {n}, {n}], got "
+                         f"{tuple(start.shape)} and {tuple(visible.shape)}")
+    dtype = _check_cpu("tree_attention", q, k, v)
+    lib = _library()
+    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+    out = torch.empty(bsz, n, hq, d, dtype=dtype)
+    starts = start.to(device="cpu", dtype=torch.int64).contiguous()
+    vis = visible.to(device="cpu", dtype=torch.uint8).contiguous()
+    sink = None
+    if sinks is not None:
+        sink = sinks.detach().to(device="cpu", dtype=torch.float64 if dtype == torch.float64 else torch.float32)
+        sink = sink.reshape(hq).contiguous()
+    strides = [(torch.tensor(t.stride()[:3], dtype=torch.long)) for t in (q, k, v)]
+    lib.ddtree_row_attention(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), DTYPE_CODES[dtype], bsz, hq,
+                             hkv, n, d, *(s.data_ptr() for s in strides), starts.data_ptr(), width - n,
+                             vis.data_ptr(), 0 if sink is None else sink.data_ptr(), float(softcap or 0.0),
+                             float(scale), torch.get_num_threads())
+    return out
