@@ -13,7 +13,7 @@ from test_generator import PROMPTS, expected_acceptance, reference
 from tiny import ScriptedDrafter, tiny_drafter, tiny_target
 
 from ddtree import SpeculativeGenerator
-from ddtree.targets import cpu_linear
+from ddtree.targets import cpu_linear, native
 
 needs_kernel = pytest.mark.skipif(not cpu_linear.available(), reason=f"kernel: {cpu_linear.unavailable_reason()}")
 
@@ -48,7 +48,7 @@ def test_a_row_does_not_depend_on_its_batch():
         assert torch.equal(cpu_linear.linear(x[i:i + 1], w, b), full[i:i + 1]), i
     for m in (2, 3, 5, 8, 13):
         assert torch.equal(cpu_linear.linear(x[m:2 * m], w, b), full[m:2 * m]), m
-    assert cpu_linear._use_kernel(x, w, b, rows=31, max_rows=32)  # the kernel, not BLAS, gave these rows
+    assert cpu_linear.takes(x, w, b, rows=31, max_rows=32)  # the kernel, not BLAS, gave these rows
 
 
 @needs_kernel
@@ -74,11 +74,11 @@ def test_bad_shapes_are_named():
 
 
 def test_unavailable_kernel_is_explained(monkeypatch):
-    monkeypatch.setattr(cpu_linear, "_cpu_flags", lambda: {"sse2"})
-    cpu_linear._load.cache_clear()
+    monkeypatch.setattr(native, "_cpu_flags", lambda: {"sse2"})
+    native.library.cache_clear()
     try:
         assert not cpu_linear.available()
-        assert "lacks avx2, fma" in cpu_linear.unavailable_reason()
+        assert "lacks avx2, f16c, fma" in cpu_linear.unavailable_reason()
         with pytest.raises(RuntimeError, match="unavailable: this CPU lacks avx2"):
             cpu_linear.install(torch.nn.Linear(4, 4))
         target = tiny_target("qwen3", dtype=torch.float32)
@@ -89,28 +89,28 @@ def test_unavailable_kernel_is_explained(monkeypatch):
         assert torch.equal(cpu_linear.linear(x, lin.weight.detach(), lin.bias.detach()), lin(x).detach())
     finally:
         monkeypatch.undo()
-        cpu_linear._load.cache_clear()
+        native.library.cache_clear()
 
 
 @pytest.mark.parametrize("case", ["bad_compiler", "unwritable_cache"])
 def test_failed_build_is_explained(monkeypatch, tmp_path, case):
     if case == "bad_compiler":
         monkeypatch.setenv("CC", "/bin/false")
-        monkeypatch.setattr(cpu_linear, "_build_dir", lambda: tmp_path)
+        monkeypatch.setattr(native, "_build_dir", lambda: tmp_path)
         want = "with /bin/false failed"
     else:
         (tmp_path / "a_file").write_text("")
-        monkeypatch.setattr(cpu_linear, "_build_dir", lambda: tmp_path / "a_file" / "kernels")
+        monkeypatch.setattr(native, "_build_dir", lambda: tmp_path / "a_file" / "kernels")
         want = "set DDTREE_CACHE to a writable directory"
-    monkeypatch.setattr(cpu_linear, "_cpu_flags", lambda: {"avx2", "fma"})
-    cpu_linear._load.cache_clear()
+    monkeypatch.setattr(native, "_cpu_flags", lambda: {"avx2", "fma", "f16c"})
+    native.library.cache_clear()
     try:
         if sys.platform.startswith("linux") and platform.machine() in ("x86_64", "AMD64"):
             assert not cpu_linear.available()
             assert want in cpu_linear.unavailable_reason()
     finally:
         monkeypatch.undo()
-        cpu_linear._load.cache_clear()
+        native.library.cache_clear()
 
 
 @needs_kernel

@@ -52,7 +52,9 @@ from ddtree.loading.pair import check_target_model, load_pair
 from ddtree.runtime.distributed import Lockstep, module_fingerprint
 from ddtree.runtime.threads import ThreadInfo, thread_info
 from ddtree.runtime.timing import StageTimer, work_clock
+from ddtree.targets import cpu_linear
 from ddtree.targets.backends import get_backend
+from ddtree.targets.numerics import exact_unavailable, prepare_exact
 
 
 @dataclass
@@ -168,18 +170,29 @@ class SpeculativeGenerator:
         self.lockstep = Lockstep.for_model(target)  # ranks of a tensor-parallel target; inactive otherwise
         if options.prompt_lookup is None:
             options = options.replace(prompt_lookup=DEFAULT_PROMPT_LOOKUP)
+        if options.numerics is None:
+            options = options.replace(numerics=default_numerics(target, bool(options.compile)))
         # a directory, hub id or raw model becomes a drafter for target (with a lookup branch when asked)
         drafter = resolve_drafter(drafter, target, bool(options.prompt_lookup))
         if self.lockstep.active:
             self.lockstep.agree(_drafter_identity(drafter), "the drafter")
         self.target = target.eval()
         self.options = options
-        # compiled steps trace torch's own linears, even where another generator routed this target's
-        self.cpu_linear = 0 if options.compile else _route_cpu_linear(target, options.cpu_linear)
+        if options.numerics == "exact":
+            if self.lockstep.active:
+                raise ValueError("numerics='exact' is not available under tensor parallelism: each rank's partial "
+                                 "products are summed by the all-reduce in an order that depends on the tensor's "
+                                 "size, so a tree node and a one-token step differ in the last bits. Pass "
+                                 "numerics='fast'")
+            prepare_exact(target)  # the target's products through the row-invariant kernels (or a reason to stop)
+            self.cpu_linear = cpu_linear.installed(target)
+        else:  # compiled steps trace torch's own linears, even where another generator routed this target's
+            self.cpu_linear = 0 if options.compile else _route_cpu_linear(target, options.cpu_linear)
         if self.cpu_linear and getattr(drafter, "cpu_linear_model", None) is not None:
             _route_cpu_linear(drafter.cpu_linear_model, "auto")  # the draft step is a few-row forward as well
         self.drafter = drafter
-        attention = "sdpa" if options.compile else options.attention  # the static round's dense mask
+        # exact numerics has its own attention; the static round verifies with the dense mask
+        attention = "exact" if options.numerics == "exact" else "sdpa" if options.compile else options.attention
         self.backend = get_backend(attention) if isinstance(attention, (str, type(None))) else attention
         self.backend.prepare(self.target)
         self.tokenizer = tokenizer
@@ -245,6 +258,8 @@ class SpeculativeGenerator:
         if current is not None:
             if options.prompt_lookup is None:  # the default: what this generator was built with
                 options = options.replace(prompt_lookup=current.prompt_lookup)
+            if options.numerics is None:
+                options = options.replace(numerics=current.numerics)
             changed = [n for n in MODEL_SETTINGS if getattr(options, n) != getattr(current, n)]
             if changed:
                 raise ValueError(f"{', '.join(changed)} prepared the models when this generator was built: "
@@ -557,6 +572,21 @@ def default_tree_budget(target: Any, compiled: bool = False) -> int | str:
     return DEFAULT_COMPILED_BUDGET.get(kind, DEFAULT_COMPILED_BUDGET_ACCELERATOR)
 
 
+DEFAULT_NUMERICS: dict[str, str] = {}
+"""``numerics`` by the target's device type when none is given (``"fast"`` elsewhere, and under ``compile``)."""
+
+
+def default_numerics(target: Any, compiled: bool = False) -> str:
+    """The default ``numerics`` for ``target``: :data:`DEFAULT_NUMERICS` for its device where the exact kernels run
+    it, else ``"fast"``."""
+    if compiled:
+        return "fast"
+    param = next(target.parameters(), None)
+    kind = param.device.type if param is not None else "cpu"
+    chosen = DEFAULT_NUMERICS.get(kind, "fast")
+    return chosen if chosen == "fast" or exact_unavailable(target) is None else "fast"
+
+
 def _apply_thread_policy(target: Any, threads: int | str | None) -> ThreadInfo | None:
     """Apply ``threads`` (checked by :class:`GeneratorOptions`) to torch for a CPU target; returns what runs.
     ``None`` changes nothing, but warns once per process where torch's threads outnumber the free CPUs."""
@@ -574,8 +604,6 @@ def _apply_thread_policy(target: Any, threads: int | str | None) -> ThreadInfo |
 def _route_cpu_linear(target: Any, mode: bool | str) -> int:
     """Install :mod:`ddtree.targets.cpu_linear` on ``target`` as ``mode`` (checked by :class:`GeneratorOptions`)
     asks; returns the routed layer count."""
-    from ddtree.targets import cpu_linear
-
     if not mode:
         return cpu_linear.installed(target)
     param = next(target.parameters())

@@ -25,6 +25,7 @@ from ddtree.budget.policy import AutoBudget, BudgetPolicy, FixedBudget, check_bu
 from ddtree.core.builders import TreeBuilder, resolve_builder
 from ddtree.targets.backends import get_backend
 from ddtree.targets.forward import PREFILL_CHUNK, check_prefill_chunk
+from ddtree.targets.numerics import check_numerics
 
 COUPLED_FROM_TEMPERATURE = 1.0
 """``coupled_drafts=None`` couples from this temperature up: on the default pair coupling raised tokens per round
@@ -41,7 +42,7 @@ def coupled_at(coupled_drafts: bool | None, temperature: float) -> bool:
 
 PER_CALL = ("tree_budget", "builder", "prefill_chunk", "coupled_drafts")
 """Settings a single ``generate`` / ``stream`` / ``start`` call may override."""
-MODEL_SETTINGS = ("attention", "cpu_linear", "threads", "compile", "prompt_lookup")
+MODEL_SETTINGS = ("attention", "cpu_linear", "threads", "compile", "prompt_lookup", "numerics")
 """Settings that prepare the models or the process: set on the generator, refused per call."""
 
 
@@ -72,6 +73,7 @@ class GeneratorOptions:
     compile: bool | str = False
     coupled_drafts: bool | None = None
     prompt_lookup: bool | None = None  # None: the generator's default (DEFAULT_PROMPT_LOOKUP)
+    numerics: str | None = None  # "fast", "exact", or None: the target device's default (default_numerics)
 
     def __post_init__(self) -> None:
         if self.tree_budget is not None:
@@ -82,6 +84,8 @@ class GeneratorOptions:
         check_threads(self.threads)
         check_prefill_chunk(self.prefill_chunk)
         check_compile(self)
+        check_numerics(self.numerics)
+        check_exact_settings(self)
         if self.prompt_lookup is not None and not isinstance(self.prompt_lookup, bool):
             raise ValueError(f"prompt_lookup must be True, False or None (the default), got {self.prompt_lookup!r}")
         if self.compile and self.cpu_linear == "auto":  # what a compiled generator uses: torch's own linears
@@ -133,6 +137,19 @@ def check_compile(options: GeneratorOptions) -> None:
     if options.cpu_linear is True:
         raise ValueError("compile=True compiles torch's own linear layers; cpu_linear=True routes them elsewhere. "
                          "Pass cpu_linear=False (or 'auto', which then stays off)")
+
+
+def check_exact_settings(options: GeneratorOptions) -> None:
+    """``numerics="exact"`` brings its own attention and linears, and runs eagerly."""
+    if options.numerics != "exact":
+        return
+    if options.attention not in ("auto", None, "exact"):
+        raise ValueError(f"numerics='exact' verifies with its own row-invariant attention, got attention="
+                         f"{options.attention!r}; leave attention='auto'")
+    if options.compile:
+        raise ValueError("numerics='exact' runs eagerly: a compiled step generates its own matrix products and "
+                         "reductions for each shape, so a tree node and a one-token step would not share their bits. "
+                         "Pass compile=False, or numerics='fast' to compile")
 
 
 def check_cpu_linear(mode: Any) -> None:

@@ -122,7 +122,7 @@ def _prefill(state: DecodeState) -> RoundResult:
     with timer.stage("prefill"):
         if not plain:
             held.draft = gen.drafter.new_context(rows.batch_size)
-        if padded and not describe(target).padded_prefill_exact:
+        if describe(target).prefill_rows_alone(rows.batch_size, padded):
             last = _prefill_each_row(state, hidden, width)
         else:
             append = None if plain else (lambda features, tokens, counts, last_chunk, host_counts:

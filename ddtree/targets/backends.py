@@ -34,7 +34,9 @@ from ddtree.core.masks import tree_attention_mask
 from ddtree.core.tree import DraftTree
 from ddtree.targets import families
 from ddtree.targets.description import describe
+from ddtree.targets.exact_attention import EXACT_IMPLEMENTATION, ExactTreeSpec, register_exact_attention
 from ddtree.targets.kernels import flash_attn_available
+from ddtree.targets.numerics import check_exact
 from ddtree.targets.registration import (
     IMPLEMENTATIONS,
     TREE_KWARG,
@@ -206,6 +208,25 @@ class SplitBackend:
 
 
 @dataclass
+class ExactBackend:
+    """Exact tree attention (``numerics="exact"``, :mod:`ddtree.targets.exact_attention`): each node attends to
+    its logical key sequence with the one-token step's arithmetic, padded rows and sinks included."""
+
+    name: str = "exact"
+
+    def prepare(self, model: Any) -> None:
+        prepare_target(model)
+        register_exact_attention()
+        model.set_attn_implementation(EXACT_IMPLEMENTATION)
+
+    def tree_forward_kwargs(self, model: Any, tree: DraftTree, prefix_len: int, dtype: torch.dtype,
+                            prefix_valid: torch.Tensor | None = None) -> dict[str, Any]:
+        check_implementation(model, self.name, frozenset({EXACT_IMPLEMENTATION}))
+        check_exact(model)
+        return _with_stateful_kwargs(model, tree, {TREE_KWARG: ExactTreeSpec.from_tree(tree, prefix_valid)})
+
+
+@dataclass
 class AutoBackend:
     """Picks the best backend for the target's device at ``prepare`` time."""
 
@@ -237,7 +258,7 @@ class AutoBackend:
 _ALIASES = {None: "sdpa", "dense": "sdpa", "torch": "split", "torch_cuda": "fused", "flash": "flash_attn"}
 
 
-BACKENDS = ("auto", "sdpa", "split", "fused", "flash_attn")
+BACKENDS = ("auto", "sdpa", "split", "fused", "flash_attn", "exact")
 
 
 CPU_DENSE_BELOW = 1024
@@ -277,9 +298,11 @@ def _auto_backend(device: torch.device | str) -> DenseMaskBackend | SplitBackend
     return chosen
 
 
-def _named_backend(name: str | None) -> DenseMaskBackend | SplitBackend:
+def _named_backend(name: str | None) -> DenseMaskBackend | SplitBackend | ExactBackend:
     if name == "sdpa":
         return DenseMaskBackend()
+    if name == "exact":
+        return ExactBackend()
     if name == "flash_attn" and not flash_attn_available():
         raise ValueError("attention='flash_attn' needs the flash-attn package (CUDA); use 'fused' or 'auto' instead")
     if name in IMPLEMENTATIONS:

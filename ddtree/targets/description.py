@@ -32,6 +32,7 @@ class TargetDescription:
 
     def __init__(self, model: Any) -> None:
         self.model = model
+        self.numerics = "fast"  # "exact" once ddtree.targets.numerics.prepare_exact routed its kernels
 
     @cached_property
     def text_config(self) -> Any:
@@ -115,6 +116,12 @@ class TargetDescription:
     def padded_prefill_exact(self) -> bool:
         """Whether one left-padded batch prefill gives every row exactly its own batch-1 state."""
         return all(kind.padded_prefill_exact for kind in self.stateful)
+
+    def prefill_rows_alone(self, batch: int, padded: bool) -> bool:
+        """Whether a batch's prompts are prefilled one row at a time: where a left-padded batch prefill leaves a
+        stateful layer inexact, and under exact numerics for any batch (a batched prefill's matrix products and
+        attention blocks depend on the other rows, and every later token would inherit that)."""
+        return (padded and not self.padded_prefill_exact) or (self.numerics == "exact" and batch > 1)
 
     def prefill_step(self, width: int, chunk: int | None) -> int:
         """Prompt tokens per prefill forward for a ``width``-token prompt and a requested ``chunk``: the whole

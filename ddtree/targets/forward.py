@@ -20,6 +20,7 @@ from typing import Any, Protocol
 import torch
 
 from ddtree.targets.cache import cache_kwargs, check_cache_length
+from ddtree.targets.cpu_linear import bulk_rows
 from ddtree.targets.description import describe
 
 
@@ -163,7 +164,9 @@ def chunked_prefill(target: TargetModel, ids: torch.Tensor, cache: Any, chunk: i
         end = min(start + step, width)
         extra = {} if valid is None else {"attention_mask": valid[:, :end].long()}
         pos = None if positions is None else positions[:, start:end]
-        out = target_forward(target, ids[:, start:end], pos, cache, hidden=hidden, last=1, layers=layers, **extra)
+        with bulk_rows():  # BLAS and the causal kernels: plain decoding and speculation share the prefill
+            out = target_forward(target, ids[:, start:end], pos, cache, hidden=hidden, last=1, layers=layers,
+                                 **extra)
         check_cache_length(cache, end, "prefill")
         if on_chunk is not None:
             on_chunk(start, end, out)
