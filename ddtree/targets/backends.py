@@ -98,8 +98,9 @@ def dense_tree_mask(model: Any, tree: DraftTree, prefix_len: int, dtype: torch.d
 def prepare_target(model: Any) -> None:
     """What every backend does to a target first: refuse families a tree cannot verify, route stateful layers."""
     families.check_supported(model)
-    for kind in describe(model).stateful:
-        kind.prepare(model)
+    description = describe(model)
+    for kind in description.stateful:
+        kind.prepare(model, exact=description.numerics == "exact")
 
 
 def _with_stateful_kwargs(model: Any, tree: DraftTree, kwargs: dict[str, Any]) -> dict[str, Any]:

@@ -46,6 +46,11 @@ def bulk_rows() -> Iterator[None]:
         _BULK.reset(token)
 
 
+def in_bulk() -> bool:
+    """Whether a :func:`bulk_rows` forward is running."""
+    return _BULK.get()
+
+
 def available() -> bool:
     """Whether the kernel runs here (it is built on the first call)."""
     return native.available()

@@ -46,6 +46,8 @@ import torch
 import torch.nn.functional as F
 
 from ddtree.core.tree import DraftTree
+from ddtree.targets.cpu_linear import in_bulk
+from ddtree.targets.row_kernels import elementwise
 
 LINEAR_TREE_KWARG = "ddtree_linear_tree"
 """Forward kwarg carrying the :class:`DraftTree` to the GDN layers (popped at the model's top)."""
@@ -108,6 +110,20 @@ class LinearTreePlan:
             levels.append((torch.as_tensor(rows * n + nodes, device=device),
                            torch.as_tensor(parent_slot, device=device)))
         return cls(bsz, n, parents, depths, levels, is_chain)
+
+    @classmethod
+    def root_only(cls, batch: int, device: torch.device | str) -> LinearTreePlan:
+        """The plan of a one-token step: each row's root alone."""
+        rows = torch.arange(batch, device=device)
+        return cls(batch, 1, np.full((batch, 1), -1), np.zeros((batch, 1), dtype=np.int64), [(rows, rows)], True)
+
+    def steps(self, device: torch.device | str) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """:attr:`levels`, made for a chain too (depth ``d`` is node ``d`` of every row, its parent in the row's
+        slot): the exact recurrence runs every tree, chains included, one depth at a time."""
+        if self.levels:
+            return self.levels
+        rows = torch.arange(self.batch, device=device)
+        return [(rows * self.num_nodes + d, rows) for d in range(self.num_nodes)]
 
     def conv_index(self, kernel: int, device: torch.device | str) -> torch.Tensor:
         """``[B, N*K]`` indices into ``[cached window (K) | tree inputs (N)]``: each node's window, oldest first."""
@@ -185,7 +201,8 @@ class _Pending:
     v: torch.Tensor  # [B, N, HV, Dv]
     g: torch.Tensor  # [B, N, HV]
     beta: torch.Tensor  # [B, N, HV]
-    fn: Callable[..., Any]  # the layer's recurrent gated-delta function, for the replay at commit
+    fn: Callable[..., Any] | None  # the layer's recurrent gated-delta function for the replay at commit; None
+    # under exact numerics: q, k, v, g, beta are then _normalised's (g as the decay) and the replay is _delta_step
 
 
 def _recurrent_fn(module: Any) -> Callable[..., Any]:
@@ -226,8 +243,13 @@ def _activation(module: Any, x: torch.Tensor) -> torch.Tensor:
     return ACT2FN[getattr(module, "activation", "silu")](x)
 
 
-def gdn_tree_forward(module: Any, hidden: torch.Tensor, plan: LinearTreePlan, cache: Any) -> torch.Tensor:
-    """The GDN layer's output for every tree node from its own root-to-node path; stashes the commit inputs."""
+def gdn_tree_forward(module: Any, hidden: torch.Tensor, plan: LinearTreePlan, cache: Any,
+                     exact: bool = False) -> torch.Tensor:
+    """The GDN layer's output for every tree node from its own root-to-node path; stashes the commit inputs.
+
+    ``exact``: every node, chains and one-token steps included, takes one :func:`_delta_step` from its parent's
+    state with the nodes of its depth as the batch, and the commit replays the same steps, so a node's state and
+    output are a one-token step's bits."""
     bsz, n, _ = hidden.shape
     if (bsz, n) != (plan.batch, plan.num_nodes):
         raise ValueError(f"the tree has [{plan.batch}, {plan.num_nodes}] nodes but the GDN layer got {bsz}x{n} tokens")
@@ -246,7 +268,11 @@ def gdn_tree_forward(module: Any, hidden: torch.Tensor, plan: LinearTreePlan, ca
         index = plan.conv_index(kernel, ext.device)
         windows = ext.gather(2, index[:, None, :].expand(bsz, ext.shape[1], n * kernel))  # [B, C, N*K]
         windows = windows.view(bsz, -1, n, kernel).transpose(1, 2)  # [B, N, C, K]
-    q, k, v, g, beta = _node_inputs(module, windows, b, a, hidden.dtype)
+    q, k, v, g, beta = _node_inputs(module, windows, b, a, hidden.dtype, exact)
+    if exact:
+        inputs = _normalised(q, k, v, g, beta, elementwise)
+        _PENDING.setdefault(cache, {})[module.layer_idx] = _Pending(conv_inputs, *inputs, None)
+        return _output(module, _exact_levels(inputs, plan, state).to(hidden.dtype), z)
     pending = _Pending(conv_inputs, q, k, v, g, beta, _recurrent_fn(module))
     _PENDING.setdefault(cache, {})[module.layer_idx] = pending
 
@@ -257,15 +283,24 @@ def gdn_tree_forward(module: Any, hidden: torch.Tensor, plan: LinearTreePlan, ca
     return _output(module, core, z)
 
 
-def _node_inputs(module: Any, windows: torch.Tensor, b: torch.Tensor, a: torch.Tensor,
-                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Each node's recurrence inputs ``(q, k, v, g, beta)`` from its conv window ``[B, N, C, K]`` and gates."""
+def _node_inputs(module: Any, windows: torch.Tensor, b: torch.Tensor, a: torch.Tensor, dtype: torch.dtype,
+                 exact: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each node's recurrence inputs ``(q, k, v, g, beta)`` from its conv window ``[B, N, C, K]`` and gates
+    (``exact``: the elementwise functions through :func:`~ddtree.targets.row_kernels.elementwise`)."""
+    if exact:
+        return _node_inputs_with(module, windows, b, a, dtype, elementwise)
+    return _node_inputs_with(module, windows, b, a, dtype, lambda fn, *xs: fn(*xs))
+
+
+def _node_inputs_with(module: Any, windows: torch.Tensor, b: torch.Tensor, a: torch.Tensor, dtype: torch.dtype,
+                      apply: Callable[..., torch.Tensor]
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     bsz, n = windows.shape[:2]
     weight = module.conv1d.weight  # [C, 1, K]
     conv = (windows * weight[:, 0]).sum(-1)  # the depthwise conv at each node's last tap: [B, N, C]
     if module.conv1d.bias is not None:  # (a multiply-sum: torch's depthwise conv1d is slow on few positions)
         conv = conv + module.conv1d.bias
-    conv = _activation(module, conv).to(dtype)
+    conv = apply(lambda x: _activation(module, x), conv).to(dtype)
     q, k, v = torch.split(conv, [module.key_dim, module.key_dim, module.value_dim], dim=-1)
     q = q.reshape(bsz, n, -1, module.head_k_dim)
     k = k.reshape(bsz, n, -1, module.head_k_dim)
@@ -273,8 +308,8 @@ def _node_inputs(module: Any, windows: torch.Tensor, b: torch.Tensor, a: torch.T
     group = module.num_v_heads // module.num_k_heads
     if group > 1:
         q, k = q.repeat_interleave(group, dim=2), k.repeat_interleave(group, dim=2)
-    beta = b.sigmoid()
-    g = -module.A_log.float().exp() * F.softplus(a.float() + module.dt_bias)
+    beta = apply(torch.sigmoid, b)
+    g = -module.A_log.float().exp() * apply(F.softplus, a.float() + module.dt_bias)
     return q, k, v, g, beta
 
 
@@ -337,14 +372,40 @@ def _levels_in_torch(p: _Pending, plan: LinearTreePlan, state: torch.Tensor) -> 
     return out.view(bsz, n, *out.shape[1:]).to(out_dtype)
 
 
-def _normalised(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
-                beta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def _exact_levels(inputs: tuple[torch.Tensor, ...], plan: LinearTreePlan, state: torch.Tensor) -> torch.Tensor:
+    """Per-node recurrence outputs (float32) from :func:`_normalised` inputs, one depth per :func:`_delta_step`."""
+    bsz, n = plan.batch, plan.num_nodes
+    q, k, v, decay, beta = (x.reshape(bsz * n, *x.shape[2:]) for x in inputs)
+    state = state.to(torch.float32)
+    out = v.new_empty(v.shape)  # [BN, HV, Dv]
+    for ids, parent_slot in plan.steps(q.device):
+        state, out[ids] = _delta_step(state.index_select(0, parent_slot), q[ids], k[ids], v[ids], decay[ids],
+                                      beta[ids])
+    return out.view(bsz, n, *out.shape[1:])
+
+
+def gdn_exact_step(module: Any, hidden: torch.Tensor, cache: Any) -> torch.Tensor:
+    """A one-token step under exact numerics: the tree forward of each row's root alone, committed at once, so
+    plain decoding computes every state and output as a tree node does."""
+    out = gdn_tree_forward(module, hidden, LinearTreePlan.root_only(hidden.shape[0], hidden.device), cache, True)
+    pending = _PENDING[cache].pop(module.layer_idx)
+    _commit_layer(cache, module.layer_idx, pending, torch.zeros(hidden.shape[0], 1, dtype=torch.long))
+    layers = getattr(cache, "layers", None)
+    count = getattr(layers[module.layer_idx], "cumulative_length_linear", None) if layers is not None else None
+    if isinstance(count, torch.Tensor):  # transformers 5.25+ counts a linear layer's tokens, as its own step would
+        count.add_(1)
+    return out
+
+
+def _normalised(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                apply: Callable[..., torch.Tensor] | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The recurrence inputs as transformers' reference rule uses them: float32, q and k l2-normalised, q scaled
     by the head size, and the decay ``exp(g)``."""
     q, k, v, g, beta = (x.to(torch.float32) for x in (q, k, v, g, beta))
     q = _l2norm(q)
     k = _l2norm(k)
-    return q / (q.shape[-1] ** 0.5), k, v, g.exp(), beta
+    return q / (q.shape[-1] ** 0.5), k, v, g.exp() if apply is None else apply(torch.exp, g), beta
 
 
 def _delta_step(state: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, decay: torch.Tensor,
@@ -581,19 +642,30 @@ def commit_linear_states(cache: Any, accepted: torch.Tensor) -> None:
     """
     pending: dict[int, _Pending] = _PENDING.pop(cache, None) or {}
     for idx, p in pending.items():
-        conv_state, state = _committed_states(cache, idx)
-        rows_conv, rows_state = [], []
-        for row in range(accepted.shape[0]):
-            path = accepted[row][accepted[row] >= 0].to(p.q.device)
-            kernel = conv_state.shape[-1]
-            window = torch.cat([conv_state[row], p.conv_inputs[row].index_select(-1, path).to(conv_state.dtype)], -1)
-            rows_conv.append(window[:, -kernel:])
-            if path.numel() == 0:
-                rows_state.append(state[row])
-                continue
-            q, k, v, g, beta = (x[row : row + 1].index_select(1, path) for x in (p.q, p.k, p.v, p.g, p.beta))
+        _commit_layer(cache, idx, p, accepted)
+
+
+def _commit_layer(cache: Any, idx: int, p: _Pending, accepted: torch.Tensor) -> None:
+    """:func:`commit_linear_states` for GDN layer ``idx``."""
+    conv_state, state = _committed_states(cache, idx)
+    rows_conv, rows_state = [], []
+    for row in range(accepted.shape[0]):
+        path = accepted[row][accepted[row] >= 0].to(p.q.device)
+        kernel = conv_state.shape[-1]
+        window = torch.cat([conv_state[row], p.conv_inputs[row].index_select(-1, path).to(conv_state.dtype)], -1)
+        rows_conv.append(window[:, -kernel:])
+        if path.numel() == 0:
+            rows_state.append(state[row])
+            continue
+        q, k, v, g, beta = (x[row : row + 1].index_select(1, path) for x in (p.q, p.k, p.v, p.g, p.beta))
+        if p.fn is None:  # exact: the tree forward's own steps, one node at a time
+            s = state[row : row + 1].to(torch.float32)
+            for i in range(path.numel()):
+                s = _delta_step(s, q[:, i], k[:, i], v[:, i], g[:, i], beta[:, i])[0]
+            rows_state.append(s[0].to(state.dtype))
+        else:
             rows_state.append(_run(p.fn, q, k, v, g, beta, state[row : row + 1], True)[1][0].to(state.dtype))
-        _set_states(cache, idx, torch.stack(rows_conv), torch.stack(rows_state))
+    _set_states(cache, idx, torch.stack(rows_conv), torch.stack(rows_state))
 
 
 # --------------------------------------------------------------------------- batch rows
@@ -649,12 +721,17 @@ class _Context:
 
     plan: LinearTreePlan | None = None
     cache: object = None
+    exact: bool = False  # numerics="exact": one-token steps run as root-only trees (gdn_exact_step)
 
 
 def _gdn_forward(self: Any, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
     ctx: _Context = self._ddtree_context
     if ctx.plan is not None:
-        return gdn_tree_forward(self, hidden_states, ctx.plan, ctx.cache)
+        return gdn_tree_forward(self, hidden_states, ctx.plan, ctx.cache, ctx.exact)
+    if ctx.exact and hidden_states.shape[1] == 1 and not in_bulk():
+        cache = next((kwargs[k] for k in _CACHE_KEYWORDS if kwargs.get(k) is not None), None)
+        if cache is not None and _states(cache, self.layer_idx)[1] is not None:
+            return gdn_exact_step(self, hidden_states, cache)
     static = _static_layer(kwargs, self.layer_idx)
     if static is not None:  # the static round's verify: its cache carries the tree and this layer's buffers
         return static.tree_forward(self, hidden_states)
@@ -695,14 +772,16 @@ def is_prepared(model: Any) -> bool:
     return "_ddtree_context" in vars(model)
 
 
-def prepare(model: Any) -> bool:
-    """Route ``model``'s GDN layers through the tree-aware forward (idempotent); False when it has none."""
+def prepare(model: Any, exact: bool = False) -> bool:
+    """Route ``model``'s GDN layers through the tree-aware forward (idempotent); False when it has none.
+    ``exact``: one-token steps too (:func:`gdn_exact_step`), and every recurrence as :func:`_delta_step`."""
     modules = gdn_modules(model)
     if not modules:
         return False
     if is_prepared(model):
+        model._ddtree_context.exact = exact
         return True
-    ctx = _Context()
+    ctx = _Context(exact=exact)
     patched: list[Any] = [*modules, model]
     for m in patched:
         m._ddtree_original_forward = m.forward
@@ -761,8 +840,8 @@ class GatedDeltaNet:
     def new_cache(self, model: Any) -> Any:
         return new_hybrid_cache(model)
 
-    def prepare(self, model: Any) -> None:
-        prepare(model)
+    def prepare(self, model: Any, exact: bool = False) -> None:
+        prepare(model, exact)
 
     def tree_forward_kwargs(self, model: Any, tree: DraftTree) -> dict[str, Any]:
         return {LINEAR_TREE_KWARG: tree} if is_prepared(model) else {}

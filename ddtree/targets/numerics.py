@@ -96,6 +96,27 @@ def _route_matmuls(module: torch.nn.Module) -> None:
     vars(module)[_ROUTED] = True
 
 
+_PINNED = "_ddtree_exact_threads"
+
+
+def _pin_torch_threads(model: torch.nn.Module) -> None:
+    """Wrap ``model``'s forward so that a forward outside :func:`~ddtree.targets.cpu_linear.bulk_rows` runs torch's
+    own ops on one thread (:func:`~ddtree.targets.row_kernels.torch_single_threaded`); the prefill keeps them all."""
+    if _PINNED in vars(model):
+        return
+    original = model.forward
+
+    @functools.wraps(original)
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        if cpu_linear.in_bulk():
+            return original(*args, **kwargs)
+        with row_kernels.torch_single_threaded():
+            return original(*args, **kwargs)
+
+    model.forward = forward  # type: ignore[method-assign]  # patches this instance
+    vars(model)[_PINNED] = True
+
+
 def prepare_exact(model: Any) -> None:
     """Route ``model``'s products through the row-invariant kernels (idempotent); raises with the reason where
     they cannot run. The attention is the ``"exact"`` backend's (:class:`ddtree.targets.backends.ExactBackend`)."""
@@ -107,6 +128,7 @@ def prepare_exact(model: Any) -> None:
     cpu_linear.install(model, exact=True)
     for module in _functional_matmul_modules(model):
         _route_matmuls(module)
+    _pin_torch_threads(model)
     describe(model).numerics = "exact"
 
 

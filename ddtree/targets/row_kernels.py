@@ -9,12 +9,58 @@ kernels cannot run.
 
 from __future__ import annotations
 
+import contextvars
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
 import torch
 
 from ddtree.targets import native
 
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.float64: 3}
 """The dtypes the kernels take, by the code the C side switches on."""
+
+
+_THREADS: contextvars.ContextVar[int | None] = contextvars.ContextVar("ddtree_kernel_threads", default=None)
+
+
+@contextmanager
+def torch_single_threaded() -> Iterator[None]:
+    """Run torch's own ops on one thread while the kernels keep the caller's threads. torch splits a large
+    elementwise op into one chunk per thread, and each chunk's last partial vector takes a scalar path whose
+    transcendentals (exp, silu, ...) can differ in the last bit: which elements land there depends on the
+    tensor's size, so on several threads a row's bits would depend on the rows beside it."""
+    threads = torch.get_num_threads()
+    token = _THREADS.set(threads if _THREADS.get() is None else _THREADS.get())
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+        _THREADS.reset(token)
+
+
+VECTOR_MULTIPLE = 64
+"""Elements in the widest block torch's CPU elementwise loops take at once (two AVX-512 vectors of 16-bit floats)."""
+
+
+def elementwise(fn: Callable[..., torch.Tensor], *tensors: torch.Tensor) -> torch.Tensor:
+    """``fn(*tensors)`` for an elementwise ``fn`` on tensors of one shape, every element through the same code.
+
+    torch computes the last partial vector of an elementwise op with scalar code, whose transcendentals (exp,
+    sigmoid, softplus) can differ in the last bit from the vector code; which elements land there depends on the
+    tensor's size. Padding the flattened tensors to whole blocks sends every element through the vector code
+    (with torch on one thread, :func:`torch_single_threaded`), whatever the rows beside it."""
+    shape = tensors[0].shape
+    numel = tensors[0].numel()
+    pad = -numel % VECTOR_MULTIPLE
+    flat = [torch.nn.functional.pad(t.reshape(-1), (0, pad)) for t in tensors]
+    return fn(*flat)[:numel].view(shape)
+
+
+def _threads() -> int:
+    threads = _THREADS.get()
+    return torch.get_num_threads() if threads is None else threads
 
 
 def _library():
@@ -54,7 +100,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     y = torch.empty(rows, n, dtype=dtype)
     if rows and n:
         lib.ddtree_row_linear(x2.data_ptr(), w.data_ptr(), 0 if b is None else b.data_ptr(), y.data_ptr(), rows, k,
-                              n, DTYPE_CODES[dtype], int(transposed), torch.get_num_threads())
+                              n, DTYPE_CODES[dtype], int(transposed), _threads())
     return y.view(*x.shape[:-1], n)
 
 
@@ -90,5 +136,5 @@ def tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: tor
     lib.ddtree_row_attention(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), DTYPE_CODES[dtype], bsz, hq,
                              hkv, n, d, *(s.data_ptr() for s in strides), starts.data_ptr(), width - n,
                              vis.data_ptr(), 0 if sink is None else sink.data_ptr(), float(softcap or 0.0),
-                             float(scale), torch.get_num_threads())
+                             float(scale), _threads())
     return out
