@@ -96,3 +96,150 @@ def test_every_node_has_the_one_token_steps_bits(family, dtype):
 def test_control_fast_numerics_differ_in_bf16(family):
     """The same check under numerics="fast" fails in bfloat16: the check can see a one-bit difference."""
     assert _node_mismatches(family, torch.bfloat16, "fast")
+
+
+# ------------------------------------------------------------------------------------------------------------
+# end to end: every speculation setting gives plain decoding's tokens
+# ------------------------------------------------------------------------------------------------------------
+
+GRID_PROMPT = [5, 17, 33, 8, 21, 40, 12, 3, 9, 60, 61, 62, 70, 80, 5, 17, 33, 8]
+GRID_NEW = 40
+BUDGETS = (1, 4, 16, 64, "auto")
+BUILDERS = ("chain", "best_first", "beam@2x4")
+SAMPLING = dict(do_sample=True, temperature=1.0, top_p=0.9, seed=1234, stop_token_ids=())
+
+
+def _near_tie_target(dtype):
+    """A tiny target without the sharpened head: flat logits, so near-ties are common."""
+    return tiny_target("llama", dtype=dtype, sharpen=False)
+
+
+def _runs(target, drafter, numerics, prompt, **call):
+    plain = None
+    runs = {}
+    for lookup in (False, True):
+        gen = SpeculativeGenerator(target, drafter, numerics=numerics, prompt_lookup=lookup)
+        if plain is None:  # past the runs' end by the deepest tree, so every round's acceptance is known
+            plain = gen.generate(torch.tensor([prompt]), max_new_tokens=GRID_NEW + 66, tree_budget=0, **call)
+        for budget in BUDGETS:
+            for builder in BUILDERS:
+                runs[(lookup, budget, builder)] = gen.generate(
+                    torch.tensor([prompt]), max_new_tokens=GRID_NEW, tree_budget=budget, builder=builder,
+                    record_trees=True, **call)
+    return plain, runs
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("rule", ["greedy", "sampled"])
+def test_every_budget_builder_and_lookup_gives_plain_decodings_tokens(dtype, rule):
+    target = _near_tie_target(DTYPES[dtype])
+    call = {} if rule == "greedy" else SAMPLING
+    plain, runs = _runs(target, tiny_drafter(target), "exact", GRID_PROMPT, **call)
+    ref = plain.sequences[0].tolist()
+    assert len(ref) == len(GRID_PROMPT) + GRID_NEW + 66  # no stop token cut it short
+    for key, out in runs.items():
+        assert out.sequences[0].tolist() == ref[: out.sequences.shape[1]], key
+        if rule == "greedy":  # each round accepted exactly what its tree spells of plain decoding's text
+            assert out.acceptance_lengths == [expected_acceptance(r, ref) for r in out.rounds], key
+
+
+def _forks(numerics: str, **call) -> bool:
+    target = _near_tie_target(torch.bfloat16)
+    plain, runs = _runs(target, tiny_drafter(target), numerics, GRID_PROMPT, **call)
+    ref = plain.sequences[0].tolist()
+    return any(out.sequences[0].tolist() != ref[: out.sequences.shape[1]] for out in runs.values())
+
+
+def test_control_the_grid_differs_under_fast_numerics_in_bf16():
+    """Under numerics="fast" the same grid forks from plain decoding: greedy, and sampled for one of the first
+    five seeds (the keyed noise hides most near-ties)."""
+    assert _forks("fast")
+    assert any(_forks("fast", **dict(SAMPLING, seed=seed)) for seed in range(5))
+
+
+BATCH_PROMPTS = [GRID_PROMPT, [11, 2, 2, 40, 61, 7, 9, 33, 12], list(range(10, 41))]
+
+
+@pytest.mark.parametrize("rule", ["greedy", "sampled"])
+def test_a_ragged_batchs_rows_are_their_batch_one_runs(rule):
+    """Rows of different lengths, one stopping early: each row's tokens are its own batch-1 plain decoding's, at
+    budget 0, 4 and auto (a seed list keys each row by its own seed)."""
+    target = _near_tie_target(torch.bfloat16)
+    gen = SpeculativeGenerator(target, tiny_drafter(target), numerics="exact")
+    seeds = [7, 8, 9]
+    alone = [gen.generate(torch.tensor([p]), max_new_tokens=GRID_NEW, tree_budget=0,
+                          **(dict(stop_token_ids=()) if rule == "greedy" else dict(SAMPLING, seed=s))).row_tokens[0]
+             for p, s in zip(BATCH_PROMPTS, seeds)]
+    stop = alone[1][12]  # row 1 stops at its 13th token (its first time at it)
+    want = [t[: t.index(stop) + 1] if stop in t else t for t in alone]
+    assert len(want[1]) < GRID_NEW
+    call = {} if rule == "greedy" else dict(SAMPLING, seed=seeds)
+    call["stop_token_ids"] = (stop,)
+    for budget in (0, 4, "auto"):
+        out = gen.generate(BATCH_PROMPTS, max_new_tokens=GRID_NEW, tree_budget=budget, **call)
+        assert out.row_tokens == want, budget
+
+
+def test_dflash2_trees_give_plain_decodings_tokens(tmp_path):
+    from test_dflash2 import ddtree_checkpoint
+
+    from ddtree.loading.drafter import load_drafter
+
+    target = _near_tie_target(torch.bfloat16)
+    drafter = load_drafter(ddtree_checkpoint(target, tmp_path / "d2"), target)
+    gen = SpeculativeGenerator(target, drafter, numerics="exact")
+    plain = gen.generate(torch.tensor([GRID_PROMPT]), max_new_tokens=GRID_NEW, tree_budget=0)
+    for budget in (4, 16, "auto"):
+        out = gen.generate(torch.tensor([GRID_PROMPT]), max_new_tokens=GRID_NEW, tree_budget=budget)
+        assert torch.equal(out.sequences, plain.sequences), budget
+
+
+def test_a_drafter_that_knows_the_text_is_accepted_whole():
+    """A custom drafter that proposes plain decoding's own continuation (its runner-up ranked first at depth 2):
+    every round accepts the whole block, so the exact verify agrees with plain decoding at every node."""
+    from tiny import ScriptedDrafter
+
+    target = _near_tie_target(torch.bfloat16)
+    gen = SpeculativeGenerator(target, tiny_drafter(target), numerics="exact")
+    ref = gen.generate(torch.tensor([GRID_PROMPT]), max_new_tokens=GRID_NEW + 8, tree_budget=0,
+                       stop_token_ids=()).sequences
+    scripted = ScriptedDrafter(ref, target.config.vocab_size, block_size=5, decoy_at={2: 3})
+    gen = SpeculativeGenerator(target, scripted, numerics="exact", tree_budget=8, prompt_lookup=False)
+    out = gen.generate(torch.tensor([GRID_PROMPT]), max_new_tokens=GRID_NEW, record_trees=True, stop_token_ids=())
+    assert out.sequences.shape[1] == len(GRID_PROMPT) + GRID_NEW
+    assert out.sequences[0].tolist() == ref[0, : out.sequences.shape[1]].tolist()
+    assert out.acceptance_lengths == [5] * len(out.rounds)
+
+
+def _wide_mismatches(intermediate: int, threads: int, nodes: int = 33) -> int:
+    """Nodes of a tree of a wider llama, on ``threads`` threads, whose logits differ from one-token steps."""
+    torch.set_num_threads(threads)
+    target = tiny_target("llama", dtype=torch.float32, hidden_size=128, intermediate_size=intermediate, head_dim=32)
+    gen = SpeculativeGenerator(target, tiny_drafter(target), numerics="exact", prompt_lookup=False)
+    parents = torch.tensor([-1] + [i // 2 for i in range(nodes - 1)])
+    tokens = torch.randint(3, 90, (1, nodes), generator=torch.Generator().manual_seed(0))
+    tree = DraftTree.from_parents(tokens, parents[None])
+    with torch.inference_mode():
+        logits, singles = _verify_logits(gen, target, PROMPTS[:1], tree)
+        return sum(not torch.equal(logits[0, n], _one_token_logits(
+            target, singles[0], tree.tokens[0, tree.visibility[0, n]].tolist(), len(PROMPTS[0])))
+            for n in range(nodes))
+
+
+@pytest.mark.parametrize("intermediate,threads", [(4096, 5), (1000, 1)])
+def test_many_threads_and_odd_widths_keep_the_bits(intermediate, threads):
+    """On 5 threads torch splits a 33-row activation into chunks whose last partial vectors take scalar code, and an
+    MLP width of 1000 leaves a partial vector at the end: exact forwards run torch's own ops on one thread (the
+    kernels keep every thread) and activations padded to whole vectors, and every node keeps its bits."""
+    assert _wide_mismatches(intermediate, threads) == 0
+
+
+def test_control_without_those_guards_wide_trees_differ(monkeypatch):
+    import contextlib
+
+    from ddtree.targets import numerics, row_kernels
+
+    monkeypatch.setattr(row_kernels, "torch_single_threaded", contextlib.nullcontext)
+    assert _wide_mismatches(4096, 5) > 0
+    monkeypatch.setattr(numerics, "_activation_modules", lambda model: [])
+    assert _wide_mismatches(1000, 1) > 0

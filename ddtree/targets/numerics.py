@@ -9,7 +9,9 @@ takes is kernels whose reductions run in an order fixed per output, swapped in b
 - linear layers through the row-invariant kernel (:func:`ddtree.targets.cpu_linear.install` with ``exact``),
   and the matrix products that experts and routers compute in functional form (:class:`_RowInvariantMatmuls`);
 - attention through :mod:`ddtree.targets.exact_attention` (the ``"exact"`` backend);
-- everything else per row as torch runs it on a CPU (norms, activations, rotary embeddings, the sampler),
+- everything else per row as torch runs it on a CPU (norms, activations, rotary embeddings, the sampler), on one
+  thread during a decode forward (torch's threads split an op at sizes where a row's bits would follow its
+  neighbours) and with the activations padded to whole vectors (:func:`~ddtree.targets.row_kernels.elementwise`),
   checked bit for bit by the tests for every family in float32 and bfloat16.
 
 The prefill stays on BLAS and the causal kernels (:func:`ddtree.targets.cpu_linear.bulk_rows`); both settings
@@ -96,6 +98,29 @@ def _route_matmuls(module: torch.nn.Module) -> None:
     vars(module)[_ROUTED] = True
 
 
+_TAIL_FREE = "_ddtree_exact_elementwise"
+
+
+def _activation_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The activation modules of ``model`` (transformers' ``ACT2FN`` classes)."""
+    return [m for m in model.modules() if type(m).__module__ == "transformers.activations"]
+
+
+def _tail_free(module: torch.nn.Module) -> None:
+    """Route an activation module through :func:`~ddtree.targets.row_kernels.elementwise`: an MLP width that is
+    not a whole number of vectors would otherwise leave the last rows' activations to scalar code."""
+    if _TAIL_FREE in vars(module):
+        return
+    original = module.forward
+
+    @functools.wraps(original)
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        return row_kernels.elementwise(original, x)
+
+    module.forward = forward  # type: ignore[method-assign]  # patches this instance
+    vars(module)[_TAIL_FREE] = True
+
+
 _PINNED = "_ddtree_exact_threads"
 
 
@@ -128,6 +153,8 @@ def prepare_exact(model: Any) -> None:
     cpu_linear.install(model, exact=True)
     for module in _functional_matmul_modules(model):
         _route_matmuls(module)
+    for module in _activation_modules(model):
+        _tail_free(module)
     _pin_torch_threads(model)
     describe(model).numerics = "exact"
 
