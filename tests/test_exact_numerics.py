@@ -14,12 +14,12 @@ import copy
 import pytest
 import torch
 from test_generator import expected_acceptance
-from tiny import FAMILIES, HYBRIDS, WINDOW, family_target, tiny_drafter, tiny_target
+from tiny import FAMILIES, WINDOW, family_target, tiny_drafter, tiny_target
 
 from ddtree import SpeculativeGenerator
 from ddtree.core.tree import DraftTree
 from ddtree.targets import native
-from ddtree.targets.cache import commit_accepted, new_target_cache, padding_mask, stack_rows, truncate
+from ddtree.targets.cache import new_target_cache, padding_mask, stack_rows, truncate
 from ddtree.targets.forward import chunked_prefill, target_forward
 
 needs_kernels = pytest.mark.skipif(not native.available(), reason=f"kernels: {native.unavailable_reason()}")
@@ -243,3 +243,57 @@ def test_control_without_those_guards_wide_trees_differ(monkeypatch):
     assert _wide_mismatches(4096, 5) > 0
     monkeypatch.setattr(numerics, "_activation_modules", lambda model: [])
     assert _wide_mismatches(1000, 1) > 0
+
+
+# ------------------------------------------------------------------------------------------------------------
+# settings: what exact mode refuses, and why
+# ------------------------------------------------------------------------------------------------------------
+
+
+def test_the_setting_is_checked_and_explained(monkeypatch):
+    from ddtree import GeneratorOptions
+    from ddtree.runtime.distributed import Lockstep
+    from ddtree.targets import numerics
+
+    with pytest.raises(ValueError, match="numerics must be 'fast', 'exact' or None"):
+        GeneratorOptions(numerics="bitwise")
+    with pytest.raises(ValueError, match="numerics='exact' runs eagerly.*compile=False"):
+        GeneratorOptions(numerics="exact", compile=True)
+    with pytest.raises(ValueError, match="its own row-invariant attention.*attention='auto'"):
+        GeneratorOptions(numerics="exact", attention="sdpa")
+    target = tiny_target("llama", dtype=torch.float32)
+    gen = SpeculativeGenerator(target, tiny_drafter(target), numerics="exact")
+    assert gen.options.numerics == "exact" and gen.backend.name == "exact"
+    with pytest.raises(ValueError, match="numerics prepares the models, so it is set on the generator"):
+        gen.generate(torch.tensor([GRID_PROMPT]), max_new_tokens=4, numerics="fast")
+    monkeypatch.setattr(numerics.Lockstep, "for_model", classmethod(lambda cls, model: Lockstep(object())))
+    with pytest.raises(ValueError, match="tensor parallelism.*all-reduce.*numerics='fast'"):
+        SpeculativeGenerator(tiny_target("llama", dtype=torch.float32), tiny_drafter(target), numerics="exact")
+
+
+def test_where_the_kernels_cannot_run_exact_is_refused_and_the_default_is_fast(monkeypatch):
+    from ddtree.generation import generator
+
+    monkeypatch.setattr(native, "_cpu_flags", lambda: {"sse2"})
+    native.library.cache_clear()
+    try:
+        target = tiny_target("llama", dtype=torch.float32)
+        with pytest.raises(ValueError, match="numerics='exact' cannot run LlamaForCausalLM: .*lacks avx2"):
+            SpeculativeGenerator(target, tiny_drafter(target), numerics="exact")
+        monkeypatch.setitem(generator.DEFAULT_NUMERICS, "cpu", "exact")
+        assert SpeculativeGenerator(target, tiny_drafter(target)).options.numerics == "fast"
+        meta = tiny_target("llama", dtype=torch.float32).to("meta")
+        assert "run on CPU targets, and this one is on meta" in generator.exact_unavailable(meta)
+    finally:
+        monkeypatch.undo()
+        native.library.cache_clear()
+
+
+def test_another_generator_that_takes_the_linears_back_is_caught():
+    from ddtree.targets import cpu_linear
+
+    target = tiny_target("llama", dtype=torch.float32)
+    gen = SpeculativeGenerator(target, tiny_drafter(target), numerics="exact", tree_budget=4)
+    cpu_linear.uninstall(target)
+    with pytest.raises(RuntimeError, match="no longer routed through the row-invariant kernel"):
+        gen.generate(torch.tensor([GRID_PROMPT]), max_new_tokens=8)

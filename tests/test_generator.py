@@ -11,6 +11,7 @@ from ddtree.blocks import beam
 from ddtree.core.tree import LOOKUP
 from ddtree.drafters.base import Proposal
 from ddtree.drafters.lookup import PromptLookup, WithLookup
+from ddtree.generation.generator import default_numerics
 
 PROMPTS = [[5, 17, 3], [11, 2, 2, 40, 61, 7, 9, 33, 12, 1, 80], list(range(10, 50))]
 NEW = 64
@@ -206,6 +207,7 @@ def test_options_are_checked_once_when_made_and_each_refusal_names_its_fix(tiny_
         "prefill_chunk": (0, ValueError, "prefill_chunk must be an int >= 1"),
         "coupled_drafts": ("yes", ValueError, "coupled_drafts must be True, False or None"),
         "prompt_lookup": (1, ValueError, "prompt_lookup must be True, False or None"),
+        "numerics": ("bitwise", ValueError, "numerics must be 'fast', 'exact' or None"),
     }
     assert set(bad) == {f.name for f in dataclasses.fields(GeneratorOptions)}  # every setting has its check
     for name, (value, error, message) in bad.items():
@@ -227,8 +229,9 @@ def test_options_are_checked_once_when_made_and_each_refusal_names_its_fix(tiny_
 
     opts = GeneratorOptions(tree_budget=16, builder="chain", prefill_chunk=None)
     gen = SpeculativeGenerator(target, draft, options=opts, tree_budget=8)
-    # the generator fills its defaults in: here no merged prompt lookup (the suite's default, conftest)
-    assert gen.options == opts.replace(tree_budget=8, prompt_lookup=False)
+    # the generator fills its defaults in: here no merged prompt lookup (the suite's default, conftest), and the
+    # device's numerics
+    assert gen.options == opts.replace(tree_budget=8, prompt_lookup=False, numerics=default_numerics(target))
     assert (gen.tree_budget, gen.prefill_chunk) == (8, None)
     assert gen.builder is beam.__globals__["BUILDERS"]["chain"]
     assert SpeculativeGenerator(target, draft).options.tree_budget == 4  # the suite's fixed default (conftest)

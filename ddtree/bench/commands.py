@@ -12,5 +12,6 @@ SUBCOMMANDS = {
     "compiled": ("ddtree.bench.compiled", "the dynamic round against compile=True, per method"),
     "eager-regression": ("ddtree.bench.eager_regression",
                          "the eager path's tokens/s against another source tree's, in alternating processes"),
+    "numerics": ("ddtree.bench.numerics", "numerics='exact' against 'fast': tokens/s, and rows that fork from plain"),
     "memory": ("ddtree.bench.memory", "long prompts: peak memory and time to first token against HF generate"),
 }

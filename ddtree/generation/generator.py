@@ -172,6 +172,8 @@ class SpeculativeGenerator:
             options = options.replace(prompt_lookup=DEFAULT_PROMPT_LOOKUP)
         if options.numerics is None:
             options = options.replace(numerics=default_numerics(target, bool(options.compile)))
+        if options.numerics == "exact":
+            prepare_exact(target)  # the target's products through the row-invariant kernels, or the reason why not
         # a directory, hub id or raw model becomes a drafter for target (with a lookup branch when asked)
         drafter = resolve_drafter(drafter, target, bool(options.prompt_lookup))
         if self.lockstep.active:
@@ -179,12 +181,6 @@ class SpeculativeGenerator:
         self.target = target.eval()
         self.options = options
         if options.numerics == "exact":
-            if self.lockstep.active:
-                raise ValueError("numerics='exact' is not available under tensor parallelism: each rank's partial "
-                                 "products are summed by the all-reduce in an order that depends on the tensor's "
-                                 "size, so a tree node and a one-token step differ in the last bits. Pass "
-                                 "numerics='fast'")
-            prepare_exact(target)  # the target's products through the row-invariant kernels (or a reason to stop)
             self.cpu_linear = cpu_linear.installed(target)
         else:  # compiled steps trace torch's own linears, even where another generator routed this target's
             self.cpu_linear = 0 if options.compile else _route_cpu_linear(target, options.cpu_linear)

@@ -16,7 +16,8 @@ from typing import Any
 import torch
 
 from ddtree.drafters.base import DraftContext, Drafter, takes_host_counts
-from ddtree.targets.cache import new_target_cache, padding_mask
+from ddtree.targets.cache import new_target_cache, padding_mask, stack_rows
+from ddtree.targets.description import describe
 from ddtree.targets.forward import TargetModel, chunked_prefill
 
 Append = Callable[[torch.Tensor | None, torch.Tensor, torch.Tensor | None, bool, list[int] | None], None]
@@ -65,9 +66,52 @@ def prefill(target: TargetModel, prompts: Sequence, drafter: Drafter | None = No
     append = None if context is None else _append_to(context)
 
     host_lengths = [len(p) for p in prompts]
-    logits = prefill_padded(target, ids, lengths, cache, drafter=drafter, append=append, chunk_size=chunk_size,
-                            host_lengths=host_lengths)
+    if describe(target).prefill_rows_alone(len(host_lengths), len(set(host_lengths)) > 1):
+        cache, logits = prefill_each_row(target, [torch.as_tensor(p).view(-1).to(device) for p in prompts],
+                                         drafter=drafter, append=append, chunk_size=chunk_size)
+    else:
+        logits = prefill_padded(target, ids, lengths, cache, drafter=drafter, append=append, chunk_size=chunk_size,
+                                host_lengths=host_lengths)
     return Prefilled(cache, logits, lengths, context)
+
+
+def prefill_each_row(target: TargetModel, prompts: Sequence[torch.Tensor], *, drafter: Drafter | None = None,
+                     append: Append | None = None, chunk_size: int | None = None) -> tuple[Any, torch.Tensor]:
+    """Prefill ``prompts`` one by one and stack their caches (left padding): each row's cache is exactly its
+    batch-1 prefill's, which a batched forward does not give a stateful layer after left padding (GDN: see
+    ``padded_prefill_exact`` of its kind), nor any row under exact numerics (the batch's other rows change its
+    products' bits). Each chunk goes to ``append`` as that row's alone (the other rows take no tokens), in
+    :func:`prefill_padded`'s layout. Returns the stacked cache and the last logits ``[B, V]``."""
+    rows = len(prompts)
+    hidden = append is not None and drafter is not None and drafter.needs_hidden_states
+    caches: list[Any] = []
+    last: list[torch.Tensor] = []
+    for b, prompt in enumerate(prompts):
+
+        def to_drafter(start: int, end: int, out: Any, b: int = b, prompt: torch.Tensor = prompt) -> None:
+            assert append is not None  # passed as on_chunk only with an append
+            t = end - start
+            tokens = torch.zeros((rows, t), dtype=torch.long, device=prompt.device)
+            tokens[b] = prompt[start:end]
+            counts = torch.zeros(rows, dtype=torch.long, device=prompt.device)
+            counts[b] = t
+            host_counts = [0] * rows
+            host_counts[b] = t
+            features = None
+            if hidden and drafter is not None:
+                own = drafter.context_features(out.hidden_states)
+                assert own is not None  # a drafter that needs hidden states returns features
+                features = own.new_zeros((rows, *own.shape[1:]))
+                features[b] = own[0]
+            append(features, tokens, counts, end == len(prompt), host_counts)
+
+        cache = new_target_cache(target)
+        logits = chunked_prefill(target, prompt.view(1, -1), cache, chunk_size, hidden=hidden,
+                                 layers=drafter.target_layer_ids if hidden and drafter is not None else None,
+                                 on_chunk=None if append is None else to_drafter)
+        caches.append(cache)
+        last.append(logits)
+    return stack_rows(caches, [len(p) for p in prompts]), torch.cat(last)
 
 
 def _append_to(context: DraftContext) -> Append:

@@ -35,7 +35,7 @@ from ddtree.core.tree import DraftTree, root_only
 from ddtree.core.verify import VerifyResult, verify_tree
 from ddtree.drafters.base import DraftContext, check_proposal, coupled_proposal, proposal_rows, proposal_tree
 from ddtree.generation.accepted import AcceptedOnHost, emit_accepted, observe_accepted, pack_accepted, unpack_accepted
-from ddtree.generation.prefill import prefill_padded
+from ddtree.generation.prefill import prefill_each_row, prefill_padded
 from ddtree.generation.state import DecodeState, RoundResult
 from ddtree.generation.static_round import StaticRows, static_budget, static_round, to_static
 from ddtree.targets.cache import (
@@ -44,11 +44,10 @@ from ddtree.targets.cache import (
     commit_accepted,
     new_target_cache,
     padding_mask,
-    stack_rows,
     truncate_front,
 )
 from ddtree.targets.description import describe
-from ddtree.targets.forward import chunked_prefill, target_forward
+from ddtree.targets.forward import target_forward
 
 HELD_BACK_MOST = 64
 """Appends to the drafter context that rounds without a tree hold back before taking them in as one pass: the
@@ -118,15 +117,16 @@ def _prefill(state: DecodeState) -> RoundResult:
     held.cache = new_target_cache(target)
     rows.host_lengths = host_lengths
     plain = state.policy is None
-    hidden = not plain and gen.drafter.needs_hidden_states
     with timer.stage("prefill"):
         if not plain:
             held.draft = gen.drafter.new_context(rows.batch_size)
+        append = None if plain else (lambda features, tokens, counts, last_chunk, host_counts:
+                                     _to_context(state, last_chunk, features, tokens, counts, host_counts))
         if describe(target).prefill_rows_alone(rows.batch_size, padded):
-            last = _prefill_each_row(state, hidden, width)
+            held.cache, last = prefill_each_row(target, rows.prompts, drafter=gen.drafter, append=append,
+                                                chunk_size=state.prefill_chunk)
+            check_cache_length(held.cache, width, "prefill")
         else:
-            append = None if plain else (lambda features, tokens, counts, last_chunk, host_counts:
-                                         _to_context(state, last_chunk, features, tokens, counts, host_counts))
             last = prefill_padded(target, ids, lengths, held.cache, drafter=gen.drafter, append=append,
                                   chunk_size=state.prefill_chunk, host_lengths=host_lengths)
         roots = gen.lockstep.share(choose_tokens(last.to(device), state.sampling, keys=held.keys,
@@ -147,47 +147,6 @@ def _to_context(state: DecodeState, last: bool, features: torch.Tensor | None, t
         state.on_device.deferred.append((features, tokens, counts, host_counts))
     else:
         state.on_device.append_draft(features, tokens, counts, host_counts)
-
-
-def _prefill_each_row(state: DecodeState, hidden: bool, width: int) -> torch.Tensor:
-    """Prefill the prompts one by one and stack the caches, for a target whose stateful layers a left-padded
-    batch forward leaves inexact (GDN: see ``padded_prefill_exact`` of its kind): each row's state is then
-    exactly its batch-1 prefill's. Each chunk's features go to the drafter
-    context as that row's alone (the other rows append nothing). Returns the last logits ``[B, V]``."""
-    gen = state.generator
-    target = gen.target
-    prompts = state.rows.prompts
-    rows = len(prompts)
-    caches: list[Any] = []
-    last: list[torch.Tensor] = []
-    for b, prompt in enumerate(prompts):
-
-        def to_drafter(start: int, end: int, out: Any, b: int = b, prompt: torch.Tensor = prompt) -> None:
-            if state.on_device.draft is None:
-                return
-            t = end - start
-            tokens = torch.zeros((rows, t), dtype=torch.long, device=prompt.device)
-            tokens[b] = prompt[start:end]
-            counts = torch.zeros(rows, dtype=torch.long, device=prompt.device)
-            counts[b] = t
-            host_counts = [0] * rows
-            host_counts[b] = t
-            features = None
-            if hidden:
-                own = gen.drafter.context_features(out.hidden_states)
-                assert own is not None  # a drafter that needs hidden states returns features
-                features = own.new_zeros((rows, *own.shape[1:]))
-                features[b] = own[0]
-            _to_context(state, end == len(prompt), features, tokens, counts, host_counts)
-
-        cache = new_target_cache(target)
-        logits = chunked_prefill(target, prompt.view(1, -1), cache, state.prefill_chunk, hidden=hidden,
-                                 layers=gen.drafter.target_layer_ids if hidden else None, on_chunk=to_drafter)
-        caches.append(cache)
-        last.append(logits)
-    state.on_device.cache = stack_rows(caches, [len(p) for p in prompts])
-    check_cache_length(state.on_device.cache, width, "prefill")
-    return torch.cat(last)
 
 
 def _plain_step(state: DecodeState) -> RoundResult:

@@ -294,6 +294,7 @@ def get_backend(
 def _auto_backend(device: torch.device | str) -> DenseMaskBackend | SplitBackend:
     """The backend ``"auto"`` picks for ``device``."""
     chosen = _named_backend(auto_backend_name(device))
+    assert not isinstance(chosen, ExactBackend)  # "auto" picks attention for numerics="fast"
     if isinstance(chosen, SplitBackend) and chosen.name == "fused":
         chosen.dense_below = {"cpu": CPU_DENSE_BELOW, "cuda": CUDA_DENSE_BELOW}.get(torch.device(device).type, 0)
     return chosen

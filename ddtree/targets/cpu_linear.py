@@ -122,7 +122,7 @@ def install(model: torch.nn.Module, max_rows: int = DEFAULT_MAX_ROWS, *, exact: 
     for mod in model.modules():
         if _routable(mod, exact):
             setattr(mod, _INSTALLED, EVERY_ROW if exact else int(max_rows))
-            mod.forward = types.MethodType(_forward, mod)  # type: ignore[method-assign]  # patches this instance
+            mod.forward = types.MethodType(_forward, mod)  # patches this instance
             count += 1
     return count
 

@@ -273,13 +273,14 @@ def gdn_tree_forward(module: Any, hidden: torch.Tensor, plan: LinearTreePlan, ca
         inputs = _normalised(q, k, v, g, beta, elementwise)
         _PENDING.setdefault(cache, {})[module.layer_idx] = _Pending(conv_inputs, *inputs, None)
         return _output(module, _exact_levels(inputs, plan, state).to(hidden.dtype), z)
-    pending = _Pending(conv_inputs, q, k, v, g, beta, _recurrent_fn(module))
+    fn = _recurrent_fn(module)
+    pending = _Pending(conv_inputs, q, k, v, g, beta, fn)
     _PENDING.setdefault(cache, {})[module.layer_idx] = pending
 
     if plan.is_chain and n >= CHUNKED_CHAIN_FROM:
         core = _run(_chunk_fn(module), q, k, v, g, beta, state, False)[0]
     else:
-        core = _tree_recurrence(pending.fn, pending, plan, state)  # [B, N, HV, Dv]
+        core = _tree_recurrence(fn, pending, plan, state)  # [B, N, HV, Dv]
     return _output(module, core, z)
 
 
@@ -363,7 +364,8 @@ def _levels_in_torch(p: _Pending, plan: LinearTreePlan, state: torch.Tensor) -> 
     """transformers' reference gated delta rule (float32, q/k l2-normalised, q scaled), one depth per step."""
     bsz, n = plan.batch, plan.num_nodes
     out_dtype = p.v.dtype
-    q, k, v, decay, beta = _normalised(*(x.reshape(bsz * n, *x.shape[2:]) for x in (p.q, p.k, p.v, p.g, p.beta)))
+    flat = [x.reshape(bsz * n, *x.shape[2:]) for x in (p.q, p.k, p.v, p.g, p.beta)]
+    q, k, v, decay, beta = _normalised(flat[0], flat[1], flat[2], flat[3], flat[4])
     state = state.to(torch.float32)
     out = v.new_empty(v.shape)  # [BN, HV, Dv]
     for ids, parent_slot in plan.levels:

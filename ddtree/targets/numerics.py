@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
+from ddtree.runtime.distributed import Lockstep
 from ddtree.targets import cpu_linear, native, row_kernels
 from ddtree.targets.description import describe
 
@@ -46,6 +47,9 @@ def exact_unavailable(model: Any) -> str | None:
     if param.device.type != "cpu":
         return (f"its row-invariant kernels run on CPU targets, and this one is on {param.device.type}: "
                 "the CUDA kernels are not built yet")
+    if Lockstep.for_model(model).active:
+        return ("under tensor parallelism each rank's partial products are summed by the all-reduce, in an order "
+                "that follows the tensor's size, so a tree node and a one-token step would differ in the last bits")
     if param.dtype not in row_kernels.DTYPE_CODES:
         return f"the row-invariant kernels take float32, bfloat16, float16 or float64, not {param.dtype}"
     why = native.unavailable_reason()
@@ -94,7 +98,7 @@ def _route_matmuls(module: torch.nn.Module) -> None:
         with _RowInvariantMatmuls():
             return original(*args, **kwargs)
 
-    module.forward = forward  # type: ignore[method-assign]  # patches this instance
+    module.forward = forward  # patches this instance
     vars(module)[_ROUTED] = True
 
 
@@ -117,7 +121,7 @@ def _tail_free(module: torch.nn.Module) -> None:
     def forward(x: torch.Tensor) -> torch.Tensor:
         return row_kernels.elementwise(original, x)
 
-    module.forward = forward  # type: ignore[method-assign]  # patches this instance
+    module.forward = forward  # patches this instance
     vars(module)[_TAIL_FREE] = True
 
 
@@ -138,7 +142,7 @@ def _pin_torch_threads(model: torch.nn.Module) -> None:
         with row_kernels.torch_single_threaded():
             return original(*args, **kwargs)
 
-    model.forward = forward  # type: ignore[method-assign]  # patches this instance
+    model.forward = forward  # patches this instance
     vars(model)[_PINNED] = True
 
 
@@ -162,7 +166,8 @@ def prepare_exact(model: Any) -> None:
 def check_exact(model: Any) -> None:
     """Refuse a forward of an exact generator whose target another generator gave back its BLAS linears."""
     head = model.get_output_embeddings()
-    if describe(model).numerics != "exact" or not (isinstance(head, torch.nn.Linear) and cpu_linear.routed_exactly(head)):
+    routed = isinstance(head, torch.nn.Linear) and cpu_linear.routed_exactly(head)
+    if describe(model).numerics != "exact" or not routed:
         raise RuntimeError("this generator runs numerics='exact', but its target's linear layers are no longer "
                            "routed through the row-invariant kernel (another generator or cpu_linear.uninstall "
                            "changed them): build a new SpeculativeGenerator for this target")

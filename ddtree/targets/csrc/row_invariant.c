@@ -282,43 +282,34 @@ static inline float exp1(float x) {
     return out[0];
 }
 
-/* One query group's softmax-weighted values over T gathered keys (float32 path): scores s [G][T] in, the
- * G outputs [G][D] out. Lanes run over keys in blocks of 8 from the first key, so the order depends on T
- * and the keys alone. */
-static void softmax_values(float *s, long T, long G, const float *sinks, float softcap, const float *const *vrows,
-                           long D, float *o) {
+/* Softmax weights in place over one query's T scores (float32): lanes run over the scores in blocks of 8
+ * from the first, so the result depends on T and the scores alone. Returns the denominator (the sink's
+ * term included); scores past T are left at 0. */
+static float softmax_weights(float *sg, long T, const float *sink, float softcap) {
     long TP = (T + 7) / 8 * 8;
-    for (long g = 0; g < G; g++) {
-        float *sg = s + g * TP;
-        if (softcap > 0.f)
-            for (long t = 0; t < T; t++) sg[t] = softcap * tanhf(sg[t] / softcap);
-        float m = -INFINITY;
-        for (long t = 0; t < T; t++) m = sg[t] > m ? sg[t] : m;
-        if (sinks && sinks[g] > m) m = sinks[g];
-        for (long t = T; t < TP; t++) sg[t] = -INFINITY;
-        __m256 mv = _mm256_set1_ps(m), lv = _mm256_setzero_ps();
-        for (long t = 0; t < TP; t += 8) {
-            __m256 p = exp8(_mm256_sub_ps(_mm256_loadu_ps(sg + t), mv));
-            _mm256_storeu_ps(sg + t, p);
-            lv = _mm256_add_ps(lv, p);
-        }
-        float l = hsum(lv);
-        if (sinks) l += exp1(sinks[g] - m);
-        float *og = o + g * D;
-        long d = 0;
-        for (; d + 8 <= D; d += 8) {
-            __m256 acc = _mm256_setzero_ps();
-            for (long t = 0; t < T; t++) acc = _mm256_fmadd_ps(_mm256_set1_ps(sg[t]), _mm256_loadu_ps(vrows[t] + d), acc);
-            _mm256_storeu_ps(og + d, acc);
-        }
-        for (; d < D; d++) {
-            float acc = 0.f;
-            for (long t = 0; t < T; t++) acc = fmaf(sg[t], vrows[t][d], acc);
-            og[d] = acc;
-        }
-        float inv = l > 0.f ? l : 1.f;
-        for (d = 0; d < D; d++) og[d] = og[d] / inv;
+    if (softcap > 0.f)
+        for (long t = 0; t < T; t++) sg[t] = softcap * tanhf(sg[t] / softcap);
+    float m = -INFINITY;
+    for (long t = 0; t < T; t++) m = sg[t] > m ? sg[t] : m;
+    if (sink && *sink > m) m = *sink;
+    for (long t = T; t < TP; t++) sg[t] = -INFINITY;
+    __m256 mv = _mm256_set1_ps(m), lv = _mm256_setzero_ps();
+    for (long t = 0; t < TP; t += 8) {
+        __m256 p = exp8(_mm256_sub_ps(_mm256_loadu_ps(sg + t), mv));
+        _mm256_storeu_ps(sg + t, p);
+        lv = _mm256_add_ps(lv, p);
     }
+    float l = hsum(lv);
+    if (sink) l += exp1(*sink - m);
+    return l;
+}
+
+/* o[D] += p * v[D], in one fixed order over D (8 lanes, then the tail) */
+static inline void axpy(float *o, float p, const float *v, long D) {
+    __m256 pv = _mm256_set1_ps(p);
+    long d = 0;
+    for (; d + 8 <= D; d += 8) _mm256_storeu_ps(o + d, _mm256_fmadd_ps(pv, _mm256_loadu_ps(v + d), _mm256_loadu_ps(o + d)));
+    for (; d < D; d++) o[d] = fmaf(p, v[d], o[d]);
 }
 
 static void softmax_values_f64(double *s, long T, long G, const double *sinks, double softcap,
@@ -345,90 +336,155 @@ static void softmax_values_f64(double *s, long T, long G, const double *sinks, d
     }
 }
 
+#define NODE_CHUNK 8 /* nodes per task: they share one pass over the prefix's keys and values */
+
 /* q [B, Hq, N, D], k and v [B, Hkv, S, D] (element strides qs/ks/vs, last dim contiguous), S = P + N: the
  * prefix in columns [0, P), the N tree nodes after it. Node n of row b sees the prefix columns
  * [start[b, n], P), then the tree columns P + m with tree[b, n, m] != 0, in that order. out [B, N, Hq, D]
- * contiguous. sinks [Hq] (float32, or float64 for dt float64) or NULL; softcap <= 0: none. */
+ * contiguous. sinks [Hq] (float32, or float64 for dt float64) or NULL; softcap <= 0: none.
+ * A task is one KV head of one row and up to NODE_CHUNK nodes: each key and value is read once for them all,
+ * while every query still reduces over its own keys in its own logical order. */
 void ddtree_row_attention(const void *q, const void *k, const void *v, void *out, int dt, long B, long Hq,
                           long Hkv, long N, long D, const long *qs, const long *ks, const long *vs,
                           const int64_t *start, long P, const uint8_t *tree, const void *sinks, double softcap,
                           double scale, int threads) {
     long G = Hq / Hkv;
-    long tasks = B * Hkv * N;
+    long chunks = (N + NODE_CHUNK - 1) / NODE_CHUNK;
+    long tasks = B * Hkv * chunks;
     size_t esize = dt == DT_F64 ? 8 : (dt == DT_F32 ? 4 : 2);
 #pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
     for (long task = 0; task < tasks; task++) {
-        long n = task % N, hk = (task / N) % Hkv, b = task / (N * Hkv);
-        long first = start[b * N + n];
-        if (first < 0) first = 0;
-        if (first > P) first = P;
-        const uint8_t *vis = tree + (b * N + n) * N;
-        long T = P - first;
-        for (long m = 0; m < N; m++) T += vis[m] != 0;
-        long *cols = (long *)malloc(sizeof(long) * (size_t)(T > 0 ? T : 1));
-        long t = 0;
-        for (long c = first; c < P; c++) cols[t++] = c;
-        for (long m = 0; m < N; m++)
-            if (vis[m]) cols[t++] = P + m;
+        long c = task % chunks, hk = (task / chunks) % Hkv, b = task / (chunks * Hkv);
+        long n0 = c * NODE_CHUNK, nn = N - n0 < NODE_CHUNK ? N - n0 : NODE_CHUNK;
+        long first[NODE_CHUNK], T[NODE_CHUNK], TP[NODE_CHUNK], lo = P;
+        for (long i = 0; i < nn; i++) {
+            long f = start[b * N + n0 + i];
+            first[i] = f < 0 ? 0 : (f > P ? P : f);
+            const uint8_t *vis = tree + (b * N + n0 + i) * N;
+            T[i] = P - first[i];
+            for (long m = 0; m < N; m++) T[i] += vis[m] != 0;
+            TP[i] = (T[i] + 7) / 8 * 8;
+            if (first[i] < lo) lo = first[i];
+        }
         const char *kb = (const char *)k + (size_t)(b * ks[0] + hk * ks[1]) * esize;
         const char *vb = (const char *)v + (size_t)(b * vs[0] + hk * vs[1]) * esize;
         if (dt == DT_F64) {
-            double *sc = (double *)malloc(sizeof(double) * (size_t)(G * (T > 0 ? T : 1)));
-            double *o = (double *)malloc(sizeof(double) * (size_t)(G * D));
-            const double **vrows = (const double **)malloc(sizeof(double *) * (size_t)(T > 0 ? T : 1));
-            for (long g = 0; g < G; g++) {
-                const double *qg = (const double *)q + b * qs[0] + (hk * G + g) * qs[1] + n * qs[2];
-                for (long i = 0; i < T; i++)
-                    sc[g * T + i] = dot_f64(qg, (const double *)(kb + (size_t)(cols[i] * ks[2]) * esize), D) * scale;
-            }
-            for (long i = 0; i < T; i++) vrows[i] = (const double *)(vb + (size_t)(cols[i] * vs[2]) * esize);
-            const double *sk = sinks ? (const double *)sinks + hk * G : NULL;
-            softmax_values_f64(sc, T, G, sk, softcap, vrows, D, o);
-            for (long g = 0; g < G; g++)
-                memcpy((double *)out + ((b * N + n) * Hq + hk * G + g) * D, o + g * D, sizeof(double) * (size_t)D);
-            free(sc);
-            free(o);
-            free(vrows);
-        } else {
-            long TP = (T + 7) / 8 * 8;
-            float *qf = (float *)malloc(sizeof(float) * (size_t)(G * D));
-            float *sc = (float *)malloc(sizeof(float) * (size_t)(G * (TP > 0 ? TP : 8)));
-            float *kf = (float *)malloc(sizeof(float) * (size_t)D);
-            float *vf = (float *)malloc(sizeof(float) * (size_t)((T > 0 ? T : 1) * D));
-            const float **vrows = (const float **)malloc(sizeof(float *) * (size_t)(T > 0 ? T : 1));
-            float *o = (float *)malloc(sizeof(float) * (size_t)(G * D));
-            for (long g = 0; g < G; g++) {
-                const char *qg = (const char *)q + (size_t)(b * qs[0] + (hk * G + g) * qs[1] + n * qs[2]) * esize;
-                for (long d = 0; d < D; d++) qf[g * D + d] = load_one(qg, d, dt);
-            }
-            for (long i = 0; i < T; i++) {
-                const char *kr = kb + (size_t)(cols[i] * ks[2]) * esize;
-                const char *vr = vb + (size_t)(cols[i] * vs[2]) * esize;
-                for (long d = 0; d < D; d++) {
-                    kf[d] = load_one(kr, d, dt);
-                    vf[i * D + d] = load_one(vr, d, dt);
+            for (long i = 0; i < nn; i++) {
+                long n = n0 + i, t = 0;
+                const uint8_t *vis = tree + (b * N + n) * N;
+                long *cols = (long *)malloc(sizeof(long) * (size_t)(T[i] > 0 ? T[i] : 1));
+                for (long col = first[i]; col < P; col++) cols[t++] = col;
+                for (long m = 0; m < N; m++)
+                    if (vis[m]) cols[t++] = P + m;
+                double *sc = (double *)malloc(sizeof(double) * (size_t)(G * (T[i] > 0 ? T[i] : 1)));
+                double *o = (double *)malloc(sizeof(double) * (size_t)(G * D));
+                const double **vrows = (const double **)malloc(sizeof(double *) * (size_t)(T[i] > 0 ? T[i] : 1));
+                for (long g = 0; g < G; g++) {
+                    const double *qg = (const double *)q + b * qs[0] + (hk * G + g) * qs[1] + n * qs[2];
+                    for (long j = 0; j < T[i]; j++)
+                        sc[g * T[i] + j] = dot_f64(qg, (const double *)(kb + (size_t)(cols[j] * ks[2]) * esize), D) * scale;
                 }
-                vrows[i] = vf + i * D;
-                for (long g = 0; g < G; g++) sc[g * TP + i] = dot_f32(qf + g * D, kf, D) * (float)scale;
+                for (long j = 0; j < T[i]; j++) vrows[j] = (const double *)(vb + (size_t)(cols[j] * vs[2]) * esize);
+                const double *sk = sinks ? (const double *)sinks + hk * G : NULL;
+                softmax_values_f64(sc, T[i], G, sk, softcap, vrows, D, o);
+                for (long g = 0; g < G; g++)
+                    memcpy((double *)out + ((b * N + n) * Hq + hk * G + g) * D, o + g * D, sizeof(double) * (size_t)D);
+                free(cols);
+                free(sc);
+                free(o);
+                free(vrows);
             }
-            float sk[64];
-            const float *skp = NULL;
-            if (sinks) {
-                for (long g = 0; g < G && g < 64; g++) sk[g] = ((const float *)sinks)[hk * G + g];
-                skp = sk;
-            }
-            softmax_values(sc, T, G, skp, (float)softcap, vrows, D, o);
-            for (long g = 0; g < G; g++) {
-                long base = ((b * N + n) * Hq + hk * G + g) * D;
-                for (long d = 0; d < D; d++) store_one(out, base + d, o[g * D + d], dt);
-            }
-            free(qf);
-            free(sc);
-            free(kf);
-            free(vf);
-            free(vrows);
-            free(o);
+            continue;
         }
-        free(cols);
+        /* float32 math: scores s[i][g][0 .. T[i]) in each node's logical order */
+        long off[NODE_CHUNK + 1];
+        off[0] = 0;
+        for (long i = 0; i < nn; i++) off[i + 1] = off[i] + G * TP[i];
+        float *sc = (float *)malloc(sizeof(float) * (size_t)(off[nn] > 0 ? off[nn] : 8));
+        float *qf = (float *)malloc(sizeof(float) * (size_t)(nn * G * D));
+        float *o = (float *)calloc((size_t)(nn * G * D), sizeof(float));
+        float *row = (float *)malloc(sizeof(float) * (size_t)D);
+        float *ls = (float *)malloc(sizeof(float) * (size_t)(nn * G));
+        long *pos = (long *)calloc((size_t)nn, sizeof(long)); /* keys written so far, per node */
+        for (long i = 0; i < nn; i++)
+            for (long g = 0; g < G; g++) {
+                const char *qg = (const char *)q + (size_t)(b * qs[0] + (hk * G + g) * qs[1] + (n0 + i) * qs[2]) * esize;
+                for (long d = 0; d < D; d++) qf[(i * G + g) * D + d] = load_one(qg, d, dt);
+            }
+        /* scores: the shared prefix, one pass over its keys, then each node's own tree keys */
+        for (long col = lo; col < P; col++) {
+            const char *kr = kb + (size_t)(col * ks[2]) * esize;
+            const float *kf = (const float *)kr;
+            if (dt != DT_F32) {
+                for (long d = 0; d < D; d++) row[d] = load_one(kr, d, dt);
+                kf = row;
+            }
+            for (long i = 0; i < nn; i++) {
+                if (col < first[i]) continue;
+                for (long g = 0; g < G; g++)
+                    sc[off[i] + g * TP[i] + pos[i]] = dot_f32(qf + (i * G + g) * D, kf, D) * (float)scale;
+                pos[i]++;
+            }
+        }
+        for (long i = 0; i < nn; i++) {
+            const uint8_t *vis = tree + (b * N + n0 + i) * N;
+            for (long m = 0; m < N; m++) {
+                if (!vis[m]) continue;
+                const char *kr = kb + (size_t)((P + m) * ks[2]) * esize;
+                const float *kf = (const float *)kr;
+                if (dt != DT_F32) {
+                    for (long d = 0; d < D; d++) row[d] = load_one(kr, d, dt);
+                    kf = row;
+                }
+                for (long g = 0; g < G; g++)
+                    sc[off[i] + g * TP[i] + pos[i]] = dot_f32(qf + (i * G + g) * D, kf, D) * (float)scale;
+                pos[i]++;
+            }
+        }
+        for (long i = 0; i < nn; i++)
+            for (long g = 0; g < G; g++) {
+                const float *sk = sinks ? (const float *)sinks + hk * G + g : NULL;
+                ls[i * G + g] = softmax_weights(sc + off[i] + g * TP[i], T[i], sk, (float)softcap);
+            }
+        /* values: the same order, each row of values read once for the chunk */
+        for (long i = 0; i < nn; i++) pos[i] = 0;
+        for (long col = lo; col < P; col++) {
+            const char *vr = vb + (size_t)(col * vs[2]) * esize;
+            const float *vf = (const float *)vr;
+            if (dt != DT_F32) {
+                for (long d = 0; d < D; d++) row[d] = load_one(vr, d, dt);
+                vf = row;
+            }
+            for (long i = 0; i < nn; i++) {
+                if (col < first[i]) continue;
+                for (long g = 0; g < G; g++) axpy(o + (i * G + g) * D, sc[off[i] + g * TP[i] + pos[i]], vf, D);
+                pos[i]++;
+            }
+        }
+        for (long i = 0; i < nn; i++) {
+            const uint8_t *vis = tree + (b * N + n0 + i) * N;
+            for (long m = 0; m < N; m++) {
+                if (!vis[m]) continue;
+                const char *vr = vb + (size_t)((P + m) * vs[2]) * esize;
+                const float *vf = (const float *)vr;
+                if (dt != DT_F32) {
+                    for (long d = 0; d < D; d++) row[d] = load_one(vr, d, dt);
+                    vf = row;
+                }
+                for (long g = 0; g < G; g++) axpy(o + (i * G + g) * D, sc[off[i] + g * TP[i] + pos[i]], vf, D);
+                pos[i]++;
+            }
+            for (long g = 0; g < G; g++) {
+                float l = ls[i * G + g] > 0.f ? ls[i * G + g] : 1.f;
+                long base = ((b * N + n0 + i) * Hq + hk * G + g) * D;
+                for (long d = 0; d < D; d++) store_one(out, base + d, o[(i * G + g) * D + d] / l, dt);
+            }
+        }
+        free(sc);
+        free(qf);
+        free(o);
+        free(row);
+        free(ls);
+        free(pos);
     }
 }
