@@ -13,5 +13,6 @@ SUBCOMMANDS = {
     "eager-regression": ("ddtree.bench.eager_regression",
                          "the eager path's tokens/s against another source tree's, in alternating processes"),
     "numerics": ("ddtree.bench.numerics", "numerics='exact' against 'fast': tokens/s, and rows that fork from plain"),
+    "engines": ("ddtree.bench.engines", "ddtree against vLLM (optional peer in its own venv): tokens/s, equal outputs"),
     "memory": ("ddtree.bench.memory", "long prompts: peak memory and time to first token against HF generate"),
 }
