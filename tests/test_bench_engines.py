@@ -32,12 +32,16 @@ class LLM:
         spec = kw.get("speculative_config")
         if spec and spec["method"] == os.environ.get("FAKE_VLLM_REFUSE"):
             raise NotImplementedError(f"{spec['method']} is not supported on this platform")
-        self.kw, self.generated, self.drafts = kw, 0, 0
+        self.kw, self.generated, self.drafts, self.steps = kw, 0, 0, 0
         dtype = "torch.bfloat16" if kw["dtype"] == "auto" else "torch." + kw["dtype"]
         self.llm_engine = SimpleNamespace(model_config=SimpleNamespace(dtype=dtype, max_model_len=kw["max_model_len"]))
     def generate(self, prompts, params, use_tqdm=True):
         assert params.temperature == 0.0 and not use_tqdm
         out = []
+        self.steps += params.max_tokens
+        if os.environ.get("FAKE_VLLM_MATMUL"):  # an op for the profiler to see
+            import torch
+            torch.mm(torch.ones(8, 8), torch.ones(8, 8))
         for p in prompts:
             ids = p["prompt_token_ids"]
             tokens = [(ids[-1] + 7 * i) % 50 for i in range(params.max_tokens)]
@@ -50,6 +54,8 @@ class LLM:
         return [SimpleNamespace(name="vllm:generation_tokens", labels={}, value=self.generated),
                 SimpleNamespace(name="vllm:spec_decode_num_drafts", labels={}, value=self.drafts),
                 SimpleNamespace(name="vllm:spec_decode_num_accepted_tokens", labels={}, value=self.drafts // 2),
+                SimpleNamespace(name="vllm:iteration_tokens_total", labels={}, count=self.steps, sum=self.generated,
+                                buckets={}),
                 SimpleNamespace(name="vllm:e2e_request_latency_seconds", labels={}, count=self.generated,
                                 sum=0.5 * self.generated, buckets={"+Inf": self.generated})]
 '''
@@ -331,4 +337,5 @@ def test_engines_command_is_registered():
     tree = ast.parse(engines.DRIVER.read_text())
     imported = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
     imported |= {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
-    assert imported == {"__future__", "json", "os", "sys", "time", "vllm"}  # it runs in vLLM's venv: no ddtree
+    # it runs in vLLM's venv: no ddtree (torch, vLLM's own dependency, only in its profile command)
+    assert imported == {"__future__", "json", "os", "sys", "time", "vllm", "torch"}

@@ -14,5 +14,7 @@ SUBCOMMANDS = {
                          "the eager path's tokens/s against another source tree's, in alternating processes"),
     "numerics": ("ddtree.bench.numerics", "numerics='exact' against 'fast': tokens/s, and rows that fork from plain"),
     "engines": ("ddtree.bench.engines", "ddtree against vLLM (optional peer in its own venv): tokens/s, equal outputs"),
+    "step-split": ("ddtree.bench.step_split",
+                   "a decoding step's milliseconds: linear, attention, the rest; ddtree's beside vLLM's"),
     "memory": ("ddtree.bench.memory", "long prompts: peak memory and time to first token against HF generate"),
 }

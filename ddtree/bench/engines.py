@@ -245,11 +245,12 @@ class VllmPeer:
         except OSError:
             return ""
 
-    def run(self) -> dict:
-        """Every batch of every batch size once (timed in the child); the driver's per-size results."""
+    def run(self, command: str = "run") -> dict:
+        """``run``: every batch of every batch size once (timed in the child); ``profile``: the first batch of
+        each size under torch's profiler. The driver's per-size results."""
         assert self._proc is not None and self._proc.stdin is not None and self._dir is not None
         out = Path(self._dir.name) / "out.json"
-        self._proc.stdin.write(f"run {out}\n")
+        self._proc.stdin.write(f"{command} {out}\n")
         self._proc.stdin.flush()
         self._wait("done")
         return json.loads(out.read_text())
@@ -372,7 +373,8 @@ def run(args) -> dict:
     versions = {}
     if args.vllm_python:
         versions["vllm"] = check_vllm_python(args.vllm_python)
-    gen = SpeculativeGenerator.from_pretrained(str(target), str(drafter), dtype=args.dtype, threads=args.threads,
+    # no paths for the shipped pair: from_pretrained's defaults for it (float32 on a CPU), not the checkpoint's
+    gen = SpeculativeGenerator.from_pretrained(args.target, args.drafter, dtype=args.dtype, threads=args.threads,
                                                **settings)
     vocab = gen.target.get_input_embeddings().weight.shape[0]
     prompts = [p.input_ids for p in load_prompts(args.prompts, gen.tokenizer, vocab, limit=args.num_prompts)]

@@ -11,7 +11,9 @@ compilation are paid once and reported apart):
   ``DDTREE-VLLM {"event": "ready", ...}`` (dtype vLLM chose, startup and warm-up seconds).
 * Each stdin line ``run OUT.json`` runs every batch of every batch size once and writes the outputs, each
   batch's wall seconds and the change in vLLM's own metrics to ``OUT.json``, then prints
-  ``DDTREE-VLLM {"event": "done", "path": ...}``. ``quit`` (or end of input) ends the process.
+  ``DDTREE-VLLM {"event": "done", "path": ...}``. ``profile OUT.json`` runs the first batch of each size under
+  torch's profiler (vLLM's venv has torch) and writes its wall seconds, engine steps and every op's self CPU
+  time instead. ``quit`` (or end of input) ends the process.
 """
 
 from __future__ import annotations
@@ -145,6 +147,28 @@ def run_once(llm, params, spec: dict, tokens: int | None = None) -> dict:
     return result
 
 
+def profile_once(llm, params, spec: dict) -> dict:
+    """The first batch of each size once under torch's CPU profiler: wall seconds, engine steps (scheduler
+    iterations) and each op's self CPU microseconds and calls, so the parent can split a step's time."""
+    import torch  # vLLM's own dependency; only this command needs it
+
+    result = {}
+    for size in spec["batch_sizes"]:
+        prompts = [{"prompt_token_ids": ids} for ids in batches(spec["prompts"], size)[0]]
+        before = snapshot(llm.get_metrics())
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            t0 = time.perf_counter()
+            got = llm.generate(prompts, params, use_tqdm=False)
+            seconds = time.perf_counter() - t0
+        metrics = delta(before, snapshot(llm.get_metrics()))
+        ops = [{"name": e.key, "self_cpu_us": e.self_cpu_time_total, "calls": e.count}
+               for e in prof.key_averages() if e.self_cpu_time_total > 0]
+        result[str(size)] = {"seconds": seconds, "steps": metrics.get("vllm:iteration_tokens_total:count", 0),
+                             "new_tokens": sum(len(o["tokens"]) for o in outputs_of(got)), "metrics": metrics,
+                             "ops": ops}
+    return result
+
+
 def serve(spec: dict, commands) -> None:
     import vllm
 
@@ -164,10 +188,11 @@ def serve(spec: dict, commands) -> None:
         verb, _, arg = line.strip().partition(" ")
         if verb == "quit":
             break
-        if verb != "run" or not arg:
-            emit({"event": "error", "message": f"unknown command {line.strip()!r}: send 'run OUT.json' or 'quit'"})
+        if verb not in ("run", "profile") or not arg:
+            emit({"event": "error", "message": f"unknown command {line.strip()!r}: send 'run OUT.json', "
+                                               "'profile OUT.json' or 'quit'"})
             continue
-        result = run_once(llm, params, spec)
+        result = (run_once if verb == "run" else profile_once)(llm, params, spec)
         with open(arg, "w") as f:
             json.dump(result, f)
         emit({"event": "done", "path": arg})
