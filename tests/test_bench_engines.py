@@ -61,8 +61,7 @@ class LLM:
 '''
 
 
-@pytest.fixture
-def fake_vllm_python(tmp_path):
+def make_fake_vllm_python(tmp_path: Path) -> Path:
     """An executable that runs this python with the stand-in ``vllm`` importable (as a venv's python would)."""
     pkg = tmp_path / "fakevllm" / "vllm"
     pkg.mkdir(parents=True)
@@ -71,6 +70,11 @@ def fake_vllm_python(tmp_path):
     python.write_text(f'#!/bin/sh\nPYTHONPATH="{pkg.parent}" exec "{sys.executable}" "$@"\n')
     python.chmod(0o755)
     return python
+
+
+@pytest.fixture
+def fake_vllm_python(tmp_path):
+    return make_fake_vllm_python(tmp_path)
 
 
 def record(engine, method, batch, repeat, outputs, seconds, acceptance=None):

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from test_bench_engines import FAKE_VLLM
+from test_bench_engines import FAKE_VLLM, make_fake_vllm_python
 from tiny import tiny_drafter, tiny_target
 
 from ddtree import SpeculativeGenerator
@@ -94,3 +94,23 @@ def test_driver_profile_command(monkeypatch, tmp_path, capsys):
         assert any(op["name"] == "aten::mm" and op["calls"] == 1 for op in r["ops"])
         ms = step_split.split_ops(r["ops"], r["seconds"], r["steps"])
         assert ms["linear"] > 0 and ms["step"] == pytest.approx(1e3 * r["seconds"] / 5)
+
+
+def test_step_split_command_on_the_tiny_pair(saved_tiny_pair, tmp_path, monkeypatch):
+    """The whole command: ddtree's cells (both numerics settings) and the stand-in vLLM's profiled steps."""
+    fake_vllm_python = make_fake_vllm_python(tmp_path)
+    monkeypatch.setenv("FAKE_VLLM_MATMUL", "1")
+    target, drafter = saved_tiny_pair
+    out = tmp_path / "split"
+    argv = ["--target", str(target), "--drafter", str(drafter), "--batch-size", "1,2", "--max-new-tokens", "5",
+            "--threads", "1", "--dtype", "float32", "--numerics", "fast,exact", "--ignore-eos",
+            "--vllm-python", str(fake_vllm_python), "--vllm-dtype", "float32", "--out", str(out)]
+    assert step_split.main(argv) == 0
+    rows = json.loads((out / "step_split.json").read_text())["rows"]
+    cells = {(r["engine"], r["numerics"], r["method"], r["batch"]) for r in rows}
+    assert cells == {("ddtree", n, m, b) for n in ("fast", "exact") for m in ("plain", "default") for b in (1, 2)} | {
+        ("vllm", "-", "plain", b) for b in (1, 2)}
+    for r in rows:
+        assert r["round"] > 0 and r["linear"] > 0 and r["tokens_per_round"] >= 1
+    text = (out / "step_split.md").read_text()
+    assert "| ddtree | float32 | exact | plain | 2 |" in text and "| vllm | float32 | - | plain | 1 |" in text
