@@ -92,9 +92,27 @@ static inline double hsum_pd(__m256d v) {
 typedef float f32_t;
 typedef uint16_t bf16_t;
 typedef uint16_t f16_t;
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define WIDE 1 /* a -march=native build on an AVX-512 CPU: 16 lanes, tails masked in the same lanes */
+static inline __mmask16 tail16(long left) { return left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1); }
+static inline __m512 load16_f32(const float *p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
+static inline __m512 load16_bf16(const uint16_t *p, __mmask16 m) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
+}
+static inline __m512 load16_f16(const uint16_t *p, __mmask16 m) { return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, p)); }
+
+static inline float dot_f32(const float *x, const float *w, long K) {
+    __m512 acc = _mm512_setzero_ps();
+    for (long k = 0; k < K; k += 16) {
+        __mmask16 m = tail16(K - k);
+        acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, x + k), _mm512_maskz_loadu_ps(m, w + k), acc);
+    }
+    return _mm512_reduce_add_ps(acc);
+}
+#else
 DOT(f32)
-DOT(bf16)
-DOT(f16)
+#endif
 
 /* ------------------------------------------------------------------ linear, weight [N, K] */
 
@@ -130,7 +148,7 @@ DOT(f16)
     static void linear_nk_##T(const float *x, const T##_t *w, const float *bias, void *y, int ydt, \
                               long M, long K, long N, int threads) {                             \
         long pairs = (N + 1) / 2;                                                                \
-        _Pragma("omp parallel for num_threads(threads) schedule(static)")                        \
+        _Pragma("omp parallel for num_threads(threads) schedule(dynamic, 16)")                        \
         for (long p = 0; p < pairs; p++) {                                                       \
             long j = 2 * p;                                                                      \
             int two = j + 1 < N;                                                                 \
@@ -159,6 +177,95 @@ LINEAR_NK(f32)
 LINEAR_NK(bf16)
 LINEAR_NK(f16)
 
+#ifdef WIDE
+/* The same contract with 16 lanes: each output is one masked 16-lane accumulation over k and its fixed
+ * reduction, whatever the number of rows. */
+#define ROWS16(T, MB)                                                                            \
+    static void rows16_##T##_##MB(const float *x, const T##_t *w0, const T##_t *w1, float *y2, long K) { \
+        __m512 a0[MB], a1[MB];                                                                   \
+        for (int m = 0; m < MB; m++) a0[m] = a1[m] = _mm512_setzero_ps();                        \
+        for (long k = 0; k < K; k += 16) {                                                       \
+            __mmask16 msk = tail16(K - k);                                                       \
+            __m512 v0 = load16_##T(w0 + k, msk), v1 = load16_##T(w1 + k, msk);                  \
+            for (int m = 0; m < MB; m++) {                                                       \
+                __m512 xv = _mm512_maskz_loadu_ps(msk, x + m * K + k);                           \
+                a0[m] = _mm512_fmadd_ps(xv, v0, a0[m]);                                          \
+                a1[m] = _mm512_fmadd_ps(xv, v1, a1[m]);                                          \
+            }                                                                                    \
+        }                                                                                        \
+        for (int m = 0; m < MB; m++) {                                                           \
+            y2[2 * m] = _mm512_reduce_add_ps(a0[m]);                                             \
+            y2[2 * m + 1] = _mm512_reduce_add_ps(a1[m]);                                         \
+        }                                                                                        \
+    }
+
+#define LINEAR_NK16(T, XT, ROWFN)                                                                \
+    static void linear_nk16_##T(const XT *x, const T##_t *w, const float *bias, void *y, int ydt, \
+                                long M, long K, long N, int threads) {                           \
+        long pairs = (N + 1) / 2;                                                                \
+        _Pragma("omp parallel for num_threads(threads) schedule(dynamic, 16)")                        \
+        for (long p = 0; p < pairs; p++) {                                                       \
+            long j = 2 * p;                                                                      \
+            int two = j + 1 < N;                                                                 \
+            const T##_t *w0 = w + j * K, *w1 = two ? w0 + K : w0;                                \
+            if (j + 12 < N) _mm_prefetch((const char *)(w0 + 10 * K), _MM_HINT_T0);              \
+            float out[12];                                                                       \
+            for (long m = 0; m < M; m += 6) {                                                    \
+                long mb = M - m < 6 ? M - m : 6;                                                 \
+                const XT *xm = x + m * K;                                                        \
+                switch (mb) {                                                                    \
+                    case 6: ROWFN##_6(xm, w0, w1, out, K); break;                                \
+                    case 5: ROWFN##_5(xm, w0, w1, out, K); break;                                \
+                    case 4: ROWFN##_4(xm, w0, w1, out, K); break;                                \
+                    case 3: ROWFN##_3(xm, w0, w1, out, K); break;                                \
+                    case 2: ROWFN##_2(xm, w0, w1, out, K); break;                                \
+                    default: ROWFN##_1(xm, w0, w1, out, K); break;                               \
+                }                                                                                \
+                for (long r = 0; r < mb; r++) {                                                  \
+                    float s0 = out[2 * r], s1 = out[2 * r + 1];                                  \
+                    if (bias) { s0 += bias[j]; if (two) s1 += bias[j + 1]; }                     \
+                    store_one(y, (m + r) * N + j, s0, ydt);                                      \
+                    if (two) store_one(y, (m + r) * N + j + 1, s1, ydt);                         \
+                }                                                                                \
+            }                                                                                    \
+        }                                                                                        \
+    }
+#define ROWS16_ALL(T) ROWS16(T, 1) ROWS16(T, 2) ROWS16(T, 3) ROWS16(T, 4) ROWS16(T, 5) ROWS16(T, 6)
+ROWS16_ALL(f32)
+ROWS16_ALL(bf16)
+ROWS16_ALL(f16)
+LINEAR_NK16(f32, float, rows16_f32)
+LINEAR_NK16(bf16, float, rows16_bf16)
+LINEAR_NK16(f16, float, rows16_f16)
+
+#ifdef __AVX512BF16__
+/* bfloat16 inputs and weights on a CPU with AVX512-BF16: each step multiplies 32 pairs exactly and adds them
+ * into 16 float32 lanes (two products per lane, in a fixed order), so 4x the float32 lanes' work per op. */
+#define ROWSDP(MB)                                                                               \
+    static void rowsdp_##MB(const uint16_t *x, const uint16_t *w0, const uint16_t *w1, float *y2, long K) { \
+        __m512 a0[MB], a1[MB];                                                                   \
+        for (int m = 0; m < MB; m++) a0[m] = a1[m] = _mm512_setzero_ps();                        \
+        for (long k = 0; k < K; k += 32) {                                                       \
+            __mmask32 msk = K - k >= 32 ? (__mmask32)0xFFFFFFFFu : (__mmask32)((1ull << (K - k)) - 1); \
+            __m512bh v0 = (__m512bh)_mm512_maskz_loadu_epi16(msk, w0 + k);                      \
+            __m512bh v1 = (__m512bh)_mm512_maskz_loadu_epi16(msk, w1 + k);                      \
+            for (int m = 0; m < MB; m++) {                                                       \
+                __m512bh xv = (__m512bh)_mm512_maskz_loadu_epi16(msk, x + m * K + k);            \
+                a0[m] = _mm512_dpbf16_ps(a0[m], xv, v0);                                         \
+                a1[m] = _mm512_dpbf16_ps(a1[m], xv, v1);                                         \
+            }                                                                                    \
+        }                                                                                        \
+        for (int m = 0; m < MB; m++) {                                                           \
+            y2[2 * m] = _mm512_reduce_add_ps(a0[m]);                                             \
+            y2[2 * m + 1] = _mm512_reduce_add_ps(a1[m]);                                         \
+        }                                                                                        \
+    }
+ROWSDP(1) ROWSDP(2) ROWSDP(3) ROWSDP(4) ROWSDP(5) ROWSDP(6)
+typedef uint16_t dp_t;
+LINEAR_NK16(dp, uint16_t, rowsdp)
+#endif
+#endif
+
 /* ------------------------------------------------------------------ linear, weight [K, N] (x @ w) */
 
 /* Each output y[m, j] is sum_k x[m, k] * w[k, j] accumulated in k order, 8 outputs j at a time. */
@@ -166,7 +273,7 @@ LINEAR_NK(f16)
     static void linear_kn_##T(const float *x, const T##_t *w, const float *bias, void *y, int ydt, \
                               long M, long K, long N, int threads) {                             \
         long blocks = (N + 7) / 8;                                                               \
-        _Pragma("omp parallel for num_threads(threads) schedule(static)")                        \
+        _Pragma("omp parallel for num_threads(threads) schedule(dynamic, 16)")                        \
         for (long bj = 0; bj < blocks; bj++) {                                                   \
             long j = bj * 8, width = N - j < 8 ? N - j : 8;                                      \
             float out[8];                                                                        \
@@ -242,11 +349,23 @@ void ddtree_row_linear(const void *x, const void *w, const void *bias, void *y, 
             default: linear_kn_f32(xf, (const float *)w, bf, y, dt, M, K, N, threads);
         }
     } else {
+#ifdef WIDE
+        switch (dt) {
+#ifdef __AVX512BF16__
+            case DT_BF16: linear_nk16_dp((const uint16_t *)x, (const uint16_t *)w, bf, y, dt, M, K, N, threads); break;
+#else
+            case DT_BF16: linear_nk16_bf16(xf, (const uint16_t *)w, bf, y, dt, M, K, N, threads); break;
+#endif
+            case DT_F16: linear_nk16_f16(xf, (const uint16_t *)w, bf, y, dt, M, K, N, threads); break;
+            default: linear_nk16_f32(xf, (const float *)w, bf, y, dt, M, K, N, threads);
+        }
+#else
         switch (dt) {
             case DT_BF16: linear_nk_bf16(xf, (const uint16_t *)w, bf, y, dt, M, K, N, threads); break;
             case DT_F16: linear_nk_f16(xf, (const uint16_t *)w, bf, y, dt, M, K, N, threads); break;
             default: linear_nk_f32(xf, (const float *)w, bf, y, dt, M, K, N, threads);
         }
+#endif
     }
     free(xf);
     free(bf);
@@ -304,8 +423,16 @@ static float softmax_weights(float *sg, long T, const float *sink, float softcap
     return l;
 }
 
-/* o[D] += p * v[D], in one fixed order over D (8 lanes, then the tail) */
+/* o[D] += p * v[D]: one fused multiply-add per element (lanes over D, so the order is the same anyway) */
 static inline void axpy(float *o, float p, const float *v, long D) {
+#ifdef WIDE
+    __m512 pw = _mm512_set1_ps(p);
+    for (long d = 0; d < D; d += 16) {
+        __mmask16 m = tail16(D - d);
+        _mm512_mask_storeu_ps(o + d, m, _mm512_fmadd_ps(pw, _mm512_maskz_loadu_ps(m, v + d), _mm512_maskz_loadu_ps(m, o + d)));
+    }
+    return;
+#endif
     __m256 pv = _mm256_set1_ps(p);
     long d = 0;
     for (; d + 8 <= D; d += 8) _mm256_storeu_ps(o + d, _mm256_fmadd_ps(pv, _mm256_loadu_ps(v + d), _mm256_loadu_ps(o + d)));
