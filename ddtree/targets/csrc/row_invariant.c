@@ -119,8 +119,8 @@ DOT(f32)
 /* MB float32 input rows against the weight rows w0 and w1 (w1 == w0 when there is one): each output is
  * exactly dot_T(x row, weight row), the weight rows read once for all MB input rows. */
 #define ROWS(T, MB)                                                                              \
-    static void rows_##T##_##MB(const float *x, const T##_t *w0, const T##_t *w1, float *y2,     \
-                                long K) {                                                        \
+    static void rows8_##T##_##MB(const float *x, const T##_t *w0, const T##_t *w1, float *y2,    \
+                                 long K) {                                                       \
         __m256 a0[MB], a1[MB];                                                                   \
         for (int m = 0; m < MB; m++) a0[m] = a1[m] = _mm256_setzero_ps();                        \
         long k = 0;                                                                              \
@@ -143,26 +143,29 @@ DOT(f32)
         }                                                                                        \
     }
 
-#define LINEAR_NK(T)                                                                             \
-    ROWS(T, 1) ROWS(T, 2) ROWS(T, 3) ROWS(T, 4)                                                  \
-    static void linear_nk_##T(const float *x, const T##_t *w, const float *bias, void *y, int ydt, \
-                              long M, long K, long N, int threads) {                             \
+/* y [M, N] = x [M, K] . w [N, K]^T with ROWFN(x rows, w0, w1, out, K) computing up to 6 input rows against two
+ * weight rows: every output is ROWFN's fixed-order sum for its own row, whatever M is. */
+#define LINEAR_NK(NAME, WT, XT, ROWFN)                                                           \
+    static void NAME(const XT *x, const WT *w, const float *bias, void *y, int ydt, long M, long K, long N, \
+                     int threads) {                                                              \
         long pairs = (N + 1) / 2;                                                                \
-        _Pragma("omp parallel for num_threads(threads) schedule(dynamic, 16)")                        \
+        _Pragma("omp parallel for num_threads(threads) schedule(dynamic, 16)")                   \
         for (long p = 0; p < pairs; p++) {                                                       \
             long j = 2 * p;                                                                      \
             int two = j + 1 < N;                                                                 \
-            const T##_t *w0 = w + j * K, *w1 = two ? w0 + K : w0;                                \
+            const WT *w0 = w + j * K, *w1 = two ? w0 + K : w0;                                   \
             if (j + 12 < N) _mm_prefetch((const char *)(w0 + 10 * K), _MM_HINT_T0);              \
-            float out[8];                                                                        \
-            for (long m = 0; m < M; m += 4) {                                                    \
-                long mb = M - m < 4 ? M - m : 4;                                                 \
-                const float *xm = x + m * K;                                                     \
+            float out[12];                                                                       \
+            for (long m = 0; m < M; m += 6) {                                                    \
+                long mb = M - m < 6 ? M - m : 6;                                                 \
+                const XT *xm = x + m * K;                                                        \
                 switch (mb) {                                                                    \
-                    case 4: rows_##T##_4(xm, w0, w1, out, K); break;                             \
-                    case 3: rows_##T##_3(xm, w0, w1, out, K); break;                             \
-                    case 2: rows_##T##_2(xm, w0, w1, out, K); break;                             \
-                    default: rows_##T##_1(xm, w0, w1, out, K); break;                            \
+                    case 6: ROWFN##_6(xm, w0, w1, out, K); break;                                \
+                    case 5: ROWFN##_5(xm, w0, w1, out, K); break;                                \
+                    case 4: ROWFN##_4(xm, w0, w1, out, K); break;                                \
+                    case 3: ROWFN##_3(xm, w0, w1, out, K); break;                                \
+                    case 2: ROWFN##_2(xm, w0, w1, out, K); break;                                \
+                    default: ROWFN##_1(xm, w0, w1, out, K); break;                               \
                 }                                                                                \
                 for (long r = 0; r < mb; r++) {                                                  \
                     float s0 = out[2 * r], s1 = out[2 * r + 1];                                  \
@@ -173,9 +176,15 @@ DOT(f32)
             }                                                                                    \
         }                                                                                        \
     }
-LINEAR_NK(f32)
-LINEAR_NK(bf16)
-LINEAR_NK(f16)
+#ifndef WIDE
+#define ROWS_ALL(T) ROWS(T, 1) ROWS(T, 2) ROWS(T, 3) ROWS(T, 4) ROWS(T, 5) ROWS(T, 6)
+ROWS_ALL(f32)
+ROWS_ALL(bf16)
+ROWS_ALL(f16)
+LINEAR_NK(linear_nk_f32, float, float, rows8_f32)
+LINEAR_NK(linear_nk_bf16, uint16_t, float, rows8_bf16)
+LINEAR_NK(linear_nk_f16, uint16_t, float, rows8_f16)
+#endif
 
 #ifdef WIDE
 /* The same contract with 16 lanes: each output is one masked 16-lane accumulation over k and its fixed
@@ -199,44 +208,17 @@ LINEAR_NK(f16)
         }                                                                                        \
     }
 
-#define LINEAR_NK16(T, XT, ROWFN)                                                                \
-    static void linear_nk16_##T(const XT *x, const T##_t *w, const float *bias, void *y, int ydt, \
-                                long M, long K, long N, int threads) {                           \
-        long pairs = (N + 1) / 2;                                                                \
-        _Pragma("omp parallel for num_threads(threads) schedule(dynamic, 16)")                        \
-        for (long p = 0; p < pairs; p++) {                                                       \
-            long j = 2 * p;                                                                      \
-            int two = j + 1 < N;                                                                 \
-            const T##_t *w0 = w + j * K, *w1 = two ? w0 + K : w0;                                \
-            if (j + 12 < N) _mm_prefetch((const char *)(w0 + 10 * K), _MM_HINT_T0);              \
-            float out[12];                                                                       \
-            for (long m = 0; m < M; m += 6) {                                                    \
-                long mb = M - m < 6 ? M - m : 6;                                                 \
-                const XT *xm = x + m * K;                                                        \
-                switch (mb) {                                                                    \
-                    case 6: ROWFN##_6(xm, w0, w1, out, K); break;                                \
-                    case 5: ROWFN##_5(xm, w0, w1, out, K); break;                                \
-                    case 4: ROWFN##_4(xm, w0, w1, out, K); break;                                \
-                    case 3: ROWFN##_3(xm, w0, w1, out, K); break;                                \
-                    case 2: ROWFN##_2(xm, w0, w1, out, K); break;                                \
-                    default: ROWFN##_1(xm, w0, w1, out, K); break;                               \
-                }                                                                                \
-                for (long r = 0; r < mb; r++) {                                                  \
-                    float s0 = out[2 * r], s1 = out[2 * r + 1];                                  \
-                    if (bias) { s0 += bias[j]; if (two) s1 += bias[j + 1]; }                     \
-                    store_one(y, (m + r) * N + j, s0, ydt);                                      \
-                    if (two) store_one(y, (m + r) * N + j + 1, s1, ydt);                         \
-                }                                                                                \
-            }                                                                                    \
-        }                                                                                        \
-    }
 #define ROWS16_ALL(T) ROWS16(T, 1) ROWS16(T, 2) ROWS16(T, 3) ROWS16(T, 4) ROWS16(T, 5) ROWS16(T, 6)
 ROWS16_ALL(f32)
+#ifndef __AVX512BF16__
 ROWS16_ALL(bf16)
+#endif
 ROWS16_ALL(f16)
-LINEAR_NK16(f32, float, rows16_f32)
-LINEAR_NK16(bf16, float, rows16_bf16)
-LINEAR_NK16(f16, float, rows16_f16)
+LINEAR_NK(linear_nk16_f32, float, float, rows16_f32)
+#ifndef __AVX512BF16__
+LINEAR_NK(linear_nk16_bf16, uint16_t, float, rows16_bf16)
+#endif
+LINEAR_NK(linear_nk16_f16, uint16_t, float, rows16_f16)
 
 #ifdef __AVX512BF16__
 /* bfloat16 inputs and weights on a CPU with AVX512-BF16: each step multiplies 32 pairs exactly and adds them
@@ -261,8 +243,7 @@ LINEAR_NK16(f16, float, rows16_f16)
         }                                                                                        \
     }
 ROWSDP(1) ROWSDP(2) ROWSDP(3) ROWSDP(4) ROWSDP(5) ROWSDP(6)
-typedef uint16_t dp_t;
-LINEAR_NK16(dp, uint16_t, rowsdp)
+LINEAR_NK(linear_nk16_dp, uint16_t, uint16_t, rowsdp)
 #endif
 #endif
 
@@ -463,6 +444,13 @@ static void softmax_values_f64(double *s, long T, long G, const double *sinks, d
     }
 }
 
+/* A cached key or value row as float32: the row itself, or its widened copy in buf. */
+static inline const float *as_f32(const char *src, int dt, long D, float *buf) {
+    if (dt == DT_F32) return (const float *)src;
+    for (long d = 0; d < D; d++) buf[d] = load_one(src, d, dt);
+    return buf;
+}
+
 #define NODE_CHUNK 8 /* nodes per task: they share one pass over the prefix's keys and values */
 
 /* q [B, Hq, N, D], k and v [B, Hkv, S, D] (element strides qs/ks/vs, last dim contiguous), S = P + N: the
@@ -540,12 +528,7 @@ void ddtree_row_attention(const void *q, const void *k, const void *v, void *out
             }
         /* scores: the shared prefix, one pass over its keys, then each node's own tree keys */
         for (long col = lo; col < P; col++) {
-            const char *kr = kb + (size_t)(col * ks[2]) * esize;
-            const float *kf = (const float *)kr;
-            if (dt != DT_F32) {
-                for (long d = 0; d < D; d++) row[d] = load_one(kr, d, dt);
-                kf = row;
-            }
+            const float *kf = as_f32(kb + (size_t)(col * ks[2]) * esize, dt, D, row);
             for (long i = 0; i < nn; i++) {
                 if (col < first[i]) continue;
                 for (long g = 0; g < G; g++)
@@ -557,12 +540,7 @@ void ddtree_row_attention(const void *q, const void *k, const void *v, void *out
             const uint8_t *vis = tree + (b * N + n0 + i) * N;
             for (long m = 0; m < N; m++) {
                 if (!vis[m]) continue;
-                const char *kr = kb + (size_t)((P + m) * ks[2]) * esize;
-                const float *kf = (const float *)kr;
-                if (dt != DT_F32) {
-                    for (long d = 0; d < D; d++) row[d] = load_one(kr, d, dt);
-                    kf = row;
-                }
+                const float *kf = as_f32(kb + (size_t)((P + m) * ks[2]) * esize, dt, D, row);
                 for (long g = 0; g < G; g++)
                     sc[off[i] + g * TP[i] + pos[i]] = dot_f32(qf + (i * G + g) * D, kf, D) * (float)scale;
                 pos[i]++;
@@ -576,12 +554,7 @@ void ddtree_row_attention(const void *q, const void *k, const void *v, void *out
         /* values: the same order, each row of values read once for the chunk */
         for (long i = 0; i < nn; i++) pos[i] = 0;
         for (long col = lo; col < P; col++) {
-            const char *vr = vb + (size_t)(col * vs[2]) * esize;
-            const float *vf = (const float *)vr;
-            if (dt != DT_F32) {
-                for (long d = 0; d < D; d++) row[d] = load_one(vr, d, dt);
-                vf = row;
-            }
+            const float *vf = as_f32(vb + (size_t)(col * vs[2]) * esize, dt, D, row);
             for (long i = 0; i < nn; i++) {
                 if (col < first[i]) continue;
                 for (long g = 0; g < G; g++) axpy(o + (i * G + g) * D, sc[off[i] + g * TP[i] + pos[i]], vf, D);
@@ -592,12 +565,7 @@ void ddtree_row_attention(const void *q, const void *k, const void *v, void *out
             const uint8_t *vis = tree + (b * N + n0 + i) * N;
             for (long m = 0; m < N; m++) {
                 if (!vis[m]) continue;
-                const char *vr = vb + (size_t)((P + m) * vs[2]) * esize;
-                const float *vf = (const float *)vr;
-                if (dt != DT_F32) {
-                    for (long d = 0; d < D; d++) row[d] = load_one(vr, d, dt);
-                    vf = row;
-                }
+                const float *vf = as_f32(vb + (size_t)((P + m) * vs[2]) * esize, dt, D, row);
                 for (long g = 0; g < G; g++) axpy(o + (i * G + g) * D, sc[off[i] + g * TP[i] + pos[i]], vf, D);
                 pos[i]++;
             }
