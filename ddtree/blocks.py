@@ -39,6 +39,7 @@ from ddtree.targets.description import TargetDescription, describe
 from ddtree.targets.forward import target_forward
 from ddtree.targets.layer_kinds import STATEFUL_KINDS, StatefulLayerKind
 from ddtree.targets.linear_attention import GatedDeltaNet
+from ddtree.targets.numerics import exact_unavailable, prepare_exact
 
 # In the order of the README's table.
 __all__ = [
@@ -72,8 +73,8 @@ __all__ = [
     "SamplingConfig", "choose_tokens", "processed_logprobs",
     # keyed draws
     "row_keys", "coupled_proposal",
-    # few-row CPU linears
-    "cpu_linear",
+    # few-row CPU linears; exact numerics (row-invariant kernels)
+    "cpu_linear", "prepare_exact", "exact_unavailable",
     # HF inputs, settings, streamers
     "prompt_rows", "resolve_generation", "GenerationSettings", "streamed", "StreamerFeed",
     # thread count

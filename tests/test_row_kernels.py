@@ -11,6 +11,17 @@ from ddtree.targets import native, row_kernels
 pytestmark = pytest.mark.skipif(not native.available(), reason=f"kernels: {native.unavailable_reason()}")
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
+
+
+@pytest.fixture(autouse=True, params=["native", "avx2"])
+def build(request, monkeypatch):
+    """Every test on both builds: this CPU's widest vectors (AVX-512 and AVX512-BF16 here, where it has them)
+    and the portable AVX2 one."""
+    monkeypatch.setenv("DDTREE_KERNEL_ARCH", request.param)
+    native.library.cache_clear()
+    yield request.param
+    monkeypatch.undo()
+    native.library.cache_clear()
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3, torch.float64: 1e-12}
 
 

@@ -171,7 +171,7 @@ class SpeculativeGenerator:
         if options.prompt_lookup is None:
             options = options.replace(prompt_lookup=DEFAULT_PROMPT_LOOKUP)
         if options.numerics is None:
-            options = options.replace(numerics=default_numerics(target, bool(options.compile)))
+            options = options.replace(numerics=default_numerics(target, options))
         if options.numerics == "exact":
             prepare_exact(target)  # the target's products through the row-invariant kernels, or the reason why not
         # a directory, hub id or raw model becomes a drafter for target (with a lookup branch when asked)
@@ -569,13 +569,14 @@ def default_tree_budget(target: Any, compiled: bool = False) -> int | str:
 
 
 DEFAULT_NUMERICS: dict[str, str] = {}
-"""``numerics`` by the target's device type when none is given (``"fast"`` elsewhere, and under ``compile``)."""
+"""``numerics`` by the target's device type when none is given (``"fast"`` elsewhere)."""
 
 
-def default_numerics(target: Any, compiled: bool = False) -> str:
+def default_numerics(target: Any, options: GeneratorOptions | None = None) -> str:
     """The default ``numerics`` for ``target``: :data:`DEFAULT_NUMERICS` for its device where the exact kernels run
-    it, else ``"fast"``."""
-    if compiled:
+    it, else ``"fast"``; ``"fast"`` too where ``options`` ask for what exact numerics replaces (``compile``, another
+    attention backend)."""
+    if options is not None and (options.compile or options.attention not in ("auto", None, "exact")):
         return "fast"
     param = next(target.parameters(), None)
     kind = param.device.type if param is not None else "cpu"

@@ -1,7 +1,7 @@
 """The row-invariant C kernels (``csrc/row_invariant.c``), built once with the system compiler and loaded.
 
-The library is compiled on first use (AVX2 + FMA + F16C, OpenMP) into the ddtree cache directory, named by a
-hash of its source and flags, and loaded with ctypes. Where it cannot be (another CPU, no compiler, an
+The library is compiled on first use (for this CPU's vector width, or AVX2 + FMA + F16C; OpenMP) into the
+ddtree cache directory, named by a hash of its source, flags and CPU, and loaded with ctypes. Where it cannot be (another CPU, no compiler, an
 unwritable cache) :func:`library` says why, and the callers fall back or refuse with that reason.
 """
 
@@ -18,7 +18,13 @@ from functools import lru_cache
 from pathlib import Path
 
 SOURCE = Path(__file__).with_name("csrc") / "row_invariant.c"
-FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC"]
+COMMON = ["-O3", "-fopenmp", "-shared", "-fPIC"]
+ARCH_FLAGS = {
+    "native": ["-march=native"],  # this CPU's widest vectors (AVX-512, AVX512-BF16 where it has them)
+    "avx2": ["-mavx2", "-mfma", "-mf16c"],  # any x86-64 CPU with AVX2, FMA and F16C
+}
+"""``DDTREE_KERNEL_ARCH`` picks one (default ``native``, falling back to ``avx2`` where the compiler refuses it).
+Each build sums in its own fixed order: exact numerics compares a machine with itself, never across builds."""
 NEEDED_FLAGS = {"avx2", "fma", "f16c"}
 
 
@@ -50,21 +56,14 @@ def library() -> tuple[ctypes.CDLL | None, str | None]:
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if not cc:
         return None, "no C compiler found (install gcc or set CC)"
-    src = SOURCE.read_bytes()
-    tag = hashlib.sha256(src + " ".join([cc, *FLAGS]).encode()).hexdigest()[:16]
-    out = _build_dir() / f"row_invariant_{tag}.so"
-    if not out.exists():
-        tmp = out.with_suffix(f".{os.getpid()}.tmp")
-        try:
-            out.parent.mkdir(parents=True, exist_ok=True)
-            proc = subprocess.run([cc, *FLAGS, str(SOURCE), "-o", str(tmp), "-lm"], capture_output=True, text=True,
-                                  timeout=180)
-            if proc.returncode != 0:
-                tmp.unlink(missing_ok=True)
-                return None, f"compiling {SOURCE.name} with {cc} failed: {proc.stderr.strip()[-400:]}"
-            tmp.replace(out)  # atomic: concurrent processes never load a half-written library
-        except (OSError, subprocess.TimeoutExpired) as e:
-            return None, f"building {out} failed: {e} (set DDTREE_CACHE to a writable directory)"
+    arch = os.environ.get("DDTREE_KERNEL_ARCH", "native")
+    if arch not in ARCH_FLAGS:
+        return None, f"DDTREE_KERNEL_ARCH must be one of {', '.join(ARCH_FLAGS)}, got {arch!r}"
+    out, why = _build(cc, arch)
+    if out is None and arch == "native":  # a compiler that does not know this CPU: the portable build
+        out, why = _build(cc, "avx2")
+    if out is None:
+        return None, why
     try:
         lib = ctypes.CDLL(str(out))
     except OSError as e:
@@ -76,6 +75,28 @@ def library() -> tuple[ctypes.CDLL | None, str | None]:
                                          + [f64, f64, i32])
     lib.ddtree_row_attention.restype = None
     return lib, None
+
+
+def _build(cc: str, arch: str) -> tuple[Path | None, str | None]:
+    """The library built for ``arch`` (once per source, compiler, flags and, for ``native``, CPU)."""
+    flags = [*COMMON, *ARCH_FLAGS[arch]]
+    cpu = " ".join(sorted(_cpu_flags())) if arch == "native" else ""
+    tag = hashlib.sha256(SOURCE.read_bytes() + " ".join([cc, *flags, cpu]).encode()).hexdigest()[:16]
+    out = _build_dir() / f"row_invariant_{arch}_{tag}.so"
+    if out.exists():
+        return out, None
+    tmp = out.with_suffix(f".{os.getpid()}.tmp")
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        proc = subprocess.run([cc, *flags, str(SOURCE), "-o", str(tmp), "-lm"], capture_output=True, text=True,
+                              timeout=180)
+        if proc.returncode != 0:
+            tmp.unlink(missing_ok=True)
+            return None, f"compiling {SOURCE.name} with {cc} failed: {proc.stderr.strip()[-400:]}"
+        tmp.replace(out)  # atomic: concurrent processes never load a half-written library
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return None, f"building {out} failed: {e} (set DDTREE_CACHE to a writable directory)"
+    return out, None
 
 
 def available() -> bool:

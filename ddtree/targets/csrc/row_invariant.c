@@ -92,17 +92,35 @@ static inline double hsum_pd(__m256d v) {
 typedef float f32_t;
 typedef uint16_t bf16_t;
 typedef uint16_t f16_t;
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define WIDE 1 /* a -march=native build on an AVX-512 CPU: 16 lanes, tails masked in the same lanes */
+static inline __mmask16 tail16(long left) { return left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1); }
+static inline __m512 load16_f32(const float *p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
+static inline __m512 load16_bf16(const uint16_t *p, __mmask16 m) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
+}
+static inline __m512 load16_f16(const uint16_t *p, __mmask16 m) { return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, p)); }
+
+static inline float dot_f32(const float *x, const float *w, long K) {
+    __m512 acc = _mm512_setzero_ps();
+    for (long k = 0; k < K; k += 16) {
+        __mmask16 m = tail16(K - k);
+        acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, x + k), _mm512_maskz_loadu_ps(m, w + k), acc);
+    }
+    return _mm512_reduce_add_ps(acc);
+}
+#else
 DOT(f32)
-DOT(bf16)
-DOT(f16)
+#endif
 
 /* ------------------------------------------------------------------ linear, weight [N, K] */
 
 /* MB float32 input rows against the weight rows w0 and w1 (w1 == w0 when there is one): each output is
  * exactly dot_T(x row, weight row), the weight rows read once for all MB input rows. */
 #define ROWS(T, MB)                                                                              \
-    static void rows_##T##_##MB(const float *x, const T##_t *w0, const T##_t *w1, float *y2,     \
-                                long K) {                                                        \
+    static void rows8_##T##_##MB(const float *x, const T##_t *w0, const T##_t *w1, float *y2,    \
+                                 long K) {                                                       \
         __m256 a0[MB], a1[MB];                                                                   \
         for (int m = 0; m < MB; m++) a0[m] = a1[m] = _mm256_setzero_ps();                        \
         long k = 0;                                                                              \
@@ -125,26 +143,29 @@ DOT(f16)
         }                                                                                        \
     }
 
-#define LINEAR_NK(T)                                                                             \
-    ROWS(T, 1) ROWS(T, 2) ROWS(T, 3) ROWS(T, 4)                                                  \
-    static void linear_nk_##T(const float *x, const T##_t *w, const float *bias, void *y, int ydt, \
-                              long M, long K, long N, int threads) {                             \
+/* y [M, N] = x [M, K] . w [N, K]^T with ROWFN(x rows, w0, w1, out, K) computing up to 6 input rows against two
+ * weight rows: every output is ROWFN's fixed-order sum for its own row, whatever M is. */
+#define LINEAR_NK(NAME, WT, XT, ROWFN)                                                           \
+    static void NAME(const XT *x, const WT *w, const float *bias, void *y, int ydt, long M, long K, long N, \
+                     int threads) {                                                              \
         long pairs = (N + 1) / 2;                                                                \
-        _Pragma("omp parallel for num_threads(threads) schedule(static)")                        \
+        _Pragma("omp parallel for num_threads(threads) schedule(dynamic, 16)")                   \
         for (long p = 0; p < pairs; p++) {                                                       \
             long j = 2 * p;                                                                      \
             int two = j + 1 < N;                                                                 \
-            const T##_t *w0 = w + j * K, *w1 = two ? w0 + K : w0;                                \
+            const WT *w0 = w + j * K, *w1 = two ? w0 + K : w0;                                   \
             if (j + 12 < N) _mm_prefetch((const char *)(w0 + 10 * K), _MM_HINT_T0);              \
-            float out[8];                                                                        \
-            for (long m = 0; m < M; m += 4) {                                                    \
-                long mb = M - m < 4 ? M - m : 4;                                                 \
-                const float *xm = x + m * K;                                                     \
+            float out[12];                                                                       \
+            for (long m = 0; m < M; m += 6) {                                                    \
+                long mb = M - m < 6 ? M - m : 6;                                                 \
+                const XT *xm = x + m * K;                                                        \
                 switch (mb) {                                                                    \
-                    case 4: rows_##T##_4(xm, w0, w1, out, K); break;                             \
-                    case 3: rows_##T##_3(xm, w0, w1, out, K); break;                             \
-                    case 2: rows_##T##_2(xm, w0, w1, out, K); break;                             \
-                    default: rows_##T##_1(xm, w0, w1, out, K); break;                            \
+                    case 6: ROWFN##_6(xm, w0, w1, out, K); break;                                \
+                    case 5: ROWFN##_5(xm, w0, w1, out, K); break;                                \
+                    case 4: ROWFN##_4(xm, w0, w1, out, K); break;                                \
+                    case 3: ROWFN##_3(xm, w0, w1, out, K); break;                                \
+                    case 2: ROWFN##_2(xm, w0, w1, out, K); break;                                \
+                    default: ROWFN##_1(xm, w0, w1, out, K); break;                               \
                 }                                                                                \
                 for (long r = 0; r < mb; r++) {                                                  \
                     float s0 = out[2 * r], s1 = out[2 * r + 1];                                  \
@@ -155,9 +176,76 @@ DOT(f16)
             }                                                                                    \
         }                                                                                        \
     }
-LINEAR_NK(f32)
-LINEAR_NK(bf16)
-LINEAR_NK(f16)
+#ifndef WIDE
+#define ROWS_ALL(T) ROWS(T, 1) ROWS(T, 2) ROWS(T, 3) ROWS(T, 4) ROWS(T, 5) ROWS(T, 6)
+ROWS_ALL(f32)
+ROWS_ALL(bf16)
+ROWS_ALL(f16)
+LINEAR_NK(linear_nk_f32, float, float, rows8_f32)
+LINEAR_NK(linear_nk_bf16, uint16_t, float, rows8_bf16)
+LINEAR_NK(linear_nk_f16, uint16_t, float, rows8_f16)
+#endif
+
+#ifdef WIDE
+/* The same contract with 16 lanes: each output is one masked 16-lane accumulation over k and its fixed
+ * reduction, whatever the number of rows. */
+#define ROWS16(T, MB)                                                                            \
+    static void rows16_##T##_##MB(const float *x, const T##_t *w0, const T##_t *w1, float *y2, long K) { \
+        __m512 a0[MB], a1[MB];                                                                   \
+        for (int m = 0; m < MB; m++) a0[m] = a1[m] = _mm512_setzero_ps();                        \
+        for (long k = 0; k < K; k += 16) {                                                       \
+            __mmask16 msk = tail16(K - k);                                                       \
+            __m512 v0 = load16_##T(w0 + k, msk), v1 = load16_##T(w1 + k, msk);                  \
+            for (int m = 0; m < MB; m++) {                                                       \
+                __m512 xv = _mm512_maskz_loadu_ps(msk, x + m * K + k);                           \
+                a0[m] = _mm512_fmadd_ps(xv, v0, a0[m]);                                          \
+                a1[m] = _mm512_fmadd_ps(xv, v1, a1[m]);                                          \
+            }                                                                                    \
+        }                                                                                        \
+        for (int m = 0; m < MB; m++) {                                                           \
+            y2[2 * m] = _mm512_reduce_add_ps(a0[m]);                                             \
+            y2[2 * m + 1] = _mm512_reduce_add_ps(a1[m]);                                         \
+        }                                                                                        \
+    }
+
+#define ROWS16_ALL(T) ROWS16(T, 1) ROWS16(T, 2) ROWS16(T, 3) ROWS16(T, 4) ROWS16(T, 5) ROWS16(T, 6)
+ROWS16_ALL(f32)
+#ifndef __AVX512BF16__
+ROWS16_ALL(bf16)
+#endif
+ROWS16_ALL(f16)
+LINEAR_NK(linear_nk16_f32, float, float, rows16_f32)
+#ifndef __AVX512BF16__
+LINEAR_NK(linear_nk16_bf16, uint16_t, float, rows16_bf16)
+#endif
+LINEAR_NK(linear_nk16_f16, uint16_t, float, rows16_f16)
+
+#ifdef __AVX512BF16__
+/* bfloat16 inputs and weights on a CPU with AVX512-BF16: each step multiplies 32 pairs exactly and adds them
+ * into 16 float32 lanes (two products per lane, in a fixed order), so 4x the float32 lanes' work per op. */
+#define ROWSDP(MB)                                                                               \
+    static void rowsdp_##MB(const uint16_t *x, const uint16_t *w0, const uint16_t *w1, float *y2, long K) { \
+        __m512 a0[MB], a1[MB];                                                                   \
+        for (int m = 0; m < MB; m++) a0[m] = a1[m] = _mm512_setzero_ps();                        \
+        for (long k = 0; k < K; k += 32) {                                                       \
+            __mmask32 msk = K - k >= 32 ? (__mmask32)0xFFFFFFFFu : (__mmask32)((1ull << (K - k)) - 1); \
+            __m512bh v0 = (__m512bh)_mm512_maskz_loadu_epi16(msk, w0 + k);                      \
+            __m512bh v1 = (__m512bh)_mm512_maskz_loadu_epi16(msk, w1 + k);                      \
+            for (int m = 0; m < MB; m++) {                                                       \
+                __m512bh xv = (__m512bh)_mm512_maskz_loadu_epi16(msk, x + m * K + k);            \
+                a0[m] = _mm512_dpbf16_ps(a0[m], xv, v0);                                         \
+                a1[m] = _mm512_dpbf16_ps(a1[m], xv, v1);                                         \
+            }                                                                                    \
+        }                                                                                        \
+        for (int m = 0; m < MB; m++) {                                                           \
+            y2[2 * m] = _mm512_reduce_add_ps(a0[m]);                                             \
+            y2[2 * m + 1] = _mm512_reduce_add_ps(a1[m]);                                         \
+        }                                                                                        \
+    }
+ROWSDP(1) ROWSDP(2) ROWSDP(3) ROWSDP(4) ROWSDP(5) ROWSDP(6)
+LINEAR_NK(linear_nk16_dp, uint16_t, uint16_t, rowsdp)
+#endif
+#endif
 
 /* ------------------------------------------------------------------ linear, weight [K, N] (x @ w) */
 
@@ -166,7 +254,7 @@ LINEAR_NK(f16)
     static void linear_kn_##T(const float *x, const T##_t *w, const float *bias, void *y, int ydt, \
                               long M, long K, long N, int threads) {                             \
         long blocks = (N + 7) / 8;                                                               \
-        _Pragma("omp parallel for num_threads(threads) schedule(static)")                        \
+        _Pragma("omp parallel for num_threads(threads) schedule(dynamic, 16)")                        \
         for (long bj = 0; bj < blocks; bj++) {                                                   \
             long j = bj * 8, width = N - j < 8 ? N - j : 8;                                      \
             float out[8];                                                                        \
@@ -242,11 +330,23 @@ void ddtree_row_linear(const void *x, const void *w, const void *bias, void *y, 
             default: linear_kn_f32(xf, (const float *)w, bf, y, dt, M, K, N, threads);
         }
     } else {
+#ifdef WIDE
+        switch (dt) {
+#ifdef __AVX512BF16__
+            case DT_BF16: linear_nk16_dp((const uint16_t *)x, (const uint16_t *)w, bf, y, dt, M, K, N, threads); break;
+#else
+            case DT_BF16: linear_nk16_bf16(xf, (const uint16_t *)w, bf, y, dt, M, K, N, threads); break;
+#endif
+            case DT_F16: linear_nk16_f16(xf, (const uint16_t *)w, bf, y, dt, M, K, N, threads); break;
+            default: linear_nk16_f32(xf, (const float *)w, bf, y, dt, M, K, N, threads);
+        }
+#else
         switch (dt) {
             case DT_BF16: linear_nk_bf16(xf, (const uint16_t *)w, bf, y, dt, M, K, N, threads); break;
             case DT_F16: linear_nk_f16(xf, (const uint16_t *)w, bf, y, dt, M, K, N, threads); break;
             default: linear_nk_f32(xf, (const float *)w, bf, y, dt, M, K, N, threads);
         }
+#endif
     }
     free(xf);
     free(bf);
@@ -304,8 +404,16 @@ static float softmax_weights(float *sg, long T, const float *sink, float softcap
     return l;
 }
 
-/* o[D] += p * v[D], in one fixed order over D (8 lanes, then the tail) */
+/* o[D] += p * v[D]: one fused multiply-add per element (lanes over D, so the order is the same anyway) */
 static inline void axpy(float *o, float p, const float *v, long D) {
+#ifdef WIDE
+    __m512 pw = _mm512_set1_ps(p);
+    for (long d = 0; d < D; d += 16) {
+        __mmask16 m = tail16(D - d);
+        _mm512_mask_storeu_ps(o + d, m, _mm512_fmadd_ps(pw, _mm512_maskz_loadu_ps(m, v + d), _mm512_maskz_loadu_ps(m, o + d)));
+    }
+    return;
+#endif
     __m256 pv = _mm256_set1_ps(p);
     long d = 0;
     for (; d + 8 <= D; d += 8) _mm256_storeu_ps(o + d, _mm256_fmadd_ps(pv, _mm256_loadu_ps(v + d), _mm256_loadu_ps(o + d)));
@@ -334,6 +442,13 @@ static void softmax_values_f64(double *s, long T, long G, const double *sinks, d
             og[d] = acc / (l > 0.0 ? l : 1.0);
         }
     }
+}
+
+/* A cached key or value row as float32: the row itself, or its widened copy in buf. */
+static inline const float *as_f32(const char *src, int dt, long D, float *buf) {
+    if (dt == DT_F32) return (const float *)src;
+    for (long d = 0; d < D; d++) buf[d] = load_one(src, d, dt);
+    return buf;
 }
 
 #define NODE_CHUNK 8 /* nodes per task: they share one pass over the prefix's keys and values */
@@ -413,12 +528,7 @@ void ddtree_row_attention(const void *q, const void *k, const void *v, void *out
             }
         /* scores: the shared prefix, one pass over its keys, then each node's own tree keys */
         for (long col = lo; col < P; col++) {
-            const char *kr = kb + (size_t)(col * ks[2]) * esize;
-            const float *kf = (const float *)kr;
-            if (dt != DT_F32) {
-                for (long d = 0; d < D; d++) row[d] = load_one(kr, d, dt);
-                kf = row;
-            }
+            const float *kf = as_f32(kb + (size_t)(col * ks[2]) * esize, dt, D, row);
             for (long i = 0; i < nn; i++) {
                 if (col < first[i]) continue;
                 for (long g = 0; g < G; g++)
@@ -430,12 +540,7 @@ void ddtree_row_attention(const void *q, const void *k, const void *v, void *out
             const uint8_t *vis = tree + (b * N + n0 + i) * N;
             for (long m = 0; m < N; m++) {
                 if (!vis[m]) continue;
-                const char *kr = kb + (size_t)((P + m) * ks[2]) * esize;
-                const float *kf = (const float *)kr;
-                if (dt != DT_F32) {
-                    for (long d = 0; d < D; d++) row[d] = load_one(kr, d, dt);
-                    kf = row;
-                }
+                const float *kf = as_f32(kb + (size_t)((P + m) * ks[2]) * esize, dt, D, row);
                 for (long g = 0; g < G; g++)
                     sc[off[i] + g * TP[i] + pos[i]] = dot_f32(qf + (i * G + g) * D, kf, D) * (float)scale;
                 pos[i]++;
@@ -449,12 +554,7 @@ void ddtree_row_attention(const void *q, const void *k, const void *v, void *out
         /* values: the same order, each row of values read once for the chunk */
         for (long i = 0; i < nn; i++) pos[i] = 0;
         for (long col = lo; col < P; col++) {
-            const char *vr = vb + (size_t)(col * vs[2]) * esize;
-            const float *vf = (const float *)vr;
-            if (dt != DT_F32) {
-                for (long d = 0; d < D; d++) row[d] = load_one(vr, d, dt);
-                vf = row;
-            }
+            const float *vf = as_f32(vb + (size_t)(col * vs[2]) * esize, dt, D, row);
             for (long i = 0; i < nn; i++) {
                 if (col < first[i]) continue;
                 for (long g = 0; g < G; g++) axpy(o + (i * G + g) * D, sc[off[i] + g * TP[i] + pos[i]], vf, D);
@@ -465,12 +565,7 @@ void ddtree_row_attention(const void *q, const void *k, const void *v, void *out
             const uint8_t *vis = tree + (b * N + n0 + i) * N;
             for (long m = 0; m < N; m++) {
                 if (!vis[m]) continue;
-                const char *vr = vb + (size_t)((P + m) * vs[2]) * esize;
-                const float *vf = (const float *)vr;
-                if (dt != DT_F32) {
-                    for (long d = 0; d < D; d++) row[d] = load_one(vr, d, dt);
-                    vf = row;
-                }
+                const float *vf = as_f32(vb + (size_t)((P + m) * vs[2]) * esize, dt, D, row);
                 for (long g = 0; g < G; g++) axpy(o + (i * G + g) * D, sc[off[i] + g * TP[i] + pos[i]], vf, D);
                 pos[i]++;
             }
