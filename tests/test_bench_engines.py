@@ -110,6 +110,8 @@ def test_summarize_rates_ratios_and_equality_against_vllm_plain():
     assert default["vs_vllm_plain"] == 2.0 and vllm["vs_vllm_plain"] == 1.0
     assert plain["rows_equal"] == 1 and plain["forks"] == {"1": 2} and plain["reference"] == "vllm plain"
     assert default["rows_equal"] == 2 and default["forks"] == {}
+    # ddtree's default against its own plain decoding: its second row differs where plain's forked from vLLM
+    assert default["own_plain"] == {"rows_equal": 1, "forks": {"1": 2}} and plain["own_plain"] is None
     assert default["acceptance"] == 3.0 and plain["acceptance"] is None
     assert plain["new_tokens"] == 8
 
@@ -141,7 +143,7 @@ def test_markdown_names_the_setup_the_skips_and_every_row():
     assert "`python -m ddtree.bench engines --repeats 1`" in text and "abc1234" in text
     assert "vLLM plain: 0.32.0, dtype bfloat16, startup 90 s" in text
     assert "vLLM dflash: skipped: vLLM could not start it" in text
-    assert "| ddtree | plain | 1 | 1.0 | 1.0 | 0.50x (0.50-0.50) | – | 0/1 (vllm plain) | p0@1 |" in text
+    assert "| ddtree | plain | 1 | 1.0 | 1.0 | 0.50x (0.50-0.50) | – | 0/1 (vllm plain) | p0@1 | – |" in text
     assert "| vllm | plain | 1 | 2.0 |" in text and "load average: 2.00" in text
 
 
@@ -327,8 +329,13 @@ def test_engines_command_on_the_tiny_pair(saved_tiny_pair, tmp_path, fake_vllm_p
         assert by[("plain", 0)] == by[("default", 0)] == by[("plain", 1)]  # lossless, and steady
         assert default["acceptance"] is not None and plain["acceptance"] is None
         assert rows[("vllm", "plain", b)]["rows_equal"] == 3 and rows[("vllm", "plain", b)]["vs_vllm_plain"] == 1.0
-    assert "| vllm | plain | 2 |" in (out / "results.md").read_text()
-    assert (out / "vllm_plain.log").exists()
+    assert all(rows[("ddtree", "default", b)]["own_plain"]["rows_equal"] == 3 for b in (1, 2))
+    table = (out / "results.md").read_text()
+    assert "| vllm | plain | 2 |" in table and (out / "vllm_plain.log").exists()
+    # --report rebuilds the same table from the stored runs, running nothing
+    again = tmp_path / "again"
+    assert engines.main(["--report", str(out / "results.json"), "--out", str(again)]) == 0
+    assert (again / "results.md").read_text() == table
 
 
 def test_engines_command_is_registered():

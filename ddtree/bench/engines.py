@@ -54,6 +54,20 @@ def reference_of(runs: list[dict]) -> tuple[str, str]:
         else ("ddtree", "plain")
 
 
+def compare(reps: dict[int, dict], ref: dict[int, dict]) -> tuple[int | None, dict[str, int]]:
+    """Rows of ``reps`` equal to ``ref``'s in every repeat both have (None where they share none), and each
+    other row's first differing token index (the earliest over repeats), keyed by prompt index."""
+    forks: dict[int, int] = {}
+    shared = [k for k in sorted(reps) if k in ref]
+    for k in shared:
+        for p, (mine, theirs) in enumerate(zip(reps[k]["outputs"], ref[k]["outputs"])):
+            at = first_fork(mine, theirs)
+            if at is not None:
+                forks[p] = min(forks.get(p, at), at)
+    rows = len(next(iter(reps.values()))["outputs"])
+    return (rows - len(forks) if shared else None), {str(p): at for p, at in sorted(forks.items())}
+
+
 def summarize(runs: list[dict]) -> list[dict]:
     """One row per (engine, method, batch) from the per-repeat run records.
 
@@ -61,8 +75,9 @@ def summarize(runs: list[dict]) -> list[dict]:
     ``outputs`` (one token list per prompt, in prompt order), ``acceptance`` (tokens per verify round, or
     None). Tokens/s of a repeat is its new tokens over its seconds; ``vs_vllm_plain`` is the median of the
     per-repeat ratios to vLLM plain at the same batch size (None without vLLM). ``rows_equal`` counts the
-    prompts whose tokens equal the reference's in every repeat (same batch size, same repeat); ``forks``
-    maps each other prompt to its first differing token index (the earliest over repeats).
+    prompts whose tokens equal the reference's (vLLM plain, else ddtree plain) in every repeat (same batch
+    size, same repeat); ``forks`` maps each other prompt to its first differing token index. ``own_plain``
+    is the same against the engine's own plain decoding (a speculative method's lossless check).
     """
     ref_engine, ref_method = reference_of(runs)
     by_key: dict[tuple, dict[int, dict]] = {}
@@ -74,16 +89,10 @@ def summarize(runs: list[dict]) -> list[dict]:
         vllm = by_key.get(("vllm", "plain", batch), {})
         ratios = [rates[k] / (sum(len(o) for o in vllm[k]["outputs"]) / sum(vllm[k]["seconds"]))
                   for k in sorted(reps) if k in vllm]
-        ref = by_key.get((ref_engine, ref_method, batch), {})
-        forks: dict[int, int] = {}
-        compared = [k for k in sorted(reps) if k in ref]
-        for k in compared:
-            for p, (mine, theirs) in enumerate(zip(reps[k]["outputs"], ref[k]["outputs"])):
-                at = first_fork(mine, theirs)
-                if at is not None:
-                    forks[p] = min(forks.get(p, at), at)
+        equal, forks = compare(reps, by_key.get((ref_engine, ref_method, batch), {}))
+        own_equal, own_forks = (None, {}) if method == "plain" else compare(
+            reps, by_key.get((engine, "plain", batch), {}))
         accepted = [r["acceptance"] for r in reps.values() if r.get("acceptance") is not None]
-        prompts = len(next(iter(reps.values()))["outputs"])
         rows.append({
             "engine": engine, "method": method, "batch": batch, "repeats": len(reps),
             "tokens_per_s": statistics.median(rates.values()),
@@ -92,9 +101,9 @@ def summarize(runs: list[dict]) -> list[dict]:
             "vs_vllm_plain_range": [min(ratios), max(ratios)] if ratios else None,
             "acceptance": statistics.median(accepted) if accepted else None,
             "new_tokens": sum(len(o) for o in next(iter(reps.values()))["outputs"]),
-            "reference": f"{ref_engine} {ref_method}" if compared else None,
-            "prompts": prompts, "rows_equal": prompts - len(forks) if compared else None,
-            "forks": {str(p): at for p, at in sorted(forks.items())},
+            "reference": None if equal is None else f"{ref_engine} {ref_method}",
+            "prompts": len(next(iter(reps.values()))["outputs"]), "rows_equal": equal, "forks": forks,
+            "own_plain": None if own_equal is None else {"rows_equal": own_equal, "forks": own_forks},
         })
     order = {("ddtree", m): i for i, m in enumerate(DDTREE_METHODS)}
     order.update({("vllm", m): len(order) + i for i, m in enumerate(VLLM_METHODS)})
@@ -122,19 +131,23 @@ def markdown(results: dict) -> str:
                          f"+ untimed warm-up {info['warmup_seconds']:.0f} s (excluded); {info['config']}.")
     lines += ["", "Load (`uptime`): " + " | ".join(meta["uptime"]), "",
               "| engine | method | batch | tok/s (median) | tok/s per repeat | x vLLM plain (range) | acceptance "
-              "| rows equal to reference | first differing token |",
-              "|---|---|---:|---:|---|---:|---:|---:|---|"]
+              "| rows equal to reference | first differing token | rows equal to own plain |",
+              "|---|---|---:|---:|---|---:|---:|---:|---|---|"]
     for r in results["rows"]:
         ratio = "–" if r["vs_vllm_plain"] is None else (
             f"{r['vs_vllm_plain']:.2f}x ({r['vs_vllm_plain_range'][0]:.2f}-{r['vs_vllm_plain_range'][1]:.2f})")
         equal = "–" if r["rows_equal"] is None else f"{r['rows_equal']}/{r['prompts']} ({r['reference']})"
         forks = ", ".join(f"p{p}@{at}" for p, at in r["forks"].items()) or "–"
+        own = r.get("own_plain")
+        own_text = "–" if own is None else f"{own['rows_equal']}/{r['prompts']}" + (
+            " (" + ", ".join(f"p{p}@{at}" for p, at in own["forks"].items()) + ")" if own["forks"] else "")
         lines.append(f"| {r['engine']} | {r['method']} | {r['batch']} | {r['tokens_per_s']:.1f} | "
                      f"{', '.join(f'{x:.1f}' for x in r['tokens_per_s_runs'])} | {ratio} | "
-                     f"{_fmt(r['acceptance'], '.3f')} | {equal} | {forks} |")
+                     f"{_fmt(r['acceptance'], '.3f')} | {equal} | {forks} | {own_text} |")
     lines += ["", "tok/s: new tokens over generate's wall seconds (prefill included), all prompts of a repeat; "
               "acceptance: tokens committed per verify round (accepted + bonus); first differing token: "
-              "prompt index @ token index against the reference in the same repeat."]
+              "prompt index @ token index against the reference in the same repeat; own plain: the same engine's "
+              "plain decoding (a speculative method's lossless check)."]
     return "\n".join(lines) + "\n"
 
 
@@ -483,6 +496,8 @@ def build_parser():
     p.add_argument("--vllm-eager", action="store_true", help="vLLM without torch.compile (enforce_eager)")
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds to wait for any one vLLM answer")
     p.add_argument("--out", type=Path, default=Path("bench_out/engines"), help="output directory")
+    p.add_argument("--report", type=Path, default=None,
+                   help="run nothing: rebuild the table of an earlier run's results.json (its raw runs) into --out")
     return p
 
 
@@ -495,8 +510,12 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("repeats", "max_new_tokens", "num_prompts", "threads"):
         if getattr(args, name) < 1:
             raise SystemExit(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    print(configure_threads(args.threads).describe(), file=sys.stderr, flush=True)
-    results = run(args)
+    if args.report is not None:
+        results = json.loads(args.report.read_text())
+        results["rows"] = summarize(results["runs"])
+    else:
+        print(configure_threads(args.threads).describe(), file=sys.stderr, flush=True)
+        results = run(args)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "results.json").write_text(json.dumps(results, indent=1))
     table = markdown(results)
