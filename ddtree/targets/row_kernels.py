@@ -105,14 +105,16 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 def tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: torch.Tensor, visible: torch.Tensor, *,
-                   scale: float, sinks: torch.Tensor | None = None, softcap: float | None = None) -> torch.Tensor:
+                   scale: float, sinks: torch.Tensor | None = None, softcap: float | None = None,
+                   prefix_end: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of ``N`` tree nodes per row over the committed prefix and their own paths, in logical order.
 
-    ``q`` ``[B, Hq, N, D]``; ``k``/``v`` ``[B, Hkv, P + N, D]`` (the prefix in the first ``P`` columns, the
-    nodes after it); node ``n`` of row ``b`` sees the prefix columns ``start[b, n] ..  P - 1`` and the node
-    columns ``m`` with ``visible[b, n, m]`` (its ancestors and itself: index order is path order). ``sinks``
-    ``[Hq]``: a learned logit per head in every softmax's denominator (gpt-oss). Returns ``[B, N, Hq, D]``.
-    A one-token step is the case ``N = 1``: the same keys in the same order give the same bits.
+    ``q`` ``[B, Hq, N, D]``; ``k``/``v`` ``[B, Hkv, S, D]``: row ``b``'s prefix ends at column ``P_b``
+    (``prefix_end[b]``; default ``S - N`` for every row) and its nodes sit at ``P_b .. P_b + N - 1``; node ``n``
+    sees the prefix columns ``start[b, n] .. P_b - 1`` and the node columns ``m`` with ``visible[b, n, m]`` (its
+    ancestors and itself: index order is path order). ``sinks`` ``[Hq]``: a learned logit per head in every
+    softmax's denominator (gpt-oss). Returns ``[B, N, Hq, D]``. A one-token step is the case ``N = 1``: the same
+    keys in the same order give the same bits.
     """
     bsz, hq, n, d = q.shape
     hkv, width = k.shape[1], k.shape[2]
@@ -132,9 +134,16 @@ def tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: tor
     if sinks is not None:
         sink = sinks.detach().to(device="cpu", dtype=torch.float64 if dtype == torch.float64 else torch.float32)
         sink = sink.reshape(hq).contiguous()
+    if prefix_end is None:
+        ends = torch.full((bsz,), width - n, dtype=torch.int64)
+    else:
+        ends = prefix_end.to(device="cpu", dtype=torch.int64).contiguous()
+        if ends.shape != (bsz,) or bool((ends < 0).any()) or bool((ends + n > width).any()):
+            raise ValueError(f"tree_attention: prefix_end must be [{bsz}] with each row's nodes inside the {width} "
+                             f"key columns, got {ends.tolist()}")
     strides = [(torch.tensor(t.stride()[:3], dtype=torch.long)) for t in (q, k, v)]
     lib.ddtree_row_attention(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), DTYPE_CODES[dtype], bsz, hq,
-                             hkv, n, d, *(s.data_ptr() for s in strides), starts.data_ptr(), width - n,
+                             hkv, n, d, *(s.data_ptr() for s in strides), starts.data_ptr(), ends.data_ptr(),
                              vis.data_ptr(), 0 if sink is None else sink.data_ptr(), float(softcap or 0.0),
                              float(scale), _threads())
     return out
