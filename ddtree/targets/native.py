@@ -1,8 +1,9 @@
 """The row-invariant C kernels (``csrc/row_invariant.c``), built once with the system compiler and loaded.
 
 The library is compiled on first use (for this CPU's vector width, or AVX2 + FMA + F16C; OpenMP) into the
-ddtree cache directory, named by a hash of its source, flags and CPU, and loaded with ctypes. Where it cannot be (another CPU, no compiler, an
-unwritable cache) :func:`library` says why, and the callers fall back or refuse with that reason.
+ddtree cache directory, named by a hash of its source, flags and CPU, and loaded with ctypes. Where it cannot be
+(another CPU, no compiler, an unwritable cache) :func:`library` says why, and the callers fall back or refuse
+with that reason.
 """
 
 from __future__ import annotations

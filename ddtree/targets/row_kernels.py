@@ -63,10 +63,22 @@ def _threads() -> int:
     return torch.get_num_threads() if threads is None else threads
 
 
+SMALL_PRODUCT = 1 << 17
+"""Multiply-adds below which a product runs on one thread (the bits do not depend on the thread count)."""
+
+_LIB: list = [None]  # the loaded library, for checked_linear's per-call path
+
+
+def checked_library() -> None:
+    """Load the library for :func:`checked_linear` (raises where it cannot run)."""
+    _library()
+
+
 def _library():
     lib, why = native.library()
     if lib is None:
         raise RuntimeError(f"the ddtree row-invariant CPU kernels cannot run here: {why}")
+    _LIB[0] = lib
     return lib
 
 
@@ -91,17 +103,25 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         raise ValueError(f"linear: input has {x.shape[-1]} features but the weight {tuple(weight.shape)} expects {k}")
     if bias is not None and bias.shape != (n,):
         raise ValueError(f"linear: bias has shape {tuple(bias.shape)}, expected ({n},)")
-    dtype = _check_cpu("linear", x, weight, bias)
-    lib = _library()
+    _check_cpu("linear", x, weight, bias)
+    _library()
+    return checked_linear(x, weight.contiguous(), None if bias is None else bias.contiguous(), transposed)
+
+
+def checked_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                   transposed: bool = False) -> torch.Tensor:
+    """:func:`linear` for inputs already known to fit (one dtype the kernels take, CPU, ``weight`` and ``bias``
+    contiguous, the library loaded): a routed layer's per-call path, without the checks."""
+    k = weight.shape[0] if transposed else weight.shape[1]
+    n = weight.shape[1] if transposed else weight.shape[0]
     rows = x.numel() // k if k else 0
-    x2 = x.reshape(rows, k).contiguous()
-    w = weight.contiguous()
-    b = None if bias is None else bias.contiguous()
-    y = torch.empty(rows, n, dtype=dtype)
+    x2 = x if x.is_contiguous() else x.contiguous()
+    y = torch.empty(*x.shape[:-1], n, dtype=x.dtype)
     if rows and n:
-        lib.ddtree_row_linear(x2.data_ptr(), w.data_ptr(), 0 if b is None else b.data_ptr(), y.data_ptr(), rows, k,
-                              n, DTYPE_CODES[dtype], int(transposed), _threads())
-    return y.view(*x.shape[:-1], n)
+        threads = 1 if rows * k * n < SMALL_PRODUCT else _threads()  # a tiny product costs less than waking threads
+        _LIB[0].ddtree_row_linear(x2.data_ptr(), weight.data_ptr(), 0 if bias is None else bias.data_ptr(),
+                                  y.data_ptr(), rows, k, n, DTYPE_CODES[x.dtype], int(transposed), threads)
+    return y
 
 
 def tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: torch.Tensor, visible: torch.Tensor, *,
