@@ -5,10 +5,14 @@ them into a :class:`~ddtree.core.tree.DraftTree` as tensor operations (a loop ov
 nodes), so a round that grafts reads nothing back from the device.
 
 The merge: a branch follows the tree's nodes while their tokens match and adds the rest as new nodes; a node
-on both keeps the higher score and both source flags. Then the ``keep`` best non-root candidates by (score
-descending, depth ascending, candidate index ascending) make the tree, ``keep = min(budget, N - 1 + K * D)``
-for a tree of ``N`` nodes and ``K`` branches of ``D`` tokens: every row gets the same, value-independent node
-count. Scores never rise from parent to child, so the kept nodes include their ancestors. A row with fewer
+on both keeps the higher score and both source flags. Then ``keep = min(budget, N - 1 + K * D)`` non-root
+candidates make the tree, for a tree of ``N`` nodes and ``K`` branches of ``D`` tokens: every row gets the
+same, value-independent node count. The tree's first path (:func:`~ddtree.core.tree.first_path`: the
+drafter's best guess at each depth) is always kept, so where the drafter is right the graft never costs it
+a token; the other places go to the best of the rest by (score descending, depth ascending, candidate index
+ascending): the drafter's alternatives and the branches' new nodes compete by score, and the room the tree
+leaves under the budget goes to the branches. The kept nodes are listed in that key order (score first).
+Scores never rise from parent to child, so the kept nodes include their ancestors. A row with fewer
 candidates than ``keep`` (its branches matched the tree, or it has none, while the tree was smaller than the
 budget) is filled with pad nodes: copies of the root (its token, parent -1, depth 0, score -inf) that see only
 themselves, so the target computes for them what it computes for the root, and the walk never accepts one.
@@ -21,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from ddtree.core.builders import top_stable
-from ddtree.core.tree import DRAFTER, LOOKUP, DraftTree
+from ddtree.core.tree import DRAFTER, LOOKUP, DraftTree, first_path
 
 HostPaths = list[list[tuple[list[int], list[float]]]]
 """Branches as Python lists: per row, ``(tokens, cumulative scores)`` from the root."""
@@ -84,9 +88,9 @@ def as_branches(paths: Branches | HostPaths, like: torch.Tensor) -> Branches:
 
 
 def graft_paths(tree: DraftTree, paths: Branches | HostPaths, budget: int) -> DraftTree:
-    """``tree`` with ``paths`` (:class:`Branches`, or per-row ``(tokens, scores)`` lists) merged in, the best
-    ``min(budget, N - 1 + K * D)`` non-root candidates kept (see the module docstring); ``sources`` flags each
-    node's proposers (drafter 1, branch 2, root and pads 0)."""
+    """``tree`` with ``paths`` (:class:`Branches`, or per-row ``(tokens, scores)`` lists) merged in,
+    ``min(budget, N - 1 + K * D)`` non-root candidates kept: the tree's first path, then the best of the rest
+    (see the module docstring); ``sources`` flags each node's proposers (drafter 1, branch 2, root and pads 0)."""
     if not isinstance(paths, Branches) and len(paths) != tree.batch_size:
         raise ValueError(f"paths are given for {len(paths)} rows, the tree has {tree.batch_size}")
     branches = as_branches(paths, tree.scores)
@@ -94,8 +98,8 @@ def graft_paths(tree: DraftTree, paths: Branches | HostPaths, budget: int) -> Dr
         raise ValueError(f"branches are given for {branches.tokens.shape[0]} rows, the tree has {tree.batch_size}")
     if branches.empty:
         return tree
-    return _select(_merge(tree, branches), tree.tokens[:, 0], min(budget, tree.num_nodes - 1 +
-                                                                   branches.tokens.shape[1] * branches.tokens.shape[2]))
+    keep = min(budget, tree.num_nodes - 1 + branches.tokens.shape[1] * branches.tokens.shape[2])
+    return _select(_merge(tree, branches), tree.tokens[:, 0], keep, first_path(tree))
 
 
 @dataclass
@@ -165,17 +169,22 @@ def _merge(tree: DraftTree, branches: Branches) -> _Candidates:
     return cand
 
 
-def _select(cand: _Candidates, roots: torch.Tensor, keep: int) -> DraftTree:
-    """The ``keep`` best non-root candidates of each row, in key order, as a tree; places no real candidate
-    fills become pad nodes (copies of the root that see only themselves)."""
+def _select(cand: _Candidates, roots: torch.Tensor, keep: int, first: torch.Tensor) -> DraftTree:
+    """Each row's ``keep`` non-root candidates, ``first`` (``[B, N]``, over the tree's own nodes) and then the
+    best of the rest, listed in key order, as a tree; places no real candidate fills become pad nodes (copies
+    of the root that see only themselves)."""
     bsz, c = cand.tokens.shape
     device = cand.tokens.device
     # Real candidates first, each group by depth: a stable descending selection on score then breaks ties
     # by depth and candidate index, and never prefers a missing candidate to a real one scored -inf.
     rest = torch.where(cand.real[:, 1:], cand.depths[:, 1:], c)
     order = rest.sort(dim=1, stable=True).indices + 1
-    scores, pick = top_stable(cand.scores.gather(1, order), keep)
-    chosen = order.gather(1, pick)  # candidate index of each kept node, [B, keep]
+    ranked = cand.scores.gather(1, order)
+    must = torch.nn.functional.pad(first, (0, c - first.shape[1])).gather(1, order)
+    _, pick = top_stable(torch.where(must, float("inf"), ranked), keep)  # the first path, then the best
+    pick = pick.sort(dim=1).values  # back to (depth, candidate) order, then by score: the key order
+    scores, by_score = ranked.gather(1, pick).sort(dim=1, descending=True, stable=True)
+    chosen = order.gather(1, pick.gather(1, by_score))  # candidate index of each kept node, [B, keep]
     real = cand.real.gather(1, chosen)
     node = torch.arange(1, keep + 1, device=device).expand(bsz, keep)
     place = torch.zeros(bsz, c, dtype=torch.long, device=device).scatter(1, chosen, node)  # new index by candidate
