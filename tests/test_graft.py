@@ -16,7 +16,7 @@ from tiny import examples
 
 from ddtree.core import reference_builders as ref
 from ddtree.core.builders import beam, best_first, chain
-from ddtree.core.graft import Branches, graft_paths
+from ddtree.core.graft import Branches, graft_cuts, graft_paths
 from ddtree.core.tree import DRAFTER, LOOKUP, DraftTree, first_path
 from ddtree.core.verify import accept_longest_branch
 from ddtree.drafters.lookup import PromptLookup, lookup_continuation
@@ -101,6 +101,30 @@ def test_a_branch_on_the_tree_raises_its_nodes_and_new_ones_rank_in():
     assert grafted.sources[0, t0[first][11]] == LOOKUP and 12 in t0[t0[first][11]]
     assert 15 not in grafted.child_table(1)[0]
     assert grafted.sources[1].tolist().count(LOOKUP) == 0
+
+
+@settings(max_examples=examples(40), deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), batch=st.integers(1, 3), depth=st.integers(1, 5), vocab=st.integers(2, 12),
+       builder=st.sampled_from(sorted(BUILDERS)), top=st.integers(1, 24), branches=st.integers(1, 3),
+       tied=st.booleans())
+def test_graft_cuts_are_the_trees_each_budget_grafts(seed, batch, depth, vocab, builder, top, branches, tied):
+    """The budget policy's one merge: each cut of the largest tree, grafted, is the tree the round grafts at
+    that budget (the builder's own tree at it), node for node, then pads."""
+    gen = torch.Generator().manual_seed(seed)
+    lp = distribution(gen, (batch, depth, vocab), "levels" if tied else "random")
+    roots = torch.randint(0, vocab, (batch,), generator=gen)
+    tree = BUILDERS[builder](roots, lp, top)
+    paths = random_paths(gen, tree, vocab, branches, depth + 2, tied)
+    budgets = sorted({1, top // 2, top} & set(range(1, tree.num_nodes)))
+    cuts = graft_cuts(tree, paths, budgets)
+    for b in range(batch):
+        for i, n in enumerate(budgets):
+            got, want = cuts.row(b * len(budgets) + i), graft_paths(BUILDERS[builder](roots, lp, n), paths, n).row(b)
+            m = want.num_nodes
+            mine = DraftTree(got.tokens[:, :m], got.parents[:, :m], got.depths[:, :m], got.scores[:, :m],
+                             got.visibility[:, :m, :m], None if got.sources is None else got.sources[:, :m])
+            assert_same_tree(mine, want)
+            assert bool((got.parents[:, m:] == -1).all()) and bool((got.scores[:, m:] == float("-inf")).all())
 
 
 def test_first_path_follows_each_nodes_first_child():

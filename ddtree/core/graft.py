@@ -20,6 +20,7 @@ themselves, so the target computes for them what it computes for the root, and t
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -102,6 +103,42 @@ def graft_paths(tree: DraftTree, paths: Branches | HostPaths, budget: int) -> Dr
     return _select(_merge(tree, branches), tree.tokens[:, 0], keep, first_path(tree))
 
 
+def graft_cuts(tree: DraftTree, paths: Branches | HostPaths, budgets: Sequence[int]) -> DraftTree:
+    """Row ``b * len(budgets) + i``: ``graft_paths(cut, paths, budgets[i])`` for ``cut`` row ``b`` of ``tree``
+    with only its first ``budgets[i]`` draft nodes (the rest as pads), all in one merge, padded to the
+    largest's node count. For a builder whose budget-``n`` tree is its first ``n`` nodes (best-first, the
+    chain, beams, pairwise trees), these are the trees a round would verify at each budget: what the budget
+    policy prices. Every ``budgets[i]`` must be at most ``tree``'s draft nodes."""
+    bsz, n = tree.tokens.shape
+    if any(b > n - 1 or b < 0 for b in budgets):
+        raise ValueError(f"budgets {list(budgets)} must lie in [0, {n - 1}], the tree's draft nodes")
+    cuts = len(budgets)
+    branches = as_branches(paths, tree.scores)
+    rows = torch.arange(bsz, device=tree.tokens.device).repeat_interleave(cuts)
+    limit = torch.tensor(list(budgets), device=tree.tokens.device).repeat(bsz)
+    index = torch.arange(n, device=tree.tokens.device)
+    cut = index[None, :] > limit[:, None]  # [B * cuts, N]: nodes past the budget become pads
+    roots = tree.tokens[rows, :1].expand(-1, n)
+    sources = (tree.sources[rows] if tree.sources is not None
+               else torch.full_like(cut, DRAFTER, dtype=torch.long))
+    cut_tree = DraftTree(
+        tokens=torch.where(cut, roots, tree.tokens[rows]),
+        parents=torch.where(cut, -1, tree.parents[rows]),
+        depths=torch.where(cut, 0, tree.depths[rows]),
+        scores=torch.where(cut, float("-inf"), tree.scores[rows]),
+        visibility=torch.where(cut[:, :, None], torch.eye(n, dtype=torch.bool, device=cut.device),
+                               tree.visibility[rows]),
+        sources=torch.where(cut, 0, sources),
+    )
+    branches = Branches(branches.tokens[rows], branches.scores[rows], branches.lengths[rows])
+    if branches.empty:
+        return cut_tree
+    places = branches.tokens.shape[1] * branches.tokens.shape[2]
+    keep = min(max(budgets, default=0), n - 1 + places)
+    # each cut's own keep, min(budget, its nodes + places), is its budget: a cut has as many nodes as that
+    return _select(_merge(cut_tree, branches), cut_tree.tokens[:, 0], keep, first_path(cut_tree), limit)
+
+
 @dataclass
 class _Candidates:
     """The tree's nodes then one slot per branch place, ``[B, C]`` (``visibility`` ``[B, C, C]``); ``real``
@@ -137,7 +174,7 @@ def _merge(tree: DraftTree, branches: Branches) -> _Candidates:
         depths=grow(tree.depths.long(), 0),
         scores=grow(tree.scores, float("-inf")),
         sources=grow(sources, 0),
-        real=torch.cat([torch.ones(bsz, n, dtype=torch.bool, device=device),
+        real=torch.cat([(tree.parents >= 0) | (torch.arange(n, device=device) == 0),  # a pad stays one
                         torch.zeros(bsz, extra, dtype=torch.bool, device=device)], dim=1),
         visibility=torch.nn.functional.pad(tree.visibility, (0, extra, 0, extra)),
     )
@@ -169,10 +206,11 @@ def _merge(tree: DraftTree, branches: Branches) -> _Candidates:
     return cand
 
 
-def _select(cand: _Candidates, roots: torch.Tensor, keep: int, first: torch.Tensor) -> DraftTree:
+def _select(cand: _Candidates, roots: torch.Tensor, keep: int, first: torch.Tensor,
+            limit: torch.Tensor | None = None) -> DraftTree:
     """Each row's ``keep`` non-root candidates, ``first`` (``[B, N]``, over the tree's own nodes) and then the
-    best of the rest, listed in key order, as a tree; places no real candidate fills become pad nodes (copies
-    of the root that see only themselves)."""
+    best of the rest, listed in key order, as a tree; places no real candidate fills, and those past a row's
+    ``limit`` (``[B]``, at most ``keep``), become pad nodes (copies of the root that see only themselves)."""
     bsz, c = cand.tokens.shape
     device = cand.tokens.device
     # Real candidates first, each group by depth: a stable descending selection on score then breaks ties
@@ -182,10 +220,15 @@ def _select(cand: _Candidates, roots: torch.Tensor, keep: int, first: torch.Tens
     ranked = cand.scores.gather(1, order)
     must = torch.nn.functional.pad(first, (0, c - first.shape[1])).gather(1, order)
     _, pick = top_stable(torch.where(must, float("inf"), ranked), keep)  # the first path, then the best
-    pick = pick.sort(dim=1).values  # back to (depth, candidate) order, then by score: the key order
-    scores, by_score = ranked.gather(1, pick).sort(dim=1, descending=True, stable=True)
+    inside = torch.ones_like(pick, dtype=torch.bool)
+    if limit is not None:  # a row's first ``limit`` picks are its own selection
+        inside = torch.arange(keep, device=device)[None, :] < limit[:, None]
+    pick, back = pick.sort(dim=1)  # back to (depth, candidate) order, then by score: the key order
+    inside = inside.gather(1, back)
+    scores, by_score = torch.where(inside, ranked.gather(1, pick), float("-inf")).sort(dim=1, descending=True,
+                                                                                        stable=True)
     chosen = order.gather(1, pick.gather(1, by_score))  # candidate index of each kept node, [B, keep]
-    real = cand.real.gather(1, chosen)
+    real = cand.real.gather(1, chosen) & inside.gather(1, by_score)
     node = torch.arange(1, keep + 1, device=device).expand(bsz, keep)
     place = torch.zeros(bsz, c, dtype=torch.long, device=device).scatter(1, chosen, node)  # new index by candidate
     parent = place.gather(1, cand.parents.gather(1, chosen).clamp(min=0))
