@@ -316,6 +316,12 @@ class WithLookup(Drafter):
         return MergedContext(self.drafter.new_context(batch_size), self.lookup.new_context(batch_size))
 
 
+def lookup_room(drafter: Drafter) -> int:
+    """The most nodes a drafter's merged lookup branch adds to its trees (one branch of ``block_size - 1``
+    tokens); 0 for a drafter that merges none."""
+    return drafter.lookup.block_size - 1 if isinstance(drafter, WithLookup) else 0
+
+
 class MergedContext(DraftContext):
     """The model drafter's context and the lookup's, fed the same tokens; proposals keep every field of the
     model's (its pairwise scores, its own paths) and add the lookup branch to its paths."""
