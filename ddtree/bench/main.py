@@ -153,7 +153,7 @@ def run_main_bench(argv: Sequence[str] | None = None) -> int:
 def _run_bench(args, argv) -> int:
     from ddtree.runtime.threads import configure_threads
 
-    threads = configure_threads(args.threads)
+    threads = configure_threads(args.threads, fix="python -m ddtree.bench --threads 1, or OMP_NUM_THREADS=1")
     print(threads.describe(), file=sys.stderr, flush=True)
     methods = parse_methods(args.methods or ["ar,chain,best_first@8,32,auto"])
     gen = load_generator(args)
