@@ -16,8 +16,8 @@ import torch
 from ddtree.budget.costs import Estimate, Key, nearest
 from ddtree.budget.settings import Settings
 from ddtree.core.builders import TreeBuilder, best_first
-from ddtree.core.tree import DraftTree
 from ddtree.core.graft import graft_cuts
+from ddtree.core.tree import DraftTree
 from ddtree.drafters.base import Proposal, built_tree
 
 COST_MODEL = ("tokens_per_second(n) = sum_rows E[tokens|n] / (overhead(B, ctx) + verify(B x n+1 nodes, ctx)); "

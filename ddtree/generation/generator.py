@@ -46,7 +46,7 @@ from ddtree.generation.options import (
 from ddtree.generation.round import speculative_round
 from ddtree.generation.rows import RowBook
 from ddtree.generation.state import DecodeState, DeviceState, RoundEngine
-from ddtree.generation.static_round import StaticSteps, check_static_support, compiled_ladder
+from ddtree.generation.static_round import CompileLog, StaticSteps, check_static_support, compiled_ladder
 from ddtree.generation.stats import RoundStats
 from ddtree.loading.drafter import resolve_drafter
 from ddtree.loading.pair import check_target_model, load_pair
@@ -189,6 +189,7 @@ class SpeculativeGenerator:
         self.tokenizer = tokenizer
         self._static_steps: dict[tuple, StaticSteps] = {}  # compiled static-round steps by builder, budget, rule
         self._said_capacity: set[tuple] = set()  # (budget, builder) pairs already warned as past the builder's reach
+        self.compile_log = CompileLog()  # says each graph compile=True compiles, counted over this generator's calls
         if options.compile:
             check_static_support(self)
         self.learned = Learned()  # what "auto" calls learn of this model on this machine, shared by every call

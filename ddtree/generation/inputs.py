@@ -322,7 +322,7 @@ def _whole(name: str, value: Any) -> Any:
         return None
     if isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value) \
             and float(value).is_integer():
-        return int(value)
+        return int(float(value))
     raise ValueError(f"{name} must be {_NUMBERS[name]}; got {value!r}")
 
 
