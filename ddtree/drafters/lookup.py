@@ -304,6 +304,7 @@ class WithLookup(Drafter):
                 raise ValueError("give WithLookup a PromptLookup, or the vocab_size to build one")
             lookup = PromptLookup(vocab_size, block_size=drafter.block_size, **options)
         self.lookup = lookup
+        self.grafted_nodes = lookup.block_size - 1  # the most its branch adds to a tree (one branch, block - 1)
         self.block_size = drafter.block_size
         self.target_layer_ids = drafter.target_layer_ids
         self.needs_hidden_states = drafter.needs_hidden_states
@@ -314,12 +315,6 @@ class WithLookup(Drafter):
 
     def new_context(self, batch_size: int = 1) -> MergedContext:
         return MergedContext(self.drafter.new_context(batch_size), self.lookup.new_context(batch_size))
-
-
-def lookup_room(drafter: Drafter) -> int:
-    """The most nodes a drafter's merged lookup branch adds to its trees (one branch of ``block_size - 1``
-    tokens); 0 for a drafter that merges none."""
-    return drafter.lookup.block_size - 1 if isinstance(drafter, WithLookup) else 0
 
 
 class MergedContext(DraftContext):

@@ -28,7 +28,6 @@ from ddtree.core.builders import TreeBuilder, builder_capacity, resolve_builder
 from ddtree.core.noise import row_keys
 from ddtree.core.sampling import GREEDY, SamplingConfig
 from ddtree.drafters.base import Drafter
-from ddtree.drafters.lookup import lookup_room
 from ddtree.generation.inputs import (
     StreamerFeed,
     chat_template_warning,
@@ -359,12 +358,12 @@ class SpeculativeGenerator:
 
     def _warn_past_capacity(self, budget: Any, builder: TreeBuilder, name: Any) -> None:
         """Warn, once per generator for each budget and builder, when a fixed budget is more than the builder
-        (with the lookup branch, if merged) can build: its rounds verify fewer nodes, which ``stats.nodes``
-        counts."""
+        (with the nodes a merging drafter grafts, its ``grafted_nodes``: a lookup branch's) can build: its
+        rounds verify fewer nodes, which ``stats.nodes`` counts."""
         if not isinstance(budget, int) or budget == 0 or (budget, builder) in self._said_capacity:
             return
         depth = self.drafter.block_size - 1
-        most, lookup = builder_capacity(builder, depth), lookup_room(self.drafter)
+        most, lookup = builder_capacity(builder, depth), int(getattr(self.drafter, "grafted_nodes", 0))
         if most is None or budget <= most + lookup:
             return
         self._said_capacity.add((budget, builder))
