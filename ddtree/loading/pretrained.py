@@ -153,7 +153,8 @@ def convert_smollm2(out_dir: Path, dtype: torch.dtype = torch.bfloat16, quiet: b
     tmp = out_dir.parent / f".{out_dir.name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     t0 = time.time()
-    _log(f"first use: converting {gguf.name} to a plain HF model in {out_dir} (one time: 20-45 s on a 2-core CPU, more while it is busy)", quiet)
+    _log(f"first use: converting {gguf.name} to a plain HF model in {out_dir} "
+         "(one time: 20-45 s on a 2-core CPU, more while it is busy)", quiet)
     _log("[1/3] reading and dequantising the GGUF ...", quiet)
     with _Progress("reading and dequantising the GGUF", quiet):
         q = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
