@@ -62,14 +62,15 @@ def unavailable_reason() -> str | None:
 
 
 def takes(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, rows: int,
-                max_rows: int | None) -> bool:
-    """Whether :func:`linear` gives this call to the kernel."""
-    if rows == 0 or x.device.type != "cpu" or weight.device.type != "cpu" or not weight.is_contiguous():
+          max_rows: int | None) -> bool:
+    """Whether :func:`linear` gives this call to the kernel (an exact call takes a weight of any layout, copied
+    contiguous: inexact BLAS is never the fallback for a layout)."""
+    if rows == 0 or x.device.type != "cpu" or weight.device.type != "cpu":
         return False
     if max_rows is EVERY_ROW:
         if _BULK.get() or x.dtype not in row_kernels.DTYPE_CODES:
             return False
-    elif rows > max_rows or x.dtype != torch.float32:
+    elif rows > max_rows or x.dtype != torch.float32 or not weight.is_contiguous():
         return False
     if weight.dtype != x.dtype or (bias is not None and (bias.dtype != x.dtype or bias.device.type != "cpu")):
         return False
