@@ -127,7 +127,9 @@ def uniforms(keys: torch.Tensor, positions: torch.Tensor, vocab: int) -> torch.T
 
 def gumbel_noise(keys: torch.Tensor, positions: torch.Tensor, vocab: int,
                  dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """``[*positions.shape, vocab]`` standard Gumbel noise ``-log(-log(u))`` (see :func:`uniforms`)."""
+    """``[*positions.shape, vocab]`` standard Gumbel noise ``-log(-log(u))`` (see :func:`uniforms`). A token's
+    noise is the same bits however many positions are drawn at once (``tests/test_keyed_sampling.py`` checks
+    it on several threads: torch's float64 log gives its scalar tail and its vector blocks the same bits)."""
     return uniforms(keys, positions, vocab).log_().neg_().log_().neg_().to(dtype)
 
 

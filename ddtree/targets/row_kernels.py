@@ -9,58 +9,17 @@ kernels cannot run.
 
 from __future__ import annotations
 
-import contextvars
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-
 import torch
 
+from ddtree.runtime.invariant import caller_threads
 from ddtree.targets import native
 
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.float64: 3}
 """The dtypes the kernels take, by the code the C side switches on."""
 
 
-_THREADS: contextvars.ContextVar[int | None] = contextvars.ContextVar("ddtree_kernel_threads", default=None)
-
-
-@contextmanager
-def torch_single_threaded() -> Iterator[None]:
-    """Run torch's own ops on one thread while the kernels keep the caller's threads. torch splits a large
-    elementwise op into one chunk per thread, and each chunk's last partial vector takes a scalar path whose
-    transcendentals (exp, silu, ...) can differ in the last bit: which elements land there depends on the
-    tensor's size, so on several threads a row's bits would depend on the rows beside it."""
-    threads = torch.get_num_threads()
-    token = _THREADS.set(threads if _THREADS.get() is None else _THREADS.get())
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
-        _THREADS.reset(token)
-
-
-VECTOR_MULTIPLE = 64
-"""Elements in the widest block torch's CPU elementwise loops take at once (two AVX-512 vectors of 16-bit floats)."""
-
-
-def elementwise(fn: Callable[..., torch.Tensor], *tensors: torch.Tensor) -> torch.Tensor:
-    """``fn(*tensors)`` for an elementwise ``fn`` on tensors of one shape, every element through the same code.
-
-    torch computes the last partial vector of an elementwise op with scalar code, whose transcendentals (exp,
-    sigmoid, softplus) can differ in the last bit from the vector code; which elements land there depends on the
-    tensor's size. Padding the flattened tensors to whole blocks sends every element through the vector code
-    (with torch on one thread, :func:`torch_single_threaded`), whatever the rows beside it."""
-    shape = tensors[0].shape
-    numel = tensors[0].numel()
-    pad = -numel % VECTOR_MULTIPLE
-    flat = [torch.nn.functional.pad(t.reshape(-1), (0, pad)) for t in tensors]
-    return fn(*flat)[:numel].view(shape)
-
-
 def _threads() -> int:
-    threads = _THREADS.get()
-    return torch.get_num_threads() if threads is None else threads
+    return caller_threads()
 
 
 SMALL_PRODUCT = 1 << 17
