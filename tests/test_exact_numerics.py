@@ -237,9 +237,10 @@ def test_many_threads_and_odd_widths_keep_the_bits(intermediate, threads):
 def test_control_without_those_guards_wide_trees_differ(monkeypatch):
     import contextlib
 
-    from ddtree.targets import numerics, row_kernels
+    from ddtree.runtime import invariant
+    from ddtree.targets import numerics
 
-    monkeypatch.setattr(row_kernels, "torch_single_threaded", contextlib.nullcontext)
+    monkeypatch.setattr(invariant, "torch_single_threaded", contextlib.nullcontext)
     assert _wide_mismatches(4096, 5) > 0
     monkeypatch.setattr(numerics, "_activation_modules", lambda model: [])
     assert _wide_mismatches(1000, 1) > 0

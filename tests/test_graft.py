@@ -16,8 +16,8 @@ from tiny import examples
 
 from ddtree.core import reference_builders as ref
 from ddtree.core.builders import beam, best_first, chain
-from ddtree.core.graft import Branches, graft_paths
-from ddtree.core.tree import DRAFTER, LOOKUP
+from ddtree.core.graft import Branches, graft_cuts, graft_paths
+from ddtree.core.tree import DRAFTER, LOOKUP, DraftTree, first_path
 from ddtree.core.verify import accept_longest_branch
 from ddtree.drafters.lookup import PromptLookup, lookup_continuation
 from ddtree.runtime.host_reads import count_host_reads
@@ -78,6 +78,12 @@ def test_device_graft_equals_the_reference(seed, batch, depth, vocab, builder, b
     assert bool(((grafted.parents < index) | ~real).all())
     above = grafted.scores.gather(1, grafted.parents.clamp(min=0))
     assert bool(((grafted.scores <= above) | ~real).all())
+    # The tree's first path (its best guess at each depth) survives whole, whatever the branches score.
+    on = first_path(tree)
+    for b in range(batch):
+        table, node = grafted.child_table(b), 0
+        for token in tree.tokens[b][on[b]].tolist():
+            node = table[node][token]
 
 
 def test_a_branch_on_the_tree_raises_its_nodes_and_new_ones_rank_in():
@@ -95,6 +101,57 @@ def test_a_branch_on_the_tree_raises_its_nodes_and_new_ones_rank_in():
     assert grafted.sources[0, t0[first][11]] == LOOKUP and 12 in t0[t0[first][11]]
     assert 15 not in grafted.child_table(1)[0]
     assert grafted.sources[1].tolist().count(LOOKUP) == 0
+
+
+@settings(max_examples=examples(40), deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), batch=st.integers(1, 3), depth=st.integers(1, 5), vocab=st.integers(2, 12),
+       builder=st.sampled_from(sorted(BUILDERS)), top=st.integers(1, 24), branches=st.integers(1, 3),
+       tied=st.booleans())
+def test_graft_cuts_are_the_trees_each_budget_grafts(seed, batch, depth, vocab, builder, top, branches, tied):
+    """The budget policy's one merge: each cut of the largest tree, grafted, is the tree the round grafts at
+    that budget (the builder's own tree at it), node for node, then pads."""
+    gen = torch.Generator().manual_seed(seed)
+    lp = distribution(gen, (batch, depth, vocab), "levels" if tied else "random")
+    roots = torch.randint(0, vocab, (batch,), generator=gen)
+    tree = BUILDERS[builder](roots, lp, top)
+    paths = random_paths(gen, tree, vocab, branches, depth + 2, tied)
+    budgets = sorted({1, top // 2, top} & set(range(1, tree.num_nodes)))
+    cuts = graft_cuts(tree, paths, budgets)
+    for b in range(batch):
+        for i, n in enumerate(budgets):
+            got, want = cuts.row(b * len(budgets) + i), graft_paths(BUILDERS[builder](roots, lp, n), paths, n).row(b)
+            m = want.num_nodes
+            mine = DraftTree(got.tokens[:, :m], got.parents[:, :m], got.depths[:, :m], got.scores[:, :m],
+                             got.visibility[:, :m, :m], None if got.sources is None else got.sources[:, :m])
+            assert_same_tree(mine, want)
+            assert bool((got.parents[:, m:] == -1).all()) and bool((got.scores[:, m:] == float("-inf")).all())
+
+
+def test_first_path_follows_each_nodes_first_child():
+    """From the root through each node's lowest-index child; pads (parent -1) and the root are off it."""
+    tree = DraftTree.from_parents(torch.tensor([9, 1, 2, 3, 4, 5, 6]), torch.tensor([-1, 0, 0, 1, 2, 1, 3]))
+    assert first_path(tree)[0].tolist() == [False, True, False, True, False, False, True]
+    pads = graft_paths(chain(torch.tensor([7]), torch.full((1, 2, 5), -1.0), 2), [[([4], [-9.0])]], 6)
+    assert pads.num_nodes == 4 and first_path(pads)[0].tolist() == [False, True, True, False]
+
+
+def test_a_branch_that_outscores_the_first_path_takes_only_the_other_places():
+    """Known by hand: a drafter unsure at every depth and a sure branch (3, 3). Under a chain of 3 at budget 3
+    the branch has no room and the chain stays whole. best_first at budget 5 holds the first path 0, 0 and the
+    alternatives 1, 2, 3 at depth 1; the branch follows 3 (raised to -0.05) and adds 3 under it (-0.1), and
+    the two outrank everything, yet the first path's depth-2 node (-2.12) stays: the branch takes the place
+    of the drafter's weakest alternative (2 at depth 1, -1.39, after 1 by id), listed by score."""
+    lp = torch.log(torch.tensor([[[0.3, 0.25, 0.25, 0.2], [0.4, 0.3, 0.2, 0.1], [0.5, 0.5, 0.0, 0.0]]]))
+    paths = [[([3, 3], [-0.05, -0.1])]]
+    tree = chain(torch.tensor([1]), lp, 3)
+    assert assert_same_graft(tree, paths, 3).tokens[0].tolist() == tree.tokens[0].tolist() == [1, 0, 0, 0]
+    wide = best_first(torch.tensor([1]), lp, 5)
+    assert wide.tokens[0].tolist() == [1, 0, 1, 2, 3, 0] and first_path(wide)[0].tolist() == [
+        False, True, False, False, False, True]
+    grafted = assert_same_graft(wide, paths, 5)
+    assert grafted.tokens[0].tolist() == [1, 3, 3, 0, 1, 0]
+    assert grafted.parents[0].tolist() == [-1, 0, 1, 0, 0, 3]
+    assert grafted.sources[0].tolist() == [0, DRAFTER | LOOKUP, LOOKUP, DRAFTER, DRAFTER, DRAFTER]
 
 
 def test_a_small_tree_keeps_every_branch_node_and_pads_rows_with_fewer():

@@ -50,6 +50,19 @@ def test_the_noise_is_the_stated_hash():
                 assert g[b, j, v].item() == pytest.approx(want, rel=1e-12, abs=1e-12)
 
 
+@pytest.mark.parametrize("vocab", [97, 49152, 151936])
+def test_a_positions_noise_does_not_depend_on_what_is_drawn_with_it(vocab):
+    """Drawn with 25 other positions on 5 threads (torch then splits the logs into chunks whose ends take scalar
+    code) or alone, a position's noise is the same bits: a tree node and plain decoding draw alike."""
+    torch.set_num_threads(5)
+    keys = row_keys(3, 2)
+    positions = torch.arange(13).expand(2, 13) + 7
+    together = gumbel_noise(keys, positions, vocab)
+    for b in range(2):
+        for i in range(13):
+            assert torch.equal(gumbel_noise(keys[b:b + 1], positions[b:b + 1, i:i + 1], vocab)[0, 0], together[b, i])
+
+
 def test_row_keys_follow_the_seed_rule():
     assert row_keys(11, 3).tolist() == [row_key(11, b) for b in range(3)]
     assert row_keys([11, 12, 11], 3).tolist() == [row_key(11), row_key(12), row_key(11)]

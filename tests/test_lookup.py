@@ -10,13 +10,15 @@ import pytest
 import torch
 from test_generator import expected_acceptance
 from test_sampling_e2e import chi2_critical, chi2_statistic, exact_distribution
-from tiny import tiny_drafter, tiny_target
+from tiny import FAMILIES, OracleDrafter, family_target, tiny_drafter, tiny_target
 
 from ddtree import DraftContext, Drafter, Proposal, SpeculativeGenerator
 from ddtree.blocks import DFlashDrafter, best_first
+from ddtree.core.builders import resolve_builder
 from ddtree.core.graft import graft_paths
-from ddtree.core.tree import DRAFTER, LOOKUP
+from ddtree.core.tree import DRAFTER, LOOKUP, root_only
 from ddtree.drafters.lookup import PromptLookup, WithLookup, lookup_continuation
+from ddtree.generation.stats import RoundRecord
 
 
 def test_lookup_finds_the_longest_latest_match_and_repeats_loops():
@@ -172,3 +174,52 @@ def test_a_proposal_with_an_empty_path_list_takes_the_lookup_branch_alone():
     assert out.row_tokens == plain.row_tokens
     assert out.stats.accepted_by_source["lookup"] + out.stats.accepted_by_source["both"] > 0
 
+
+
+RIGHT_DRAFTER_CASES = [("chain", 4), ("best_first", 4), ("best_first", 8), ("beam@2x3", 6), ("best_first", "auto")]
+
+
+def drafter_alone_acceptance(drafter: OracleDrafter, builder, start: int, budget: int, ref: list[int]) -> int:
+    """What the drafter's own tree at ``budget`` accepts from ``start`` (the merged round's state)."""
+    lp = drafter.proposal_at(start)
+    root = torch.tensor([ref[start]])
+    tree = resolve_builder(builder)(root, lp, budget) if budget else root_only(root)
+    return expected_acceptance(RoundRecord(start, tree, [], 0), ref)
+
+
+@pytest.mark.real_default
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_the_lookup_branch_never_costs_a_right_drafter_a_token(family):
+    """A perfect drafter (the target's own greedy continuation, at the target's own confidence, often well
+    below the lookup's) on a prompt that repeats itself, so the lookup branch matches in most rounds. Every
+    round of the default (lookup merged) accepts at least what the drafter's own tree at that round's budget
+    accepts from the same state, at fixed budgets and under ``auto``; each round accepts what a walk of its
+    recorded tree predicts; the output is greedy decoding's. The lookup still gets its place: the room the
+    chain leaves under a larger budget."""
+    target = family_target(family)
+    prompt = [5, 17, 3, 9, 5, 17, 3, 9, 5, 17, 3]
+    new = 40
+    drafter = OracleDrafter(target, prompt, new + 8)
+    ref = drafter.reference.tolist()
+    for builder, budget in RIGHT_DRAFTER_CASES:
+        merged = SpeculativeGenerator(target, drafter, builder=builder, tree_budget=budget)
+        assert isinstance(merged.drafter, WithLookup)  # the default merges the lookup branch
+        out = merged.generate(prompt, max_new_tokens=new, record_trees=True, stop_token_ids=())
+        assert out.sequences[0].tolist() == ref[: len(prompt) + new]
+        assert out.acceptance_lengths == [expected_acceptance(r, ref) for r in out.rounds]
+        alone = [drafter_alone_acceptance(drafter, builder, r.start, b, ref)
+                 for r, b in zip(out.rounds, out.stats.budgets)]
+        worse = [(i, got, want) for i, (got, want) in enumerate(zip(out.acceptance_lengths, alone)) if got < want]
+        assert not worse, (builder, budget, worse)
+        lone = SpeculativeGenerator(target, drafter, builder=builder, tree_budget=budget, prompt_lookup=False)
+        if budget != "auto":  # the same states round by round: the same acceptance or more, in total too
+            base = lone.generate(prompt, max_new_tokens=new, stop_token_ids=())
+            assert out.stats.mean_acceptance >= base.stats.mean_acceptance, (builder, budget)
+    # chain under a budget past its depth: the drafter's 5 nodes whole, the lookup's in the room left
+    roomy = SpeculativeGenerator(target, drafter, builder="chain", tree_budget=10)
+    out = roomy.generate(prompt, max_new_tokens=new, record_trees=True, stop_token_ids=())
+    assert out.sequences[0].tolist() == ref[: len(prompt) + new]
+    assert out.acceptance_lengths == [expected_acceptance(r, ref) for r in out.rounds]
+    assert out.acceptance_lengths[:-1] == [6] * (len(out.rounds) - 1)  # the whole chain every round
+    assert all(r.tree.num_nodes == 11 for r in out.rounds)
+    assert any(bool((r.tree.sources & LOOKUP).any()) for r in out.rounds)  # the branch is in the trees

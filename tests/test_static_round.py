@@ -339,3 +339,55 @@ def test_gdn_hybrid_with_the_dflash_drafter(sampled):
     assert_same_rounds(static, dynamic, len(PROMPTS))
     if not sampled:
         assert_target_acceptance(target, static, PROMPTS)
+
+
+class TickClock:
+    """Seconds that advance by ``tick`` at every read: each compile then takes exactly ``tick``."""
+
+    def __init__(self, tick: float):
+        self.tick, self.now = tick, 0.0
+
+    def __call__(self) -> float:
+        self.now += self.tick
+        return self.now
+
+
+def test_compiling_says_each_graph_how_many_and_how_long(pair, monkeypatch, caplog):
+    """``compile=`` is silent for minutes otherwise: one header, then per graph the step, its budget, rows and
+    capacity, and when done its seconds and the count so far (on an injected clock); a buffer that grows
+    compiles new graphs and says so; a second call that compiles nothing says nothing; quiet at WARNING, and
+    nothing without compile. The compiled rounds accept what a recompute against HF greedy says."""
+    import logging
+
+    target, drafter = pair
+    monkeypatch.setattr(static_round, "CAPACITY_STEP", 32)  # 32 columns at first, 64 after one growth
+    caplog.set_level(logging.INFO, logger="ddtree")
+    gen = SpeculativeGenerator(target, drafter, tree_budget=6, compile="eager")
+    gen.compile_log.clock = TickClock(7.5)
+    state, _ = run(gen, PROMPTS[1:2], stop_token_ids=())
+    assert_target_acceptance(target, state, PROMPTS[1:2])
+    lines = [r.getMessage() for r in caplog.records if r.name == "ddtree"]
+    assert lines[0].startswith("compile: compiling the static round's steps, 3 graphs per tree budget")
+    steps = [line for line in lines if line.startswith("compiling graph")]
+    done = [line for line in lines if line.startswith("compiled graph")]
+    assert steps[:3] == ["compiling graph 1: the draft step, budget 6, 1 row, capacity 32 ...",
+                         "compiling graph 2: the verify step, budget 6, 1 row, capacity 32 ...",
+                         "compiling graph 3: the commit step, budget 6, 1 row, capacity 32 ..."]
+    assert "capacity 64" in steps[3]  # the buffers grew: new graphs, said as such
+    assert len(steps) == len(done) == gen.compile_log.graphs and len(lines) == 1 + 2 * len(steps)
+    assert done[0] == "compiled graph 1 (draft, budget 6) in 7.5 s; 1 graph in 7.5 s so far"
+    assert done[-1].endswith(f"{len(done)} graphs in {7.5 * len(done):.1f} s so far")
+    caplog.clear()
+    run(gen, PROMPTS[1:2], stop_token_ids=())  # the same shapes: compiled already
+    assert not [r for r in caplog.records if r.name == "ddtree"]
+    torch._dynamo.reset()
+    logging.getLogger("ddtree").setLevel(logging.WARNING)  # quiet, as asked
+    try:
+        quiet = SpeculativeGenerator(target, drafter, tree_budget=6, compile="eager")
+        run(quiet, PROMPTS[1:2], stop_token_ids=())
+        assert quiet.compile_log.graphs >= 3 and not [r for r in caplog.records if r.name == "ddtree"]
+    finally:
+        logging.getLogger("ddtree").setLevel(logging.INFO)
+    uncompiled = SpeculativeGenerator(target, drafter, tree_budget=6)
+    run(uncompiled, PROMPTS[1:2], stop_token_ids=())
+    assert uncompiled.compile_log.graphs == 0 and not [r for r in caplog.records if r.name == "ddtree"]

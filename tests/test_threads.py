@@ -21,6 +21,7 @@ def machine(monkeypatch):
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setattr(threads, "_explicit", None)
     monkeypatch.setattr(threads, "_warned_shared", False)  # each test starts as a fresh process
+    monkeypatch.setattr(threads, "_fix", None)
     torch.set_num_threads(4)  # torch's own default: one per available CPU
     return state
 
@@ -151,6 +152,7 @@ def test_the_default_generator_warns_once_per_process_and_changes_nothing(monkey
     from ddtree import SpeculativeGenerator
 
     monkeypatch.setattr(threads, "_warned_shared", False)
+    monkeypatch.setattr(threads, "_fix", None)  # no tool chose the threads in this process
     two_cpus, busy, idle = (lambda: [0, 1]), (lambda: 3.4), (lambda: 0.2)
     torch.set_num_threads(2)
     with warnings.catch_warnings():
@@ -185,3 +187,48 @@ def test_the_default_generator_warns_once_per_process_and_changes_nothing(monkey
             monkeypatch.delenv(var, raising=False)
         gen = SpeculativeGenerator(target, drafter, threads="auto")  # the fix: 2 CPUs less 3 busy -> 1 thread
     assert torch.get_num_threads() == 1 and gen.threads.threads == 1
+
+
+def test_the_training_cli_picks_threads_as_the_other_tools_do(machine, monkeypatch):
+    """``python -m ddtree.train`` applies the demo's thread policy (it left torch's one thread per CPU, which
+    crawls on a shared CPU): the free physical cores by default, split between torchrun's local ranks; a
+    ``--threads`` count or ``OMP_NUM_THREADS`` kept. ``run`` applies it before anything loads."""
+    from ddtree.train import __main__ as train_main
+    from ddtree.train.config import parse_args
+
+    assert train_main.pick_threads(parse_args(["--out-dir", "x"])).threads == 2  # the 2 physical cores
+    assert torch.get_num_threads() == threads.configure_threads().threads == 2  # what the demo picks
+    torch.set_num_threads(4)
+    machine["load"] = 3.0
+    with pytest.warns(RuntimeWarning, match=r"python -m ddtree\.train --threads 1"):  # 1 thread + 3 busy > 4
+        assert train_main.pick_threads(parse_args(["--out-dir", "x", "--threads", "2"])).threads == 2
+    machine["load"] = 0.0
+    torch.set_num_threads(4)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # two ranks on this machine share its 2 cores
+    assert train_main.pick_threads(parse_args(["--out-dir", "x"])).threads == 1
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
+    torch.set_num_threads(4)
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    info = train_main.pick_threads(parse_args(["--out-dir", "x"]))
+    assert (info.threads, info.source) == (4, "OMP_NUM_THREADS")  # the user's environment is kept
+    monkeypatch.delenv("OMP_NUM_THREADS")
+
+    torch.set_num_threads(4)
+    seen = []
+    monkeypatch.setattr(train_main, "_run", lambda *a: seen.append(torch.get_num_threads()) or {})
+    train_main.run(parse_args(["--out-dir", "x", "--device", "cpu"]), log_fn=lambda m: seen.append(m))
+    assert seen[-1] == 2 and any("[threads] torch threads 2 (default)" in str(m) for m in seen)
+
+
+def test_a_shared_cpu_warning_inside_a_tool_names_that_tools_flag(machine):
+    """The train run's own generator leaves torch's threads alone and warns on a shared CPU: the warning names
+    the training CLI's ``--threads``, which the user can change, not ``SpeculativeGenerator(threads=)``."""
+    from ddtree.train import __main__ as train_main
+    from ddtree.train.config import parse_args
+
+    train_main.pick_threads(parse_args(["--out-dir", "x"]))
+    torch.set_num_threads(2)
+    machine["load"] = 3.4
+    with pytest.warns(RuntimeWarning, match=r"\(python -m ddtree\.train --threads 1, or OMP_NUM_THREADS=1\)") as w:
+        assert threads.warn_if_oversubscribed()
+    assert "SpeculativeGenerator" not in str(w[0].message)

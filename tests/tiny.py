@@ -1,10 +1,13 @@
 """The tests' one set of tiny models: random targets of every family, a DFlash drafter for them, a word-level
-tokenizer, and ``ScriptedDrafter``, whose proposals follow a known continuation (so acceptance is predictable).
+tokenizer, ``ScriptedDrafter``, whose proposals follow a known continuation (so acceptance is predictable), and
+``OracleDrafter``, a perfect drafter at the target's own confidence.
 
 Import from here; ``conftest.py`` builds its fixtures from these and is never imported.
 """
 
 from __future__ import annotations
+
+import math
 
 import pytest
 import torch
@@ -217,3 +220,55 @@ class _ScriptedContext(DraftContext):
         lp = logits.log_softmax(-1).to(root_tokens.device)
         d.proposals.append(lp)
         return Proposal(lp)
+
+
+class OracleDrafter(Drafter):
+    """A perfect drafter: at each depth it proposes the target's own next-token distribution along the target's
+    greedy continuation of ``prompt``, so its best guess at every depth is the token greedy decoding emits, at
+    the target's own confidence (often well below 1 on a tiny random target). ``reference`` holds the prompt
+    and ``new`` greedy tokens after it; past its end the proposal is uniform."""
+
+    def __init__(self, target, prompt, new: int, block_size: int = 6):
+        ids = torch.tensor([list(prompt)])
+        out = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, do_sample=False,
+                              pad_token_id=0)
+        self.reference = out[0]
+        with torch.no_grad():
+            logits = target(self.reference[None]).logits[0].double()
+        self.logprobs = logits.log_softmax(-1)  # [T, V]: row p is the distribution of the token at p + 1
+        self.vocab = logits.shape[-1]
+        self.block_size = block_size
+        self.target_layer_ids = [0]
+        self.proposals = 0
+
+    def context_features(self, hidden_states):
+        return hidden_states[1]
+
+    def new_context(self, batch_size: int = 1):
+        return _OracleContext(self)
+
+    def proposal_at(self, length: int) -> torch.Tensor:
+        """``[1, block_size - 1, V]``: the log-probs proposed when ``length`` tokens are committed (the root at
+        position ``length``)."""
+        depth = self.block_size - 1
+        lp = torch.full((1, depth, self.vocab), -math.log(self.vocab), dtype=torch.float64)
+        for k in range(1, depth + 1):
+            row = length + k - 1  # its logits predict the token at length + k
+            if row < self.logprobs.shape[0]:
+                lp[0, k - 1] = self.logprobs[row]
+        return lp
+
+
+class _OracleContext(DraftContext):
+    def __init__(self, drafter: OracleDrafter):
+        self.drafter, self.length = drafter, 0
+
+    def append(self, features, tokens, counts=None, host_counts=None):
+        self.length += tokens.shape[1] if counts is None else (host_counts or [int(counts[0])])[0]
+
+    def select_rows(self, rows):
+        pass
+
+    def propose(self, root_tokens):
+        self.drafter.proposals += 1
+        return Proposal(self.drafter.proposal_at(self.length).to(root_tokens.device))

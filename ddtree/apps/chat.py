@@ -97,7 +97,7 @@ def run_chat(args: argparse.Namespace, stdin: TextIO, stdout: TextIO) -> int:
     from ddtree.generation.generator import SpeculativeGenerator
     from ddtree.runtime.threads import configure_threads
 
-    threads = configure_threads(args.threads)
+    threads = configure_threads(args.threads, fix="python -m ddtree chat --threads 1, or OMP_NUM_THREADS=1")
     if (args.target is None) != (args.drafter is None):
         raise SystemExit("give --target and --drafter together (or neither, for the default pair)")
     budget = parse_budget(args.budget)

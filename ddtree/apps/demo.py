@@ -65,7 +65,7 @@ def _encode(tokenizer, prompt: str) -> torch.Tensor:
 
 def run_demo(args: argparse.Namespace) -> int:
     dtype = getattr(torch, args.dtype)
-    threads = configure_threads(args.threads)
+    threads = configure_threads(args.threads, fix="python -m ddtree demo --threads 1, or OMP_NUM_THREADS=1")
     print(threads.describe(), flush=True)
     if (args.target is None) != (args.drafter is None):
         raise SystemExit("give --target and --drafter together (or neither, for the default pair)")

@@ -18,21 +18,22 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from ddtree.targets import cpu_linear
+from ddtree.targets import cpu_linear, row_kernels
 
 SMOLLM2 = dict(hidden=576, kv=192, intermediate=1536, layers=30, vocab=49152)
 
 
-def layer_stack(hidden: int, kv: int, intermediate: int, layers: int, vocab: int, seed: int = 0) -> list[torch.Tensor]:
+def layer_stack(hidden: int, kv: int, intermediate: int, layers: int, vocab: int, seed: int = 0,
+                dtype: torch.dtype = torch.float32) -> list[torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
     shapes = [(hidden, hidden), (kv, hidden), (kv, hidden), (hidden, hidden),
               (intermediate, hidden), (intermediate, hidden), (hidden, intermediate)] * layers + [(vocab, hidden)]
-    return [torch.randn(o, i, generator=gen) * 0.02 for o, i in shapes]
+    return [(torch.randn(o, i, generator=gen) * 0.02).to(dtype) for o, i in shapes]
 
 
 def time_pass(fn, weights: list[torch.Tensor], rows: int, repeats: int) -> float:
     """Median seconds for one pass of ``fn(x, w)`` over all weights."""
-    xs = {w.shape[1]: torch.randn(rows, w.shape[1]) for w in weights}
+    xs = {w.shape[1]: torch.randn(rows, w.shape[1]).to(weights[0].dtype) for w in weights}
     times = []
     for _ in range(repeats + 1):  # the first pass is a warm-up
         t0 = time.perf_counter()
@@ -42,11 +43,11 @@ def time_pass(fn, weights: list[torch.Tensor], rows: int, repeats: int) -> float
     return statistics.median(times[1:])
 
 
-def run(rows_list: list[int], repeats: int, dims: dict) -> list[dict]:
+def run(rows_list: list[int], repeats: int, dims: dict, dtype: torch.dtype = torch.float32) -> list[dict]:
     if not cpu_linear.available():
         raise SystemExit(f"the kernel cannot run here: {cpu_linear.unavailable_reason()}")
-    weights = layer_stack(**dims)
-    kernel = lambda x, w: cpu_linear.linear(x, w, max_rows=max(rows_list))  # noqa: E731
+    weights = layer_stack(**dims, dtype=dtype)
+    kernel = lambda x, w: row_kernels.linear(x, w)  # noqa: E731
     out = []
     for rows in rows_list:  # interleaved, so drift hits both alike
         blas = time_pass(F.linear, weights, rows, repeats)
@@ -80,6 +81,8 @@ def build_parser():
     p.add_argument("--threads", type=int, default=None, help="torch threads (the kernel uses as many)")
     p.add_argument("--dims", default=None,
                    help="hidden,kv,intermediate,layers,vocab of the stack (None: SmolLM2-135M)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                   help="weights and inputs (the kernel accumulates in float32 either way)")
     p.add_argument("--out", type=Path, default=None, help="write cpu_linear.json and cpu_linear.md here")
     return p
 
@@ -93,13 +96,13 @@ def main(argv: list[str] | None = None) -> int:
         dims = dict(zip(SMOLLM2, (int(v) for v in args.dims.split(","))))
         if len(dims) != len(SMOLLM2):
             raise SystemExit("--dims takes five numbers: hidden,kv,intermediate,layers,vocab")
-    rows = run([int(r) for r in args.rows.split(",")], args.repeats, dims)
+    rows = run([int(r) for r in args.rows.split(",")], args.repeats, dims, getattr(torch, args.dtype))
     table = markdown_table(rows)
     print(table)
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
         meta = {"machine": platform.platform(), "processor": platform.processor(), "torch": torch.__version__,
-                "threads": torch.get_num_threads(), "dims": dims, "repeats": args.repeats}
+                "threads": torch.get_num_threads(), "dims": dims, "repeats": args.repeats, "dtype": args.dtype}
         (args.out / "cpu_linear.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
         (args.out / "cpu_linear.md").write_text(table)
     return 0

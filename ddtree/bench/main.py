@@ -112,7 +112,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "learns only from that call and the repeat's own calls) or 'none'")
     p.add_argument("--no-warmup", dest="warmup", action="store_const", const="none", default="full",
                    help="the same as --warmup none")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
+                   help="a progress bar on stderr (default: only when stderr is a terminal, so a log file gets none)")
     return p
 
 
@@ -153,7 +154,7 @@ def run_main_bench(argv: Sequence[str] | None = None) -> int:
 def _run_bench(args, argv) -> int:
     from ddtree.runtime.threads import configure_threads
 
-    threads = configure_threads(args.threads)
+    threads = configure_threads(args.threads, fix="python -m ddtree.bench --threads 1, or OMP_NUM_THREADS=1")
     print(threads.describe(), file=sys.stderr, flush=True)
     methods = parse_methods(args.methods or ["ar,chain,best_first@8,32,auto"])
     gen = load_generator(args)
@@ -173,7 +174,7 @@ def _run_bench(args, argv) -> int:
     rank = distributed.rank()
     trees = args.out / (f"trees.rank{rank}.jsonl" if distributed.is_distributed() else "trees.jsonl")
     with distributed.fail_together("running the bench"):
-        runs = bench.run(prompts, repeats=args.repeats, warmup=args.warmup, progress=not args.no_progress,
+        runs = bench.run(prompts, repeats=args.repeats, warmup=args.warmup, progress=args.progress,
                          trees_path=trees if args.save_trees else None)
     runs = [replace(r, rank=k) for k, rank_runs in enumerate(distributed.gather_lists(runs)) for r in rank_runs]
     rows = summarize(runs, methods, bench.depth, greedy=args.temperature == 0)

@@ -141,10 +141,11 @@ class Bench:
                   round_tokens=clock.tokens[1:], reasons=list(s.reasons))
         return run, rounds if record_trees else []
 
-    def run(self, prompts: list[Prompt], repeats: int = 3, warmup: bool | str = "full", progress: bool = True,
+    def run(self, prompts: list[Prompt], repeats: int = 3, warmup: bool | str = "full", progress: bool | None = None,
             trees_path: Path | None = None) -> list[Run]:
         """All methods on all prompts, ``repeats`` times, interleaved; trees of repeat 0 go to ``trees_path``.
-        ``warmup``: one of :data:`WARMUPS` (``True`` / ``False``: ``full`` / ``none``)."""
+        ``warmup``: one of :data:`WARMUPS` (``True`` / ``False``: ``full`` / ``none``); ``progress``: a bar on
+        stderr (``None``: only where stderr is a terminal, so a log file gets no bar)."""
         mode = warmup_mode(warmup)
         if mode == "full":
             self.warmup(prompts)
@@ -267,9 +268,12 @@ def lossless_check(runs: list[Run]) -> dict[str, dict]:
 
 
 class _Progress:
-    """tqdm when it is installed, else a line every tenth of the way; silent when disabled."""
+    """tqdm when it is installed, else a line every tenth of the way; silent when disabled. ``enabled=None``:
+    only where stderr is a terminal (a bar redrawn into a log file is thousands of lines)."""
 
-    def __init__(self, total: int, enabled: bool = True):
+    def __init__(self, total: int, enabled: bool | None = None):
+        if enabled is None:
+            enabled = bool(getattr(sys.stderr, "isatty", lambda: False)())
         self.total, self.done, self.enabled = total, 0, enabled
         self.bar = None
         if enabled:

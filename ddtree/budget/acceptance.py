@@ -16,8 +16,9 @@ import torch
 from ddtree.budget.costs import Estimate, Key, nearest
 from ddtree.budget.settings import Settings
 from ddtree.core.builders import TreeBuilder, best_first
+from ddtree.core.graft import graft_cuts
 from ddtree.core.tree import DraftTree
-from ddtree.drafters.base import Proposal, proposal_tree
+from ddtree.drafters.base import Proposal, built_tree
 
 COST_MODEL = ("tokens_per_second(n) = sum_rows E[tokens|n] / (overhead(B, ctx) + verify(B x n+1 nodes, ctx)); "
               "tokens_per_second(plain) = B / plain(B, ctx); E[tokens|n] = 1 + sum_d min(1, c_d * p_d(n)), "
@@ -58,9 +59,11 @@ class Priced:
 
 
 class TreePricer:
-    """Prices every candidate from the tree the round would verify at the largest budget wanted (the builder's
-    tree or its pairwise form, lookup branches grafted: ordered by score, so the budget-``n`` tree is its first
-    ``n`` nodes), on the device; keeps the builder's tree so the round can take the chosen budget's cut."""
+    """Prices every candidate from the tree the round would verify, on the device: the builder's tree (or its
+    pairwise form) at the largest budget wanted, ordered by score, so its budget-``n`` tree is its first ``n``
+    nodes; with lookup branches, each cut grafted as the round would graft it (all in one merge,
+    :func:`~ddtree.core.graft.graft_cuts`). Keeps the builder's tree so the round can take the chosen
+    budget's cut."""
 
     def __init__(self, builder: TreeBuilder, candidates: Sequence[int]) -> None:
         self.builder, self.candidates = builder, list(candidates)
@@ -79,11 +82,17 @@ class TreePricer:
         built = None if proposal.pairwise is not None else self.builder(roots, logprobs, top)
         if built is not None:
             self._built = (proposal, built, top)
-        tree = proposal_tree(proposal, roots, self.builder, top, built)
-        probs = tree.scores[:, 1:].float().exp()  # [B, N-1]
-        nodes = probs.shape[1]
+        tree = built_tree(proposal, roots, self.builder, top, built)
+        nodes = tree.num_nodes - 1
         if nodes == 0:
             return reach
+        if proposal.paths is not None and proposal.has_paths:  # each budget's tree grafted on its own
+            budgets = sorted({min(n, nodes) for n in self.candidates})  # larger candidates: the top's figures
+            cuts = graft_cuts(tree, proposal.paths, budgets)
+            mass = _depth_mass(cuts, depth).view(bsz, len(budgets), depth).clamp(max=1.0)
+            take = torch.tensor([budgets.index(min(n, nodes)) for n in self.candidates], device=mass.device)
+            return mass.index_select(1, take)
+        probs = tree.scores[:, 1:].float().exp()  # [B, N-1]
         depths = (tree.depths[:, 1:] - 1).clamp(0, depth - 1)
         per_depth = probs.new_zeros(bsz, nodes, depth).scatter_(2, depths[..., None], probs[..., None])
         take = torch.tensor([min(n, nodes) - 1 for n in self.candidates], device=per_depth.device)
@@ -107,6 +116,13 @@ class TreePricer:
         n = min(budget + 1, tree.num_nodes)  # fewer nodes than asked: the candidates ran out in both
         return DraftTree(torch.cat([roots.view(-1, 1).long(), tree.tokens[:, 1:n]], dim=1), tree.parents[:, :n],
                          tree.depths[:, :n], tree.scores[:, :n], tree.visibility[:, :n, :n])
+
+
+def _depth_mass(tree: DraftTree, depth: int) -> torch.Tensor:
+    """``[B, depth]``: each row's ``exp(score)`` summed by depth over its draft nodes (pads add nothing)."""
+    probs = tree.scores[:, 1:].float().exp()
+    depths = (tree.depths[:, 1:] - 1).clamp(0, depth - 1)
+    return probs.new_zeros(tree.batch_size, depth).scatter_add_(1, depths, probs)
 
 
 def expected_tokens(reach: torch.Tensor, calibration: torch.Tensor) -> torch.Tensor:

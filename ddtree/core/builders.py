@@ -341,10 +341,21 @@ def beam(width: int, depth: int | None = None) -> TreeBuilder:
 
     build.__name__ = f"beam_{width}x{depth if depth is not None else 'D'}"
     build.__qualname__ = build.__name__
+    build.max_nodes = lambda drafted: width * min(drafted, depth or drafted)  # type: ignore[attr-defined]
     return build
 
 
 BUILDERS: dict[str, TreeBuilder] = {"best_first": best_first, "chain": chain}
+
+
+def builder_capacity(builder: TreeBuilder, depth: int) -> int | None:
+    """The most draft nodes ``builder`` builds from ``depth`` drafted depths, whatever the budget: ``depth`` for
+    the chain, ``W * min(D, depth)`` for ``beam@WxD``, a builder's own ``max_nodes(depth)`` where it has one;
+    ``None`` where no bound is known (best-first fills any budget up to ``depth`` times the vocabulary)."""
+    if builder is chain:
+        return depth
+    own = getattr(builder, "max_nodes", None)
+    return int(own(depth)) if callable(own) else None
 
 
 def resolve_builder(builder: str | TreeBuilder) -> TreeBuilder:

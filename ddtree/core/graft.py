@@ -5,10 +5,14 @@ them into a :class:`~ddtree.core.tree.DraftTree` as tensor operations (a loop ov
 nodes), so a round that grafts reads nothing back from the device.
 
 The merge: a branch follows the tree's nodes while their tokens match and adds the rest as new nodes; a node
-on both keeps the higher score and both source flags. Then the ``keep`` best non-root candidates by (score
-descending, depth ascending, candidate index ascending) make the tree, ``keep = min(budget, N - 1 + K * D)``
-for a tree of ``N`` nodes and ``K`` branches of ``D`` tokens: every row gets the same, value-independent node
-count. Scores never rise from parent to child, so the kept nodes include their ancestors. A row with fewer
+on both keeps the higher score and both source flags. Then ``keep = min(budget, N - 1 + K * D)`` non-root
+candidates make the tree, for a tree of ``N`` nodes and ``K`` branches of ``D`` tokens: every row gets the
+same, value-independent node count. The tree's first path (:func:`~ddtree.core.tree.first_path`: the
+drafter's best guess at each depth) is always kept, so where the drafter is right the graft never costs it
+a token; the other places go to the best of the rest by (score descending, depth ascending, candidate index
+ascending): the drafter's alternatives and the branches' new nodes compete by score, and the room the tree
+leaves under the budget goes to the branches. The kept nodes are listed in that key order (score first).
+Scores never rise from parent to child, so the kept nodes include their ancestors. A row with fewer
 candidates than ``keep`` (its branches matched the tree, or it has none, while the tree was smaller than the
 budget) is filled with pad nodes: copies of the root (its token, parent -1, depth 0, score -inf) that see only
 themselves, so the target computes for them what it computes for the root, and the walk never accepts one.
@@ -16,12 +20,13 @@ themselves, so the target computes for them what it computes for the root, and t
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from ddtree.core.builders import top_stable
-from ddtree.core.tree import DRAFTER, LOOKUP, DraftTree
+from ddtree.core.tree import DRAFTER, LOOKUP, DraftTree, first_path
 
 HostPaths = list[list[tuple[list[int], list[float]]]]
 """Branches as Python lists: per row, ``(tokens, cumulative scores)`` from the root."""
@@ -84,9 +89,9 @@ def as_branches(paths: Branches | HostPaths, like: torch.Tensor) -> Branches:
 
 
 def graft_paths(tree: DraftTree, paths: Branches | HostPaths, budget: int) -> DraftTree:
-    """``tree`` with ``paths`` (:class:`Branches`, or per-row ``(tokens, scores)`` lists) merged in, the best
-    ``min(budget, N - 1 + K * D)`` non-root candidates kept (see the module docstring); ``sources`` flags each
-    node's proposers (drafter 1, branch 2, root and pads 0)."""
+    """``tree`` with ``paths`` (:class:`Branches`, or per-row ``(tokens, scores)`` lists) merged in,
+    ``min(budget, N - 1 + K * D)`` non-root candidates kept: the tree's first path, then the best of the rest
+    (see the module docstring); ``sources`` flags each node's proposers (drafter 1, branch 2, root and pads 0)."""
     if not isinstance(paths, Branches) and len(paths) != tree.batch_size:
         raise ValueError(f"paths are given for {len(paths)} rows, the tree has {tree.batch_size}")
     branches = as_branches(paths, tree.scores)
@@ -94,8 +99,44 @@ def graft_paths(tree: DraftTree, paths: Branches | HostPaths, budget: int) -> Dr
         raise ValueError(f"branches are given for {branches.tokens.shape[0]} rows, the tree has {tree.batch_size}")
     if branches.empty:
         return tree
-    return _select(_merge(tree, branches), tree.tokens[:, 0], min(budget, tree.num_nodes - 1 +
-                                                                   branches.tokens.shape[1] * branches.tokens.shape[2]))
+    keep = min(budget, tree.num_nodes - 1 + branches.tokens.shape[1] * branches.tokens.shape[2])
+    return _select(_merge(tree, branches), tree.tokens[:, 0], keep, first_path(tree))
+
+
+def graft_cuts(tree: DraftTree, paths: Branches | HostPaths, budgets: Sequence[int]) -> DraftTree:
+    """Row ``b * len(budgets) + i``: ``graft_paths(cut, paths, budgets[i])`` for ``cut`` row ``b`` of ``tree``
+    with only its first ``budgets[i]`` draft nodes (the rest as pads), all in one merge, padded to the
+    largest's node count. For a builder whose budget-``n`` tree is its first ``n`` nodes (best-first, the
+    chain, beams, pairwise trees), these are the trees a round would verify at each budget: what the budget
+    policy prices. Every ``budgets[i]`` must be at most ``tree``'s draft nodes."""
+    bsz, n = tree.tokens.shape
+    if any(b > n - 1 or b < 0 for b in budgets):
+        raise ValueError(f"budgets {list(budgets)} must lie in [0, {n - 1}], the tree's draft nodes")
+    cuts = len(budgets)
+    branches = as_branches(paths, tree.scores)
+    rows = torch.arange(bsz, device=tree.tokens.device).repeat_interleave(cuts)
+    limit = torch.tensor(list(budgets), device=tree.tokens.device).repeat(bsz)
+    index = torch.arange(n, device=tree.tokens.device)
+    cut = index[None, :] > limit[:, None]  # [B * cuts, N]: nodes past the budget become pads
+    roots = tree.tokens[rows, :1].expand(-1, n)
+    sources = (tree.sources[rows] if tree.sources is not None
+               else torch.full_like(cut, DRAFTER, dtype=torch.long))
+    cut_tree = DraftTree(
+        tokens=torch.where(cut, roots, tree.tokens[rows]),
+        parents=torch.where(cut, -1, tree.parents[rows]),
+        depths=torch.where(cut, 0, tree.depths[rows]),
+        scores=torch.where(cut, float("-inf"), tree.scores[rows]),
+        visibility=torch.where(cut[:, :, None], torch.eye(n, dtype=torch.bool, device=cut.device),
+                               tree.visibility[rows]),
+        sources=torch.where(cut, 0, sources),
+    )
+    branches = Branches(branches.tokens[rows], branches.scores[rows], branches.lengths[rows])
+    if branches.empty:
+        return cut_tree
+    places = branches.tokens.shape[1] * branches.tokens.shape[2]
+    keep = min(max(budgets, default=0), n - 1 + places)
+    # each cut's own keep, min(budget, its nodes + places), is its budget: a cut has as many nodes as that
+    return _select(_merge(cut_tree, branches), cut_tree.tokens[:, 0], keep, first_path(cut_tree), limit)
 
 
 @dataclass
@@ -133,7 +174,7 @@ def _merge(tree: DraftTree, branches: Branches) -> _Candidates:
         depths=grow(tree.depths.long(), 0),
         scores=grow(tree.scores, float("-inf")),
         sources=grow(sources, 0),
-        real=torch.cat([torch.ones(bsz, n, dtype=torch.bool, device=device),
+        real=torch.cat([(tree.parents >= 0) | (torch.arange(n, device=device) == 0),  # a pad stays one
                         torch.zeros(bsz, extra, dtype=torch.bool, device=device)], dim=1),
         visibility=torch.nn.functional.pad(tree.visibility, (0, extra, 0, extra)),
     )
@@ -165,18 +206,29 @@ def _merge(tree: DraftTree, branches: Branches) -> _Candidates:
     return cand
 
 
-def _select(cand: _Candidates, roots: torch.Tensor, keep: int) -> DraftTree:
-    """The ``keep`` best non-root candidates of each row, in key order, as a tree; places no real candidate
-    fills become pad nodes (copies of the root that see only themselves)."""
+def _select(cand: _Candidates, roots: torch.Tensor, keep: int, first: torch.Tensor,
+            limit: torch.Tensor | None = None) -> DraftTree:
+    """Each row's ``keep`` non-root candidates, ``first`` (``[B, N]``, over the tree's own nodes) and then the
+    best of the rest, listed in key order, as a tree; places no real candidate fills, and those past a row's
+    ``limit`` (``[B]``, at most ``keep``), become pad nodes (copies of the root that see only themselves)."""
     bsz, c = cand.tokens.shape
     device = cand.tokens.device
     # Real candidates first, each group by depth: a stable descending selection on score then breaks ties
     # by depth and candidate index, and never prefers a missing candidate to a real one scored -inf.
     rest = torch.where(cand.real[:, 1:], cand.depths[:, 1:], c)
     order = rest.sort(dim=1, stable=True).indices + 1
-    scores, pick = top_stable(cand.scores.gather(1, order), keep)
-    chosen = order.gather(1, pick)  # candidate index of each kept node, [B, keep]
-    real = cand.real.gather(1, chosen)
+    ranked = cand.scores.gather(1, order)
+    must = torch.nn.functional.pad(first, (0, c - first.shape[1])).gather(1, order)
+    _, pick = top_stable(torch.where(must, float("inf"), ranked), keep)  # the first path, then the best
+    inside = torch.ones_like(pick, dtype=torch.bool)
+    if limit is not None:  # a row's first ``limit`` picks are its own selection
+        inside = torch.arange(keep, device=device)[None, :] < limit[:, None]
+    pick, back = pick.sort(dim=1)  # back to (depth, candidate) order, then by score: the key order
+    inside = inside.gather(1, back)
+    scores, by_score = torch.where(inside, ranked.gather(1, pick), float("-inf")).sort(dim=1, descending=True,
+                                                                                        stable=True)
+    chosen = order.gather(1, pick.gather(1, by_score))  # candidate index of each kept node, [B, keep]
+    real = cand.real.gather(1, chosen) & inside.gather(1, by_score)
     node = torch.arange(1, keep + 1, device=device).expand(bsz, keep)
     place = torch.zeros(bsz, c, dtype=torch.long, device=device).scatter(1, chosen, node)  # new index by candidate
     parent = place.gather(1, cand.parents.gather(1, chosen).clamp(min=0))

@@ -64,12 +64,26 @@ def _mix_int(x: int) -> int:
     return x ^ (x >> 31)
 
 
+SEED_LIMIT = 2**64
+"""Seeds are ints in ``[0, SEED_LIMIT)``: a key is made from a seed's 64 bits, so a larger or negative seed
+would draw the tokens of another seed in the range (``seed % 2**64``'s) while reporting its own."""
+
+
+def check_seed(seed: object) -> int:
+    """``seed`` when it is an int in ``[0, 2**64)``; else an error naming the range and the fix."""
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise TypeError(f"a seed must be an int, got {type(seed).__name__}")
+    if not 0 <= seed < SEED_LIMIT:
+        raise ValueError(f"seed {seed} is outside [0, 2**64): ddtree keys draws with a seed's 64 bits, so it would "
+                         f"draw seed {seed % SEED_LIMIT}'s tokens; pass a seed in range (e.g. seed % 2**64)")
+    return seed
+
+
 def row_key(seed: int, row: int = 0) -> int:
     """The key of row ``row`` under ``seed`` (a signed int64): ``seed=s`` keys row ``b`` of a batch by
     ``row_key(s, b)``; a per-row seed list keys each row by ``row_key(s_b)``, so a one-prompt call with
-    ``seed=s`` and a row seeded ``s`` in a list draw the same tokens."""
-    if isinstance(seed, bool) or not isinstance(seed, int):
-        raise TypeError(f"a seed must be an int, got {type(seed).__name__}")
+    ``seed=s`` and a row seeded ``s`` in a list draw the same tokens. ``seed`` lies in ``[0, 2**64)``."""
+    check_seed(seed)
     h = _mix_int((seed + _GOLDEN) & ((1 << 64) - 1))
     return _signed(_mix_int((h + (row + 1) * _GOLDEN) & ((1 << 64) - 1)))
 
@@ -113,7 +127,9 @@ def uniforms(keys: torch.Tensor, positions: torch.Tensor, vocab: int) -> torch.T
 
 def gumbel_noise(keys: torch.Tensor, positions: torch.Tensor, vocab: int,
                  dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """``[*positions.shape, vocab]`` standard Gumbel noise ``-log(-log(u))`` (see :func:`uniforms`)."""
+    """``[*positions.shape, vocab]`` standard Gumbel noise ``-log(-log(u))`` (see :func:`uniforms`). A token's
+    noise is the same bits however many positions are drawn at once (``tests/test_keyed_sampling.py`` checks
+    it on several threads: torch's float64 log gives its scalar tail and its vector blocks the same bits)."""
     return uniforms(keys, positions, vocab).log_().neg_().log_().neg_().to(dtype)
 
 

@@ -279,8 +279,9 @@ def best_first_pairwise(root_tokens: torch.Tensor, scores: PairwiseScores, budge
 
 def graft_paths(tree: DraftTree, paths: list[list[tuple[list[int], list[float]]]], budget: int) -> DraftTree:
     """:func:`ddtree.core.graft.graft_paths` in Python, node by node: each branch walked down the tree through a
-    ``(parent, token) -> child`` table, the kept nodes sorted by ``(-score, depth, index)``, pads (copies of the
-    root that see only themselves) where a row has fewer candidates than the others keep."""
+    ``(parent, token) -> child`` table; the tree's first path (from the root, each node's lowest-index child)
+    kept, then the best of the rest by ``(-score, depth, index)``, the kept nodes listed in that order; pads
+    (copies of the root that see only themselves) where a row has fewer candidates than the others keep."""
     bsz = tree.batch_size
     k = max((len(row) for row in paths), default=0)
     d = max((len(toks) for row in paths for toks, _ in row), default=0)
@@ -299,6 +300,13 @@ def graft_paths(tree: DraftTree, paths: list[list[tuple[list[int], list[float]]]
         children: dict[tuple[int, int], int] = {}
         for i in range(1, len(toks)):
             children.setdefault((pars[i], toks[i]), i)
+        first, node = set(), 0
+        while True:
+            kids = [i for i in range(1, len(toks)) if pars[i] == node]
+            if not kids:
+                break
+            node = min(kids)
+            first.add(node)
         for branch, branch_scores in paths[b]:
             node = 0
             for tok, score in zip(branch, branch_scores):
@@ -315,7 +323,8 @@ def graft_paths(tree: DraftTree, paths: list[list[tuple[list[int], list[float]]]
                     scs[child] = max(scs[child], float(score))
                     src[child] |= LOOKUP
                 node = child
-        order = sorted(range(1, len(toks)), key=lambda i: (-scs[i], deps[i], i))[:keep]
+        key = {i: (-scs[i], deps[i], i) for i in range(1, len(toks))}
+        order = sorted(sorted(key, key=lambda i: (i not in first, key[i]))[:keep], key=key.__getitem__)
         new_index = {0: 0}
         for j, i in enumerate(order, start=1):
             new_index[i] = j

@@ -141,6 +141,21 @@ def _depths_and_visibility(parents: torch.Tensor) -> tuple[torch.Tensor, torch.T
     return depths, visibility
 
 
+def first_path(tree: DraftTree) -> torch.Tensor:
+    """``[B, N]`` bool: the nodes on each row's first path, from the root through each node's first child (the
+    lowest index), root excluded. A builder places a node's children best first, so this is the drafter's
+    best guess at every depth it reached: what a drafter that is right accepts. No host read, no loop."""
+    n = tree.num_nodes
+    index = torch.arange(n, device=tree.tokens.device)
+    earlier = index[None, :] < index[:, None]  # [i, j]: j comes before i
+    later_sibling = ((tree.parents[:, :, None] == tree.parents[:, None, :]) & earlier).any(dim=2)
+    later_sibling[:, 0] = False  # the root is nobody's child
+    # A node is on the first path when neither it nor any ancestor has an earlier sibling (pads see only
+    # themselves: a pad is a root copy with parent -1, like the root, so the root's index makes it "later").
+    on = ~(tree.visibility & later_sibling[:, None, :]).any(dim=2)
+    return on & (index > 0) & (tree.parents >= 0)
+
+
 def root_only(root_tokens: torch.Tensor, dtype: torch.dtype = torch.float32) -> DraftTree:
     """The tree of the roots alone: verifying it is one plain decode step per row."""
     return path_tree(root_tokens.view(-1, 1), torch.zeros(root_tokens.shape[0], 1, dtype=dtype,

@@ -204,16 +204,22 @@ def proposal_rows(proposal: Proposal, rows: Sequence[int]) -> Proposal:
 
 def proposal_tree(proposal: Proposal, root_tokens: torch.Tensor, builder: TreeBuilder, budget: int,
                   built: DraftTree | None = None) -> DraftTree:
-    """The tree a proposal asks for under ``budget`` draft nodes: ``builder``'s pairwise form over
-    ``proposal.pairwise`` when both exist (each child scored given its own parent), else ``builder`` over the
-    per-depth ``logprobs`` (or ``built``, that tree when the caller has it already); then ``proposal.paths``
-    grafted in under the same budget."""
-    scores = proposal.pairwise
-    pairwise = None if scores is None else pairwise_builder(builder)
-    if pairwise is not None and scores is not None:
-        tree = pairwise(root_tokens, scores, budget)
-    else:
-        tree = builder(root_tokens, proposal.logprobs, budget) if built is None else built
+    """The tree a proposal asks for under ``budget`` draft nodes: :func:`built_tree`, then ``proposal.paths``
+    grafted in under the same budget (:func:`~ddtree.core.graft.graft_paths`: the built tree's first path
+    kept, the branches competing with the rest and taking the room it leaves)."""
+    tree = built_tree(proposal, root_tokens, builder, budget, built)
     if proposal.paths is not None and proposal.has_paths:
         tree = graft_paths(tree, proposal.paths, budget)
     return tree
+
+
+def built_tree(proposal: Proposal, root_tokens: torch.Tensor, builder: TreeBuilder, budget: int,
+               built: DraftTree | None = None) -> DraftTree:
+    """The drafter's own tree under ``budget``, before any graft: ``builder``'s pairwise form over
+    ``proposal.pairwise`` when both exist (each child scored given its own parent), else ``builder`` over the
+    per-depth ``logprobs`` (or ``built``, that tree when the caller has it already)."""
+    scores = proposal.pairwise
+    pairwise = None if scores is None else pairwise_builder(builder)
+    if pairwise is not None and scores is not None:
+        return pairwise(root_tokens, scores, budget)
+    return builder(root_tokens, proposal.logprobs, budget) if built is None else built

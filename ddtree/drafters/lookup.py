@@ -6,9 +6,10 @@ last ``n`` committed tokens (plus the root) against everything committed
 before, longest ``n`` first, and proposes the continuation of the latest match.
 On its own it serves a target that has no trained drafter. :class:`WithLookup`
 adds its continuation as one more branch to a model drafter's tree, under the
-same node budget (see :func:`ddtree.core.graft.graft_paths`), so each round takes
-whichever source the target agrees with. Verification is unchanged, so the
-output stays exact whatever is proposed.
+same node budget (see :func:`ddtree.core.graft.graft_paths`): the drafter's first
+path is kept whole, and the branch competes with the drafter's alternatives and
+takes the room its tree leaves, so a right drafter loses nothing to it.
+Verification is unchanged, so the output stays exact whatever is proposed.
 
 A lookup token's score is ``log(confidence[n])`` per depth, ``n`` being the
 matched n-gram length: a longer match is more often continued the same way.
@@ -292,7 +293,8 @@ def with_lookup_branch(proposal: Proposal, lookup: Branches) -> Proposal:
 
 
 class WithLookup(Drafter):
-    """A model drafter plus a prompt-lookup branch, merged into one tree per round under the same budget."""
+    """A model drafter plus a prompt-lookup branch, merged into one tree per round under the same budget (the
+    drafter's first path kept whole: :func:`~ddtree.core.graft.graft_paths`)."""
 
     def __init__(self, drafter: Drafter, lookup: PromptLookup | None = None, vocab_size: int | None = None,
                  **options: Any) -> None:
@@ -302,6 +304,7 @@ class WithLookup(Drafter):
                 raise ValueError("give WithLookup a PromptLookup, or the vocab_size to build one")
             lookup = PromptLookup(vocab_size, block_size=drafter.block_size, **options)
         self.lookup = lookup
+        self.grafted_nodes = lookup.block_size - 1  # the most its branch adds to a tree (one branch, block - 1)
         self.block_size = drafter.block_size
         self.target_layer_ids = drafter.target_layer_ids
         self.needs_hidden_states = drafter.needs_hidden_states

@@ -75,7 +75,7 @@ def observe_accepted(state: DecodeState, tree: DraftTree, host: AcceptedOnHost, 
         records = [RoundRecord(rows.host_lengths[i], tree.row(t), host.paths[i], host.bonus[i])
                    for i, t in enumerate(tree_rows)]
     state.stats.observe(rows.active, host.counts, budget=budget, sources=host.sources, records=records,
-                        reason=reason)
+                        reason=reason, nodes=None if budget is None else tree.num_nodes - 1)
 
 
 def emit_accepted(state: DecodeState, host: AcceptedOnHost) -> tuple[list[list[int]], list[int | None]]:

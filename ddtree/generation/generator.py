@@ -24,7 +24,7 @@ from ddtree.budget.policy import (
     FixedBudget,
     check_budget,
 )
-from ddtree.core.builders import TreeBuilder, resolve_builder
+from ddtree.core.builders import TreeBuilder, builder_capacity, resolve_builder
 from ddtree.core.noise import row_keys
 from ddtree.core.sampling import GREEDY, SamplingConfig
 from ddtree.drafters.base import Drafter
@@ -45,7 +45,7 @@ from ddtree.generation.options import (
 from ddtree.generation.round import speculative_round
 from ddtree.generation.rows import RowBook
 from ddtree.generation.state import DecodeState, DeviceState, RoundEngine
-from ddtree.generation.static_round import StaticSteps, check_static_support, compiled_ladder
+from ddtree.generation.static_round import CompileLog, StaticSteps, check_static_support, compiled_ladder
 from ddtree.generation.stats import RoundStats
 from ddtree.loading.drafter import resolve_drafter
 from ddtree.loading.pair import check_target_model, load_pair
@@ -61,7 +61,9 @@ from ddtree.targets.numerics import exact_unavailable, prepare_exact
 class GenerationStats:
     """Counts and seconds for one ``generate`` call; ``seconds`` is keyed by stage.
 
-    ``seconds["calibration"]`` is the budget policy's ``prepare`` before each round; ``reasons``, each
+    ``seconds["calibration"]`` is the budget policy's ``prepare`` before each round; ``budgets``, each tree
+    round's budget, and ``nodes``, the draft nodes its tree had (fewer than the budget where the builder,
+    with any lookup branch, cannot fill it; a merged branch's pad nodes count); ``reasons``, each
     round's reason for its budget (:mod:`ddtree.budget.decide`). ``mean_acceptance`` pools
     every row's rounds.
     ``accepted_by_source`` counts accepted draft tokens by the proposer that put
@@ -76,6 +78,7 @@ class GenerationStats:
     seconds: dict[str, float]
     tree_budget: int | str | BudgetPolicy | None = None
     budgets: list[int] = field(default_factory=list)
+    nodes: list[int] = field(default_factory=list)
     reasons: list[str] = field(default_factory=list)
     budget_policy: dict | None = None
     batch_size: int = 1
@@ -193,6 +196,8 @@ class SpeculativeGenerator:
         self.backend.prepare(self.target)
         self.tokenizer = tokenizer
         self._static_steps: dict[tuple, StaticSteps] = {}  # compiled static-round steps by builder, budget, rule
+        self._said_capacity: set[tuple] = set()  # (budget, builder) pairs already warned as past the builder's reach
+        self.compile_log = CompileLog()  # says each graph compile=True compiles, counted over this generator's calls
         if options.compile:
             check_static_support(self)
         self.learned = Learned()  # what "auto" calls learn of this model on this machine, shared by every call
@@ -339,6 +344,7 @@ class SpeculativeGenerator:
         if call.builder != self._options.builder:
             builder = resolve_builder(call.builder)
             engine = _CallEngine(self, builder)
+        self._warn_past_capacity(budget, builder, call.builder)
         seed: int | list[int] | None = list(settings.seed) if isinstance(settings.seed, tuple) else settings.seed
         if self.lockstep.active:
             self.lockstep.agree(([r.tolist() for r in rows], settings.max_new_tokens, settings.sampling,
@@ -360,6 +366,24 @@ class SpeculativeGenerator:
             prefill_chunk=call.prefill_chunk, on_device=DeviceState(keys=keys),
             coupled_drafts=coupled_at(call.coupled_drafts, settings.sampling.temperature),
         )
+
+    def _warn_past_capacity(self, budget: Any, builder: TreeBuilder, name: Any) -> None:
+        """Warn, once per generator for each budget and builder, when a fixed budget is more than the builder
+        (with the nodes a merging drafter grafts, its ``grafted_nodes``: a lookup branch's) can build: its
+        rounds verify fewer nodes, which ``stats.nodes`` counts."""
+        if not isinstance(budget, int) or budget == 0 or (budget, builder) in self._said_capacity:
+            return
+        depth = self.drafter.block_size - 1
+        most, lookup = builder_capacity(builder, depth), int(getattr(self.drafter, "grafted_nodes", 0))
+        if most is None or budget <= most + lookup:
+            return
+        self._said_capacity.add((budget, builder))
+        label = name if isinstance(name, str) else getattr(builder, "__name__", type(builder).__name__)
+        extra = f" plus the lookup branch's {lookup}" if lookup else ""
+        warnings.warn(f"tree_budget={budget} is more than builder {label!r} builds: at most {most} draft nodes from "
+                      f"the drafter's {depth} depths{extra}, so each round verifies at most {most + lookup} "
+                      f"(out.stats.nodes counts them). Pass tree_budget={most + lookup} or less, or "
+                      "builder='best_first', which fills any budget", UserWarning, stacklevel=4)
 
     def call_options(self, options: dict) -> GeneratorOptions:
         """This generator's :attr:`options` with the per-call settings in ``options`` (taken out of it) applied.
@@ -501,6 +525,7 @@ class SpeculativeGenerator:
             seconds=dict(state.timer.seconds),
             tree_budget=self.tree_budget if tree_budget is None else tree_budget,
             budgets=list(counted.budgets),
+            nodes=list(counted.nodes),
             reasons=list(counted.reasons),
             budget_policy=None if state.policy is None else state.policy.describe(),
             batch_size=rows,

@@ -14,12 +14,15 @@ anything else) can take the inputs a ``transformers`` user already has:
 
 from __future__ import annotations
 
+import math
+import numbers
 from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from ddtree.core.noise import check_seed
 from ddtree.core.sampling import SamplingConfig
 
 ACCEPTED_PROMPTS = (
@@ -268,19 +271,19 @@ def resolve_generation(
     if hf_mode:
         sample = bool(value("do_sample"))
         if sample:
-            temp = float(value("temperature"))
+            temp = _number("temperature", value("temperature"))
             if temp <= 0:
                 raise ValueError(f"do_sample=True needs temperature > 0 (got {temp}); for greedy decoding pass "
                                  "do_sample=False")
-            k = value("top_k")
-            p = value("top_p")
-            settings_k = int(k) if k not in (None, 0) else None
-            settings_p = float(p) if p is not None and p < 1.0 else None
+            k = _whole("top_k", value("top_k"))
+            p = _number("top_p", value("top_p"))
+            settings_k = k if k not in (None, 0) else None
+            settings_p = p if p is not None and p < 1.0 else None
         else:
             temp, settings_k, settings_p = 0.0, None, None
     else:
-        temp = float(temperature or 0.0)
-        settings_k, settings_p = top_k, top_p
+        temp = _number("temperature", temperature or 0.0)
+        settings_k, settings_p = _whole("top_k", top_k), _number("top_p", top_p)
     SamplingConfig(temp, settings_k, settings_p)  # validates ranges with its own messages
 
     new = value("max_new_tokens")
@@ -299,17 +302,44 @@ def resolve_generation(
     return GenerationSettings(new, temp, settings_k, settings_p, stops, _checked_seed(seed))
 
 
+_NUMBERS = {"temperature": "a number >= 0 (0: greedy), e.g. temperature=0.7",
+            "top_p": "a number in (0, 1] (1: no filter), e.g. top_p=0.9", "top_k": "a positive int (None: no filter)"}
+
+
+def _number(name: str, value: Any) -> Any:
+    """``value`` as a float, ``None`` kept; anything that is not a finite real number is refused by ``name``
+    (``float("hot")``'s own message names no parameter)."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+        raise ValueError(f"{name} must be {_NUMBERS[name]}; got {value!r}")
+    return float(value)
+
+
+def _whole(name: str, value: Any) -> Any:
+    """``value`` as an int, ``None`` kept; a float with no fraction is taken (a config may hold 50.0)."""
+    if value is None:
+        return None
+    if isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value) \
+            and float(value).is_integer():
+        return int(float(value))
+    raise ValueError(f"{name} must be {_NUMBERS[name]}; got {value!r}")
+
+
 def _checked_seed(seed: Any) -> int | tuple[int, ...] | None:
-    """``seed`` as an int, a tuple of ints (one per prompt) or None; anything else is refused."""
+    """``seed`` as an int in ``[0, 2**64)``, a tuple of such ints (one per prompt) or None; anything else is
+    refused (a seed out of range would draw another seed's tokens: :func:`~ddtree.core.noise.check_seed`)."""
     def is_int(x: Any) -> bool:
         return isinstance(x, int) and not isinstance(x, bool)
 
-    if seed is None or is_int(seed):
+    if seed is None:
         return seed
+    if is_int(seed):
+        return check_seed(seed)
     if isinstance(seed, Sequence) and not isinstance(seed, str) and seed and all(is_int(s) for s in seed):
-        return tuple(seed)
-    raise ValueError(f"seed must be an int (keys every row by (seed, row)) or a list of ints, one per prompt; "
-                     f"got {seed!r}")
+        return tuple(check_seed(s) for s in seed)
+    raise ValueError(f"seed must be an int in [0, 2**64) (keys every row by (seed, row)) or a list of such ints, "
+                     f"one per prompt; got {seed!r}")
 
 
 def _config_dict(cfg: Any) -> dict:

@@ -19,13 +19,16 @@ lengths stop growing) so the batch shape holds; capacities grow by doubling outs
 generation uses a handful of graphs. Each step runs under ``torch.compile(fullgraph=True)`` (on CUDA with
 ``mode="reduce-overhead"``, CUDA graphs); ``compile="eager"`` or another backend name picks a
 ``torch.compile`` backend, and the steps' equality with the dynamic round is tested uncompiled and compiled.
+Compiling takes minutes on a CPU: :class:`CompileLog` says each graph as it compiles, and its seconds.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -39,6 +42,7 @@ from ddtree.core.verify import accept_longest_branch
 from ddtree.drafters.base import Proposal, StaticDraftContext, coupled_proposal, proposal_tree
 from ddtree.generation.accepted import emit_accepted, observe_accepted, pack_accepted, unpack_accepted
 from ddtree.generation.state import DecodeState, RoundResult
+from ddtree.runtime.log import logger
 from ddtree.targets.backends import masks_for_plan, window_plan
 from ddtree.targets.cache import cache_kwargs, new_target_cache
 from ddtree.targets.description import describe
@@ -133,11 +137,13 @@ class StaticSteps:
             _install_output_hooks(self.target)
         cuda = self.target.get_input_embeddings().weight.device.type == "cuda"
         self.cuda_graphs = compile is True and cuda
-        self.draft = _compiled(self._draft, compile, cuda)
-        self.propose = _compiled(self._propose, compile, cuda)  # the adaptive budget's two halves of draft
-        self.build = _compiled(self._build, compile, cuda)
-        self.verify = _compiled(self._verify, compile, cuda)
-        self.commit = _compiled(self._commit, compile, cuda)
+        log: CompileLog = getattr(generator, "compile_log", None) or CompileLog()
+        said = log.watch if compile is not False else (lambda fn, step, budget: fn)
+        self.draft = said(_compiled(self._draft, compile, cuda), "draft", budget)
+        self.propose = said(_compiled(self._propose, compile, cuda), "propose", budget)  # auto's halves of draft
+        self.build = said(_compiled(self._build, compile, cuda), "build", budget)
+        self.verify = said(_compiled(self._verify, compile, cuda), "verify", budget)
+        self.commit = said(_compiled(self._commit, compile, cuda), "commit", budget)
 
     def _draft(self, draft: StaticDraftContext, roots: torch.Tensor, lengths: torch.Tensor,
                keys: torch.Tensor | None) -> DraftTree:
@@ -189,6 +195,91 @@ class StaticSteps:
         draft.append(features, tree.tokens.gather(1, path), lengths)
         new_lengths = lengths + torch.where(alive, result.num_accepted, torch.zeros_like(result.num_accepted))
         return pack_accepted(tree, result), new_lengths, result.bonus
+
+
+class CompileLog:
+    """Says, through the ``ddtree`` logger (:mod:`ddtree.runtime.log`), each graph the static round compiles: the
+    step, its budget and buffer shape, the count so far, and the seconds it took. Held by a generator, so the
+    count runs over all its calls. ``clock``: seconds, injectable."""
+
+    HEADER = ("compile: compiling the static round's steps, 3 graphs per tree budget (draft, verify, commit; "
+              "under \"auto\" propose and build in place of draft) and again when the buffers grow; each takes "
+              "seconds to minutes on a CPU (quiet: logging.getLogger('ddtree').setLevel('WARNING'))")
+
+    def __init__(self, clock: Callable[[], float] = time.perf_counter) -> None:
+        self.clock = clock
+        self.graphs = 0
+        self.seconds = 0.0
+
+    def watch(self, fn: Callable, step: str, budget: int) -> Callable:
+        """``fn`` (a compiled step), saying each compile that a call of it runs."""
+
+        @functools.wraps(fn)
+        def call(*args: Any) -> Any:
+            with self._compiles(step, budget, _shape_note(args)):
+                return fn(*args)
+
+        return call
+
+    @contextlib.contextmanager
+    def _compiles(self, step: str, budget: int, shape: str) -> Iterator[None]:
+        started: list[float] = []
+
+        def start(args: Any = None) -> None:
+            if not _dynamo_trigger(args):
+                return
+            log = logger()
+            if self.graphs == 0 and not started:
+                log.info(self.HEADER)
+            log.info(f"compiling graph {self.graphs + 1}: the {step} step, budget {budget}{shape} ...")
+            started.append(self.clock())
+
+        def end(args: Any = None) -> None:
+            if not _dynamo_trigger(args) or not started:
+                return
+            took = self.clock() - started.pop()
+            self.graphs += 1
+            self.seconds += took
+            logger().info(f"compiled graph {self.graphs} ({step}, budget {budget}) in {took:.1f} s; "
+                          f"{self.graphs} graph{'s' if self.graphs > 1 else ''} in {self.seconds:.1f} s so far")
+
+        with _compile_callbacks(start, end):
+            yield
+
+
+def _shape_note(args: tuple) -> str:
+    """``, B rows, capacity C`` from a step's arguments (the shapes a new graph is compiled for)."""
+    rows = next((a.shape[0] for a in args if isinstance(a, torch.Tensor) and a.dim() >= 1), None)
+    capacity = next((a.capacity for a in args if isinstance(getattr(a, "capacity", None), int)), None)
+    return (f", {rows} row{'s' if rows != 1 else ''}" if rows is not None else "") + \
+        (f", capacity {capacity}" if capacity is not None else "")
+
+
+def _dynamo_trigger(args: Any) -> bool:
+    """Whether a compile callback is dynamo compiling a frame (not a CUDA-graph recording or a lazy backward)."""
+    trigger = getattr(args, "callback_trigger", None)
+    return trigger is None or getattr(trigger, "name", "DYNAMO") == "DYNAMO"
+
+
+@contextlib.contextmanager
+def _compile_callbacks(start: Callable, end: Callable) -> Iterator[None]:
+    """``start`` and ``end`` called as dynamo starts and ends a compile within the block (nothing where this torch
+    has no compile callbacks)."""
+    handler: Any = None
+    try:
+        from torch._dynamo.callback import callback_handler as handler
+    except ImportError:  # an older torch: compiles unannounced
+        pass
+    if handler is None:
+        yield
+        return
+    handler.register_start_callback(start)
+    handler.register_end_callback(end)
+    try:
+        yield
+    finally:
+        handler.remove_start_callback(start)
+        handler.remove_end_callback(end)
 
 
 def _install_output_hooks(target: Any) -> None:

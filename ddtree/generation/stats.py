@@ -35,6 +35,7 @@ class RoundStats:
     acceptance: list[list[int]] = field(init=False)  # [row][round]: accepted nodes, root included
     records: list[list[RoundRecord]] = field(init=False)  # [row][round], when record
     budgets: list[int] = field(default_factory=list)  # each tree round's budget (0: the policy skipped the draft)
+    nodes: list[int] = field(default_factory=list)  # each tree round's draft nodes verified (fewer where none fit)
     reasons: list[str] = field(default_factory=list)  # each tree round's reason for its budget (the policy's)
     rounds: int = 0  # verify rounds (or plain decode steps) after the prefill
     accepted_by_source: dict[str, int] = field(default_factory=lambda: {"drafter": 0, "lookup": 0, "both": 0})
@@ -45,10 +46,11 @@ class RoundStats:
 
     def observe(self, rows: Sequence[int], counts: Sequence[int], *, budget: int | None = None,
                 sources: Sequence[Sequence[int]] | None = None, records: Sequence[RoundRecord] | None = None,
-                reason: str | None = None) -> None:
+                reason: str | None = None, nodes: int | None = None) -> None:
         """Count one round: active row ``i`` (batch row ``rows[i]``) accepted ``counts[i]`` nodes, root included.
 
-        ``budget``: the tree round's budget (``None`` for a plain step), ``reason`` why; ``sources[i]``: the
+        ``budget``: the tree round's budget (``None`` for a plain step), ``reason`` why, ``nodes`` the draft nodes
+        its tree had (default the budget; fewer where the builder cannot fill it); ``sources[i]``: the
         proposer flags of row ``i``'s accepted nodes, root first, when the tree carries them; ``records[i]``: row
         ``i``'s round, when :attr:`record`."""
         for i, row in enumerate(rows):
@@ -57,6 +59,7 @@ class RoundStats:
                 self.records[row].append(records[i])
         if budget is not None:
             self.budgets.append(budget)
+            self.nodes.append(budget if nodes is None else nodes)
             self.reasons.append(reason or "fixed")
         for flags in sources or ():
             for flag in flags[1:]:

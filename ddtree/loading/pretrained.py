@@ -94,10 +94,12 @@ def _log(msg: str, quiet: bool) -> None:
 
 
 class _Progress:
-    """Prints ``still <what> (N s)`` to stderr every ``every`` seconds until the block ends.
+    """Prints ``still <what> (N s)`` to stderr every ``every`` seconds until the block ends, except while a
+    tqdm bar is open (transformers draws its own for part of the work; a line printed into a bar being
+    redrawn splits it).
 
-    The GGUF read and dequantisation is one library call of about 15 s with no
-    progress of its own; a line now and then tells the user it is not stuck.
+    The GGUF read and dequantisation is one library call of 15-35 s with little progress of its own; a line
+    now and then tells the user it is not stuck.
     """
 
     def __init__(self, what: str, quiet: bool, every: float = 4.0):
@@ -110,7 +112,8 @@ class _Progress:
     def _run(self) -> None:
         t0 = time.time()
         while not self._done.wait(self.every):
-            _log(f"    still {self.what} ({time.time() - t0:.0f}s)", self.quiet)
+            if not _bars_open():
+                _log(f"    still {self.what} ({time.time() - t0:.0f}s)", self.quiet)
 
     def __enter__(self) -> _Progress:
         if not self.quiet:
@@ -121,6 +124,16 @@ class _Progress:
         self._done.set()
         if self._thread.is_alive():
             self._thread.join()
+
+
+def _bars_open() -> bool:
+    """Whether a tqdm progress bar is open in this process (transformers' loading and dequantising bars)."""
+    try:
+        from tqdm import tqdm
+        from tqdm.auto import tqdm as auto_tqdm
+    except ImportError:
+        return False
+    return any(len(getattr(cls, "_instances", ())) for cls in (tqdm, auto_tqdm))
 
 
 def _is_converted(d: Path) -> bool:
@@ -140,7 +153,8 @@ def convert_smollm2(out_dir: Path, dtype: torch.dtype = torch.bfloat16, quiet: b
     tmp = out_dir.parent / f".{out_dir.name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     t0 = time.time()
-    _log(f"first use: converting {gguf.name} to a plain HF model in {out_dir} (one time, ~20 s)", quiet)
+    _log(f"first use: converting {gguf.name} to a plain HF model in {out_dir} "
+         "(one time: 20-45 s on a 2-core CPU, more while it is busy)", quiet)
     _log("[1/3] reading and dequantising the GGUF ...", quiet)
     with _Progress("reading and dequantising the GGUF", quiet):
         q = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)

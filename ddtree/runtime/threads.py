@@ -8,6 +8,8 @@ fall about 20x (0.8 tok/s against 16-20 with one thread on two shared cores).
 physical cores this process may run on, minus the ones other processes keep
 busy, and warns when it sees the CPU is shared. :func:`warn_if_oversubscribed` changes nothing: it warns
 (once per process) where code that leaves torch's count alone runs more threads than the CPUs left free.
+Both name the way to change the count that the process's own tool takes (its ``--threads`` flag, given to
+:func:`configure_threads`), or, in a program of the user's, the generator's ``threads=``.
 """
 
 from __future__ import annotations
@@ -23,6 +25,9 @@ import torch
 _ENV_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
 _explicit: int | None = None  # the last count passed to configure_threads, kept by later policy calls
 _warned_shared = False  # warn_if_oversubscribed has warned in this process
+_fix: str | None = None  # how this process's tool takes a thread count (torch's count is the process's too)
+GENERATOR_FIX = ("pass threads='auto' (the free cores) or threads=1 to SpeculativeGenerator or from_pretrained, "
+                 "or set OMP_NUM_THREADS=1")
 
 
 @dataclass(frozen=True)
@@ -74,9 +79,10 @@ def machine_load() -> float | None:
         return None
 
 
-def default_threads(cores: int, load: float | None, cpus: int) -> int:
-    """Physical cores, less the CPUs other processes keep busy (the load beyond our share), at least 1."""
-    return max(1, min(cores, cpus - busy_cpus(load)))
+def default_threads(cores: int, load: float | None, cpus: int, processes: int = 1) -> int:
+    """Physical cores, less the CPUs other processes keep busy (the load beyond our share), shared evenly by
+    ``processes`` of one job on this machine (torchrun's local ranks), at least 1."""
+    return max(1, min(cores, cpus - busy_cpus(load)) // max(1, processes))
 
 
 def busy_cpus(load: float | None) -> int:
@@ -112,15 +118,19 @@ def warn_if_oversubscribed(*, load: Callable[[], float | None] | None = None,
     if not oversubscribed(threads, figure, count):
         return False
     _warned_shared = True
-    fix = ("pass threads='auto' (the free cores) or threads=1 to SpeculativeGenerator or from_pretrained, "
-           "or set OMP_NUM_THREADS=1")
-    warnings.warn(shared_cpu_message(threads, figure, count, fix) + " (Said once per process.)", RuntimeWarning,
-                  stacklevel=stacklevel + 1)
+    warnings.warn(shared_cpu_message(threads, figure, count, _fix or GENERATOR_FIX) + " (Said once per process.)",
+                  RuntimeWarning, stacklevel=stacklevel + 1)
     return True
 
 
-def configure_threads(threads: int | None = None, *, warn: bool = True) -> ThreadInfo:
+def configure_threads(threads: int | None = None, *, warn: bool = True, fix: str | None = None,
+                      processes: int = 1) -> ThreadInfo:
     """Set torch's thread count (unless the user already chose one) and return what runs.
+
+    ``fix``: how the tool that calls this takes a thread count (e.g. ``"python -m ddtree.train --threads 1"``),
+    named by this warning and by every later one in the process (a generator's with ``threads=None``
+    included), since torch's count is the whole process's; ``processes``: the processes of one job on this
+    machine (torchrun's local ranks), which share the default count.
 
     Order: an explicit ``threads``; ``OMP_NUM_THREADS`` / ``MKL_NUM_THREADS``;
     a count passed here before and still in force (``--threads 2`` on a 2-CPU
@@ -130,7 +140,9 @@ def configure_threads(threads: int | None = None, *, warn: bool = True) -> Threa
     Warns when our threads and the CPUs other processes keep busy (the load
     average) add up to more than the CPUs we have: that is where it collapses.
     """
-    global _explicit
+    global _explicit, _fix
+    if fix is not None:
+        _fix = fix
     cpus = available_cpus()
     cores = physical_cores(cpus)
     load = machine_load()
@@ -149,12 +161,14 @@ def configure_threads(threads: int | None = None, *, warn: bool = True) -> Threa
     elif torch.get_num_threads() != len(cpus):
         source = "user"
     else:
-        torch.set_num_threads(default_threads(cores, load, len(cpus)))
+        torch.set_num_threads(default_threads(cores, load, len(cpus), processes))
         source = "default"
     info = ThreadInfo(torch.get_num_threads(), torch.get_num_interop_threads(), source, len(cpus), cores, load,
                       shared)
     if warn and oversubscribed(info.threads, load, len(cpus)):
-        warnings.warn(shared_cpu_message(info.threads, load, len(cpus)), RuntimeWarning, stacklevel=2)
+        message = shared_cpu_message(info.threads, load, len(cpus)) if fix is None else \
+            shared_cpu_message(info.threads, load, len(cpus), fix)
+        warnings.warn(message, RuntimeWarning, stacklevel=2)
     return info
 
 

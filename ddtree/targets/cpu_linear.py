@@ -62,14 +62,15 @@ def unavailable_reason() -> str | None:
 
 
 def takes(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, rows: int,
-                max_rows: int | None) -> bool:
-    """Whether :func:`linear` gives this call to the kernel."""
-    if rows == 0 or x.device.type != "cpu" or weight.device.type != "cpu" or not weight.is_contiguous():
+          max_rows: int | None) -> bool:
+    """Whether :func:`linear` gives this call to the kernel (an exact call takes a weight of any layout, copied
+    contiguous: inexact BLAS is never the fallback for a layout)."""
+    if rows == 0 or x.device.type != "cpu" or weight.device.type != "cpu":
         return False
     if max_rows is EVERY_ROW:
         if _BULK.get() or x.dtype not in row_kernels.DTYPE_CODES:
             return False
-    elif rows > max_rows or x.dtype != torch.float32:
+    elif rows > max_rows or x.dtype != torch.float32 or not weight.is_contiguous():
         return False
     if weight.dtype != x.dtype or (bias is not None and (bias.dtype != x.dtype or bias.device.type != "cpu")):
         return False
@@ -101,8 +102,22 @@ def _forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     return linear(x, self.weight, self.bias, getattr(self, _INSTALLED))
 
 
+def _forward_exact(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """An exactly routed layer's forward: its weight was checked when routed, so only the input is."""
+    weight = self.weight
+    if (_BULK.get() or x.dtype != weight.dtype or x.device.type != "cpu" or torch.compiler.is_compiling()
+            or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))):
+        return F.linear(x, weight, self.bias)
+    if x.shape[-1] != weight.shape[1]:
+        raise ValueError(f"linear: input has {x.shape[-1]} features but the weight {tuple(weight.shape)} expects "
+                         f"{weight.shape[1]}")
+    return row_kernels.checked_linear(x, weight, self.bias)
+
+
 def _routable(mod: torch.nn.Module, exact: bool) -> bool:
-    if not isinstance(mod, torch.nn.Linear) or mod.weight.device.type != "cpu":
+    if not isinstance(mod, torch.nn.Linear) or mod.weight.device.type != "cpu" or not mod.weight.is_contiguous():
+        return False
+    if exact and mod.bias is not None and (mod.bias.dtype != mod.weight.dtype or not mod.bias.is_contiguous()):
         return False
     return mod.weight.dtype in row_kernels.DTYPE_CODES if exact else mod.weight.dtype == torch.float32
 
@@ -118,11 +133,12 @@ def install(model: torch.nn.Module, max_rows: int = DEFAULT_MAX_ROWS, *, exact: 
         raise ValueError(f"max_rows must be >= 1, got {max_rows}")
     if not available():
         raise RuntimeError(f"the ddtree CPU linear kernel is unavailable: {unavailable_reason()}")
+    row_kernels.checked_library()
     count = 0
     for mod in model.modules():
         if _routable(mod, exact):
             setattr(mod, _INSTALLED, EVERY_ROW if exact else int(max_rows))
-            mod.forward = types.MethodType(_forward, mod)  # patches this instance
+            mod.forward = types.MethodType(_forward_exact if exact else _forward, mod)  # patches this instance
             count += 1
     return count
 
@@ -163,4 +179,4 @@ def suspended(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
     finally:
         for mod, max_rows in saved:
             setattr(mod, _INSTALLED, max_rows)
-            mod.forward = types.MethodType(_forward, mod)
+            mod.forward = types.MethodType(_forward_exact if max_rows is EVERY_ROW else _forward, mod)

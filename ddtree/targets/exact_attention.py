@@ -111,7 +111,14 @@ def exact_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
         if spec.num_nodes != n:
             raise ValueError(f"tree spec has {spec.num_nodes} nodes but the forward has {n} queries")
         start, visible = spec.keys(prefix_len, window)
-    elif n == 1 or sinks is not None:  # a one-token step is a root-only tree; a sinks prefill a chain
+    elif n == 1:  # a one-token step: a root-only tree
+        start = torch.zeros(bsz, 1, dtype=torch.long, device=query.device)
+        if attention_mask is not None:  # left padding: each row's first real column
+            start = (attention_mask[:, : key.shape[2]] == 0).sum(dim=-1, keepdim=True)
+        if window is not None:
+            start = start.clamp(min=prefix_len - window + 1)
+        visible = torch.ones(bsz, 1, 1, dtype=torch.bool, device=query.device)
+    elif sinks is not None:  # a prefill with sinks: a chain through the row kernel
         pads = _left_pads(attention_mask, bsz, key.shape[2], query.device)
         depths = torch.arange(n, device=query.device).expand(bsz, n)
         chain = torch.ones(n, n, dtype=torch.bool, device=query.device).tril().expand(bsz, n, n)

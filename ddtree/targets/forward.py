@@ -25,8 +25,19 @@ from ddtree.targets.description import describe
 
 
 class TargetOutput(Protocol):
-    logits: torch.Tensor  # [B, Q, V]
-    hidden_states: Sequence[torch.Tensor | None] | None  # num_layers + 1 entries; [0] is the embedding output
+    """What :func:`target_forward` returns (transformers' model output, or :class:`Output` when it keeps only
+    some layers), for ``Q`` input positions of ``B`` rows:
+
+    - ``logits`` ``[B, Q, V]``: the next-token logits after each input position (each tree node's, in a
+      verify); with ``last=k``, the last ``k`` positions only.
+    - ``hidden_states``: HF's layout, ``num_layers + 1`` entries each ``[B, Q, H]``: ``[0]`` the embedding
+      output, ``[i + 1]`` decoder layer ``i``'s output (the last entry after the final norm). With
+      ``layers=``, only those layers' entries are set and the rest are ``None`` (what a drafter's
+      ``context_features`` reads); ``None`` with ``hidden=False``.
+    """
+
+    logits: torch.Tensor
+    hidden_states: Sequence[torch.Tensor | None] | None
 
 
 class TargetModel(Protocol):

@@ -46,8 +46,8 @@ import torch
 import torch.nn.functional as F
 
 from ddtree.core.tree import DraftTree
+from ddtree.runtime.invariant import elementwise
 from ddtree.targets.cpu_linear import in_bulk
-from ddtree.targets.row_kernels import elementwise
 
 LINEAR_TREE_KWARG = "ddtree_linear_tree"
 """Forward kwarg carrying the :class:`DraftTree` to the GDN layers (popped at the model's top)."""
@@ -287,7 +287,7 @@ def gdn_tree_forward(module: Any, hidden: torch.Tensor, plan: LinearTreePlan, ca
 def _node_inputs(module: Any, windows: torch.Tensor, b: torch.Tensor, a: torch.Tensor, dtype: torch.dtype,
                  exact: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Each node's recurrence inputs ``(q, k, v, g, beta)`` from its conv window ``[B, N, C, K]`` and gates
-    (``exact``: the elementwise functions through :func:`~ddtree.targets.row_kernels.elementwise`)."""
+    (``exact``: the elementwise functions through :func:`~ddtree.runtime.invariant.elementwise`)."""
     if exact:
         return _node_inputs_with(module, windows, b, a, dtype, elementwise)
     return _node_inputs_with(module, windows, b, a, dtype, lambda fn, *xs: fn(*xs))

@@ -1,8 +1,9 @@
 """The row-invariant C kernels (``csrc/row_invariant.c``), built once with the system compiler and loaded.
 
 The library is compiled on first use (for this CPU's vector width, or AVX2 + FMA + F16C; OpenMP) into the
-ddtree cache directory, named by a hash of its source, flags and CPU, and loaded with ctypes. Where it cannot be (another CPU, no compiler, an
-unwritable cache) :func:`library` says why, and the callers fall back or refuse with that reason.
+ddtree cache directory, named by a hash of its source, flags and CPU, and loaded with ctypes. Where it cannot be
+(another CPU, no compiler, an unwritable cache) :func:`library` says why, and the callers fall back or refuse
+with that reason.
 """
 
 from __future__ import annotations
@@ -71,8 +72,7 @@ def library() -> tuple[ctypes.CDLL | None, str | None]:
     ptr, long, i32, f64 = ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_double
     lib.ddtree_row_linear.argtypes = [ptr] * 4 + [long] * 3 + [i32, i32, i32]
     lib.ddtree_row_linear.restype = None
-    lib.ddtree_row_attention.argtypes = ([ptr] * 4 + [i32] + [long] * 5 + [ptr] * 4 + [long] + [ptr, ptr]
-                                         + [f64, f64, i32])
+    lib.ddtree_row_attention.argtypes = [ptr] * 4 + [i32] + [long] * 5 + [ptr] * 7 + [f64, f64, i32]
     lib.ddtree_row_attention.restype = None
     return lib, None
 

@@ -11,7 +11,7 @@ takes is kernels whose reductions run in an order fixed per output, swapped in b
 - attention through :mod:`ddtree.targets.exact_attention` (the ``"exact"`` backend);
 - everything else per row as torch runs it on a CPU (norms, activations, rotary embeddings, the sampler), on one
   thread during a decode forward (torch's threads split an op at sizes where a row's bits would follow its
-  neighbours) and with the activations padded to whole vectors (:func:`~ddtree.targets.row_kernels.elementwise`),
+  neighbours) and with the activations padded to whole vectors (:func:`~ddtree.runtime.invariant.elementwise`),
   checked bit for bit by the tests for every family in float32 and bfloat16.
 
 The prefill stays on BLAS and the causal kernels (:func:`ddtree.targets.cpu_linear.bulk_rows`); both settings
@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
+from ddtree.runtime import invariant
 from ddtree.runtime.distributed import Lockstep
 from ddtree.targets import cpu_linear, native, row_kernels
 from ddtree.targets.description import describe
@@ -111,7 +112,7 @@ def _activation_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 
 def _tail_free(module: torch.nn.Module) -> None:
-    """Route an activation module through :func:`~ddtree.targets.row_kernels.elementwise`: an MLP width that is
+    """Route an activation module through :func:`~ddtree.runtime.invariant.elementwise`: an MLP width that is
     not a whole number of vectors would otherwise leave the last rows' activations to scalar code."""
     if _TAIL_FREE in vars(module):
         return
@@ -119,7 +120,7 @@ def _tail_free(module: torch.nn.Module) -> None:
 
     @functools.wraps(original)
     def forward(x: torch.Tensor) -> torch.Tensor:
-        return row_kernels.elementwise(original, x)
+        return invariant.elementwise(original, x)
 
     module.forward = forward  # patches this instance
     vars(module)[_TAIL_FREE] = True
@@ -130,7 +131,7 @@ _PINNED = "_ddtree_exact_threads"
 
 def _pin_torch_threads(model: torch.nn.Module) -> None:
     """Wrap ``model``'s forward so that a forward outside :func:`~ddtree.targets.cpu_linear.bulk_rows` runs torch's
-    own ops on one thread (:func:`~ddtree.targets.row_kernels.torch_single_threaded`); the prefill keeps them all."""
+    own ops on one thread (:func:`~ddtree.runtime.invariant.torch_single_threaded`); the prefill keeps them all."""
     if _PINNED in vars(model):
         return
     original = model.forward
@@ -139,7 +140,7 @@ def _pin_torch_threads(model: torch.nn.Module) -> None:
     def forward(*args: Any, **kwargs: Any) -> Any:
         if cpu_linear.in_bulk():
             return original(*args, **kwargs)
-        with row_kernels.torch_single_threaded():
+        with invariant.torch_single_threaded():
             return original(*args, **kwargs)
 
     model.forward = forward  # patches this instance

@@ -9,64 +9,35 @@ kernels cannot run.
 
 from __future__ import annotations
 
-import contextvars
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-
 import torch
 
+from ddtree.runtime.invariant import caller_threads
 from ddtree.targets import native
 
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.float64: 3}
 """The dtypes the kernels take, by the code the C side switches on."""
 
 
-_THREADS: contextvars.ContextVar[int | None] = contextvars.ContextVar("ddtree_kernel_threads", default=None)
-
-
-@contextmanager
-def torch_single_threaded() -> Iterator[None]:
-    """Run torch's own ops on one thread while the kernels keep the caller's threads. torch splits a large
-    elementwise op into one chunk per thread, and each chunk's last partial vector takes a scalar path whose
-    transcendentals (exp, silu, ...) can differ in the last bit: which elements land there depends on the
-    tensor's size, so on several threads a row's bits would depend on the rows beside it."""
-    threads = torch.get_num_threads()
-    token = _THREADS.set(threads if _THREADS.get() is None else _THREADS.get())
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
-        _THREADS.reset(token)
-
-
-VECTOR_MULTIPLE = 64
-"""Elements in the widest block torch's CPU elementwise loops take at once (two AVX-512 vectors of 16-bit floats)."""
-
-
-def elementwise(fn: Callable[..., torch.Tensor], *tensors: torch.Tensor) -> torch.Tensor:
-    """``fn(*tensors)`` for an elementwise ``fn`` on tensors of one shape, every element through the same code.
-
-    torch computes the last partial vector of an elementwise op with scalar code, whose transcendentals (exp,
-    sigmoid, softplus) can differ in the last bit from the vector code; which elements land there depends on the
-    tensor's size. Padding the flattened tensors to whole blocks sends every element through the vector code
-    (with torch on one thread, :func:`torch_single_threaded`), whatever the rows beside it."""
-    shape = tensors[0].shape
-    numel = tensors[0].numel()
-    pad = -numel % VECTOR_MULTIPLE
-    flat = [torch.nn.functional.pad(t.reshape(-1), (0, pad)) for t in tensors]
-    return fn(*flat)[:numel].view(shape)
-
-
 def _threads() -> int:
-    threads = _THREADS.get()
-    return torch.get_num_threads() if threads is None else threads
+    return caller_threads()
+
+
+SMALL_PRODUCT = 1 << 17
+"""Multiply-adds below which a product runs on one thread (the bits do not depend on the thread count)."""
+
+_LIB: list = [None]  # the loaded library, for checked_linear's per-call path
+
+
+def checked_library() -> None:
+    """Load the library for :func:`checked_linear` (raises where it cannot run)."""
+    _library()
 
 
 def _library():
     lib, why = native.library()
     if lib is None:
         raise RuntimeError(f"the ddtree row-invariant CPU kernels cannot run here: {why}")
+    _LIB[0] = lib
     return lib
 
 
@@ -91,28 +62,38 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         raise ValueError(f"linear: input has {x.shape[-1]} features but the weight {tuple(weight.shape)} expects {k}")
     if bias is not None and bias.shape != (n,):
         raise ValueError(f"linear: bias has shape {tuple(bias.shape)}, expected ({n},)")
-    dtype = _check_cpu("linear", x, weight, bias)
-    lib = _library()
+    _check_cpu("linear", x, weight, bias)
+    _library()
+    return checked_linear(x, weight.contiguous(), None if bias is None else bias.contiguous(), transposed)
+
+
+def checked_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                   transposed: bool = False) -> torch.Tensor:
+    """:func:`linear` for inputs already known to fit (one dtype the kernels take, CPU, ``weight`` and ``bias``
+    contiguous, the library loaded): a routed layer's per-call path, without the checks."""
+    k = weight.shape[0] if transposed else weight.shape[1]
+    n = weight.shape[1] if transposed else weight.shape[0]
     rows = x.numel() // k if k else 0
-    x2 = x.reshape(rows, k).contiguous()
-    w = weight.contiguous()
-    b = None if bias is None else bias.contiguous()
-    y = torch.empty(rows, n, dtype=dtype)
+    x2 = x if x.is_contiguous() else x.contiguous()
+    y = torch.empty(*x.shape[:-1], n, dtype=x.dtype)
     if rows and n:
-        lib.ddtree_row_linear(x2.data_ptr(), w.data_ptr(), 0 if b is None else b.data_ptr(), y.data_ptr(), rows, k,
-                              n, DTYPE_CODES[dtype], int(transposed), _threads())
-    return y.view(*x.shape[:-1], n)
+        threads = 1 if rows * k * n < SMALL_PRODUCT else _threads()  # a tiny product costs less than waking threads
+        _LIB[0].ddtree_row_linear(x2.data_ptr(), weight.data_ptr(), 0 if bias is None else bias.data_ptr(),
+                                  y.data_ptr(), rows, k, n, DTYPE_CODES[x.dtype], int(transposed), threads)
+    return y
 
 
 def tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: torch.Tensor, visible: torch.Tensor, *,
-                   scale: float, sinks: torch.Tensor | None = None, softcap: float | None = None) -> torch.Tensor:
+                   scale: float, sinks: torch.Tensor | None = None, softcap: float | None = None,
+                   prefix_end: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of ``N`` tree nodes per row over the committed prefix and their own paths, in logical order.
 
-    ``q`` ``[B, Hq, N, D]``; ``k``/``v`` ``[B, Hkv, P + N, D]`` (the prefix in the first ``P`` columns, the
-    nodes after it); node ``n`` of row ``b`` sees the prefix columns ``start[b, n] ..  P - 1`` and the node
-    columns ``m`` with ``visible[b, n, m]`` (its ancestors and itself: index order is path order). ``sinks``
-    ``[Hq]``: a learned logit per head in every softmax's denominator (gpt-oss). Returns ``[B, N, Hq, D]``.
-    A one-token step is the case ``N = 1``: the same keys in the same order give the same bits.
+    ``q`` ``[B, Hq, N, D]``; ``k``/``v`` ``[B, Hkv, S, D]``: row ``b``'s prefix ends at column ``P_b``
+    (``prefix_end[b]``; default ``S - N`` for every row) and its nodes sit at ``P_b .. P_b + N - 1``; node ``n``
+    sees the prefix columns ``start[b, n] .. P_b - 1`` and the node columns ``m`` with ``visible[b, n, m]`` (its
+    ancestors and itself: index order is path order). ``sinks`` ``[Hq]``: a learned logit per head in every
+    softmax's denominator (gpt-oss). Returns ``[B, N, Hq, D]``. A one-token step is the case ``N = 1``: the same
+    keys in the same order give the same bits.
     """
     bsz, hq, n, d = q.shape
     hkv, width = k.shape[1], k.shape[2]
@@ -132,9 +113,16 @@ def tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: tor
     if sinks is not None:
         sink = sinks.detach().to(device="cpu", dtype=torch.float64 if dtype == torch.float64 else torch.float32)
         sink = sink.reshape(hq).contiguous()
+    if prefix_end is None:
+        ends = torch.full((bsz,), width - n, dtype=torch.int64)
+    else:
+        ends = prefix_end.to(device="cpu", dtype=torch.int64).contiguous()
+        if ends.shape != (bsz,) or bool((ends < 0).any()) or bool((ends + n > width).any()):
+            raise ValueError(f"tree_attention: prefix_end must be [{bsz}] with each row's nodes inside the {width} "
+                             f"key columns, got {ends.tolist()}")
     strides = [(torch.tensor(t.stride()[:3], dtype=torch.long)) for t in (q, k, v)]
     lib.ddtree_row_attention(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), DTYPE_CODES[dtype], bsz, hq,
-                             hkv, n, d, *(s.data_ptr() for s in strides), starts.data_ptr(), width - n,
+                             hkv, n, d, *(s.data_ptr() for s in strides), starts.data_ptr(), ends.data_ptr(),
                              vis.data_ptr(), 0 if sink is None else sink.data_ptr(), float(softcap or 0.0),
                              float(scale), _threads())
     return out

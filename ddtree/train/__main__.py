@@ -8,12 +8,14 @@ Example (the shipped SmolLM2 drafter; see models/smollm2-135m-dflash/README.md):
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from pathlib import Path
 
 import torch
 
+from ddtree.runtime.threads import ThreadInfo, configure_threads
 from ddtree.train.config import TrainConfig, parse_args
 from ddtree.train.data import (
     DIR_KEY_STRIDE,
@@ -180,6 +182,19 @@ def _quiet(msg: str) -> None:
     """Ranks other than 0 log nothing."""
 
 
+THREADS_FIX = "python -m ddtree.train --threads 1, or OMP_NUM_THREADS=1"
+"""How a training run takes fewer threads: what a shared-CPU warning raised anywhere in the run names."""
+
+
+def pick_threads(cfg: TrainConfig) -> ThreadInfo:
+    """torch's CPU threads for the run, by the policy the demo, chat and bench apply
+    (:func:`~ddtree.runtime.threads.configure_threads`): ``--threads`` when given, else ``OMP_NUM_THREADS``,
+    else the physical cores other processes leave free, split between torchrun's ranks on this machine
+    (``LOCAL_WORLD_SIZE``). Torch's default, one thread per CPU, crawls on a shared CPU."""
+    return configure_threads(cfg.threads or None, fix=THREADS_FIX,
+                             processes=int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+
+
 def run(cfg: TrainConfig, target=None, tokenizer=None, prompts=None, log_fn=log, eval_prompts=None) -> dict:
     """Data (cached) + training + the export's acceptance through ddtree's generation.
 
@@ -188,11 +203,12 @@ def run(cfg: TrainConfig, target=None, tokenizer=None, prompts=None, log_fn=log,
     :mod:`ddtree.train.parallel`). ``prompts`` replace the generated training prompts, ``eval_prompts`` the
     held-out ones (token-id lists, text or message lists).
     """
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
+    threads = pick_threads(cfg)
     dp = DataParallel.from_env()
     device = cfg.resolved_device(dp.local_rank if dp.active else None)
     dp.start(device)
+    if dp.main:
+        log_fn(f"[threads] {threads.describe()}")
     result = _run(cfg, target, tokenizer, prompts, log_fn if dp.main else _quiet, eval_prompts, device, dp)
     dp.stop()
     return result

@@ -85,7 +85,9 @@ class TrainConfig:
     eval_blocks: int = 1536            # held-out anchor blocks per evaluation
     save_every: int = 50               # steps between checkpoints (<out_dir>/ckpt.pt)
     resume: bool = True                # continue from <out_dir>/ckpt.pt when present
-    threads: int = 0                   # torch.set_num_threads; 0 = leave as is
+    threads: int = 0                   # torch CPU threads; 0 = the tools' thread policy: OMP_NUM_THREADS if set,
+                                       # else the physical cores other processes leave free (split between
+                                       # torchrun's ranks on one machine), as the demo, chat and bench choose
 
     # --- acceptance through the inference path (after training) ----------
     accept_prompts: int = 13           # held-out prompts (ddtree/data/prompts.jsonl, never trained on) that

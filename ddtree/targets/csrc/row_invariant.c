@@ -453,15 +453,17 @@ static inline const float *as_f32(const char *src, int dt, long D, float *buf) {
 
 #define NODE_CHUNK 8 /* nodes per task: they share one pass over the prefix's keys and values */
 
-/* q [B, Hq, N, D], k and v [B, Hkv, S, D] (element strides qs/ks/vs, last dim contiguous), S = P + N: the
- * prefix in columns [0, P), the N tree nodes after it. Node n of row b sees the prefix columns
- * [start[b, n], P), then the tree columns P + m with tree[b, n, m] != 0, in that order. out [B, N, Hq, D]
+/* q [B, Hq, N, D], k and v [B, Hkv, S, D] (element strides qs/ks/vs, last dim contiguous): row b's prefix
+ * ends at column P = prefix_end[b] and its N tree nodes follow it, at P .. P + N - 1 (S >= P + N). Node n of
+ * row b sees the prefix columns [start[b, n], P), then the tree columns P + m with tree[b, n, m] != 0, in
+ * that order. out [B, N, Hq, D]
  * contiguous. sinks [Hq] (float32, or float64 for dt float64) or NULL; softcap <= 0: none.
  * A task is one KV head of one row and up to NODE_CHUNK nodes: each key and value is read once for them all,
  * while every query still reduces over its own keys in its own logical order. */
 void ddtree_row_attention(const void *q, const void *k, const void *v, void *out, int dt, long B, long Hq,
                           long Hkv, long N, long D, const long *qs, const long *ks, const long *vs,
-                          const int64_t *start, long P, const uint8_t *tree, const void *sinks, double softcap,
+                          const int64_t *start, const int64_t *prefix_end, const uint8_t *tree, const void *sinks,
+                          double softcap,
                           double scale, int threads) {
     long G = Hq / Hkv;
     long chunks = (N + NODE_CHUNK - 1) / NODE_CHUNK;
@@ -470,7 +472,7 @@ void ddtree_row_attention(const void *q, const void *k, const void *v, void *out
 #pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
     for (long task = 0; task < tasks; task++) {
         long c = task % chunks, hk = (task / chunks) % Hkv, b = task / (chunks * Hkv);
-        long n0 = c * NODE_CHUNK, nn = N - n0 < NODE_CHUNK ? N - n0 : NODE_CHUNK;
+        long n0 = c * NODE_CHUNK, nn = N - n0 < NODE_CHUNK ? N - n0 : NODE_CHUNK, P = prefix_end[b];
         long first[NODE_CHUNK], T[NODE_CHUNK], TP[NODE_CHUNK], lo = P;
         for (long i = 0; i < nn; i++) {
             long f = start[b * N + n0 + i];
