@@ -11,6 +11,9 @@ Two uses, one kernel:
   takes, so a token's activations in these layers are the same bits whatever else shares its forward. The
   prefill runs inside :func:`bulk_rows` on BLAS: plain decoding and speculation share it.
 
+A routed layer keeps a packed copy of its weight (:class:`~ddtree.targets.row_kernels.PackedWeight`, made on
+its first call and again after the weight changes), so the routed model holds its linear weights twice.
+
 Where the kernel cannot run (another CPU, no compiler, autograd, another dtype) :func:`linear` is plain
 ``torch.nn.functional.linear``. Under ``torch.compile`` it is plain ``F.linear`` too: a traced graph cannot
 call into ctypes, so a routed model still compiles whole.
@@ -33,6 +36,7 @@ EVERY_ROW = None
 """``max_rows`` of an exact routing: the kernel takes every call outside :func:`bulk_rows`."""
 
 _INSTALLED = "_ddtree_cpu_linear"
+_PACKED = "_ddtree_packed_weight"
 _BULK: contextvars.ContextVar[bool] = contextvars.ContextVar("ddtree_bulk_rows", default=False)
 
 
@@ -98,8 +102,28 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return row_kernels.linear(x, weight, bias)
 
 
+def _packed(layer: torch.nn.Linear) -> row_kernels.PackedWeight | None:
+    """The layer's weight packed for :func:`~ddtree.targets.row_kernels.packed_linear`, packed on first use and
+    again whenever the weight changed (None for float64, which is not packed)."""
+    weight = layer.weight
+    packed = layer.__dict__.get(_PACKED)
+    if packed is None or not packed.packed_from(weight):
+        if weight.dtype == torch.float64:
+            return None
+        packed = row_kernels.PackedWeight(weight)
+        layer.__dict__[_PACKED] = packed
+    return packed
+
+
 def _forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    return linear(x, self.weight, self.bias, getattr(self, _INSTALLED))
+    weight, bias = self.weight, self.bias
+    if torch.compiler.is_compiling() or x.dim() == 0 or x.shape[-1] != weight.shape[1]:
+        return linear(x, weight, bias, getattr(self, _INSTALLED))
+    rows = x.numel() // weight.shape[1] if weight.shape[1] else 0
+    if not takes(x, weight, bias, rows, getattr(self, _INSTALLED)):
+        return F.linear(x, weight, bias)
+    packed = _packed(self)
+    return row_kernels.linear(x, weight, bias) if packed is None else row_kernels.packed_linear(x, packed, bias)
 
 
 def _forward_exact(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
@@ -111,7 +135,10 @@ def _forward_exact(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     if x.shape[-1] != weight.shape[1]:
         raise ValueError(f"linear: input has {x.shape[-1]} features but the weight {tuple(weight.shape)} expects "
                          f"{weight.shape[1]}")
-    return row_kernels.checked_linear(x, weight, self.bias)
+    packed = _packed(self)
+    if packed is None:
+        return row_kernels.checked_linear(x, weight, self.bias)
+    return row_kernels.packed_linear(x, packed, self.bias)
 
 
 def _routable(mod: torch.nn.Module, exact: bool) -> bool:
@@ -150,6 +177,7 @@ def uninstall(model: torch.nn.Module) -> int:
         if hasattr(mod, _INSTALLED):
             delattr(mod, _INSTALLED)
             del mod.forward
+            mod.__dict__.pop(_PACKED, None)
             count += 1
     return count
 

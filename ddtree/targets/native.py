@@ -72,6 +72,12 @@ def library() -> tuple[ctypes.CDLL | None, str | None]:
     ptr, long, i32, f64 = ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_double
     lib.ddtree_row_linear.argtypes = [ptr] * 4 + [long] * 3 + [i32, i32, i32]
     lib.ddtree_row_linear.restype = None
+    lib.ddtree_packed_bytes.argtypes = [long, long, i32]
+    lib.ddtree_packed_bytes.restype = long
+    lib.ddtree_pack_weight.argtypes = [ptr, ptr, long, long, i32, i32]
+    lib.ddtree_pack_weight.restype = None
+    lib.ddtree_packed_linear.argtypes = [ptr] * 4 + [long] * 3 + [i32, i32]
+    lib.ddtree_packed_linear.restype = None
     lib.ddtree_row_attention.argtypes = [ptr] * 4 + [i32] + [long] * 5 + [ptr] * 7 + [f64, f64, i32]
     lib.ddtree_row_attention.restype = None
     return lib, None

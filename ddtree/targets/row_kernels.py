@@ -83,6 +83,52 @@ def checked_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     return y
 
 
+class PackedWeight:
+    """A linear's weight packed once for :func:`packed_linear`: panels of 64 output columns, each streamed in
+    order, so a few-row product runs at the speed of the memory and many rows share each panel. It is a copy:
+    it remembers which tensor and version it was packed from (:meth:`packed_from`) so a caller can repack after
+    the weight changes."""
+
+    __slots__ = ("data", "n", "k", "dtype", "_source")
+
+    def __init__(self, weight: torch.Tensor, transposed: bool = False):
+        if weight.dim() != 2:
+            raise ValueError(f"PackedWeight: the weight must be 2-D, got shape {tuple(weight.shape)}")
+        dtype = _check_cpu("PackedWeight", weight)
+        if dtype == torch.float64:
+            raise ValueError("PackedWeight: float64 weights are not packed (use linear)")
+        lib = _library()
+        w = weight.detach().contiguous()
+        self.k, self.n = (w.shape[0], w.shape[1]) if transposed else (w.shape[1], w.shape[0])
+        self.dtype = dtype
+        self.data = torch.empty(lib.ddtree_packed_bytes(self.n, self.k, DTYPE_CODES[dtype]), dtype=torch.uint8)
+        lib.ddtree_pack_weight(w.data_ptr(), self.data.data_ptr(), self.n, self.k, DTYPE_CODES[dtype],
+                               int(transposed))
+        self._source = (weight.data_ptr(), weight._version, weight.dtype, tuple(weight.shape))
+
+    def packed_from(self, weight: torch.Tensor) -> bool:
+        """Whether ``weight`` is, unchanged, the tensor this was packed from (its storage, version, dtype and
+        shape: an in-place update, a load or a ``.to()`` all make it False)."""
+        return self._source == (weight.data_ptr(), weight._version, weight.dtype, tuple(weight.shape))
+
+
+def packed_linear(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` for the weight ``packed`` holds (``x`` and ``bias`` of its dtype, on the
+    CPU): each output one accumulation over the input features in order, whatever the number of rows."""
+    if x.dtype != packed.dtype or x.shape[-1] != packed.k or x.device.type != "cpu":
+        raise ValueError(f"packed_linear: input {tuple(x.shape)} {x.dtype} on {x.device} does not fit the packed "
+                         f"weight ({packed.n} x {packed.k}, {packed.dtype}, CPU)")
+    rows = x.numel() // packed.k if packed.k else 0
+    x2 = x if x.is_contiguous() else x.contiguous()
+    y = torch.empty(*x.shape[:-1], packed.n, dtype=x.dtype)
+    if rows and packed.n:
+        threads = 1 if rows * packed.k * packed.n < SMALL_PRODUCT else _threads()
+        b = None if bias is None else bias.contiguous()
+        _LIB[0].ddtree_packed_linear(x2.data_ptr(), packed.data.data_ptr(), 0 if b is None else b.data_ptr(),
+                                     y.data_ptr(), rows, packed.k, packed.n, DTYPE_CODES[x.dtype], threads)
+    return y
+
+
 def tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: torch.Tensor, visible: torch.Tensor, *,
                    scale: float, sinks: torch.Tensor | None = None, softcap: float | None = None,
                    prefix_end: torch.Tensor | None = None) -> torch.Tensor:

@@ -280,6 +280,178 @@ LINEAR_KN(f32)
 LINEAR_KN(bf16)
 LINEAR_KN(f16)
 
+/* ------------------------------------------------------------------ linear, packed weight
+
+ * A weight packed once into panels of 64 output columns, each panel K consecutive 64-column rows (so one pass
+ * streams it in order), columns past N zero. Each output y[m, j] is one accumulation over k in order in its
+ * own lane: the tile shape (rows per block, columns per vector) never changes which products meet in which
+ * order, so any number of rows and threads gives the same bits. bfloat16 on an AVX512-BF16 CPU packs k in
+ * pairs ([K/2][64][2], K padded with a zero) for the dot-product instruction, which adds each pair's two
+ * products into the lane: again one fixed order per output. */
+#define PANEL 64
+#if defined(WIDE) && defined(__AVX512BF16__)
+#define PAIRED_BF16 1
+#else
+#define PAIRED_BF16 0
+#endif
+
+static long panel_rows(long K, int dt) { return (PAIRED_BF16 && dt == DT_BF16) ? (K + 1) / 2 : K; }
+static long elem_bytes(int dt) { return dt == DT_F32 ? 4 : 2; }
+
+/* Bytes a packed [N, K] weight of dtype dt takes (0: this dtype is not packed, float64). */
+long ddtree_packed_bytes(long N, long K, int dt) {
+    if (dt == DT_F64) return 0;
+    long panels = (N + PANEL - 1) / PANEL;
+    long per_row = (PAIRED_BF16 && dt == DT_BF16) ? 2 * PANEL : PANEL;
+    return panels * panel_rows(K, dt) * per_row * elem_bytes(dt);
+}
+
+/* Pack w ([N, K], or [K, N] with transposed) into dst (ddtree_packed_bytes long). */
+void ddtree_pack_weight(const void *w, void *dst, long N, long K, int dt, int transposed) {
+    long rows = panel_rows(K, dt), panels = (N + PANEL - 1) / PANEL;
+    int paired = PAIRED_BF16 && dt == DT_BF16;
+    long per_row = paired ? 2 * PANEL : PANEL, eb = elem_bytes(dt);
+    memset(dst, 0, (size_t)(panels * rows * per_row * eb));
+    for (long n = 0; n < N; n++) {
+        long p = n / PANEL, c = n % PANEL;
+        for (long k = 0; k < K; k++) {
+            long src = transposed ? k * N + n : n * K + k;
+            long at = p * rows * per_row + (paired ? (k / 2) * per_row + 2 * c + (k % 2) : k * per_row + c);
+            if (eb == 4)
+                ((float *)dst)[at] = ((const float *)w)[src];
+            else
+                ((uint16_t *)dst)[at] = ((const uint16_t *)w)[src];
+        }
+    }
+}
+
+#ifdef WIDE
+/* MR rows against one panel: MR x 4 accumulators of 16 lanes. */
+#define PACKED_TILE(T, MR)                                                                       \
+    static void packed_##T##_##MR(const float *x, const T##_t *wp, float *out, long K) {        \
+        __m512 a[MR][4];                                                                         \
+        for (int r = 0; r < MR; r++) a[r][0] = a[r][1] = a[r][2] = a[r][3] = _mm512_setzero_ps(); \
+        for (long k = 0; k < K; k++) {                                                           \
+            const T##_t *wk = wp + k * PANEL;                                                    \
+            __m512 w0 = load16_##T(wk, 0xFFFF), w1 = load16_##T(wk + 16, 0xFFFF);               \
+            __m512 w2 = load16_##T(wk + 32, 0xFFFF), w3 = load16_##T(wk + 48, 0xFFFF);          \
+            for (int r = 0; r < MR; r++) {                                                       \
+                __m512 xb = _mm512_set1_ps(x[r * K + k]);                                        \
+                a[r][0] = _mm512_fmadd_ps(xb, w0, a[r][0]);                                      \
+                a[r][1] = _mm512_fmadd_ps(xb, w1, a[r][1]);                                      \
+                a[r][2] = _mm512_fmadd_ps(xb, w2, a[r][2]);                                      \
+                a[r][3] = _mm512_fmadd_ps(xb, w3, a[r][3]);                                      \
+            }                                                                                    \
+        }                                                                                        \
+        for (int r = 0; r < MR; r++)                                                             \
+            for (int c = 0; c < 4; c++) _mm512_storeu_ps(out + r * PANEL + 16 * c, a[r][c]);     \
+    }
+#define PACKED_ROWS 6
+#else
+/* One row against one panel: 8 accumulators of 8 lanes (AVX2 has 16 registers). */
+#define PACKED_TILE(T, MR)                                                                       \
+    static void packed_##T##_##MR(const float *x, const T##_t *wp, float *out, long K) {        \
+        for (int r = 0; r < MR; r++) {                                                           \
+            __m256 a[8];                                                                         \
+            for (int c = 0; c < 8; c++) a[c] = _mm256_setzero_ps();                              \
+            for (long k = 0; k < K; k++) {                                                       \
+                __m256 xb = _mm256_set1_ps(x[r * K + k]);                                        \
+                for (int c = 0; c < 8; c++)                                                      \
+                    a[c] = _mm256_fmadd_ps(xb, load8_##T(wp + k * PANEL + 8 * c), a[c]);         \
+            }                                                                                    \
+            for (int c = 0; c < 8; c++) _mm256_storeu_ps(out + r * PANEL + 8 * c, a[c]);         \
+        }                                                                                        \
+    }
+#define PACKED_ROWS 1
+#endif
+#define PACKED_ALL(T) PACKED_TILE(T, 1) PACKED_TILE(T, 2) PACKED_TILE(T, 3) PACKED_TILE(T, 4) \
+    PACKED_TILE(T, 5) PACKED_TILE(T, 6)
+PACKED_ALL(f32)
+PACKED_ALL(bf16)
+PACKED_ALL(f16)
+
+#if PAIRED_BF16
+/* bfloat16 rows (x padded to an even K) against a paired panel: 32 products per instruction. */
+#define PAIRED_TILE(MR)                                                                          \
+    static void paired_##MR(const uint16_t *x, const uint16_t *wp, float *out, long K2) {       \
+        __m512 a[MR][4];                                                                         \
+        for (int r = 0; r < MR; r++) a[r][0] = a[r][1] = a[r][2] = a[r][3] = _mm512_setzero_ps(); \
+        for (long k = 0; k < K2; k++) {                                                          \
+            const uint16_t *wk = wp + k * 2 * PANEL;                                             \
+            __m512bh w0 = (__m512bh)_mm512_loadu_si512(wk), w1 = (__m512bh)_mm512_loadu_si512(wk + 32); \
+            __m512bh w2 = (__m512bh)_mm512_loadu_si512(wk + 64), w3 = (__m512bh)_mm512_loadu_si512(wk + 96); \
+            for (int r = 0; r < MR; r++) {                                                       \
+                uint32_t two;                                                                    \
+                memcpy(&two, x + r * 2 * K2 + 2 * k, 4);                                         \
+                __m512bh xb = (__m512bh)_mm512_set1_epi32((int)two);                             \
+                a[r][0] = _mm512_dpbf16_ps(a[r][0], xb, w0);                                     \
+                a[r][1] = _mm512_dpbf16_ps(a[r][1], xb, w1);                                     \
+                a[r][2] = _mm512_dpbf16_ps(a[r][2], xb, w2);                                     \
+                a[r][3] = _mm512_dpbf16_ps(a[r][3], xb, w3);                                     \
+            }                                                                                    \
+        }                                                                                        \
+        for (int r = 0; r < MR; r++)                                                             \
+            for (int c = 0; c < 4; c++) _mm512_storeu_ps(out + r * PANEL + 16 * c, a[r][c]);     \
+    }
+PAIRED_TILE(1) PAIRED_TILE(2) PAIRED_TILE(3) PAIRED_TILE(4) PAIRED_TILE(5) PAIRED_TILE(6)
+#endif
+
+#define DISPATCH(PREFIX, MB, ...)                                                                \
+    switch (MB) {                                                                                \
+        case 6: PREFIX##_6(__VA_ARGS__); break;                                                  \
+        case 5: PREFIX##_5(__VA_ARGS__); break;                                                  \
+        case 4: PREFIX##_4(__VA_ARGS__); break;                                                  \
+        case 3: PREFIX##_3(__VA_ARGS__); break;                                                  \
+        case 2: PREFIX##_2(__VA_ARGS__); break;                                                  \
+        default: PREFIX##_1(__VA_ARGS__); break;                                                 \
+    }
+
+/* y [M, N] (dtype dt) = x [M, K] . w^T + bias with w packed by ddtree_pack_weight. */
+void ddtree_packed_linear(const void *x, const void *wp, const void *bias, void *y, long M, long K, long N, int dt,
+                          int threads) {
+    int paired = PAIRED_BF16 && dt == DT_BF16;
+    long K2 = (K + 1) / 2, xk = paired ? 2 * K2 : K;
+    float *xf = paired ? NULL : (float *)malloc(sizeof(float) * (size_t)(M * K > 0 ? M * K : 1));
+    uint16_t *xp = paired ? (uint16_t *)calloc((size_t)(M * xk > 0 ? M * xk : 1), 2) : NULL;
+    for (long m = 0; m < M; m++)
+        for (long k = 0; k < K; k++) {
+            if (paired) xp[m * xk + k] = ((const uint16_t *)x)[m * K + k];
+            else xf[m * K + k] = load_one(x, m * K + k, dt);
+        }
+    float *bf = bias ? (float *)malloc(sizeof(float) * (size_t)N) : NULL;
+    if (bf)
+        for (long j = 0; j < N; j++) bf[j] = load_one(bias, j, dt);
+    long panels = (N + PANEL - 1) / PANEL, rows = panel_rows(K, dt);
+    long panel_elems = rows * (paired ? 2 * PANEL : PANEL);
+#pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
+    for (long p = 0; p < panels; p++) {
+        float out[PACKED_ROWS * PANEL];
+        long j = p * PANEL, width = N - j < PANEL ? N - j : PANEL;
+        for (long m = 0; m < M; m += PACKED_ROWS) {
+            long mb = M - m < PACKED_ROWS ? M - m : PACKED_ROWS;
+            if (paired) {
+#if PAIRED_BF16
+                DISPATCH(paired, mb, xp + m * xk, (const uint16_t *)wp + p * panel_elems, out, K2)
+#endif
+            } else if (dt == DT_F32) {
+                DISPATCH(packed_f32, mb, xf + m * K, (const float *)wp + p * panel_elems, out, K)
+            } else if (dt == DT_BF16) {
+                DISPATCH(packed_bf16, mb, xf + m * K, (const uint16_t *)wp + p * panel_elems, out, K)
+            } else {
+                DISPATCH(packed_f16, mb, xf + m * K, (const uint16_t *)wp + p * panel_elems, out, K)
+            }
+            for (long r = 0; r < mb; r++)
+                for (long c = 0; c < width; c++) {
+                    float s = out[r * PANEL + c];
+                    store_one(y, (m + r) * N + j + c, bf ? s + bf[j + c] : s, dt);
+                }
+        }
+    }
+    free(xf);
+    free(xp);
+    free(bf);
+}
+
 /* ------------------------------------------------------------------ float64 linear */
 
 static double dot_f64(const double *x, const double *w, long K) {
