@@ -118,16 +118,17 @@ def main(argv=None):
     args = ap.parse_args(argv)
     # The spelled-out loops grow their trees from the drafter's log-probs alone; the generator's default also
     # grafts a prompt-lookup branch into each tree (ddtree.drafters.lookup), so it is off here to compare like
-    # with like.
+    # with like. They pass a dense tree mask (blocks.tree_attention_mask), which exact numerics' attention (the
+    # CPU default) refuses, since it takes each node's key order from the backend's tree spec: numerics="fast".
     if args.default:
-        gen = ddtree.SpeculativeGenerator.from_pretrained(prompt_lookup=False)
+        gen = ddtree.SpeculativeGenerator.from_pretrained(prompt_lookup=False, numerics="fast")
         tok = gen.tokenizer
         msgs = [{"role": "user", "content": "Write a haiku about the sea."}]
         prompt = tok.apply_chat_template(msgs, add_generation_prompt=True, return_tensors="pt", return_dict=True)
         prompt = prompt["input_ids"]
     else:
         target, drafter, tok = tiny_pair()
-        gen = ddtree.SpeculativeGenerator(target, drafter, prompt_lookup=False)
+        gen = ddtree.SpeculativeGenerator(target, drafter, prompt_lookup=False, numerics="fast")
         prompt = torch.tensor([[3, 1, 4, 1, 5, 9, 2, 6]])
     with torch.inference_mode():
         eos = gen.target.generation_config.eos_token_id  # the round loop stops there by default; so does this one

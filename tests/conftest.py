@@ -20,7 +20,8 @@ def one_thread():
 
 
 REAL_DEFAULTS = {"DEFAULT_TREE_BUDGET": generator.DEFAULT_TREE_BUDGET,
-                 "DEFAULT_PROMPT_LOOKUP": generator.DEFAULT_PROMPT_LOOKUP}
+                 "DEFAULT_PROMPT_LOOKUP": generator.DEFAULT_PROMPT_LOOKUP,
+                 "DEFAULT_NUMERICS": generator.DEFAULT_NUMERICS}
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -28,11 +29,14 @@ def fixed_default_budget():
     """The default tree budget is ``"auto"``, whose choices follow wall time. The suite's tests of the
     speculative path check acceptance against fixed expectations, so a generator built without a budget runs
     the earlier fixed default (4) here, and no merged prompt lookup (its branches change the trees those
-    expectations were written for): for the whole session, so generators that module-scoped fixtures build
-    see it too. A test marked ``real_default`` gets the real defaults back."""
+    expectations were written for), and ``numerics="fast"`` unless a test asks for exact (tests compare the
+    compiled round with the eager one on one target; tests/test_exact_numerics.py covers exact): for the whole
+    session, so generators that module-scoped fixtures build see it too. A test marked ``real_default`` gets
+    the real defaults back."""
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(generator, "DEFAULT_TREE_BUDGET", 4)
         patch.setattr(generator, "DEFAULT_PROMPT_LOOKUP", False)
+        patch.setattr(generator, "DEFAULT_NUMERICS", {})
         yield
 
 

@@ -257,3 +257,46 @@ def test_compile_reports_the_linears_it_uses():
     assert GeneratorOptions(compile=False, cpu_linear="auto").cpu_linear == "auto"
     with pytest.raises(ValueError, match="Pass cpu_linear=False"):
         GeneratorOptions(compile=True, tree_budget=4, cpu_linear=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_routed_layer_repacks_its_weight_after_it_changes(dtype):
+    """A routed layer multiplies by a packed copy of its weight: an in-place update, a new tensor or a dtype
+    change is seen at the next call (a stale copy would give the old weight's outputs)."""
+    layer = torch.nn.Linear(96, 80, bias=True).to(dtype)
+    assert cpu_linear.install(layer, exact=True) == 1
+    x = torch.randn(3, 96).to(dtype)
+    with torch.no_grad():
+        before = layer(x)
+        assert torch.allclose(before.float(), F.linear(x, layer.weight, layer.bias).float(), atol=0.05, rtol=0.02)
+        layer.weight.mul_(-1.0)  # in place: the same storage, a new version
+        assert torch.allclose(layer(x).float(), F.linear(x, layer.weight, layer.bias).float(), atol=0.05, rtol=0.02)
+        assert not torch.allclose(layer(x).float(), before.float(), atol=0.05, rtol=0.02)  # the control
+        layer.weight = torch.nn.Parameter(torch.randn(80, 96).to(dtype))  # a new tensor
+        assert torch.allclose(layer(x).float(), F.linear(x, layer.weight, layer.bias).float(), atol=0.05, rtol=0.02)
+    cpu_linear.uninstall(layer)
+    assert "_ddtree_packed_weight" not in vars(layer)  # the copy goes with the routing
+
+
+def test_packed_products_are_row_invariant_on_both_builds(monkeypatch):
+    """The packed kernel's rows are bit for bit the one-row call's, for any row count and column tail, on the
+    native and the portable build; the float32 sums agree with float64 to rounding."""
+    from ddtree.targets import row_kernels
+
+    for arch in ("native", "avx2"):
+        monkeypatch.setenv("DDTREE_KERNEL_ARCH", arch)
+        native.library.cache_clear()
+        try:
+            for dtype in (torch.float32, torch.bfloat16, torch.float16):
+                w, b = torch.randn(130, 37).to(dtype), torch.randn(130).to(dtype)
+                packed = row_kernels.PackedWeight(w)
+                x = torch.randn(13, 37).to(dtype)
+                y = row_kernels.packed_linear(x, packed, b)
+                for rows in (slice(0, 1), slice(4, 11), slice(12, 13)):
+                    assert torch.equal(row_kernels.packed_linear(x[rows], packed, b), y[rows]), (arch, dtype)
+                ref = F.linear(x.double(), w.double(), b.double())
+                assert (y.double() - ref).abs().max() <= 0.02 * ref.abs().max()
+                assert torch.equal(row_kernels.packed_linear(x, row_kernels.PackedWeight(w.t().contiguous(),
+                                                                                          transposed=True), b), y)
+        finally:
+            native.library.cache_clear()

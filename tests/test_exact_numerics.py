@@ -298,3 +298,28 @@ def test_another_generator_that_takes_the_linears_back_is_caught():
     cpu_linear.uninstall(target)
     with pytest.raises(RuntimeError, match="no longer routed through the row-invariant kernel"):
         gen.generate(torch.tensor([GRID_PROMPT]), max_new_tokens=8)
+
+
+@pytest.mark.real_default
+def test_exact_is_the_cpu_default_and_a_later_fast_generator_takes_the_target_back():
+    """On a CPU a generator built without ``numerics`` is exact; one built later on the same target with
+    ``compile=True`` (or ``numerics="fast"``) releases the exact kernels, and the exact one then refuses with the
+    fix instead of decoding on kernels it does not promise."""
+    target = tiny_target("llama", dtype=torch.float32)
+    exact = SpeculativeGenerator(target, tiny_drafter(target), tree_budget=4)
+    assert exact.options.numerics == "exact"
+    prompt = torch.tensor([GRID_PROMPT])
+    first = exact.generate(prompt, max_new_tokens=12)
+    fast = SpeculativeGenerator(target, tiny_drafter(target), tree_budget=4, numerics="fast")
+    assert fast.options.numerics == "fast" and not cpu_linear_routed_exactly(target)
+    assert fast.generate(prompt, max_new_tokens=12).sequences.shape == first.sequences.shape
+    with pytest.raises(RuntimeError, match="no longer routed.*numerics='fast' or compile=True.*build a new"):
+        exact.generate(prompt, max_new_tokens=12)
+    again = SpeculativeGenerator(target, tiny_drafter(target), tree_budget=4)
+    assert torch.equal(again.generate(prompt, max_new_tokens=12).sequences, first.sequences)
+
+
+def cpu_linear_routed_exactly(target) -> bool:
+    from ddtree.targets import cpu_linear
+
+    return cpu_linear.routed_exactly(target.get_output_embeddings())

@@ -256,9 +256,9 @@ def test_the_default_budget_is_auto_and_a_fixed_one_under_compile(tiny_pair):
     """A generator built without a budget decodes under ``"auto"`` (compile=True, which needs an int: 4 on a
     CPU): the target's greedy tokens, and each round's acceptance what the same budgets give when replayed."""
     target, draft = tiny_pair
-    gen = SpeculativeGenerator(target, draft)
+    assert SpeculativeGenerator(target, draft, compile=True).tree_budget == 4  # first: the last one built owns
+    gen = SpeculativeGenerator(target, draft)  # the target (compile=True takes exact numerics' kernels back)
     assert gen.options.tree_budget == gen.tree_budget == "auto"
-    assert SpeculativeGenerator(target, draft, compile=True).tree_budget == 4
     gen.tree_budget = 8
     gen.tree_budget = None  # back to the default
     assert gen.tree_budget == "auto"

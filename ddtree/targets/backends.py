@@ -222,8 +222,8 @@ class ExactBackend:
 
     def tree_forward_kwargs(self, model: Any, tree: DraftTree, prefix_len: int, dtype: torch.dtype,
                             prefix_valid: torch.Tensor | None = None) -> dict[str, Any]:
+        check_exact(model)  # first: a later fast generator released the whole target, not only its attention
         check_implementation(model, self.name, frozenset({EXACT_IMPLEMENTATION}))
-        check_exact(model)
         return _with_stateful_kwargs(model, tree, {TREE_KWARG: ExactTreeSpec.from_tree(tree, prefix_valid)})
 
 

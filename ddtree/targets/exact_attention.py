@@ -97,7 +97,10 @@ def exact_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
         raise ValueError("numerics='exact' is inference only (attention dropout must be 0)")
     if isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 4:
         raise ValueError("numerics='exact' verifies a tree through the backend's tree spec (backend."
-                         "tree_forward_kwargs), not a dense 4D mask: a mask does not say each node's key order")
+                         "tree_forward_kwargs), not a dense 4D mask: a mask does not say each node's key order. "
+                         "A loop that passes a tree mask needs a target prepared with numerics='fast' (the "
+                         "generator's setting; exact is the CPU default), or it takes the 'exact' backend's "
+                         "tree_forward_kwargs")
     scale = scaling if scaling is not None else 1.0 / math.sqrt(query.shape[-1])
     window = sliding_window if sliding_window is not None else getattr(module, "sliding_window", None)
     sinks = kwargs.get("s_aux")

@@ -164,11 +164,29 @@ def prepare_exact(model: Any) -> None:
     describe(model).numerics = "exact"
 
 
+def release_exact(model: Any) -> bool:
+    """Undo :func:`prepare_exact` (a ``"fast"`` generator built on a target an exact one prepared: the last
+    generator built owns the target, and the exact one refuses its next call through :func:`check_exact`);
+    returns whether there was anything to undo. The experts' implementation stays as it was set."""
+    if describe(model).numerics != "exact":
+        return False
+    cpu_linear.uninstall(model)
+    for module in model.modules():
+        for mark in (_ROUTED, _TAIL_FREE):
+            if vars(module).pop(mark, None):
+                del module.forward
+    if vars(model).pop(_PINNED, None):
+        del model.forward
+    describe(model).numerics = "fast"
+    return True
+
+
 def check_exact(model: Any) -> None:
     """Refuse a forward of an exact generator whose target another generator gave back its BLAS linears."""
     head = model.get_output_embeddings()
     routed = isinstance(head, torch.nn.Linear) and cpu_linear.routed_exactly(head)
     if describe(model).numerics != "exact" or not routed:
         raise RuntimeError("this generator runs numerics='exact', but its target's linear layers are no longer "
-                           "routed through the row-invariant kernel (another generator or cpu_linear.uninstall "
-                           "changed them): build a new SpeculativeGenerator for this target")
+                           "routed through the row-invariant kernel (a generator built later on this target with "
+                           "numerics='fast' or compile=True, or cpu_linear.uninstall, took them back: the last "
+                           "generator built prepares a target): build a new SpeculativeGenerator for this target")
