@@ -323,3 +323,17 @@ def cpu_linear_routed_exactly(target) -> bool:
     from ddtree.targets import cpu_linear
 
     return cpu_linear.routed_exactly(target.get_output_embeddings())
+
+
+@pytest.mark.real_default
+def test_a_generator_sharing_an_exact_ones_backend_stays_exact():
+    """Tools build one generator per builder on shared models, passing ``attention=base.backend``: under the
+    CPU default each is exact, and the first still decodes (none of them released the target)."""
+    target = tiny_target("llama", dtype=torch.float32)
+    base = SpeculativeGenerator(target, tiny_drafter(target), tree_budget=0)
+    other = SpeculativeGenerator(target, base.drafter, tree_budget=4, builder="chain", attention=base.backend)
+    assert base.options.numerics == other.options.numerics == "exact"
+    prompt = torch.tensor([GRID_PROMPT])
+    plain = base.generate(prompt, max_new_tokens=12)
+    assert torch.equal(other.generate(prompt, max_new_tokens=12).sequences, plain.sequences)
+    assert torch.equal(base.generate(prompt, max_new_tokens=12).sequences, plain.sequences)

@@ -47,7 +47,8 @@ def run(rows_list: list[int], repeats: int, dims: dict, dtype: torch.dtype = tor
     if not cpu_linear.available():
         raise SystemExit(f"the kernel cannot run here: {cpu_linear.unavailable_reason()}")
     weights = layer_stack(**dims, dtype=dtype)
-    kernel = lambda x, w: row_kernels.linear(x, w)  # noqa: E731
+    packed = {id(w): row_kernels.PackedWeight(w) for w in weights}  # what a routed layer multiplies by
+    kernel = lambda x, w: row_kernels.packed_linear(x, packed[id(w)])  # noqa: E731
     out = []
     for rows in rows_list:  # interleaved, so drift hits both alike
         blas = time_pass(F.linear, weights, rows, repeats)

@@ -39,6 +39,7 @@ from ddtree.generation.options import (
     MODEL_SETTINGS,
     PER_CALL,
     GeneratorOptions,
+    attention_name,
     coupled_at,
     split_call_options,
 )
@@ -605,7 +606,8 @@ def default_numerics(target: Any, options: GeneratorOptions | None = None) -> st
     """The default ``numerics`` for ``target``: :data:`DEFAULT_NUMERICS` for its device where the exact kernels run
     it, else ``"fast"``; ``"fast"`` too where ``options`` ask for what exact numerics replaces (``compile``, another
     attention backend)."""
-    if options is not None and (options.compile or options.attention not in ("auto", None, "exact")):
+    if options is not None and (options.compile
+                                or attention_name(options.attention) not in ("auto", None, "exact")):
         return "fast"
     param = next(target.parameters(), None)
     kind = param.device.type if param is not None else "cpu"

@@ -139,11 +139,17 @@ def check_compile(options: GeneratorOptions) -> None:
                          "Pass cpu_linear=False (or 'auto', which then stays off)")
 
 
+def attention_name(attention: Any) -> Any:
+    """An ``attention`` setting's name: the string itself, or a backend object's ``name`` (another generator's
+    ``gen.backend``, passed to share it)."""
+    return attention if attention is None or isinstance(attention, str) else getattr(attention, "name", attention)
+
+
 def check_exact_settings(options: GeneratorOptions) -> None:
     """``numerics="exact"`` brings its own attention and linears, and runs eagerly."""
     if options.numerics != "exact":
         return
-    if options.attention not in ("auto", None, "exact"):
+    if attention_name(options.attention) not in ("auto", None, "exact"):
         raise ValueError(f"numerics='exact' verifies with its own row-invariant attention, got attention="
                          f"{options.attention!r}; leave attention='auto'")
     if options.compile:
