@@ -300,3 +300,16 @@ def test_packed_products_are_row_invariant_on_both_builds(monkeypatch):
                                                                                           transposed=True), b), y)
         finally:
             native.library.cache_clear()
+
+
+@needs_kernel
+def test_a_layer_made_in_inference_mode_is_routed():
+    """A target built under ``torch.inference_mode`` has weights without version counters: the packed copy
+    still knows its source (by storage and identity) rather than failing on the first call."""
+    with torch.inference_mode():
+        layer = torch.nn.Linear(40, 24)
+        cpu_linear.install(layer, exact=True)
+        x = torch.randn(3, 40)
+        assert torch.allclose(layer(x), F.linear(x, layer.weight, layer.bias), atol=1e-5, rtol=1e-5)
+        assert torch.equal(layer(x[:1]), layer(x)[:1])
+    cpu_linear.uninstall(layer)

@@ -83,6 +83,12 @@ def checked_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     return y
 
 
+def version(t: torch.Tensor) -> int:
+    """``t``'s in-place version counter (-1 for an inference tensor, which keeps none: only its identity and
+    storage tell it apart)."""
+    return -1 if t.is_inference() else t._version
+
+
 class PackedWeight:
     """A linear's weight packed once for :func:`packed_linear`: panels of 64 output columns, each streamed in
     order, so a few-row product runs at the speed of the memory and many rows share each panel. It is a copy:
@@ -104,12 +110,12 @@ class PackedWeight:
         self.data = torch.empty(lib.ddtree_packed_bytes(self.n, self.k, DTYPE_CODES[dtype]), dtype=torch.uint8)
         lib.ddtree_pack_weight(w.data_ptr(), self.data.data_ptr(), self.n, self.k, DTYPE_CODES[dtype],
                                int(transposed))
-        self._source = (weight.data_ptr(), weight._version, weight.dtype, tuple(weight.shape))
+        self._source = (weight.data_ptr(), version(weight), weight.dtype, tuple(weight.shape))
 
     def packed_from(self, weight: torch.Tensor) -> bool:
         """Whether ``weight`` is, unchanged, the tensor this was packed from (its storage, version, dtype and
         shape: an in-place update, a load or a ``.to()`` all make it False)."""
-        return self._source == (weight.data_ptr(), weight._version, weight.dtype, tuple(weight.shape))
+        return self._source == (weight.data_ptr(), version(weight), weight.dtype, tuple(weight.shape))
 
 
 def packed_linear(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
