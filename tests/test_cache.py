@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from tiny import tiny_target
@@ -138,3 +140,43 @@ def test_commit_from_host_paths_equals_the_device_checked_commit_and_reads_nothi
     with pytest.raises(ValueError, match="starts at the root"):
         commit_accepted(_filled_cache(2, prefix + nodes, 0), prefix, accepted_t, lengths_t,
                         paths=[p[1:] for p in paths], host_lengths=lengths)
+
+
+def test_attention_layers_append_in_place_and_hold_what_concatenation_holds():
+    """A decode step writes its columns into room behind the cache instead of copying the cache; after a
+    truncation, a gathered commit and dropped rows the layers still hold what transformers' own
+    concatenating layers hold, step for step (the control: a plain DynamicCache fed the same states)."""
+    from transformers import DynamicCache
+
+    from ddtree.targets.cache import select_rows, truncate
+
+    target = tiny_target("llama")
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 90, (3, 9), generator=g)
+    with torch.no_grad():
+        ours, theirs = new_target_cache(), DynamicCache()
+        for cache in (ours, theirs):
+            target(ids, use_cache=True, **cache_kwargs(target, cache))
+        first = ours.layers[0]
+        steps = [torch.randint(0, 90, (3, 1), generator=g) for _ in range(4)]
+        for step in steps:
+            for cache in (ours, theirs):
+                target(step, use_cache=True, **cache_kwargs(target, cache))
+        room = vars(first)["_ddtree_room"][0]
+        assert first.keys.data_ptr() == room.data_ptr() and room.shape[-2] > first.keys.shape[-2]  # in place
+        at = first.keys.data_ptr()
+        target(steps[0], use_cache=True, **cache_kwargs(target, ours))
+        assert first.keys.data_ptr() == at  # the step did not move the cache
+        target(steps[0], use_cache=True, **cache_kwargs(target, theirs))
+        for cache in (ours, theirs):
+            truncate(cache, 12)  # a rejected tail: a later step writes over it
+            commit_accepted(cache, 9, torch.tensor([[0, 1], [0, 2], [0, 1]]))  # row 1's path is gathered
+            select_rows(cache, torch.tensor([0, 2]))  # a row finished
+            target(steps[1][[0, 2]], use_cache=True, **cache_kwargs(target, cache))
+        for got, want in zip(ours.layers, theirs.layers):
+            assert torch.equal(got.keys, want.keys) and torch.equal(got.values, want.values)
+        assert ours.get_seq_length() == theirs.get_seq_length() == 12
+        copied = copy.deepcopy(ours)  # a copy appends to itself, not to the cache it was copied from
+        target(steps[2][[0, 2]], use_cache=True, **cache_kwargs(target, copied))
+        assert copied.get_seq_length() == 13 and ours.get_seq_length() == 12
+        assert torch.equal(copied.layers[0].keys[..., :12, :], ours.layers[0].keys)

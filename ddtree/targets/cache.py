@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from ddtree.targets.description import describe
+from ddtree.targets.kv_room import append_in_place
 from ddtree.targets.layer_kinds import kinds_in_cache
 
 SUPPORTED_TRANSFORMERS = ">=5.0,<6"
@@ -60,14 +61,15 @@ def new_target_cache(model: Any = None) -> Any:
     Attention layers are built without sliding-window caches on purpose: those discard
     old states and refuse arbitrary compaction, while ddtree applies windows through its
     masks instead. Pass ``model`` for targets with stateful layers (linear attention), whose
-    kind builds the cache with their slots (see :mod:`ddtree.targets.layer_kinds`).
+    kind builds the cache with their slots (see :mod:`ddtree.targets.layer_kinds`). Attention layers append
+    in place (:mod:`ddtree.targets.kv_room`) rather than copying the whole cache at every step.
     """
     from transformers import DynamicCache
 
     if model is not None:
         for kind in describe(model).stateful:
             return kind.new_cache(model)
-    return DynamicCache()
+    return append_in_place(DynamicCache())
 
 
 def cache_length(cache: Any) -> int:

@@ -1,0 +1,82 @@
+"""Attention cache layers that append in place.
+
+transformers' ``DynamicLayer`` concatenates on every update, so each decoding step copies every layer's whole
+cache: a cost that grows with the context and is paid in every layer at every step. :func:`append_in_place`
+makes a cache's plain attention layers write new columns into room reserved behind their last one (an eighth of
+the length, at least 64 columns), handing out views of it; only running out of room, a new batch of rows or a
+compaction that built new tensors moves the columns into fresh room.
+
+The layer's ``keys``/``values`` stay the ordinary attribute every reader and ddtree's compaction
+(:mod:`ddtree.targets.cache`) use: a prefix view of the room (after a decode step, a truncation or a leading-run
+commit) keeps appending where it ends; any other tensor assigned there is copied into room at the next update.
+"""
+
+from __future__ import annotations
+
+import types
+from typing import Any
+
+import torch
+
+MIN_ROOM = 64
+"""Columns reserved at least, beyond those held."""
+
+_ROOM = "_ddtree_room"
+_WRAPPED = "_ddtree_appends_in_place"
+
+
+def capacity(columns: int) -> int:
+    """Columns a layer's room holds when it is made for ``columns``: those and an eighth more, at least
+    :data:`MIN_ROOM` more (so a cache's storage is at most ``capacity`` of the most columns it held)."""
+    return columns + max(MIN_ROOM, columns // 8)
+
+
+def append_in_place(cache: Any) -> Any:
+    """Make ``cache``'s plain attention layers (transformers ``DynamicLayer``) append in place from their
+    second update on; other layers (sliding, static, linear attention) and caches without ``layers`` are left
+    as they are. Returns ``cache``."""
+    if getattr(cache, "layers", None) is None or _WRAPPED in vars(cache):
+        return cache
+    cache.update = types.MethodType(_cache_update, cache)  # bound, so a copy.deepcopy of the cache rebinds it
+    vars(cache)[_WRAPPED] = True
+    return cache
+
+
+def _cache_update(self: Any, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+                  ) -> Any:
+    from transformers.cache_utils import DynamicLayer
+
+    index = kwargs.get("layer_idx", args[0] if args else None)
+    layers = self.layers
+    if isinstance(index, int) and index < len(layers):
+        layer = layers[index]
+        if type(layer) is DynamicLayer and "update" not in vars(layer):
+            layer.update = types.MethodType(_layer_update, layer)
+    return type(self).update(self, key_states, value_states, *args, **kwargs)
+
+
+def _prefix_of(t: torch.Tensor, room: torch.Tensor) -> bool:
+    """Whether ``t`` is ``room[..., :n, :]`` for some ``n`` (same start, strides, rows, heads and width)."""
+    return (t.data_ptr() == room.data_ptr() and t.stride() == room.stride() and t.dtype == room.dtype
+            and t.shape[:2] == room.shape[:2] and t.shape[-1] == room.shape[-1])
+
+
+def _layer_update(self: Any, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
+                  **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    keys, values = self.keys, self.values
+    if (not getattr(self, "is_initialized", False) or keys is None or keys.dim() != 4 or keys.numel() == 0
+            or key_states.dim() != 4 or key_states.shape[:2] != keys.shape[:2]):
+        return type(self).update(self, key_states, value_states, *args, **kwargs)  # transformers' own
+    held, new = keys.shape[-2], key_states.shape[-2]
+    room = vars(self).get(_ROOM)
+    in_room = room is not None and _prefix_of(keys, room[0]) and _prefix_of(values, room[1])
+    if not in_room or room[0].shape[-2] < held + new:
+        size = capacity(held + new)
+        room = tuple(t.new_empty(t.shape[0], t.shape[1], size, t.shape[3]) for t in (keys, values))
+        room[0][..., :held, :].copy_(keys)
+        room[1][..., :held, :].copy_(values)
+        vars(self)[_ROOM] = room
+    room[0][..., held:held + new, :].copy_(key_states)
+    room[1][..., held:held + new, :].copy_(value_states)
+    self.keys, self.values = room[0][..., :held + new, :], room[1][..., :held + new, :]
+    return self.keys, self.values
