@@ -51,7 +51,7 @@ def _cache_update(self: Any, key_states: torch.Tensor, value_states: torch.Tenso
     if isinstance(index, int) and index < len(layers):
         layer = layers[index]
         if type(layer) is DynamicLayer and "update" not in vars(layer):
-            layer.update = types.MethodType(_layer_update, layer)
+            vars(layer)["update"] = types.MethodType(_layer_update, layer)
     return type(self).update(self, key_states, value_states, *args, **kwargs)
 
 
