@@ -1,10 +1,11 @@
 """``numerics="exact"``: a tree node's logits are bit for bit the one-token step's, so tokens never depend on
 speculation.
 
-Bitwise (``torch.equal``) for every family in float32 and bfloat16: each node of a random tree, verified in one
-forward with the other nodes and another (padded) row, against one-token forwards along its path from the row's
-own batch-1 prefill. End to end: the tokens of every budget, builder, lookup setting and batch place equal plain
-decoding's, greedy and sampled. Each check has a control under ``numerics="fast"`` that fails it.
+Bitwise (``torch.equal``) for every family in float32, bfloat16 and (node by node) float16: each node of a
+random tree, verified in one forward with the other nodes and another (padded) row, against one-token forwards
+along its path from the row's own batch-1 prefill. End to end: the tokens of every budget, builder, lookup
+setting and batch place equal plain decoding's, greedy and sampled. Each check has a control under
+``numerics="fast"`` that fails it.
 """
 
 from __future__ import annotations
@@ -84,18 +85,20 @@ def _node_mismatches(family: str, dtype: torch.dtype, numerics: str, seed: int =
     return bad
 
 
-@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("dtype", [*DTYPES, "fp16"])
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_every_node_has_the_one_token_steps_bits(family, dtype):
     """Every node of a random tree, in a padded batch of two rows, equals (torch.equal) one-token steps along its
     path after its row's own batch-1 prefill: the tree, the other row and the padding change no bit."""
-    assert _node_mismatches(family, DTYPES[dtype], "exact") == []
+    assert _node_mismatches(family, {**DTYPES, "fp16": torch.float16}[dtype], "exact") == []
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("family", ["llama", "gemma2", "qwen3_moe"])
-def test_control_fast_numerics_differ_in_bf16(family):
-    """The same check under numerics="fast" fails in bfloat16: the check can see a one-bit difference."""
-    assert _node_mismatches(family, torch.bfloat16, "fast")
+def test_control_fast_numerics_differ_in_bf16(family, dtype):
+    """The same check under numerics="fast" fails in bfloat16 and float16: the check can see a one-bit
+    difference."""
+    assert _node_mismatches(family, dtype, "fast")
 
 
 # ------------------------------------------------------------------------------------------------------------
