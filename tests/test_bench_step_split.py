@@ -58,6 +58,9 @@ def test_timers_see_every_call_and_undo_themselves():
     with torch.inference_mode():
         reference = target(input_ids=ids).logits
     calls = []
+    from transformers import modeling_utils
+
+    functions = dict(modeling_utils.ALL_ATTENTION_FUNCTIONS.items())
     with step_split.timed_target(target) as timers:
         timers.on = True
         original = linears[0].forward
@@ -74,7 +77,9 @@ def test_timers_see_every_call_and_undo_themselves():
         assert out["rounds"] == 3 and out["tokens"] == 3 and timers.forwards == 3  # prefill left out
     assert {id(m): m.__dict__.get("forward") for m in target.modules()} == before
     from transformers import modeling_utils
-    assert "get_interface" not in modeling_utils.ALL_ATTENTION_FUNCTIONS.__dict__
+    interface = modeling_utils.ALL_ATTENTION_FUNCTIONS
+    assert "get_interface" not in interface.__dict__
+    assert all(interface[key] is fn for key, fn in functions.items())  # every attention function as it was
 
 
 def test_driver_profile_command(monkeypatch, tmp_path, capsys):

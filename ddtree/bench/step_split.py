@@ -140,9 +140,21 @@ def timed_target(target) -> Iterator[Timers]:
             timers._undo.append(lambda m=mod, h=had, o=old: setattr(m, "forward", o) if h else delattr(m, "forward"))
     patch(target, "forward", add_forward)
     interface = modeling_utils.ALL_ATTENTION_FUNCTIONS
-    get = interface.get_interface
-    interface.get_interface = lambda impl, default: _timed(get(impl, default), add_kernel)
-    timers._undo.append(lambda: delattr(interface, "get_interface"))
+    if hasattr(interface, "get_interface"):  # how models look the function up on newer transformers
+        get = interface.get_interface
+        interface.get_interface = lambda impl, default: _timed(get(impl, default), add_kernel)
+        timers._undo.append(lambda: delattr(interface, "get_interface"))
+    else:  # transformers 5.0: ALL_ATTENTION_FUNCTIONS[name], so each entry is wrapped (as a local override)
+        for key in list(interface.keys()):
+            fn = interface[key]
+            interface[key] = _timed(fn, add_kernel)
+
+            def restore(key=key, fn=fn):
+                del interface[key]
+                if interface.get(key) is not fn:  # it was a local override already
+                    interface[key] = fn
+
+            timers._undo.append(restore)
     try:
         yield timers
     finally:
