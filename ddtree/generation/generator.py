@@ -597,9 +597,9 @@ def default_tree_budget(target: Any, compiled: bool = False) -> int | str:
 
 
 DEFAULT_NUMERICS: dict[str, str] = {"cpu": "exact"}
-"""``numerics`` by the target's device type when none is given (``"fast"`` elsewhere). On a CPU exact decoding
-costs at most 3% against fast in every dtype measured (docs/benchmarks.md, Exact numerics); CUDA has no exact
-kernels yet."""
+"""``numerics`` by the target's device type when none is given (``"fast"`` elsewhere). On a CPU, at the batch
+sizes it usually decodes, exact costs no more than fast (docs/benchmarks.md, Exact numerics; the guide says when
+to pass ``"fast"``); CUDA has no exact kernels yet."""
 
 
 def default_numerics(target: Any, options: GeneratorOptions | None = None) -> str:
