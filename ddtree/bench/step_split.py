@@ -139,6 +139,9 @@ def timed_target(target) -> Iterator[Timers]:
             mod.forward = enter
             timers._undo.append(lambda m=mod, h=had, o=old: setattr(m, "forward", o) if h else delattr(m, "forward"))
     patch(target, "forward", add_forward)
+    from ddtree.targets import cpu_linear
+
+    patch(cpu_linear, "exact_product", add_linear)  # the products of exact numerics' fused modules
     interface = modeling_utils.ALL_ATTENTION_FUNCTIONS
     if hasattr(interface, "get_interface"):  # how models look the function up on newer transformers
         get = interface.get_interface

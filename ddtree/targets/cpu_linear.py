@@ -141,6 +141,15 @@ def _forward_exact(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     return row_kernels.packed_linear(x, packed, self.bias)
 
 
+def exact_product(layer: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """An exactly routed layer's product for a caller that already knows ``x`` fits (a decode forward of the
+    layer's dtype on the CPU, outside :func:`bulk_rows`): the packed kernel without the per-call checks."""
+    packed = _packed(layer)
+    if packed is None:
+        return row_kernels.checked_linear(x, layer.weight, layer.bias)
+    return row_kernels.packed_linear(x, packed, layer.bias)
+
+
 def _routable(mod: torch.nn.Module, exact: bool) -> bool:
     if not isinstance(mod, torch.nn.Linear) or mod.weight.device.type != "cpu" or not mod.weight.is_contiguous():
         return False

@@ -80,6 +80,12 @@ def library() -> tuple[ctypes.CDLL | None, str | None]:
     lib.ddtree_packed_linear.restype = None
     lib.ddtree_row_attention.argtypes = [ptr] * 4 + [i32] + [long] * 5 + [ptr] * 7 + [f64, f64, i32]
     lib.ddtree_row_attention.restype = None
+    lib.ddtree_rms_norm.argtypes = [ptr] * 3 + [long] * 4 + [f64, i32, i32, i32]
+    lib.ddtree_rms_norm.restype = None
+    lib.ddtree_rotary.argtypes = [ptr] * 3 + [long] * 4 + [i32, i32]
+    lib.ddtree_rotary.restype = None
+    lib.ddtree_silu_mul.argtypes = [ptr] * 3 + [long] * 5 + [i32, i32]
+    lib.ddtree_silu_mul.restype = None
     return lib, None
 
 

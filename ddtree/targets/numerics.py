@@ -29,7 +29,7 @@ from torch.overrides import TorchFunctionMode
 
 from ddtree.runtime import invariant
 from ddtree.runtime.distributed import Lockstep
-from ddtree.targets import cpu_linear, native, row_kernels
+from ddtree.targets import cpu_linear, exact_layers, native, row_kernels
 from ddtree.targets.description import describe
 
 NUMERICS = ("fast", "exact")
@@ -156,6 +156,7 @@ def prepare_exact(model: Any) -> None:
     if any("experts" in name for name, _ in model.named_modules()) and hasattr(model, "set_experts_implementation"):
         model.set_experts_implementation("eager")  # the per-expert loop: each expert's rows through the kernel
     cpu_linear.install(model, exact=True)
+    exact_layers.install(model)
     for module in _functional_matmul_modules(model):
         _route_matmuls(module)
     for module in _activation_modules(model):
@@ -170,6 +171,7 @@ def release_exact(model: Any) -> bool:
     returns whether there was anything to undo. The experts' implementation stays as it was set."""
     if describe(model).numerics != "exact":
         return False
+    exact_layers.uninstall(model)
     cpu_linear.uninstall(model)
     for module in model.modules():
         for mark in (_ROUTED, _TAIL_FREE):

@@ -178,3 +178,85 @@ def tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: tor
                              vis.data_ptr(), 0 if sink is None else sink.data_ptr(), float(softcap or 0.0),
                              float(scale), _threads())
     return out
+
+
+ROW_OP_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+"""The dtypes of the row-wise layer ops (:func:`rms_norm`, :func:`rotary`, :func:`silu_mul`)."""
+
+_SMALL_ROWS = 1 << 15
+"""Elements below which a row-wise op runs on one thread."""
+
+
+def _row_op_check(name: str, *tensors: torch.Tensor) -> torch.dtype:
+    dtype = tensors[0].dtype
+    if dtype not in ROW_OP_DTYPES or any(t.dtype != dtype for t in tensors):
+        raise ValueError(f"{name}: takes tensors of one dtype among float32, bfloat16 and float16, got "
+                         f"{sorted({str(t.dtype) for t in tensors})}")
+    if any(t.device.type != "cpu" for t in tensors):
+        raise ValueError(f"{name}: the row-invariant C kernels run on CPU tensors")
+    if _LIB[0] is None:
+        _library()
+    return dtype
+
+
+def _row_threads(elements: int) -> int:
+    return 1 if elements < _SMALL_ROWS else _threads()
+
+
+NORM_STYLES = {"llama": 0, "float": 1, "gemma": 3}
+"""How an RMSNorm scales by its weight: ``llama`` rounds the normalised row to the dtype, then multiplies by the
+weight in the dtype; ``float`` multiplies in float32 and rounds once (gpt-oss); ``gemma`` the same by
+``1 + weight``."""
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, style: str = "llama") -> torch.Tensor:
+    """``weight * (x / sqrt(mean(x**2) + eps))`` over the last dimension, normalised in float32 and scaled as
+    ``style`` says (:data:`NORM_STYLES`); each row alone, in one order."""
+    h = x.shape[-1]
+    dtype = _row_op_check("rms_norm", x, weight)
+    if weight.shape != (h,) or not weight.is_contiguous():
+        raise ValueError(f"rms_norm: the weight must be a contiguous ({h},) vector, got {tuple(weight.shape)}")
+    if style not in NORM_STYLES:
+        raise ValueError(f"rms_norm: style must be one of {', '.join(NORM_STYLES)}, got {style!r}")
+    x2 = x if x.is_contiguous() else x.contiguous()
+    y = torch.empty(x.shape, dtype=dtype)
+    rows = x2.numel() // h if h else 0
+    if rows:
+        _LIB[0].ddtree_rms_norm(x2.data_ptr(), weight.data_ptr(), y.data_ptr(), rows, h, h, h, float(eps),
+                                NORM_STYLES[style], DTYPE_CODES[dtype], _row_threads(rows * h))
+    return y
+
+
+def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding of ``x`` ``[..., T, heads, D]`` in place, by ``cos``/``sin`` ``[..., T, D]`` (one angle set
+    per token, shared by its heads): ``x * cos + rotate_half(x) * sin`` with transformers' roundings. Returns
+    ``x``."""
+    dtype = _row_op_check("rotary", x, cos, sin)
+    d = x.shape[-1]
+    if (x.dim() < 3 or d % 2 or cos.shape != sin.shape or cos.shape != (*x.shape[:-2], d)
+            or not (x.is_contiguous() and cos.is_contiguous() and sin.is_contiguous())):
+        raise ValueError(f"rotary: x must be contiguous [..., T, heads, D] with D even and cos/sin contiguous "
+                         f"[..., T, D]; got x {tuple(x.shape)}, cos {tuple(cos.shape)}, sin {tuple(sin.shape)}")
+    heads = x.shape[-2]
+    rows = x.numel() // (heads * d) if heads * d else 0
+    if rows:
+        _LIB[0].ddtree_rotary(x.data_ptr(), cos.data_ptr(), sin.data_ptr(), rows, heads, d, heads * d,
+                              DTYPE_CODES[dtype], _row_threads(x.numel()))
+    return x
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` (a SwiGLU MLP's activation), each product rounded to the dtype as torch's two ops
+    round it; each row alone, in blocks of 8 from its first element."""
+    dtype = _row_op_check("silu_mul", gate, up)
+    if gate.shape != up.shape:
+        raise ValueError(f"silu_mul: gate {tuple(gate.shape)} and up {tuple(up.shape)} must have one shape")
+    g = gate if gate.is_contiguous() else gate.contiguous()
+    u = up if up.is_contiguous() else up.contiguous()
+    y = torch.empty(gate.shape, dtype=dtype)
+    width = gate.shape[-1] if gate.dim() else 1
+    rows = g.numel() // width if width else 0
+    if rows:
+        _LIB[0].ddtree_silu_mul(g.data_ptr(), u.data_ptr(), y.data_ptr(), rows, width, width, width, width,
+                                DTYPE_CODES[dtype], _row_threads(rows * width))
+    return y

@@ -765,3 +765,92 @@ void ddtree_row_attention(const void *q, const void *k, const void *v, void *out
         free(pos);
     }
 }
+
+/* ------------------------------------------------------------------ row-wise layer ops */
+
+/* A decoder layer's per-token work (RMSNorm, rotary embedding, the gated activation), each row computed alone
+ * by one thread in one fixed order: the bits of a row never depend on how many rows share the call. Rounding
+ * follows the modules they stand in for (transformers' Llama family): the norm in float32, rounded to the
+ * dtype, then scaled by the weight in the dtype; the rotation and the product rounded after each operation. */
+
+static inline float round_to(float v, int dt) {
+    switch (dt) {
+        case DT_BF16: return bf16_to_f32(f32_to_bf16(v));
+        case DT_F16: return f16_to_f32(f32_to_f16(v));
+        default: return v;
+    }
+}
+
+#define SUM_LANES 16
+
+/* RMSNorm of rows of H elements at element strides xs / ys: n = x / sqrt(mean(x^2) + eps) in float32, then
+ * by mode: NORM_ROUNDED (Llama) round(round(n) * w), NORM_FLOAT (gpt-oss) round(n * w),
+ * NORM_FLOAT | NORM_OFFSET (Gemma) round(n * (1 + w)), the scaling in float32 where the mode says so. */
+enum { NORM_FLOAT = 1, NORM_OFFSET = 2 };
+void ddtree_rms_norm(const void *x, const void *w, void *y, long M, long H, long xs, long ys, double eps, int mode,
+                     int dt, int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
+    for (long r = 0; r < M; r++) {
+        float acc[SUM_LANES] = {0};
+        long i = 0, xo = r * xs, yo = r * ys;
+        for (; i + SUM_LANES <= H; i += SUM_LANES)
+            for (int j = 0; j < SUM_LANES; j++) {
+                float v = load_one(x, xo + i + j, dt);
+                acc[j] += v * v;
+            }
+        float s = 0.f;
+        for (int j = 0; j < SUM_LANES; j++) s += acc[j];
+        for (; i < H; i++) {
+            float v = load_one(x, xo + i, dt);
+            s += v * v;
+        }
+        float inv = 1.0f / sqrtf(s / (float)H + (float)eps);
+        for (i = 0; i < H; i++) {
+            float n = load_one(x, xo + i, dt) * inv, wi = load_one(w, i, dt);
+            if (mode & NORM_OFFSET) wi = 1.0f + wi;
+            store_one(y, yo + i, (mode & NORM_FLOAT ? n : round_to(n, dt)) * wi, dt);
+        }
+    }
+}
+
+/* Rotary embedding in place: x [rows, heads, D] (row stride xs elements, heads contiguous), cos and sin
+ * [rows, D]; x[i] <- x[i] * cos[i] + rotate_half(x)[i] * sin[i], each product and the sum rounded to the dtype. */
+__attribute__((optimize("fp-contract=off")))
+void ddtree_rotary(void *x, const void *cos, const void *sin, long rows, long heads, long D, long xs, int dt,
+                   int threads) {
+    long half = D / 2;
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
+    for (long r = 0; r < rows; r++) {
+        for (long h = 0; h < heads; h++) {
+            long o = r * xs + h * D;
+            for (long i = 0; i < half; i++) {
+                float a = load_one(x, o + i, dt), b = load_one(x, o + i + half, dt);
+                float c0 = load_one(cos, r * D + i, dt), s0 = load_one(sin, r * D + i, dt);
+                float c1 = load_one(cos, r * D + i + half, dt), s1 = load_one(sin, r * D + i + half, dt);
+                float lo = round_to(round_to(a * c0, dt) + round_to(-b * s0, dt), dt);
+                float hi = round_to(round_to(b * c1, dt) + round_to(a * s1, dt), dt);
+                store_one(x, o + i, lo, dt);
+                store_one(x, o + i + half, hi, dt);
+            }
+        }
+    }
+}
+
+/* y[r, i] = round(round(silu(g[r, i])) * u[r, i]) for rows of I elements (element strides gs, us, ys):
+ * silu(v) = v / (1 + exp(-v)) with this file's exp, in blocks of 8 from each row's first element. */
+void ddtree_silu_mul(const void *g, const void *u, void *y, long M, long I, long gs, long us, long ys, int dt,
+                     int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
+    for (long r = 0; r < M; r++) {
+        float gv[8], e[8];
+        for (long i = 0; i < I; i += 8) {
+            long n = I - i < 8 ? I - i : 8;
+            for (long j = 0; j < 8; j++) gv[j] = j < n ? -load_one(g, r * gs + i + j, dt) : 0.f;
+            _mm256_storeu_ps(e, exp8(_mm256_loadu_ps(gv)));
+            for (long j = 0; j < n; j++) {
+                float s = round_to(-gv[j] / (1.0f + e[j]), dt);
+                store_one(y, r * ys + i + j, s * load_one(u, r * us + i + j, dt), dt);
+            }
+        }
+    }
+}

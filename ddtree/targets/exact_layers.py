@@ -1,0 +1,270 @@
+"""A decode step's norms, MLPs and attention blocks as a few row-kernel calls, under ``numerics="exact"``.
+
+Run as transformers writes them, a Llama-family layer is some thirty small torch ops per token (the norm alone
+is eight), and on a CPU a decoding step spends as long in those as in its matrix products. Under exact
+numerics the products are already ddtree's packed row kernels; this module gives the rest the same treatment,
+module by module: an RMSNorm becomes :func:`~ddtree.targets.row_kernels.rms_norm`, a SwiGLU MLP three packed
+products around :func:`~ddtree.targets.row_kernels.silu_mul`, and the attention block of the Llama, Mistral,
+Mixtral, Qwen2, Qwen3 and Qwen3-MoE families its packed products, :func:`~ddtree.targets.row_kernels.rotary`
+and the exact attention function. Each op computes a row alone, so a tree node and a one-token step still get
+the same bits.
+
+A module is taken only when it is recognised: a norm or an MLP by running it beside its replacement on a
+probe (it must agree to the dtype's rounding), an attention block by its class and parts. Everything else, and
+every forward inside :func:`~ddtree.targets.cpu_linear.bulk_rows` (a prompt's prefill), runs transformers' own
+code.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from typing import Any
+
+import torch
+
+from ddtree.targets import cpu_linear, row_kernels
+from ddtree.targets.exact_attention import exact_attention
+
+ATTENTION_CLASSES = {"LlamaAttention": None, "MistralAttention": "config", "MixtralAttention": "config",
+                     "Qwen2Attention": "module", "Qwen3Attention": "module", "Qwen3MoeAttention": "module"}
+"""Attention blocks whose forward is projections, an optional per-head q/k norm, rotary embedding, the cache
+update and the attention function, then the output projection (transformers 5.0 to 5.25), and where each
+reads its sliding window: none, ``config.sliding_window`` or the module's ``sliding_window``."""
+
+_FUSED = "_ddtree_exact_layer"
+
+
+def _decoding(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether this call is an exact decode forward the row ops take (not a prefill, not autograd)."""
+    return not (cpu_linear.in_bulk() or x.dtype != weight.dtype or x.device.type != "cpu"
+                or torch.compiler.is_compiling() or (torch.is_grad_enabled() and (x.requires_grad
+                                                                                  or weight.requires_grad)))
+
+
+def _probe(width: int, dtype: torch.dtype) -> torch.Tensor:
+    """Three rows off zero mean (so a LayerNorm, which subtracts it, cannot pass for an RMSNorm)."""
+    generator = torch.Generator().manual_seed(0)
+    return (torch.randn(3, width, generator=generator) * 2 + 1).to(dtype)
+
+
+def _one_input(module: torch.nn.Module) -> bool:
+    """Whether the module's forward takes one tensor (a gated norm, taking two, is another function)."""
+    try:
+        params = list(inspect.signature(module.forward).parameters.values())
+    except (TypeError, ValueError):
+        return False
+    required = [p for p in params if p.default is inspect.Parameter.empty
+                and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return len(required) == 1 and all(p.kind != p.VAR_POSITIONAL for p in params)
+
+
+def _agrees(ours: torch.Tensor, theirs: Any, dtype: torch.dtype, *, elementwise: bool) -> bool:
+    """Whether a replacement's probe output is the module's up to the dtype's rounding: each element to a few
+    of its own roundings (``elementwise``, for the norms), or to the output's scale (a product's sums)."""
+    if not isinstance(theirs, torch.Tensor) or theirs.shape != ours.shape or theirs.dtype != ours.dtype:
+        return False
+    eps = torch.finfo(dtype).eps
+    diff, size = (ours.float() - theirs.float()).abs(), theirs.float().abs()
+    if elementwise:
+        return bool((diff <= 8 * eps * (size + 1e-3 * size.amax())).all())
+    return bool((diff <= max(16 * eps, 1e-4) * (size + size.amax().clamp(min=1.0))).all())
+
+
+def _norm_eps(module: torch.nn.Module) -> float | None:
+    for name in ("variance_epsilon", "eps"):
+        value = getattr(module, name, None)
+        if isinstance(value, float):
+            return value
+    return None
+
+
+_STYLE = "_ddtree_norm_style"
+
+
+def _norm_style(module: torch.nn.Module) -> str | None:
+    """How an RMSNorm scales by its weight (:data:`~ddtree.targets.row_kernels.NORM_STYLES`), found by running
+    it beside each style on a probe (the style matching the most elements bit for bit among those that agree),
+    or None when it is not an RMSNorm the kernel computes (a LayerNorm, a gated norm, another module)."""
+    weight, eps = getattr(module, "weight", None), _norm_eps(module)
+    if (not isinstance(weight, torch.Tensor) or weight.dim() != 1 or eps is None or "norm" not in
+            type(module).__name__.lower() or weight.dtype not in row_kernels.ROW_OP_DTYPES
+            or weight.device.type != "cpu" or not weight.is_contiguous()
+            or any(True for _ in module.children()) or len(list(module.parameters())) != 1
+            or not _one_input(module)):
+        return None
+    with torch.no_grad():
+        probe = _probe(weight.shape[0], weight.dtype)
+        try:
+            theirs = module.forward(probe)
+        except Exception:  # a forward that does not take one [rows, width] tensor is not this function
+            return None
+        best, matches = None, -1
+        for style in row_kernels.NORM_STYLES:
+            ours = row_kernels.rms_norm(probe, weight.detach(), eps, style)
+            if _agrees(ours, theirs, weight.dtype, elementwise=True):
+                same = int((ours == theirs).sum())
+                if same > matches:
+                    best, matches = style, same
+        return best
+
+
+def _routed_linears(module: torch.nn.Module, names: tuple[str, ...]) -> list[torch.nn.Linear] | None:
+    """The module's linears of these names, each routed exactly and of one dtype the row ops take, or None."""
+    layers = [getattr(module, name, None) for name in names]
+    found = [layer for layer in layers if isinstance(layer, torch.nn.Linear) and cpu_linear.routed_exactly(layer)]
+    if len(found) != len(names) or found[0].weight.dtype not in row_kernels.ROW_OP_DTYPES:
+        return None
+    return found if all(layer.weight.dtype == found[0].weight.dtype for layer in found) else None
+
+
+def _is_swiglu(module: torch.nn.Module) -> bool:
+    """A ``down(act(gate(x)) * up(x))`` MLP of exactly routed linears with a SiLU ``act_fn``, agreeing on a
+    probe."""
+    parts = _routed_linears(module, ("gate_proj", "up_proj", "down_proj"))
+    act = getattr(module, "act_fn", None)
+    if (parts is None or type(act).__name__ not in ("SiLUActivation", "SiLU")
+            or {n for n, _ in module.named_children()} != {"gate_proj", "up_proj", "down_proj", "act_fn"}
+            or not _one_input(module)):
+        return False
+    weight = parts[0].weight
+    with torch.no_grad():
+        probe = _probe(weight.shape[1], weight.dtype)
+        return _agrees(_swiglu(module, probe), module.forward(probe), weight.dtype, elementwise=False)
+
+
+def _is_attention(module: torch.nn.Module) -> bool:
+    if type(module).__name__ not in ATTENTION_CLASSES:
+        return False
+    if _routed_linears(module, ("q_proj", "k_proj", "v_proj", "o_proj")) is None:
+        return False
+    norms = [getattr(module, name, None) for name in ("q_norm", "k_norm")]
+    if any(n is not None for n in norms) and not all(n is not None and _FUSED in vars(n) for n in norms):
+        return False  # Qwen3's per-head norms must themselves be taken
+    head_dim = getattr(module, "head_dim", None)
+    return isinstance(head_dim, int) and isinstance(getattr(module, "layer_idx", None), int)
+
+
+def _product(layer: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    return cpu_linear.exact_product(layer, x)
+
+
+def _swiglu(module: Any, x: torch.Tensor) -> torch.Tensor:
+    gate, up = _product(module.gate_proj, x), _product(module.up_proj, x)
+    return _product(module.down_proj, row_kernels.silu_mul(gate, up))
+
+
+def _cache_kwargs_positional() -> bool:
+    """transformers 5.0's ``Cache.update`` takes a ``cache_kwargs`` dict; later ones take ``**kwargs``."""
+    from transformers.cache_utils import Cache
+
+    return "cache_kwargs" in inspect.signature(Cache.update).parameters
+
+
+_ATTENTION_ARGS = ("hidden_states", "position_embeddings", "attention_mask")
+
+
+def _attention(module: Any, original: Any, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, None]:
+    call = dict(zip(_ATTENTION_ARGS, args), **kwargs)
+    hidden_states, position_embeddings = call.get("hidden_states"), call.get("position_embeddings")
+    if (len(args) > len(_ATTENTION_ARGS) or not isinstance(hidden_states, torch.Tensor) or hidden_states.dim() != 3
+            or position_embeddings is None or not _decoding(hidden_states, module.q_proj.weight)):
+        return original(*args, **kwargs)
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    for name in ("hidden_states", "position_embeddings"):
+        del call[name]
+    attention_mask = call.pop("attention_mask", None)
+    store = call.pop("cache", None)
+    store = call.pop("past_key_values", None) if store is None else store
+    cache_position = call.pop("cache_position", None)
+    bsz, n = hidden_states.shape[:2]
+    d = module.head_dim
+    q = _product(module.q_proj, hidden_states).view(bsz, n, -1, d)
+    k = _product(module.k_proj, hidden_states).view(bsz, n, -1, d)
+    v = _product(module.v_proj, hidden_states).view(bsz, n, -1, d)
+    if getattr(module, "q_norm", None) is not None:
+        q = _norm(module.q_norm, None, q)
+        k = _norm(module.k_norm, None, k)
+    cos, sin = (t.contiguous() for t in position_embeddings)
+    row_kernels.rotary(q, cos, sin)
+    row_kernels.rotary(k, cos, sin)
+    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    if store is not None:
+        if _POSITIONAL[0]:
+            k, v = store.update(k, v, module.layer_idx, {"sin": sin, "cos": cos, "cache_position": cache_position})
+        else:
+            k, v = store.update(k, v, module.layer_idx, kwargs=call)
+    functions, implementation = ALL_ATTENTION_FUNCTIONS, module.config._attn_implementation
+    attend = (functions.get_interface(implementation, exact_attention) if hasattr(functions, "get_interface")
+              else functions[implementation])  # as the model itself looks it up (5.0 has no get_interface)
+    window = ATTENTION_CLASSES[type(module).__name__]
+    if window is not None:
+        call["sliding_window"] = getattr(module.config if window == "config" else module, "sliding_window", None)
+    out, _ = attend(module, q, k, v, attention_mask, dropout=0.0, scaling=module.scaling, **call)
+    return _product(module.o_proj, out.reshape(bsz, n, -1)), None
+
+
+_POSITIONAL: list[bool] = [False]
+
+
+def _install(module: torch.nn.Module, forward: Any) -> None:
+    original = module.forward
+
+    @functools.wraps(original)
+    def patched(*args: Any, **kwargs: Any) -> Any:
+        return forward(module, original, *args, **kwargs)
+
+    module.forward = patched  # patches this instance
+    vars(module)[_FUSED] = True
+
+
+def _norm(module: Any, original: Any, x: torch.Tensor) -> torch.Tensor:
+    if original is not None and not _decoding(x, module.weight):
+        return original(x)
+    style, eps = vars(module)[_STYLE]
+    return row_kernels.rms_norm(x, module.weight, eps, style)
+
+
+def _mlp(module: Any, original: Any, x: torch.Tensor) -> torch.Tensor:
+    if not _decoding(x, module.gate_proj.weight):
+        return original(x)
+    return _swiglu(module, x)
+
+
+def install(model: torch.nn.Module) -> int:
+    """Take ``model``'s recognised norms, MLPs and attention blocks (its linears already routed exactly, by
+    :func:`ddtree.targets.cpu_linear.install`); returns how many. Idempotent."""
+    _POSITIONAL[0] = _cache_kwargs_positional()
+    count = 0
+    modules = [m for m in model.modules() if _FUSED not in vars(m)]
+    for module in modules:
+        style = _norm_style(module)
+        if style is not None:
+            vars(module)[_STYLE] = (style, _norm_eps(module))
+            _install(module, _norm)
+            count += 1
+        elif _is_swiglu(module):
+            _install(module, _mlp)
+            count += 1
+    for module in modules:  # after the norms: Qwen3's attention needs its q/k norms taken
+        if _is_attention(module):
+            _install(module, _attention)
+            count += 1
+    return count
+
+
+def uninstall(model: torch.nn.Module) -> int:
+    """Give every taken module its own forward back; returns how many."""
+    count = 0
+    for module in model.modules():
+        if vars(module).pop(_FUSED, None):
+            vars(module).pop(_STYLE, None)
+            del module.forward
+            count += 1
+    return count
+
+
+def installed(model: torch.nn.Module) -> int:
+    """How many of ``model``'s modules run as row-kernel calls."""
+    return sum(1 for m in model.modules() if _FUSED in vars(m))

@@ -1,0 +1,158 @@
+"""Exact numerics' row-wise layer ops and the modules they stand in for (``ddtree.targets.exact_layers``).
+
+The ops must compute what transformers' modules compute (rotary embedding bit for bit, the norms and the
+SwiGLU activation to the dtype's rounding), give each row the same bits whatever shares the call, and the
+taken modules must decode as transformers' own: the same tokens and acceptance, windows, biases, q/k norms and
+padded rows included. That a tree node still gets the one-token step's bits through them is
+``tests/test_exact_numerics.py``'s node-level test, for every family.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tiny import WINDOW, family_target, tiny_drafter, tiny_target
+
+from ddtree import SpeculativeGenerator
+from ddtree.targets import exact_layers, native, row_kernels
+
+pytestmark = pytest.mark.skipif(not native.available(), reason=f"kernels: {native.unavailable_reason()}")
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def _rand(*shape, dtype, seed=0, scale=1.0, shift=0.0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(*shape, generator=g) * scale + shift).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rotary_is_transformers_bit_for_bit(dtype):
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    q, k = _rand(2, 5, 6, 64, dtype=dtype), _rand(2, 5, 2, 64, dtype=dtype, seed=1)
+    angles = _rand(2, 5, 64, dtype=torch.float32, seed=2, scale=30.0)
+    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+    want_q, want_k = apply_rotary_pos_emb(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
+    assert torch.equal(row_kernels.rotary(q.clone(), cos, sin), want_q.transpose(1, 2))
+    assert torch.equal(row_kernels.rotary(k.clone(), cos, sin), want_k.transpose(1, 2))
+    # the check sees one rounding: rotating in float32 and rounding once is not transformers' arithmetic
+    if dtype != torch.float32:
+        once = (q.float() * cos.float()[:, :, None] + torch.cat((-q[..., 32:], q[..., :32]), -1).float()
+                * sin.float()[:, :, None]).to(dtype)
+        assert not torch.equal(once, want_q.transpose(1, 2))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_norms_and_activation_compute_their_modules_functions(dtype):
+    from transformers.models.gemma2.modeling_gemma2 import Gemma2RMSNorm
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    x = _rand(7, 320, dtype=dtype, scale=3.0, shift=0.5)
+    eps = torch.finfo(dtype).eps
+    llama, gemma = LlamaRMSNorm(320, eps=1e-6).to(dtype), Gemma2RMSNorm(320, eps=1e-6).to(dtype)
+    with torch.no_grad():
+        for norm in (llama, gemma):
+            norm.weight.copy_(_rand(320, dtype=dtype, seed=3, scale=0.5))
+        for norm, style in ((llama, "llama"), (gemma, "gemma")):
+            want = norm(x).float()
+            got = row_kernels.rms_norm(x, norm.weight, 1e-6, style).float()
+            assert ((got - want).abs() <= 4 * eps * want.abs() + 1e-30).all(), style
+        # the styles are different functions: Llama's style is not a Gemma norm
+        assert not torch.allclose(row_kernels.rms_norm(x, gemma.weight, 1e-6, "llama").float(), gemma(x).float())
+    gate, up = _rand(7, 1000, dtype=dtype, seed=4, scale=4.0), _rand(7, 1000, dtype=dtype, seed=5)
+    want = (torch.nn.functional.silu(gate) * up).float()
+    got = row_kernels.silu_mul(gate, up).float()
+    assert ((got - want).abs() <= 2 * eps * want.abs() + 2 * eps * want.abs().amax() * 1e-3).all()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_each_row_gets_the_same_bits_whatever_shares_the_call(dtype):
+    """37 rows on 4 threads against each row alone on one: equal bits (widths with partial blocks)."""
+    rows, width = 37, 1000
+    x = _rand(rows, width, dtype=dtype, scale=2.0)
+    w = _rand(width, dtype=dtype, seed=1)
+    up = _rand(rows, width, dtype=dtype, seed=2)
+    q = _rand(rows, 3, 72, dtype=dtype, seed=3)
+    angles = _rand(rows, 72, dtype=torch.float32, seed=4, scale=10.0)
+    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(4)
+        together = (row_kernels.rms_norm(x, w, 1e-5), row_kernels.silu_mul(x, up),
+                    row_kernels.rotary(q.clone(), cos, sin))
+        torch.set_num_threads(1)
+        for r in range(rows):
+            alone = (row_kernels.rms_norm(x[r:r + 1], w, 1e-5), row_kernels.silu_mul(x[r:r + 1], up[r:r + 1]),
+                     row_kernels.rotary(q[r:r + 1].clone(), cos[r:r + 1], sin[r:r + 1]))
+            for a, t in zip(alone, together):
+                assert torch.equal(a[0], t[r]), r
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_bad_inputs_are_refused_by_name():
+    x = torch.randn(2, 8)
+    with pytest.raises(ValueError, match="rms_norm: the weight must be a contiguous \\(8,\\) vector"):
+        row_kernels.rms_norm(x, torch.ones(4), 1e-6)
+    with pytest.raises(ValueError, match="style must be one of llama, float, gemma"):
+        row_kernels.rms_norm(x, torch.ones(8), 1e-6, "t5")
+    with pytest.raises(ValueError, match="one dtype among float32, bfloat16 and float16"):
+        row_kernels.silu_mul(x, x.double())
+    with pytest.raises(ValueError, match="rotary: x must be contiguous"):
+        row_kernels.rotary(torch.randn(2, 3, 7), torch.randn(2, 7), torch.randn(2, 7))
+
+
+def _taken(target) -> dict[str, int]:
+    kinds: dict[str, int] = {}
+    for module in target.modules():
+        if "_ddtree_exact_layer" in vars(module):
+            kind = ("attention" if "Attention" in type(module).__name__ else "mlp" if "MLP" in type(module).__name__
+                    else vars(module)["_ddtree_norm_style"][0])
+            kinds[kind] = kinds.get(kind, 0) + 1
+    return kinds
+
+
+def test_which_modules_are_taken_and_given_back():
+    """Recognised modules only: Llama's norms, MLPs and attention; Gemma's (1 + weight) norms as Gemma's; not
+    Cohere's LayerNorm (it subtracts the mean) nor Gemma's GELU MLP; a fast generator gives them all back."""
+    llama = tiny_target("llama", dtype=torch.float32)
+    SpeculativeGenerator(llama, tiny_drafter(llama), numerics="exact")
+    layers = llama.config.num_hidden_layers
+    assert _taken(llama) == {"attention": layers, "mlp": layers, "llama": 2 * layers + 1}
+    assert exact_layers.installed(llama) == 4 * layers + 1
+    gemma = family_target("gemma2", dtype=torch.bfloat16)
+    SpeculativeGenerator(gemma, tiny_drafter(gemma), numerics="exact")
+    assert _taken(gemma) == {"gemma": 4 * gemma.config.num_hidden_layers + 1}
+    cohere = family_target("cohere2", dtype=torch.bfloat16)
+    SpeculativeGenerator(cohere, tiny_drafter(cohere), numerics="exact")
+    assert set(_taken(cohere)) == {"mlp"}
+    SpeculativeGenerator(llama, tiny_drafter(llama), numerics="fast")
+    assert exact_layers.installed(llama) == 0 and "forward" not in vars(llama.model.layers[0].self_attn)
+
+
+PROMPTS = [[(7 * i + 3) % 90 + 1 for i in range(3 * WINDOW + 1)], [(5 * i + 11) % 90 + 1 for i in range(2 * WINDOW)]]
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "gemma2"])
+def test_taken_modules_decode_as_transformers_modules_do(family, monkeypatch):
+    """Exact decoding with the modules taken and with transformers' own (the kernels for the products either
+    way), float32, a padded batch of two rows longer than the sliding window: the same tokens and acceptance."""
+    def run(take: bool):
+        target = (tiny_target("qwen3", dtype=torch.float32) if family == "qwen3"
+                  else family_target(family, dtype=torch.float32))
+        if not take:
+            monkeypatch.setattr(exact_layers, "install", lambda model: 0)
+        gen = SpeculativeGenerator(target, tiny_drafter(target), numerics="exact", tree_budget=6,
+                                   prompt_lookup=False)
+        assert (exact_layers.installed(target) > 0) == take
+        width = max(map(len, PROMPTS))
+        ids = torch.tensor([[0] * (width - len(p)) + p for p in PROMPTS])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in PROMPTS])
+        monkeypatch.undo()
+        return gen.generate(input_ids=ids, attention_mask=mask, max_new_tokens=24, stop_token_ids=())
+
+    taken, own = run(True), run(False)
+    assert taken.sequences.tolist() == own.sequences.tolist()
+    assert taken.row_acceptance == own.row_acceptance
+    assert max(a for row in taken.row_acceptance for a in row) > 1  # the trees were verified, not only roots
