@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import json
 import platform
 import sys
@@ -287,8 +289,9 @@ def test_packed_products_are_row_invariant_on_both_builds(monkeypatch):
         monkeypatch.setenv("DDTREE_KERNEL_ARCH", arch)
         native.library.cache_clear()
         try:
-            for dtype in (torch.float32, torch.bfloat16, torch.float16):
-                w, b = torch.randn(130, 37).to(dtype), torch.randn(130).to(dtype)
+            # 130 columns: three panels; 327: a one-row call takes four panels at once, then the rest
+            for dtype, n in itertools.product((torch.float32, torch.bfloat16, torch.float16), (130, 327)):
+                w, b = torch.randn(n, 37).to(dtype), torch.randn(n).to(dtype)
                 packed = row_kernels.PackedWeight(w)
                 x = torch.randn(13, 37).to(dtype)
                 y = row_kernels.packed_linear(x, packed, b)

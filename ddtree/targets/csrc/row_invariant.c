@@ -353,6 +353,25 @@ void ddtree_pack_weight(const void *w, void *dst, long N, long K, int dt, int tr
         for (int r = 0; r < MR; r++)                                                             \
             for (int c = 0; c < 4; c++) _mm512_storeu_ps(out + r * PANEL + 16 * c, a[r][c]);     \
     }
+/* One row against MULTI panels at once: 4 * MULTI independent sums instead of 4 (the same order for each). */
+#define MULTI 4
+#define PACKED_MULTI(T)                                                                          \
+    static void packed_multi_##T(const float *x, const T##_t *w, long stride, float *out, long K) { \
+        __m512 a[MULTI][4];                                                                      \
+        for (int p = 0; p < MULTI; p++) a[p][0] = a[p][1] = a[p][2] = a[p][3] = _mm512_setzero_ps(); \
+        for (long k = 0; k < K; k++) {                                                           \
+            __m512 xb = _mm512_set1_ps(x[k]);                                                    \
+            for (int p = 0; p < MULTI; p++) {                                                    \
+                const T##_t *wk = w + p * stride + k * PANEL;                                    \
+                PREFETCH_ROW(wk + PREFETCH_K * PANEL, PANEL * sizeof(T##_t));                      \
+                for (int c = 0; c < 4; c++) a[p][c] = _mm512_fmadd_ps(xb, load16_##T(wk + 16 * c, 0xFFFF), a[p][c]); \
+            }                                                                                    \
+        }                                                                                        \
+        for (int p = 0; p < MULTI; p++)                                                          \
+            for (int c = 0; c < 4; c++) _mm512_storeu_ps(out + p * PANEL + 16 * c, a[p][c]);     \
+    }
+PACKED_MULTI(f32)
+#define HAVE_MULTI 1
 #define PACKED_ROWS 6
 #else
 /* One row against one panel: 8 accumulators of 8 lanes (AVX2 has 16 registers). */
@@ -402,6 +421,25 @@ PACKED_ALL(f16)
             for (int c = 0; c < 4; c++) _mm512_storeu_ps(out + r * PANEL + 16 * c, a[r][c]);     \
     }
 PAIRED_TILE(1) PAIRED_TILE(2) PAIRED_TILE(3) PAIRED_TILE(4) PAIRED_TILE(5) PAIRED_TILE(6)
+/* One bfloat16 row against MULTI paired panels at once (the same order for each sum). */
+static void paired_multi(const uint16_t *x, const uint16_t *w, long stride, float *out, long K2) {
+    __m512 a[MULTI][4];
+    for (int p = 0; p < MULTI; p++) a[p][0] = a[p][1] = a[p][2] = a[p][3] = _mm512_setzero_ps();
+    for (long k = 0; k < K2; k++) {
+        uint32_t two;
+        memcpy(&two, x + 2 * k, 4);
+        __m512bh xb = (__m512bh)_mm512_set1_epi32((int)two);
+        for (int p = 0; p < MULTI; p++) {
+            const uint16_t *wk = w + p * stride + k * 2 * PANEL;
+            PREFETCH_ROW(wk + PREFETCH_K * 2 * PANEL, 2 * PANEL * sizeof(uint16_t));
+            for (int c = 0; c < 4; c++)
+                a[p][c] = _mm512_dpbf16_ps(a[p][c], xb, (__m512bh)_mm512_loadu_si512(wk + 32 * c));
+        }
+    }
+    for (int p = 0; p < MULTI; p++)
+        for (int c = 0; c < 4; c++) _mm512_storeu_ps(out + p * PANEL + 16 * c, a[p][c]);
+}
+#define HAVE_PAIRED_MULTI 1
 #endif
 
 #define DISPATCH(PREFIX, MB, ...)                                                                \
@@ -431,6 +469,36 @@ void ddtree_packed_linear(const void *x, const void *wp, const void *bias, void 
         for (long j = 0; j < N; j++) bf[j] = load_one(bias, j, dt);
     long panels = (N + PANEL - 1) / PANEL, rows = panel_rows(K, dt);
     long panel_elems = rows * (paired ? 2 * PANEL : PANEL);
+#ifdef HAVE_MULTI
+    if (M == 1 && (dt == DT_F32 || paired) && panels >= MULTI) {
+        long units = panels / MULTI;
+#pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
+        for (long u = 0; u <= units; u++) {
+            float out[MULTI * PANEL];
+            long p0 = u * MULTI, np = u < units ? MULTI : panels - p0, j = p0 * PANEL;
+            if (np == 0) continue;
+            if (paired) {
+#ifdef HAVE_PAIRED_MULTI
+                const uint16_t *w0 = (const uint16_t *)wp + p0 * panel_elems;
+                if (np == MULTI) paired_multi(xp, w0, panel_elems, out, K2);
+                else
+                    for (long p = 0; p < np; p++) paired_1(xp, w0 + p * panel_elems, out + p * PANEL, K2);
+#endif
+            } else {
+                const float *w0 = (const float *)wp + p0 * panel_elems;
+                if (np == MULTI) packed_multi_f32(xf, w0, panel_elems, out, K);
+                else
+                    for (long p = 0; p < np; p++) packed_f32_1(xf, w0 + p * panel_elems, out + p * PANEL, K);
+            }
+            long width = N - j < np * PANEL ? N - j : np * PANEL;
+            for (long c = 0; c < width; c++) store_one(y, j + c, bf ? out[c] + bf[j + c] : out[c], dt);
+        }
+        free(xf);
+        free(xp);
+        free(bf);
+        return;
+    }
+#endif
 #pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
     for (long p = 0; p < panels; p++) {
         float out[PACKED_ROWS * PANEL];
