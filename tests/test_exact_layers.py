@@ -66,9 +66,22 @@ def test_norms_and_activation_compute_their_modules_functions(dtype):
     assert ((got - want).abs() <= 2 * eps * want.abs() + 2 * eps * want.abs().amax() * 1e-3).all()
 
 
+@pytest.fixture(params=["native", "avx2"])
+def build(request, monkeypatch):
+    """This CPU's widest build and the portable AVX2 one."""
+    monkeypatch.setenv("DDTREE_KERNEL_ARCH", request.param)
+    native.library.cache_clear()
+    row_kernels._LIB[0] = None
+    yield request.param
+    monkeypatch.undo()
+    native.library.cache_clear()
+    row_kernels._LIB[0] = None
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_each_row_gets_the_same_bits_whatever_shares_the_call(dtype):
-    """37 rows on 4 threads against each row alone on one: equal bits (widths with partial blocks)."""
+def test_each_row_gets_the_same_bits_whatever_shares_the_call(dtype, build):
+    """37 rows on 4 threads against each row alone on one: equal bits (widths with partial blocks), on both
+    builds."""
     rows, width = 37, 1000
     x = _rand(rows, width, dtype=dtype, scale=2.0)
     w = _rand(width, dtype=dtype, seed=1)

@@ -52,11 +52,14 @@ class ExactTreeSpec:
         return self.visibility.shape[-1]
 
     def keys(self, prefix_len: int, window: int | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(start [B, N], visible [B, N, N])`` for a layer with ``window``: see :func:`key_ranges`."""
+        """``(start [B, N], visible [B, N, N])`` for a layer with ``window`` (int64 and uint8): see
+        :func:`key_ranges`."""
         key = (prefix_len, window)
         if key not in self._keys:
             pads = None if self.lengths is None else prefix_len - self.lengths.to(self.depths.device)
-            self._keys[key] = key_ranges(self.visibility, self.depths, prefix_len, pads, window)
+            start, visible = key_ranges(self.visibility, self.depths, prefix_len, pads, window)
+            # as the row kernel reads them, converted once for every layer of the forward
+            self._keys[key] = (start.to(torch.int64).contiguous(), visible.to(torch.uint8).contiguous())
         return self._keys[key]
 
 

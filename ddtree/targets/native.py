@@ -78,7 +78,8 @@ def library() -> tuple[ctypes.CDLL | None, str | None]:
     lib.ddtree_pack_weight.restype = None
     lib.ddtree_packed_linear.argtypes = [ptr] * 4 + [long] * 3 + [i32, i32]
     lib.ddtree_packed_linear.restype = None
-    lib.ddtree_row_attention.argtypes = [ptr] * 4 + [i32] + [long] * 5 + [ptr] * 7 + [f64, f64, i32]
+    strides = ctypes.POINTER(long)
+    lib.ddtree_row_attention.argtypes = [ptr] * 4 + [i32] + [long] * 5 + [strides] * 3 + [ptr] * 4 + [f64, f64, i32]
     lib.ddtree_row_attention.restype = None
     lib.ddtree_rms_norm.argtypes = [ptr] * 3 + [long] * 4 + [f64, i32, i32, i32]
     lib.ddtree_rms_norm.restype = None

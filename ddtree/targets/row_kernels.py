@@ -9,6 +9,8 @@ kernels cannot run.
 
 from __future__ import annotations
 
+import ctypes
+
 import torch
 
 from ddtree.runtime.invariant import caller_threads
@@ -172,9 +174,9 @@ def tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: tor
         if ends.shape != (bsz,) or bool((ends < 0).any()) or bool((ends + n > width).any()):
             raise ValueError(f"tree_attention: prefix_end must be [{bsz}] with each row's nodes inside the {width} "
                              f"key columns, got {ends.tolist()}")
-    strides = [(torch.tensor(t.stride()[:3], dtype=torch.long)) for t in (q, k, v)]
+    strides = [(ctypes.c_long * 3)(*t.stride()[:3]) for t in (q, k, v)]
     lib.ddtree_row_attention(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), DTYPE_CODES[dtype], bsz, hq,
-                             hkv, n, d, *(s.data_ptr() for s in strides), starts.data_ptr(), ends.data_ptr(),
+                             hkv, n, d, *strides, starts.data_ptr(), ends.data_ptr(),
                              vis.data_ptr(), 0 if sink is None else sink.data_ptr(), float(softcap or 0.0),
                              float(scale), _threads())
     return out

@@ -904,21 +904,68 @@ void ddtree_rotary(void *x, const void *cos, const void *sin, long rows, long he
     }
 }
 
+/* 8 elements of a float32, bfloat16 or float16 array as float32 lanes, and back (rounded to nearest even) */
+static inline __m256 load8_any(const void *p, long i, int dt) {
+    switch (dt) {
+        case DT_BF16: return load8_bf16((const uint16_t *)p + i);
+        case DT_F16: return load8_f16((const uint16_t *)p + i);
+        default: return _mm256_loadu_ps((const float *)p + i);
+    }
+}
+
+static inline __m128i to_bf16x8(__m256 v) {
+    __m256i u = _mm256_castps_si256(v);
+    __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), odd)), 16);
+    __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+    r = _mm256_blendv_epi8(r, _mm256_or_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x40)), nan);
+    return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+}
+
+static inline __m256 round8(__m256 v, int dt) {
+    switch (dt) {
+        case DT_BF16: return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(to_bf16x8(v)), 16));
+        case DT_F16: return _mm256_cvtph_ps(_mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+        default: return v;
+    }
+}
+
+static inline void store8_any(void *p, long i, __m256 v, int dt) {
+    switch (dt) {
+        case DT_BF16: _mm_storeu_si128((__m128i *)((uint16_t *)p + i), to_bf16x8(v)); break;
+        case DT_F16:
+            _mm_storeu_si128((__m128i *)((uint16_t *)p + i), _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+            break;
+        default: _mm256_storeu_ps((float *)p + i, v);
+    }
+}
+
 /* y[r, i] = round(round(silu(g[r, i])) * u[r, i]) for rows of I elements (element strides gs, us, ys):
- * silu(v) = v / (1 + exp(-v)) with this file's exp, in blocks of 8 from each row's first element. */
+ * silu(v) = v / (1 + exp(-v)) with this file's exp, in blocks of 8 from each row's first element (a row's
+ * last partial block through the same vector code, from a zero-padded copy). */
 void ddtree_silu_mul(const void *g, const void *u, void *y, long M, long I, long gs, long us, long ys, int dt,
                      int threads) {
+    size_t es = dt == DT_F32 ? 4 : 2;
 #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
     for (long r = 0; r < M; r++) {
-        float gv[8], e[8];
+        const char *gr = (const char *)g + (size_t)(r * gs) * es, *ur = (const char *)u + (size_t)(r * us) * es;
+        char *yr = (char *)y + (size_t)(r * ys) * es;
         for (long i = 0; i < I; i += 8) {
             long n = I - i < 8 ? I - i : 8;
-            for (long j = 0; j < 8; j++) gv[j] = j < n ? -load_one(g, r * gs + i + j, dt) : 0.f;
-            _mm256_storeu_ps(e, exp8(_mm256_loadu_ps(gv)));
-            for (long j = 0; j < n; j++) {
-                float s = round_to(-gv[j] / (1.0f + e[j]), dt);
-                store_one(y, r * ys + i + j, s * load_one(u, r * us + i + j, dt), dt);
+            char gb[32] = {0}, ub[32] = {0}, yb[32];
+            const void *gp = gr + (size_t)i * es, *up = ur + (size_t)i * es;
+            void *yp = n == 8 ? (void *)(yr + (size_t)i * es) : (void *)yb;
+            if (n < 8) {
+                memcpy(gb, gp, (size_t)n * es);
+                memcpy(ub, up, (size_t)n * es);
+                gp = gb;
+                up = ub;
             }
+            __m256 gv = load8_any(gp, 0, dt);
+            __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), gv));
+            __m256 act = round8(_mm256_div_ps(gv, _mm256_add_ps(_mm256_set1_ps(1.0f), e)), dt);
+            store8_any(yp, 0, _mm256_mul_ps(act, load8_any(up, 0, dt)), dt);
+            if (n < 8) memcpy(yr + (size_t)i * es, yb, (size_t)n * es);
         }
     }
 }
