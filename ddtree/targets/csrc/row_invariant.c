@@ -849,61 +849,6 @@ static inline float round_to(float v, int dt) {
     }
 }
 
-#define SUM_LANES 16
-
-/* RMSNorm of rows of H elements at element strides xs / ys: n = x / sqrt(mean(x^2) + eps) in float32, then
- * by mode: NORM_ROUNDED (Llama) round(round(n) * w), NORM_FLOAT (gpt-oss) round(n * w),
- * NORM_FLOAT | NORM_OFFSET (Gemma) round(n * (1 + w)), the scaling in float32 where the mode says so. */
-enum { NORM_FLOAT = 1, NORM_OFFSET = 2 };
-void ddtree_rms_norm(const void *x, const void *w, void *y, long M, long H, long xs, long ys, double eps, int mode,
-                     int dt, int threads) {
-#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
-    for (long r = 0; r < M; r++) {
-        float acc[SUM_LANES] = {0};
-        long i = 0, xo = r * xs, yo = r * ys;
-        for (; i + SUM_LANES <= H; i += SUM_LANES)
-            for (int j = 0; j < SUM_LANES; j++) {
-                float v = load_one(x, xo + i + j, dt);
-                acc[j] += v * v;
-            }
-        float s = 0.f;
-        for (int j = 0; j < SUM_LANES; j++) s += acc[j];
-        for (; i < H; i++) {
-            float v = load_one(x, xo + i, dt);
-            s += v * v;
-        }
-        float inv = 1.0f / sqrtf(s / (float)H + (float)eps);
-        for (i = 0; i < H; i++) {
-            float n = load_one(x, xo + i, dt) * inv, wi = load_one(w, i, dt);
-            if (mode & NORM_OFFSET) wi = 1.0f + wi;
-            store_one(y, yo + i, (mode & NORM_FLOAT ? n : round_to(n, dt)) * wi, dt);
-        }
-    }
-}
-
-/* Rotary embedding in place: x [rows, heads, D] (row stride xs elements, heads contiguous), cos and sin
- * [rows, D]; x[i] <- x[i] * cos[i] + rotate_half(x)[i] * sin[i], each product and the sum rounded to the dtype. */
-__attribute__((optimize("fp-contract=off")))
-void ddtree_rotary(void *x, const void *cos, const void *sin, long rows, long heads, long D, long xs, int dt,
-                   int threads) {
-    long half = D / 2;
-#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
-    for (long r = 0; r < rows; r++) {
-        for (long h = 0; h < heads; h++) {
-            long o = r * xs + h * D;
-            for (long i = 0; i < half; i++) {
-                float a = load_one(x, o + i, dt), b = load_one(x, o + i + half, dt);
-                float c0 = load_one(cos, r * D + i, dt), s0 = load_one(sin, r * D + i, dt);
-                float c1 = load_one(cos, r * D + i + half, dt), s1 = load_one(sin, r * D + i + half, dt);
-                float lo = round_to(round_to(a * c0, dt) + round_to(-b * s0, dt), dt);
-                float hi = round_to(round_to(b * c1, dt) + round_to(a * s1, dt), dt);
-                store_one(x, o + i, lo, dt);
-                store_one(x, o + i + half, hi, dt);
-            }
-        }
-    }
-}
-
 /* 8 elements of a float32, bfloat16 or float16 array as float32 lanes, and back (rounded to nearest even) */
 static inline __m256 load8_any(const void *p, long i, int dt) {
     switch (dt) {
@@ -937,6 +882,74 @@ static inline void store8_any(void *p, long i, __m256 v, int dt) {
             _mm_storeu_si128((__m128i *)((uint16_t *)p + i), _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
             break;
         default: _mm256_storeu_ps((float *)p + i, v);
+    }
+}
+
+#define SUM_LANES 16
+
+/* RMSNorm of rows of H elements at element strides xs / ys: n = x / sqrt(mean(x^2) + eps) in float32, then
+ * by mode: NORM_ROUNDED (Llama) round(round(n) * w), NORM_FLOAT (gpt-oss) round(n * w),
+ * NORM_FLOAT | NORM_OFFSET (Gemma) round(n * (1 + w)), the scaling in float32 where the mode says so. */
+enum { NORM_FLOAT = 1, NORM_OFFSET = 2 };
+void ddtree_rms_norm(const void *x, const void *w, void *y, long M, long H, long xs, long ys, double eps, int mode,
+                     int dt, int threads) {
+    size_t es = dt == DT_F32 ? 4 : 2;
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
+    for (long r = 0; r < M; r++) {
+        const char *xr = (const char *)x + (size_t)(r * xs) * es;
+        char *yr = (char *)y + (size_t)(r * ys) * es;
+        /* the sum of squares: lane j of the two vectors holds elements j, j + 16, ... and 8 + j, 24 + j, ...;
+         * then the 16 lane sums in order and the tail in order */
+        __m256 lo = _mm256_setzero_ps(), hi = _mm256_setzero_ps();
+        long i = 0;
+        for (; i + SUM_LANES <= H; i += SUM_LANES) {
+            __m256 a = load8_any(xr, i, dt), b = load8_any(xr, i + 8, dt);
+            lo = _mm256_add_ps(lo, _mm256_mul_ps(a, a));
+            hi = _mm256_add_ps(hi, _mm256_mul_ps(b, b));
+        }
+        float acc[SUM_LANES], s = 0.f;
+        _mm256_storeu_ps(acc, lo);
+        _mm256_storeu_ps(acc + 8, hi);
+        for (int j = 0; j < SUM_LANES; j++) s += acc[j];
+        for (; i < H; i++) {
+            float v = load_one(xr, i, dt);
+            s += v * v;
+        }
+        float inv = 1.0f / sqrtf(s / (float)H + (float)eps);
+        __m256 iv = _mm256_set1_ps(inv), one = _mm256_set1_ps(1.0f);
+        for (i = 0; i + 8 <= H; i += 8) {
+            __m256 n = _mm256_mul_ps(load8_any(xr, i, dt), iv), wv = load8_any(w, i, dt);
+            if (mode & NORM_OFFSET) wv = _mm256_add_ps(one, wv);
+            store8_any(yr, i, _mm256_mul_ps(mode & NORM_FLOAT ? n : round8(n, dt), wv), dt);
+        }
+        for (; i < H; i++) {
+            float n = load_one(xr, i, dt) * inv, wi = load_one(w, i, dt);
+            if (mode & NORM_OFFSET) wi = 1.0f + wi;
+            store_one(yr, i, (mode & NORM_FLOAT ? n : round_to(n, dt)) * wi, dt);
+        }
+    }
+}
+
+/* Rotary embedding in place: x [rows, heads, D] (row stride xs elements, heads contiguous), cos and sin
+ * [rows, D]; x[i] <- x[i] * cos[i] + rotate_half(x)[i] * sin[i], each product and the sum rounded to the dtype. */
+__attribute__((optimize("fp-contract=off")))
+void ddtree_rotary(void *x, const void *cos, const void *sin, long rows, long heads, long D, long xs, int dt,
+                   int threads) {
+    long half = D / 2;
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
+    for (long r = 0; r < rows; r++) {
+        for (long h = 0; h < heads; h++) {
+            long o = r * xs + h * D;
+            for (long i = 0; i < half; i++) {
+                float a = load_one(x, o + i, dt), b = load_one(x, o + i + half, dt);
+                float c0 = load_one(cos, r * D + i, dt), s0 = load_one(sin, r * D + i, dt);
+                float c1 = load_one(cos, r * D + i + half, dt), s1 = load_one(sin, r * D + i + half, dt);
+                float lo = round_to(round_to(a * c0, dt) + round_to(-b * s0, dt), dt);
+                float hi = round_to(round_to(b * c1, dt) + round_to(a * s1, dt), dt);
+                store_one(x, o + i, lo, dt);
+                store_one(x, o + i + half, hi, dt);
+            }
+        }
     }
 }
 
