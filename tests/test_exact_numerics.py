@@ -183,6 +183,74 @@ def test_a_ragged_batchs_rows_are_their_batch_one_runs(rule):
         assert out.row_tokens == want, budget
 
 
+def _prefill_forwards(target, prompts) -> tuple[int, object]:
+    from ddtree.generation.prefill import prefill
+
+    calls = []
+    handle = target.register_forward_pre_hook(lambda module, args: calls.append(1))
+    try:
+        with torch.inference_mode():
+            done = prefill(target, prompts)
+    finally:
+        handle.remove()
+    return len(calls), done
+
+
+def _rows_differ_from_alone(target, prompts, done) -> list[int]:
+    """Rows whose batched prefill (last logits and every layer's cached keys on its real columns) is not its
+    batch-1 prefill's, bit for bit."""
+    width, bad = max(map(len, prompts)), []
+    for b, prompt in enumerate(prompts):
+        _, alone = _prefill_forwards(target, [prompt])
+        same = torch.equal(done.logits[b], alone.logits[0])
+        for ours, theirs in zip(done.cache.layers, alone.cache.layers):
+            same = same and torch.equal(ours.keys[b, :, width - len(prompt):], theirs.keys[0])
+        if not same:
+            bad.append(b)
+    return bad
+
+
+def test_short_prompts_prefill_in_one_forward_with_each_rows_batch_one_bits():
+    """Prompts up to ROW_PREFILL_MOST tokens prefill as one padded batch on the row kernels (one forward), and
+    each row's cache and logits are its batch-1 prefill's to the bit."""
+    target = _near_tie_target(torch.bfloat16)
+    SpeculativeGenerator(target, tiny_drafter(target), numerics="exact")
+    forwards, done = _prefill_forwards(target, BATCH_PROMPTS)
+    assert forwards == 1
+    assert _rows_differ_from_alone(target, BATCH_PROMPTS, done) == []
+
+
+def test_control_a_padded_blas_prefill_differs_from_rows_alone(monkeypatch):
+    """The same batch through BLAS and the causal kernels in one forward (what exact numerics does not do):
+    some row's bits differ from its batch-1 prefill's."""
+    from ddtree.targets import description
+
+    target = _near_tie_target(torch.bfloat16)
+    SpeculativeGenerator(target, tiny_drafter(target), numerics="exact")
+    monkeypatch.setattr(description, "ROW_PREFILL_MOST", 0)  # every prefill on BLAS...
+    monkeypatch.setattr(description.TargetDescription, "prefill_rows_alone", lambda *a, **k: False)  # ...batched
+    forwards, done = _prefill_forwards(target, BATCH_PROMPTS)
+    assert forwards == 1
+    assert _rows_differ_from_alone(target, BATCH_PROMPTS, done) != []
+
+
+def test_a_prompt_too_long_for_the_row_kernels_prefills_alone_and_rows_keep_their_tokens(monkeypatch):
+    """With one prompt past ROW_PREFILL_MOST the batch prefills row by row (that one on BLAS, the others on
+    the row kernels, each as it would alone), and every row decodes its batch-1 tokens."""
+    from ddtree.targets import description
+
+    monkeypatch.setattr(description, "ROW_PREFILL_MOST", 20)  # BATCH_PROMPTS: 18, 9 and 31 tokens
+    target = _near_tie_target(torch.bfloat16)
+    gen = SpeculativeGenerator(target, tiny_drafter(target), numerics="exact")
+    forwards, _ = _prefill_forwards(target, BATCH_PROMPTS)
+    assert forwards == len(BATCH_PROMPTS)
+    alone = [gen.generate(torch.tensor([p]), max_new_tokens=GRID_NEW, tree_budget=0, stop_token_ids=()).row_tokens[0]
+             for p in BATCH_PROMPTS]
+    for budget in (0, "auto"):
+        out = gen.generate(BATCH_PROMPTS, max_new_tokens=GRID_NEW, tree_budget=budget, stop_token_ids=())
+        assert out.row_tokens == alone, budget
+
+
 def test_dflash2_trees_give_plain_decodings_tokens(tmp_path):
     from test_dflash2 import ddtree_checkpoint
 

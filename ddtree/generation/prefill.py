@@ -66,7 +66,8 @@ def prefill(target: TargetModel, prompts: Sequence, drafter: Drafter | None = No
     append = None if context is None else _append_to(context)
 
     host_lengths = [len(p) for p in prompts]
-    if describe(target).prefill_rows_alone(len(host_lengths), len(set(host_lengths)) > 1):
+    if describe(target).prefill_rows_alone(len(host_lengths), len(set(host_lengths)) > 1,
+                                         max(host_lengths)):
         cache, logits = prefill_each_row(target, [torch.as_tensor(p).view(-1).to(device) for p in prompts],
                                          drafter=drafter, append=append, chunk_size=chunk_size)
     else:

@@ -122,7 +122,7 @@ def _prefill(state: DecodeState) -> RoundResult:
             held.draft = gen.drafter.new_context(rows.batch_size)
         append = None if plain else (lambda features, tokens, counts, last_chunk, host_counts:
                                      _to_context(state, last_chunk, features, tokens, counts, host_counts))
-        if describe(target).prefill_rows_alone(rows.batch_size, padded):
+        if describe(target).prefill_rows_alone(rows.batch_size, padded, width):
             held.cache, last = prefill_each_row(target, rows.prompts, drafter=gen.drafter, append=append,
                                                 chunk_size=state.prefill_chunk)
             check_cache_length(held.cache, width, "prefill")

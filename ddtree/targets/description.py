@@ -25,6 +25,12 @@ def text_config(config: Any) -> Any:
     return get() if callable(get) else config
 
 
+ROW_PREFILL_MOST = 256
+"""Under exact numerics, prompts of at most this many tokens prefill through the row kernels, so a batch of
+them prefills in one forward and each row still gets its batch-1 bits (the packed products run at BLAS speed
+up to a few hundred rows; the attention reduces each query over its own keys, quadratic in the prompt). Longer
+prompts prefill alone on BLAS."""
+
 class TargetDescription:
     """The facts of one target model. Each is computed on first use and kept: an unsupported layer type
     raises only where windows are asked for, after :func:`ddtree.targets.families.check_supported` has had
@@ -117,11 +123,22 @@ class TargetDescription:
         """Whether one left-padded batch prefill gives every row exactly its own batch-1 state."""
         return all(kind.padded_prefill_exact for kind in self.stateful)
 
-    def prefill_rows_alone(self, batch: int, padded: bool) -> bool:
+    def prefill_rows_alone(self, batch: int, padded: bool, longest: int | None = None) -> bool:
         """Whether a batch's prompts are prefilled one row at a time: where a left-padded batch prefill leaves a
-        stateful layer inexact, and under exact numerics for any batch (a batched prefill's matrix products and
-        attention blocks depend on the other rows, and every later token would inherit that)."""
-        return (padded and not self.padded_prefill_exact) or (self.numerics == "exact" and batch > 1)
+        stateful layer inexact, and under exact numerics for a batch whose prompts are not all prefilled
+        through the row kernels (``longest``, the longest prompt; :meth:`prefill_through_row_kernels`): a BLAS
+        prefill's products and attention blocks depend on the other rows, and every later token would inherit
+        that."""
+        if padded and not self.padded_prefill_exact:
+            return True
+        return (self.numerics == "exact" and batch > 1
+                and (longest is None or not self.prefill_through_row_kernels(longest)))
+
+    def prefill_through_row_kernels(self, width: int) -> bool:
+        """Whether a ``width``-token prefill forward runs on the row kernels (exact numerics, a prompt of at
+        most :data:`ROW_PREFILL_MOST` tokens, attention-only layers), where each row gets its batch-1 bits in any
+        batch; otherwise on BLAS and the causal kernels."""
+        return self.numerics == "exact" and not self.stateful and width <= ROW_PREFILL_MOST
 
     def prefill_step(self, width: int, chunk: int | None) -> int:
         """Prompt tokens per prefill forward for a ``width``-token prompt and a requested ``chunk``: the whole

@@ -8,14 +8,18 @@ transformers hands an attention function (the cache's keys, a padding mask or dd
 window, sinks and soft-capping) into that call, and registers it as the attention implementation
 :data:`EXACT_IMPLEMENTATION`.
 
-A prompt's prefill (several queries, no tree) runs the ordinary causal kernels: plain decoding and speculation
-share it. A layer with attention sinks runs its prefill through the row kernel as a chain, since the causal
-kernels take no sinks.
+A prompt's prefill (several queries, no tree) runs the ordinary causal kernels, or inside :func:`row_prefill`
+(a short prompt's prefill, any batch) the row kernel as a chain, where each query reduces over its own keys
+whatever the padding, so a row's cache has its batch-1 bits. A layer with attention sinks runs every prefill as
+a chain, since the causal kernels take no sinks.
 """
 
 from __future__ import annotations
 
+import contextvars
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,6 +32,20 @@ from ddtree.targets.registration import TREE_KWARG
 
 EXACT_IMPLEMENTATION = "ddtree_exact"
 """The transformers attention implementation name of exact tree attention."""
+
+_ROW_PREFILL: contextvars.ContextVar[bool] = contextvars.ContextVar("ddtree_row_prefill", default=False)
+
+
+@contextmanager
+def row_prefill() -> Iterator[None]:
+    """A prefill forward on the row kernels: the products on the packed kernels (not the BLAS of
+    :func:`~ddtree.targets.cpu_linear.bulk_rows`) and exact attention's queries as a chain over their own keys
+    (not the causal kernels)."""
+    token = _ROW_PREFILL.set(True)
+    try:
+        yield
+    finally:
+        _ROW_PREFILL.reset(token)
 
 
 @dataclass(eq=False)
@@ -124,7 +142,7 @@ def exact_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
         if window is not None:
             start = start.clamp(min=prefix_len - window + 1)
         visible = torch.ones(bsz, 1, 1, dtype=torch.bool, device=query.device)
-    elif sinks is not None:  # a prefill with sinks: a chain through the row kernel
+    elif sinks is not None or _ROW_PREFILL.get():  # a prefill with sinks, or on the row kernels: a chain
         pads = _left_pads(attention_mask, bsz, key.shape[2], query.device)
         depths = torch.arange(n, device=query.device).expand(bsz, n)
         chain = torch.ones(n, n, dtype=torch.bool, device=query.device).tril().expand(bsz, n, n)

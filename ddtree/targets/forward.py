@@ -22,6 +22,7 @@ import torch
 from ddtree.targets.cache import cache_kwargs, check_cache_length
 from ddtree.targets.cpu_linear import bulk_rows
 from ddtree.targets.description import describe
+from ddtree.targets.exact_attention import row_prefill
 
 
 class TargetOutput(Protocol):
@@ -169,13 +170,16 @@ def chunked_prefill(target: TargetModel, ids: torch.Tensor, cache: Any, chunk: i
     (:meth:`~ddtree.targets.description.TargetDescription.prefill_step`).
     """
     width = ids.shape[1]
-    step = describe(target).prefill_step(width, chunk)
+    description = describe(target)
+    step = description.prefill_step(width, chunk)
+    # the row kernels (exact numerics, short prompts: each row's bits its own), or BLAS and the causal kernels
+    mode = row_prefill if description.prefill_through_row_kernels(width) else bulk_rows
     out = None
     for start in range(0, width, step):
         end = min(start + step, width)
         extra = {} if valid is None else {"attention_mask": valid[:, :end].long()}
         pos = None if positions is None else positions[:, start:end]
-        with bulk_rows():  # BLAS and the causal kernels: plain decoding and speculation share the prefill
+        with mode():
             out = target_forward(target, ids[:, start:end], pos, cache, hidden=hidden, last=1, layers=layers,
                                  **extra)
         check_cache_length(cache, end, "prefill")
