@@ -120,20 +120,21 @@ def _taken(target) -> dict[str, int]:
     kinds: dict[str, int] = {}
     for module in target.modules():
         if "_ddtree_exact_layer" in vars(module):
-            kind = ("attention" if "Attention" in type(module).__name__ else "mlp" if "MLP" in type(module).__name__
-                    else vars(module)["_ddtree_norm_style"][0])
+            name = type(module).__name__
+            kind = ("attention" if "Attention" in name else "mlp" if "MLP" in name else "layer"
+                    if "DecoderLayer" in name else vars(module)["_ddtree_norm_style"][0])
             kinds[kind] = kinds.get(kind, 0) + 1
     return kinds
 
 
 def test_which_modules_are_taken_and_given_back():
-    """Recognised modules only: Llama's norms, MLPs and attention; Gemma's (1 + weight) norms as Gemma's; not
+    """Recognised modules only: Llama's norms, MLPs, attention and whole layers; Gemma's (1 + weight) norms as Gemma's; not
     Cohere's LayerNorm (it subtracts the mean) nor Gemma's GELU MLP; a fast generator gives them all back."""
     llama = tiny_target("llama", dtype=torch.float32)
     SpeculativeGenerator(llama, tiny_drafter(llama), numerics="exact")
     layers = llama.config.num_hidden_layers
-    assert _taken(llama) == {"attention": layers, "mlp": layers, "llama": 2 * layers + 1}
-    assert exact_layers.installed(llama) == 4 * layers + 1
+    assert _taken(llama) == {"attention": layers, "mlp": layers, "llama": 2 * layers + 1, "layer": layers}
+    assert exact_layers.installed(llama) == 5 * layers + 1
     gemma = family_target("gemma2", dtype=torch.bfloat16)
     SpeculativeGenerator(gemma, tiny_drafter(gemma), numerics="exact")
     assert _taken(gemma) == {"gemma": 4 * gemma.config.num_hidden_layers + 1}
@@ -169,3 +170,74 @@ def test_taken_modules_decode_as_transformers_modules_do(family, monkeypatch):
     assert taken.sequences.tolist() == own.sequences.tolist()
     assert taken.row_acceptance == own.row_acceptance
     assert max(a for row in taken.row_acceptance for a in row) > 1  # the trees were verified, not only roots
+
+
+def _tree_logits(target, prompts, tree, module_path: bool):
+    """A verify forward of ``tree`` over ``prompts`` (left-padded), through the C decoder layers or, with a
+    no-op hook on every attention block, module by module; returns the logits and the number of C layer calls."""
+    from ddtree.targets.cache import new_target_cache, padding_mask, stack_rows, truncate
+    from ddtree.targets.forward import chunked_prefill, target_forward
+
+    gen = SpeculativeGenerator(target, tiny_drafter(target), numerics="exact", prompt_lookup=False)
+    calls = []
+    real = row_kernels.decoder_layer
+    handles = [m.register_forward_hook(lambda *a: None) for m in target.modules()
+               if module_path and type(m).__name__.endswith("Attention")]
+    try:
+        row_kernels.decoder_layer = lambda *a: (calls.append(1), real(*a))[1]
+        with torch.inference_mode():
+            caches = []
+            for p in prompts:
+                cache = new_target_cache(target)
+                chunked_prefill(target, torch.tensor([p]), cache, None)
+                caches.append(cache)
+            lengths = [len(p) for p in prompts]
+            cache = stack_rows(caches, lengths)
+            width = max(lengths)
+            kwargs = gen.backend.tree_forward_kwargs(target, tree, width, gen.dtype,
+                                                     prefix_valid=padding_mask(torch.tensor(lengths), width))
+            out = target_forward(target, tree.tokens, torch.tensor(lengths)[:, None] + tree.depths, cache,
+                                 hidden=False, **kwargs)
+            keys = [layer.keys.clone() for layer in cache.layers]
+            truncate(cache, width)  # then a one-token step without a tree spec (a padding mask), as HF steps
+            mask = torch.cat([padding_mask(torch.tensor(lengths), width), torch.ones(len(prompts), 1)], 1).long()
+            step = target_forward(target, tree.tokens[:, :1], torch.tensor(lengths)[:, None], cache, hidden=False,
+                                  attention_mask=mask)
+    finally:
+        row_kernels.decoder_layer = real
+        for h in handles:
+            h.remove()
+    return torch.cat([out.logits, step.logits], 1), keys, len(calls)
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_c_decoder_layer_is_the_module_paths_bits(family, dtype):
+    """A padded two-row tree verify and a one-token step through the C decoder layers give the module-by-module
+    path's logits and cache, bit for bit (so a forward may take either); the C path ran in every layer."""
+    from ddtree.core.tree import DraftTree
+
+    target = tiny_target("qwen3", dtype=dtype) if family == "qwen3" else family_target(family, dtype=dtype)
+    parents = torch.tensor([-1, 0, 0, 1, 1, 2, 3, 5]).expand(2, -1)
+    tree = DraftTree.from_parents(torch.randint(3, 90, parents.shape, generator=torch.Generator().manual_seed(0)),
+                                  parents)
+    fused, fused_keys, calls = _tree_logits(target, PROMPTS, tree, module_path=False)
+    modules, module_keys, none = _tree_logits(target, PROMPTS, tree, module_path=True)
+    assert calls == 2 * target.config.num_hidden_layers and none == 0  # the tree and the one-token step
+    assert torch.equal(fused, modules)
+    assert all(torch.equal(a, b) for a, b in zip(fused_keys, module_keys))
+
+
+def test_control_the_comparison_sees_one_rounding(monkeypatch):
+    """With the module path's activation computed by torch (silu, then the product: other last bits in float32)
+    the same comparison fails."""
+    from ddtree.core.tree import DraftTree
+
+    target = family_target("llama", dtype=torch.float32)
+    parents = torch.tensor([-1, 0, 0, 1, 1, 2, 3, 5]).expand(2, -1)
+    tree = DraftTree.from_parents(torch.randint(3, 90, parents.shape, generator=torch.Generator().manual_seed(0)),
+                                  parents)
+    fused, _, _ = _tree_logits(target, PROMPTS, tree, module_path=False)
+    monkeypatch.setattr(row_kernels, "silu_mul", lambda g, u: torch.nn.functional.silu(g) * u)
+    modules, _, _ = _tree_logits(target, PROMPTS, tree, module_path=True)
+    assert not torch.equal(fused, modules)

@@ -102,6 +102,15 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return row_kernels.linear(x, weight, bias)
 
 
+def packed_weight(layer: torch.nn.Linear) -> row_kernels.PackedWeight:
+    """The layer's packed weight (packed on first use, again after the weight changed); float32, bfloat16 or
+    float16 (float64 is not packed)."""
+    packed = _packed(layer)
+    if packed is None:
+        raise ValueError(f"packed_weight: {layer.weight.dtype} weights are not packed")
+    return packed
+
+
 def _packed(layer: torch.nn.Linear) -> row_kernels.PackedWeight | None:
     """The layer's weight packed for :func:`~ddtree.targets.row_kernels.packed_linear`, packed on first use and
     again whenever the weight changed (None for float64, which is not packed)."""
@@ -199,6 +208,12 @@ def routed(layer: torch.nn.Linear) -> bool:
 def installed(model: torch.nn.Module) -> int:
     """How many of ``model``'s linears go through the kernel."""
     return sum(1 for mod in model.modules() if hasattr(mod, _INSTALLED))
+
+
+def runs_exact_forward(layer: torch.nn.Module) -> bool:
+    """Whether the layer's forward is the exact routing's own (not replaced since)."""
+    forward = vars(layer).get("forward")
+    return routed_exactly(layer) and getattr(forward, "__func__", None) is _forward_exact  # type: ignore[arg-type]
 
 
 def routed_exactly(layer: torch.nn.Linear) -> bool:

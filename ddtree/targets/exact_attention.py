@@ -96,6 +96,18 @@ def key_ranges(visibility: torch.Tensor, depths: torch.Tensor, prefix_len: int, 
     return start, visible
 
 
+def one_token_keys(attention_mask: Any, bsz: int, kv_len: int, window: int | None,
+                   device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(start [B, 1], visible [B, 1, 1])`` of a one-token step without a tree spec (a root-only tree): each
+    row's first real column (after its left padding, inside the window) as int64, the node itself as uint8."""
+    start = torch.zeros(bsz, 1, dtype=torch.long, device=device)
+    if attention_mask is not None:  # left padding: each row's first real column
+        start = (attention_mask[:, :kv_len] == 0).sum(dim=-1, keepdim=True)
+    if window is not None:
+        start = start.clamp(min=kv_len - window)
+    return start.to(torch.int64).contiguous(), torch.ones(bsz, 1, 1, dtype=torch.uint8, device=device)
+
+
 def _left_pads(attention_mask: Any, batch: int, kv_len: int, device: torch.device) -> torch.Tensor | None:
     """Each row's leading padding columns from a 2D padding mask (``None``: no padding)."""
     keep = key_padding_mask(attention_mask, batch, kv_len, device)
@@ -136,12 +148,7 @@ def exact_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
             raise ValueError(f"tree spec has {spec.num_nodes} nodes but the forward has {n} queries")
         start, visible = spec.keys(prefix_len, window)
     elif n == 1:  # a one-token step: a root-only tree
-        start = torch.zeros(bsz, 1, dtype=torch.long, device=query.device)
-        if attention_mask is not None:  # left padding: each row's first real column
-            start = (attention_mask[:, : key.shape[2]] == 0).sum(dim=-1, keepdim=True)
-        if window is not None:
-            start = start.clamp(min=prefix_len - window + 1)
-        visible = torch.ones(bsz, 1, 1, dtype=torch.bool, device=query.device)
+        start, visible = one_token_keys(attention_mask, bsz, key.shape[2], window, query.device)
     elif sinks is not None or _ROW_PREFILL.get():  # a prefill with sinks, or on the row kernels: a chain
         pads = _left_pads(attention_mask, bsz, key.shape[2], query.device)
         depths = torch.arange(n, device=query.device).expand(bsz, n)

@@ -17,14 +17,16 @@ code.
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import inspect
 from typing import Any
 
 import torch
 
-from ddtree.targets import cpu_linear, row_kernels
-from ddtree.targets.exact_attention import exact_attention
+from ddtree.targets import cpu_linear, kv_room, row_kernels
+from ddtree.targets.exact_attention import EXACT_IMPLEMENTATION, ExactTreeSpec, exact_attention, one_token_keys
+from ddtree.targets.registration import TREE_KWARG
 
 ATTENTION_CLASSES = {"LlamaAttention": None, "MistralAttention": "config", "MixtralAttention": "config",
                      "Qwen2Attention": "module", "Qwen3Attention": "module", "Qwen3MoeAttention": "module"}
@@ -216,7 +218,7 @@ def _install(module: torch.nn.Module, forward: Any) -> None:
         return forward(module, original, *args, **kwargs)
 
     module.forward = patched  # patches this instance
-    vars(module)[_FUSED] = True
+    vars(module)[_FUSED] = patched
 
 
 def _norm(module: Any, original: Any, x: torch.Tensor) -> torch.Tensor:
@@ -230,6 +232,115 @@ def _mlp(module: Any, original: Any, x: torch.Tensor) -> torch.Tensor:
     if not _decoding(x, module.gate_proj.weight):
         return original(x)
     return _swiglu(module, x)
+
+
+DECODER_CLASSES = frozenset({"LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer", "Qwen3DecoderLayer"})
+"""Pre-norm decoder layers (norm, attention, residual; norm, MLP, residual) whose whole decode forward runs as
+one C call once their norms, attention block and SwiGLU MLP are taken (transformers 5.0 to 5.25)."""
+
+_DECODER_ARGS = ("hidden_states", "attention_mask", "position_ids")
+_SLOTS = ("x", "y", "ln1", "ln2", "qn", "kn", "pq", "pk", "pv", "po", "pg", "pu", "pd", "bq", "bk", "bv", "bo",
+          "bg", "bu", "bd", "cos", "sin", "kc", "vc", "start", "vis", "ends", "h", "hq", "hkv", "d", "i", "cap",
+          "held", "b", "n", "style1", "style2", "styleq", "stylek", "dt", "threads")
+"""The C layer's integer arguments, in ``csrc/row_invariant.c``'s ``L_*`` order."""
+
+
+def _is_decoder(module: torch.nn.Module) -> bool:
+    if type(module).__name__ not in DECODER_CLASSES:
+        return False
+    parts = [getattr(module, name, None)
+             for name in ("input_layernorm", "post_attention_layernorm", "self_attn", "mlp")]
+    return (all(isinstance(p, torch.nn.Module) and _FUSED in vars(p) for p in parts)
+            and type(module.mlp).__name__.endswith("MLP") and not getattr(module.self_attn, "sinks", None)
+            and len(list(module.children())) == 4)
+
+
+def _watched(*modules: torch.nn.Module) -> bool:
+    """Whether something would see these modules' calls, which the C layer does not make: a forward hook, or a
+    forward replaced by anything but this module's or the exact routing's (a profiler's timer, say)."""
+    from torch.nn.modules import module as nn_module
+
+    if nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks:
+        return True
+    for m in modules:
+        forward = vars(m).get("forward")
+        if m._forward_hooks or m._forward_pre_hooks or (forward is not None and vars(m).get(_FUSED) is not forward
+                                                          and not cpu_linear.runs_exact_forward(m)):
+            return True
+    return False
+
+
+def _pointer(t: torch.Tensor | None) -> int:
+    return 0 if t is None else t.data_ptr()
+
+
+def _decoder(module: Any, original: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+    """The layer's decode forward as one C call (the module-by-module path's kernels, in its order: the same
+    bits), where the call is a tree forward through an in-place attention cache; otherwise its own forward."""
+    call = dict(zip(_DECODER_ARGS, args), **kwargs)
+    x, embeddings, spec = call.get("hidden_states"), call.get("position_embeddings"), call.get(TREE_KWARG)
+    store = call.get("cache", call.get("past_key_values"))
+    attn, mlp = module.self_attn, module.mlp
+    subs = (attn, mlp, module.input_layernorm, module.post_attention_layernorm, *attn.children(),
+            mlp.gate_proj, mlp.up_proj, mlp.down_proj)
+    layers = getattr(store, "layers", None)
+    if (len(args) > len(_DECODER_ARGS) or not isinstance(x, torch.Tensor) or x.dim() != 3 or embeddings is None
+            or not (isinstance(spec, ExactTreeSpec) or spec is None and x.shape[1] == 1)
+            or not isinstance(layers, list) or attn.layer_idx >= len(layers)
+            or attn.config._attn_implementation != EXACT_IMPLEMENTATION or not _decoding(x, attn.q_proj.weight)
+            or _watched(*subs)):
+        return original(*args, **kwargs)
+    from transformers.cache_utils import DynamicLayer
+
+    layer = layers[attn.layer_idx]
+    bsz, n, hidden = x.shape
+    d = attn.head_dim
+    hkv = attn.k_proj.weight.shape[0] // d
+    keys = getattr(layer, "keys", None)
+    if (type(layer) is not DynamicLayer or not getattr(layer, "is_initialized", False) or keys is None
+            or keys.dim() != 4 or tuple(keys.shape[:2]) != (bsz, hkv) or keys.shape[-1] != d or keys.dtype != x.dtype):
+        return original(*args, **kwargs)
+    held = keys.shape[-2]
+    window = ATTENTION_CLASSES[type(attn).__name__]
+    window = None if window is None else getattr(attn.config if window == "config" else attn, "sliding_window", None)
+    if spec is None:  # a one-token step without a tree spec, as exact attention takes it
+        mask = call.get("attention_mask")
+        if mask is not None and not (isinstance(mask, torch.Tensor) and mask.dim() == 2):
+            return original(*args, **kwargs)
+        start, visible = one_token_keys(mask, bsz, held + n, window, x.device)
+    else:
+        start, visible = spec.keys(held, window)
+    if start.shape != (bsz, n):
+        return original(*args, **kwargs)
+    room = kv_room.room_for(layer, n)
+    packed = [cpu_linear.packed_weight(p) for p in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj,
+                                                     mlp.gate_proj, mlp.up_proj, mlp.down_proj)]
+    biases = [p.bias for p in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj,
+                               mlp.down_proj)]
+    norms = [module.input_layernorm, module.post_attention_layernorm, getattr(attn, "q_norm", None),
+             getattr(attn, "k_norm", None)]
+    styles = [(0, 0.0) if m is None else (row_kernels.NORM_STYLES[vars(m)[_STYLE][0]], vars(m)[_STYLE][1])
+              for m in norms]
+    x = x.contiguous()
+    cos, sin = (t.contiguous() for t in embeddings)
+    y = torch.empty_like(x)
+    ends = torch.full((bsz,), held, dtype=torch.int64)
+    values = dict(
+        x=x.data_ptr(), y=y.data_ptr(), ln1=norms[0].weight.data_ptr(), ln2=norms[1].weight.data_ptr(),
+        qn=_pointer(None if norms[2] is None else norms[2].weight),
+        kn=_pointer(None if norms[3] is None else norms[3].weight),
+        **{f"p{c}": w.data.data_ptr() for c, w in zip("qkvogud", packed)},
+        **{f"b{c}": _pointer(b) for c, b in zip("qkvogud", biases)},
+        cos=cos.data_ptr(), sin=sin.data_ptr(), kc=room[0].data_ptr(), vc=room[1].data_ptr(), start=start.data_ptr(),
+        vis=visible.data_ptr(), ends=ends.data_ptr(), h=hidden, hq=attn.q_proj.weight.shape[0] // d, hkv=hkv, d=d,
+        i=mlp.gate_proj.weight.shape[0], cap=room[0].shape[-2], held=held, b=bsz, n=n, style1=styles[0][0],
+        style2=styles[1][0], styleq=styles[2][0], stylek=styles[3][0], dt=row_kernels.DTYPE_CODES[x.dtype],
+        threads=row_kernels.caller_threads())
+    ints = (ctypes.c_int64 * len(_SLOTS))(*(values[name] for name in _SLOTS))
+    floats = (ctypes.c_double * 5)(styles[0][1], styles[1][1], styles[2][1], styles[3][1], attn.scaling)
+    row_kernels.decoder_layer(ints, floats)
+    layer.keys, layer.values = room[0][..., :held + n, :], room[1][..., :held + n, :]
+    return y
 
 
 def install(model: torch.nn.Module) -> int:
@@ -250,6 +361,10 @@ def install(model: torch.nn.Module) -> int:
     for module in modules:  # after the norms: Qwen3's attention needs its q/k norms taken
         if _is_attention(module):
             _install(module, _attention)
+            count += 1
+    for module in modules:  # after its parts
+        if _is_decoder(module):
+            _install(module, _decoder)
             count += 1
     return count
 

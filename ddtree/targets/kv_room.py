@@ -63,20 +63,29 @@ def _prefix_of(t: torch.Tensor, room: torch.Tensor) -> bool:
 
 def _layer_update(self: Any, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
                   **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
-    keys, values = self.keys, self.values
+    keys = self.keys
     if (not getattr(self, "is_initialized", False) or keys is None or keys.dim() != 4 or keys.numel() == 0
             or key_states.dim() != 4 or key_states.shape[:2] != keys.shape[:2]):
         return type(self).update(self, key_states, value_states, *args, **kwargs)  # transformers' own
     held, new = keys.shape[-2], key_states.shape[-2]
-    room = vars(self).get(_ROOM)
+    room = room_for(self, new)
+    room[0][..., held:held + new, :].copy_(key_states)
+    room[1][..., held:held + new, :].copy_(value_states)
+    self.keys, self.values = room[0][..., :held + new, :], room[1][..., :held + new, :]
+    return self.keys, self.values
+
+
+def room_for(layer: Any, new: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The room ``(keys, values)`` ``[B, H, capacity, D]`` of an initialized attention layer, holding its columns
+    in place and space for ``new`` more after them (made, or moved into a larger one, when it has not)."""
+    keys, values = layer.keys, layer.values
+    held = keys.shape[-2]
+    room = vars(layer).get(_ROOM)
     in_room = room is not None and _prefix_of(keys, room[0]) and _prefix_of(values, room[1])
     if not in_room or room[0].shape[-2] < held + new:
         size = capacity(held + new)
         room = tuple(t.new_empty(t.shape[0], t.shape[1], size, t.shape[3]) for t in (keys, values))
         room[0][..., :held, :].copy_(keys)
         room[1][..., :held, :].copy_(values)
-        vars(self)[_ROOM] = room
-    room[0][..., held:held + new, :].copy_(key_states)
-    room[1][..., held:held + new, :].copy_(value_states)
-    self.keys, self.values = room[0][..., :held + new, :], room[1][..., :held + new, :]
-    return self.keys, self.values
+        vars(layer)[_ROOM] = room
+    return room

@@ -87,6 +87,10 @@ def library() -> tuple[ctypes.CDLL | None, str | None]:
     lib.ddtree_rotary.restype = None
     lib.ddtree_silu_mul.argtypes = [ptr] * 3 + [long] * 5 + [i32, i32]
     lib.ddtree_silu_mul.restype = None
+    lib.ddtree_decoder_layer.argtypes = [ptr, ptr]
+    lib.ddtree_decoder_layer.restype = None
+    lib.ddtree_decoder_layer_slots.argtypes = []
+    lib.ddtree_decoder_layer_slots.restype = long
     return lib, None
 
 

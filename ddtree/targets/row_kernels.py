@@ -262,3 +262,11 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         _LIB[0].ddtree_silu_mul(g.data_ptr(), u.data_ptr(), y.data_ptr(), rows, width, width, width, width,
                                 DTYPE_CODES[dtype], _row_threads(rows * width))
     return y
+
+
+def decoder_layer(ints: ctypes.Array, floats: ctypes.Array) -> None:
+    """One decoder layer's decode forward in C (``ddtree_decoder_layer``; arguments as
+    :mod:`ddtree.targets.exact_layers` packs them, after checking them)."""
+    if _LIB[0] is None:
+        _library()
+    _LIB[0].ddtree_decoder_layer(ints, floats)

@@ -982,3 +982,71 @@ void ddtree_silu_mul(const void *g, const void *u, void *y, long M, long I, long
         }
     }
 }
+
+/* ------------------------------------------------------------------ a decoder layer */
+
+/* One pre-norm decoder layer's decode forward (Llama, Mistral, Qwen2, Qwen3) as the sequence of the kernels
+ * above, in the order and with the arguments the module-by-module path (ddtree/targets/exact_layers.py) calls
+ * them: the same bits, without a Python call between the steps. x [R, H] in (R = B * n rows), y [R, H] out;
+ * the new keys and values are written into the cache rooms [B, Hkv, cap, D] at columns held .. held + n - 1,
+ * which the attention then reads with the spec's starts, key flags and prefix ends. */
+enum {
+    L_X, L_Y, L_LN1, L_LN2, L_QN, L_KN, L_PQ, L_PK, L_PV, L_PO, L_PG, L_PU, L_PD, L_BQ, L_BK, L_BV, L_BO, L_BG, L_BU,
+    L_BD, L_COS, L_SIN, L_KC, L_VC, L_START, L_VIS, L_ENDS, L_H, L_HQ, L_HKV, L_D, L_I, L_CAP, L_HELD, L_B, L_N,
+    L_STYLE1, L_STYLE2, L_STYLEQ, L_STYLEK, L_DT, L_THREADS, L_COUNT
+};
+enum { F_EPS1, F_EPS2, F_EPSQ, F_EPSK, F_SCALE, F_COUNT };
+
+static int product_threads(long rows, long k, long n, int threads) { return rows * k * n < (1L << 17) ? 1 : threads; }
+static int row_threads(long elements, int threads) { return elements < (1L << 15) ? 1 : threads; }
+
+/* y = round(x + a), elementwise (torch's add: one rounding) */
+static void add_into(void *y, const void *x, const void *a, long count, int dt) {
+    for (long i = 0; i < count; i++) store_one(y, i, load_one(x, i, dt) + load_one(a, i, dt), dt);
+}
+
+#define PTR(i) ((void *)(intptr_t)a[i])
+long ddtree_decoder_layer_slots(void) { return L_COUNT; }
+
+void ddtree_decoder_layer(const int64_t *a, const double *f) {
+    int dt = (int)a[L_DT], thr = (int)a[L_THREADS];
+    long H = a[L_H], Hq = a[L_HQ], Hkv = a[L_HKV], D = a[L_D], I = a[L_I], cap = a[L_CAP], held = a[L_HELD];
+    long B = a[L_B], n = a[L_N], R = B * n, QD = Hq * D, KD = Hkv * D;
+    size_t es = dt == DT_F32 ? 4 : 2;
+    char *h = malloc((size_t)(R * H) * es), *q = malloc((size_t)(R * QD) * es), *k = malloc((size_t)(R * KD) * es);
+    char *v = malloc((size_t)(R * KD) * es), *at = malloc((size_t)(R * QD) * es), *o = malloc((size_t)(R * H) * es);
+    char *g = malloc((size_t)(R * I) * es), *u = malloc((size_t)(R * I) * es), *ac = malloc((size_t)(R * I) * es);
+    void *x = PTR(L_X), *y = PTR(L_Y);
+    /* attention block */
+    ddtree_rms_norm(x, PTR(L_LN1), h, R, H, H, H, f[F_EPS1], (int)a[L_STYLE1], dt, row_threads(R * H, thr));
+    ddtree_packed_linear(h, PTR(L_PQ), PTR(L_BQ), q, R, H, QD, dt, product_threads(R, H, QD, thr));
+    ddtree_packed_linear(h, PTR(L_PK), PTR(L_BK), k, R, H, KD, dt, product_threads(R, H, KD, thr));
+    ddtree_packed_linear(h, PTR(L_PV), PTR(L_BV), v, R, H, KD, dt, product_threads(R, H, KD, thr));
+    if (PTR(L_QN)) {
+        ddtree_rms_norm(q, PTR(L_QN), q, R * Hq, D, D, D, f[F_EPSQ], (int)a[L_STYLEQ], dt, row_threads(R * QD, thr));
+        ddtree_rms_norm(k, PTR(L_KN), k, R * Hkv, D, D, D, f[F_EPSK], (int)a[L_STYLEK], dt, row_threads(R * KD, thr));
+    }
+    ddtree_rotary(q, PTR(L_COS), PTR(L_SIN), R, Hq, D, QD, dt, row_threads(R * QD, thr));
+    ddtree_rotary(k, PTR(L_COS), PTR(L_SIN), R, Hkv, D, KD, dt, row_threads(R * KD, thr));
+    char *kc = PTR(L_KC), *vc = PTR(L_VC);
+    for (long b = 0; b < B; b++)
+        for (long t = 0; t < n; t++)
+            for (long hk = 0; hk < Hkv; hk++) {
+                size_t to = (size_t)(((b * Hkv + hk) * cap + held + t) * D) * es, from = (size_t)(((b * n + t) * Hkv + hk) * D) * es;
+                memcpy(kc + to, k + from, (size_t)D * es);
+                memcpy(vc + to, v + from, (size_t)D * es);
+            }
+    long qs[3] = {n * QD, D, QD}, cs[3] = {Hkv * cap * D, cap * D, D};
+    ddtree_row_attention(q, kc, vc, at, dt, B, Hq, Hkv, n, D, qs, cs, cs, (const int64_t *)PTR(L_START),
+                         (const int64_t *)PTR(L_ENDS), (const uint8_t *)PTR(L_VIS), NULL, 0.0, f[F_SCALE], thr);
+    ddtree_packed_linear(at, PTR(L_PO), PTR(L_BO), o, R, QD, H, dt, product_threads(R, QD, H, thr));
+    add_into(y, x, o, R * H, dt);
+    /* MLP block */
+    ddtree_rms_norm(y, PTR(L_LN2), h, R, H, H, H, f[F_EPS2], (int)a[L_STYLE2], dt, row_threads(R * H, thr));
+    ddtree_packed_linear(h, PTR(L_PG), PTR(L_BG), g, R, H, I, dt, product_threads(R, H, I, thr));
+    ddtree_packed_linear(h, PTR(L_PU), PTR(L_BU), u, R, H, I, dt, product_threads(R, H, I, thr));
+    ddtree_silu_mul(g, u, ac, R, I, I, I, I, dt, row_threads(R * I, thr));
+    ddtree_packed_linear(ac, PTR(L_PD), PTR(L_BD), o, R, I, H, dt, product_threads(R, I, H, thr));
+    add_into(y, y, o, R * H, dt);
+    free(h); free(q); free(k); free(v); free(at); free(o); free(g); free(u); free(ac);
+}
