@@ -7,7 +7,9 @@ module by module: an RMSNorm becomes :func:`~ddtree.targets.row_kernels.rms_norm
 products around :func:`~ddtree.targets.row_kernels.silu_mul`, and the attention block of the Llama, Mistral,
 Mixtral, Qwen2, Qwen3 and Qwen3-MoE families its packed products, :func:`~ddtree.targets.row_kernels.rotary`
 and the exact attention function. Each op computes a row alone, so a tree node and a one-token step still get
-the same bits.
+the same bits. Where a decoder layer's parts are all taken (Llama, Mistral, Qwen2, Qwen3), its whole decode
+forward is one C call that runs the same kernels in the same order (``ddtree_decoder_layer``): bit for bit the
+module-by-module path, without the Python between the steps.
 
 A module is taken only when it is recognised: a norm or an MLP by running it beside its replacement on a
 probe (it must agree to the dtype's rounding), an attention block by its class and parts. Everything else, and
