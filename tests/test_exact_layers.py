@@ -241,3 +241,20 @@ def test_control_the_comparison_sees_one_rounding(monkeypatch):
     monkeypatch.setattr(row_kernels, "silu_mul", lambda g, u: torch.nn.functional.silu(g) * u)
     modules, _, _ = _tree_logits(target, PROMPTS, tree, module_path=True)
     assert not torch.equal(fused, modules)
+
+
+def test_the_c_layer_follows_a_weight_changed_in_place():
+    """A weight changed in place after the C layer's plan was made: the next forward repacks it (the module
+    path's logits, and not the old ones)."""
+    from ddtree.core.tree import DraftTree
+
+    target = family_target("llama", dtype=torch.float32)
+    parents = torch.tensor([-1, 0, 0, 1]).expand(2, -1)
+    tree = DraftTree.from_parents(torch.randint(3, 90, parents.shape, generator=torch.Generator().manual_seed(1)),
+                                  parents)
+    before, _, _ = _tree_logits(target, PROMPTS, tree, module_path=False)
+    with torch.no_grad():
+        target.model.layers[1].mlp.down_proj.weight.mul_(1.5)
+    after, _, calls = _tree_logits(target, PROMPTS, tree, module_path=False)
+    modules, _, _ = _tree_logits(target, PROMPTS, tree, module_path=True)
+    assert calls > 0 and not torch.equal(after, before) and torch.equal(after, modules)

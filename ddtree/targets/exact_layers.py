@@ -276,71 +276,143 @@ def _pointer(t: torch.Tensor | None) -> int:
     return 0 if t is None else t.data_ptr()
 
 
+_SLOT = {name: i for i, name in enumerate(_SLOTS)}
+_PLAN = "_ddtree_layer_plan"
+
+
+def _stamp(t: torch.Tensor) -> tuple[int, int]:
+    return t.data_ptr(), row_kernels.version(t)
+
+
+class _LayerPlan:
+    """What a decoder layer's C call takes that changes only with its weights, made once: the argument arrays
+    with those slots filled, the modules a hook could watch, and the weights it was made from (a weight that is
+    replaced, moved or changed in place makes a new plan, repacking what changed)."""
+
+    __slots__ = ("ints", "floats", "weights", "stamps", "watch", "window", "layer_idx", "hkv", "d")
+
+    def __init__(self, module: Any):
+        attn, mlp = module.self_attn, module.mlp
+        linears = (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj)
+        norms = [module.input_layernorm, module.post_attention_layernorm, getattr(attn, "q_norm", None),
+                 getattr(attn, "k_norm", None)]
+        packed = [cpu_linear.packed_weight(p) for p in linears]
+        self.d = attn.head_dim
+        self.hkv = attn.k_proj.weight.shape[0] // self.d
+        self.layer_idx = attn.layer_idx
+        window = ATTENTION_CLASSES[type(attn).__name__]
+        self.window = (None if window is None
+                       else getattr(attn.config if window == "config" else attn, "sliding_window", None))
+        self.watch = (attn, mlp, module.input_layernorm, module.post_attention_layernorm, *attn.children(),
+                      mlp.gate_proj, mlp.up_proj, mlp.down_proj)
+        self.weights = [p.weight for p in linears] + [p.bias for p in linears if p.bias is not None] + [
+            m.weight for m in norms if m is not None]
+        self.stamps = [_stamp(w) for w in self.weights]
+        styles = [(0, 0.0) if m is None else (row_kernels.NORM_STYLES[vars(m)[_STYLE][0]], vars(m)[_STYLE][1])
+                  for m in norms]
+        self.ints = (ctypes.c_int64 * len(_SLOTS))()
+        static = dict(
+            ln1=norms[0].weight.data_ptr(), ln2=norms[1].weight.data_ptr(),
+            qn=_pointer(None if norms[2] is None else norms[2].weight),
+            kn=_pointer(None if norms[3] is None else norms[3].weight),
+            **{f"p{c}": w.data.data_ptr() for c, w in zip("qkvogud", packed)},
+            **{f"b{c}": _pointer(p.bias) for c, p in zip("qkvogud", linears)},
+            h=attn.q_proj.weight.shape[1], hq=attn.q_proj.weight.shape[0] // self.d, hkv=self.hkv, d=self.d,
+            i=mlp.gate_proj.weight.shape[0], style1=styles[0][0], style2=styles[1][0], styleq=styles[2][0],
+            stylek=styles[3][0], dt=row_kernels.DTYPE_CODES[attn.q_proj.weight.dtype])
+        for name, value in static.items():
+            self.ints[_SLOT[name]] = value
+        self.floats = (ctypes.c_double * 5)(styles[0][1], styles[1][1], styles[2][1], styles[3][1], attn.scaling)
+
+    def current(self, module: Any) -> bool:
+        """Whether the layer's weights are still the tensors, storage and versions this plan was made from."""
+        weights = self.weights
+        mine = [p.weight for p in (module.self_attn.q_proj, module.self_attn.k_proj, module.self_attn.v_proj,
+                                   module.self_attn.o_proj, module.mlp.gate_proj, module.mlp.up_proj,
+                                   module.mlp.down_proj)]
+        return all(a is b for a, b in zip(mine, weights)) and all(
+            _stamp(w) == stamp for w, stamp in zip(weights, self.stamps))
+
+
+def _plan(module: Any) -> _LayerPlan:
+    plan = vars(module).get(_PLAN)
+    if plan is None or not plan.current(module):
+        plan = _LayerPlan(module)
+        vars(module)[_PLAN] = plan
+    return plan
+
+
+_KEYS: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+_MASK_KEYS = "_ddtree_step_keys"
+
+
+def _step_keys(mask: torch.Tensor | None, bsz: int, kv_len: int, window: int | None,
+               device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`~ddtree.targets.exact_attention.one_token_keys`, made once per forward for every layer: kept on
+    the padding mask itself (for its length, window and version: it goes with the tensor) or, without a mask,
+    by the shape alone (they are constants then)."""
+    if mask is None:
+        key: tuple = (bsz, kv_len if window is not None else 0, window)
+        found = _KEYS.get(key)
+        if found is None:
+            if len(_KEYS) > 64:
+                _KEYS.clear()
+            found = _KEYS[key] = one_token_keys(None, bsz, kv_len, window, device)
+        return found
+    key = (bsz, kv_len, window, row_kernels.version(mask))
+    held = getattr(mask, _MASK_KEYS, None)
+    if held is None or held[0] != key:
+        held = (key, one_token_keys(mask, bsz, kv_len, window, device))
+        setattr(mask, _MASK_KEYS, held)
+    return held[1]
+
+
 def _decoder(module: Any, original: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
     """The layer's decode forward as one C call (the module-by-module path's kernels, in its order: the same
-    bits), where the call is a tree forward through an in-place attention cache; otherwise its own forward."""
+    bits), where the call is a decode forward through an in-place attention cache; otherwise its own forward."""
     call = dict(zip(_DECODER_ARGS, args), **kwargs)
     x, embeddings, spec = call.get("hidden_states"), call.get("position_embeddings"), call.get(TREE_KWARG)
     store = call.get("cache", call.get("past_key_values"))
-    attn, mlp = module.self_attn, module.mlp
-    subs = (attn, mlp, module.input_layernorm, module.post_attention_layernorm, *attn.children(),
-            mlp.gate_proj, mlp.up_proj, mlp.down_proj)
     layers = getattr(store, "layers", None)
     if (len(args) > len(_DECODER_ARGS) or not isinstance(x, torch.Tensor) or x.dim() != 3 or embeddings is None
             or not (isinstance(spec, ExactTreeSpec) or spec is None and x.shape[1] == 1)
-            or not isinstance(layers, list) or attn.layer_idx >= len(layers)
-            or attn.config._attn_implementation != EXACT_IMPLEMENTATION or not _decoding(x, attn.q_proj.weight)
-            or _watched(*subs)):
+            or not isinstance(layers, list) or not _decoding(x, module.self_attn.q_proj.weight)
+            or module.self_attn.config._attn_implementation != EXACT_IMPLEMENTATION):
+        return original(*args, **kwargs)
+    plan = _plan(module)
+    if plan.layer_idx >= len(layers) or _watched(*plan.watch):
         return original(*args, **kwargs)
     from transformers.cache_utils import DynamicLayer
 
-    layer = layers[attn.layer_idx]
-    bsz, n, hidden = x.shape
-    d = attn.head_dim
-    hkv = attn.k_proj.weight.shape[0] // d
+    layer = layers[plan.layer_idx]
+    bsz, n, _ = x.shape
     keys = getattr(layer, "keys", None)
     if (type(layer) is not DynamicLayer or not getattr(layer, "is_initialized", False) or keys is None
-            or keys.dim() != 4 or tuple(keys.shape[:2]) != (bsz, hkv) or keys.shape[-1] != d or keys.dtype != x.dtype):
+            or keys.dim() != 4 or keys.shape[0] != bsz or keys.shape[1] != plan.hkv or keys.shape[-1] != plan.d
+            or keys.dtype != x.dtype):
         return original(*args, **kwargs)
     held = keys.shape[-2]
-    window = ATTENTION_CLASSES[type(attn).__name__]
-    window = None if window is None else getattr(attn.config if window == "config" else attn, "sliding_window", None)
     if spec is None:  # a one-token step without a tree spec, as exact attention takes it
         mask = call.get("attention_mask")
         if mask is not None and not (isinstance(mask, torch.Tensor) and mask.dim() == 2):
             return original(*args, **kwargs)
-        start, visible = one_token_keys(mask, bsz, held + n, window, x.device)
+        start, visible = _step_keys(mask, bsz, held + n, plan.window, x.device)
     else:
-        start, visible = spec.keys(held, window)
+        start, visible = spec.keys(held, plan.window)
     if start.shape != (bsz, n):
         return original(*args, **kwargs)
     room = kv_room.room_for(layer, n)
-    packed = [cpu_linear.packed_weight(p) for p in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj,
-                                                     mlp.gate_proj, mlp.up_proj, mlp.down_proj)]
-    biases = [p.bias for p in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj,
-                               mlp.down_proj)]
-    norms = [module.input_layernorm, module.post_attention_layernorm, getattr(attn, "q_norm", None),
-             getattr(attn, "k_norm", None)]
-    styles = [(0, 0.0) if m is None else (row_kernels.NORM_STYLES[vars(m)[_STYLE][0]], vars(m)[_STYLE][1])
-              for m in norms]
     x = x.contiguous()
     cos, sin = (t.contiguous() for t in embeddings)
     y = torch.empty_like(x)
     ends = torch.full((bsz,), held, dtype=torch.int64)
-    values = dict(
-        x=x.data_ptr(), y=y.data_ptr(), ln1=norms[0].weight.data_ptr(), ln2=norms[1].weight.data_ptr(),
-        qn=_pointer(None if norms[2] is None else norms[2].weight),
-        kn=_pointer(None if norms[3] is None else norms[3].weight),
-        **{f"p{c}": w.data.data_ptr() for c, w in zip("qkvogud", packed)},
-        **{f"b{c}": _pointer(b) for c, b in zip("qkvogud", biases)},
-        cos=cos.data_ptr(), sin=sin.data_ptr(), kc=room[0].data_ptr(), vc=room[1].data_ptr(), start=start.data_ptr(),
-        vis=visible.data_ptr(), ends=ends.data_ptr(), h=hidden, hq=attn.q_proj.weight.shape[0] // d, hkv=hkv, d=d,
-        i=mlp.gate_proj.weight.shape[0], cap=room[0].shape[-2], held=held, b=bsz, n=n, style1=styles[0][0],
-        style2=styles[1][0], styleq=styles[2][0], stylek=styles[3][0], dt=row_kernels.DTYPE_CODES[x.dtype],
-        threads=row_kernels.caller_threads())
-    ints = (ctypes.c_int64 * len(_SLOTS))(*(values[name] for name in _SLOTS))
-    floats = (ctypes.c_double * 5)(styles[0][1], styles[1][1], styles[2][1], styles[3][1], attn.scaling)
-    row_kernels.decoder_layer(ints, floats)
+    ints = plan.ints
+    for name, value in (("x", x.data_ptr()), ("y", y.data_ptr()), ("cos", cos.data_ptr()), ("sin", sin.data_ptr()),
+                        ("kc", room[0].data_ptr()), ("vc", room[1].data_ptr()), ("start", start.data_ptr()),
+                        ("vis", visible.data_ptr()), ("ends", ends.data_ptr()), ("cap", room[0].shape[-2]),
+                        ("held", held), ("b", bsz), ("n", n), ("threads", row_kernels.caller_threads())):
+        ints[_SLOT[name]] = value
+    row_kernels.decoder_layer(ints, plan.floats)
     layer.keys, layer.values = room[0][..., :held + n, :], room[1][..., :held + n, :]
     return y
 
@@ -377,6 +449,7 @@ def uninstall(model: torch.nn.Module) -> int:
     for module in model.modules():
         if vars(module).pop(_FUSED, None):
             vars(module).pop(_STYLE, None)
+            vars(module).pop(_PLAN, None)
             del module.forward
             count += 1
     return count
