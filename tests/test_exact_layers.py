@@ -128,8 +128,9 @@ def _taken(target) -> dict[str, int]:
 
 
 def test_which_modules_are_taken_and_given_back():
-    """Recognised modules only: Llama's norms, MLPs, attention and whole layers; Gemma's (1 + weight) norms as Gemma's; not
-    Cohere's LayerNorm (it subtracts the mean) nor Gemma's GELU MLP; a fast generator gives them all back."""
+    """Recognised modules only: Llama's norms, MLPs, attention and whole layers; Gemma's (1 + weight) norms as
+    Gemma's; not Cohere's LayerNorm (it subtracts the mean) nor Gemma's GELU MLP; a fast generator gives them all
+    back."""
     llama = tiny_target("llama", dtype=torch.float32)
     SpeculativeGenerator(llama, tiny_drafter(llama), numerics="exact")
     layers = llama.config.num_hidden_layers
