@@ -259,3 +259,15 @@ def test_the_c_layer_follows_a_weight_changed_in_place():
     after, _, calls = _tree_logits(target, PROMPTS, tree, module_path=False)
     modules, _, _ = _tree_logits(target, PROMPTS, tree, module_path=True)
     assert calls > 0 and not torch.equal(after, before) and torch.equal(after, modules)
+
+
+def test_a_padding_mask_changed_in_place_is_read_again():
+    """A one-token step's key ranges are made once per forward and kept on the padding mask; an inference-mode
+    mask (no version counter) changed in place and passed again at the same length gives its new ranges."""
+    with torch.inference_mode():
+        mask = torch.ones(2, 7, dtype=torch.long)
+        first, _ = exact_layers._step_keys(mask, 2, 7, None, mask.device)
+        assert exact_layers._step_keys(mask, 2, 7, None, mask.device)[0] is first  # kept for the next layer
+        mask[0, :2] = 0
+        again, _ = exact_layers._step_keys(mask, 2, 7, None, mask.device)
+    assert first.tolist() == [[0], [0]] and again.tolist() == [[2], [0]]

@@ -349,8 +349,8 @@ _MASK_KEYS = "_ddtree_step_keys"
 def _step_keys(mask: torch.Tensor | None, bsz: int, kv_len: int, window: int | None,
                device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`~ddtree.targets.exact_attention.one_token_keys`, made once per forward for every layer: kept on
-    the padding mask itself (for its length, window and version: it goes with the tensor) or, without a mask,
-    by the shape alone (they are constants then)."""
+    the padding mask itself (for its length, window and version, or, for an inference tensor, which has no
+    version, its content: it goes with the tensor) or, without a mask, by the shape alone (constants then)."""
     if mask is None:
         key: tuple = (bsz, kv_len if window is not None else 0, window)
         found = _KEYS.get(key)
@@ -359,12 +359,14 @@ def _step_keys(mask: torch.Tensor | None, bsz: int, kv_len: int, window: int | N
                 _KEYS.clear()
             found = _KEYS[key] = one_token_keys(None, bsz, kv_len, window, device)
         return found
-    key = (bsz, kv_len, window, row_kernels.version(mask))
+    version = row_kernels.version(mask)
+    key = (bsz, kv_len, window, version)
     held = getattr(mask, _MASK_KEYS, None)
-    if held is None or held[0] != key:
-        held = (key, one_token_keys(mask, bsz, kv_len, window, device))
+    # an inference tensor keeps no version: its content is compared with the copy the keys were made from
+    if held is None or held[0] != key or (version < 0 and not torch.equal(held[1], mask)):
+        held = (key, mask.clone() if version < 0 else None, one_token_keys(mask, bsz, kv_len, window, device))
         setattr(mask, _MASK_KEYS, held)
-    return held[1]
+    return held[2]
 
 
 def _decoder(module: Any, original: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
