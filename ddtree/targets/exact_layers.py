@@ -165,6 +165,12 @@ def _cache_kwargs_positional() -> bool:
     return "cache_kwargs" in inspect.signature(Cache.update).parameters
 
 
+def _window(attn: Any) -> int | None:
+    """The sliding window a taken attention block passes to its attention function (:data:`ATTENTION_CLASSES`)."""
+    source = ATTENTION_CLASSES[type(attn).__name__]
+    return None if source is None else getattr(attn.config if source == "config" else attn, "sliding_window", None)
+
+
 _ATTENTION_ARGS = ("hidden_states", "position_embeddings", "attention_mask")
 
 
@@ -202,9 +208,8 @@ def _attention(module: Any, original: Any, *args: Any, **kwargs: Any) -> tuple[t
     functions, implementation = ALL_ATTENTION_FUNCTIONS, module.config._attn_implementation
     attend = (functions.get_interface(implementation, exact_attention) if hasattr(functions, "get_interface")
               else functions[implementation])  # as the model itself looks it up (5.0 has no get_interface)
-    window = ATTENTION_CLASSES[type(module).__name__]
-    if window is not None:
-        call["sliding_window"] = getattr(module.config if window == "config" else module, "sliding_window", None)
+    if ATTENTION_CLASSES[type(module).__name__] is not None:  # as the family passes it
+        call["sliding_window"] = _window(module)
     out, _ = attend(module, q, k, v, attention_mask, dropout=0.0, scaling=module.scaling, **call)
     return _product(module.o_proj, out.reshape(bsz, n, -1)), None
 
@@ -300,9 +305,7 @@ class _LayerPlan:
         self.d = attn.head_dim
         self.hkv = attn.k_proj.weight.shape[0] // self.d
         self.layer_idx = attn.layer_idx
-        window = ATTENTION_CLASSES[type(attn).__name__]
-        self.window = (None if window is None
-                       else getattr(attn.config if window == "config" else attn, "sliding_window", None))
+        self.window = _window(attn)
         self.watch = (attn, mlp, module.input_layernorm, module.post_attention_layernorm, *attn.children(),
                       mlp.gate_proj, mlp.up_proj, mlp.down_proj)
         self.weights = [p.weight for p in linears] + [p.bias for p in linears if p.bias is not None] + [
