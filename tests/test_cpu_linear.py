@@ -288,14 +288,16 @@ def test_packed_products_are_row_invariant_on_both_builds(monkeypatch):
         monkeypatch.setenv("DDTREE_KERNEL_ARCH", arch)
         native.library.cache_clear()
         try:
-            # 130 columns: three panels; 327: a one-row call takes four panels at once, then the rest
-            for dtype, n in itertools.product((torch.float32, torch.bfloat16, torch.float16), (130, 327)):
-                w, b = torch.randn(n, 37).to(dtype), torch.randn(n).to(dtype)
+            # 130 columns: three panels; 327: a one-row call takes four panels at once, then the rest. 150
+            # inputs: k-blocks of 64 and a part (7 to 48 rows run k-blocked), odd (bfloat16 pairs pad one)
+            for dtype, n, k in itertools.product((torch.float32, torch.bfloat16, torch.float16), (130, 327),
+                                                 (37, 150)):
+                w, b = torch.randn(n, k).to(dtype), torch.randn(n).to(dtype)
                 packed = row_kernels.PackedWeight(w)
-                x = torch.randn(13, 37).to(dtype)
+                x = torch.randn(60, k).to(dtype)  # 60 rows: past the k-blocked sizes
                 y = row_kernels.packed_linear(x, packed, b)
-                for rows in (slice(0, 1), slice(4, 11), slice(12, 13)):
-                    assert torch.equal(row_kernels.packed_linear(x[rows], packed, b), y[rows]), (arch, dtype)
+                for rows in (slice(0, 1), slice(3, 8), slice(4, 11), slice(0, 13), slice(12, 60), slice(59, 60)):
+                    assert torch.equal(row_kernels.packed_linear(x[rows], packed, b), y[rows]), (arch, dtype, k)
                 ref = F.linear(x.double(), w.double(), b.double())
                 assert (y.double() - ref).abs().max() <= 0.02 * ref.abs().max()
                 assert torch.equal(row_kernels.packed_linear(x, row_kernels.PackedWeight(w.t().contiguous(),

@@ -373,6 +373,40 @@ void ddtree_pack_weight(const void *w, void *dst, long N, long K, int dt, int tr
 PACKED_MULTI(f32)
 #define HAVE_MULTI 1
 #define PACKED_ROWS 6
+#ifndef SPAN_PF
+#define SPAN_PF 48
+#endif
+/* MR rows against k in [k0, k1) of one panel, continuing sums held in acc (MR x PANEL floats): a float32
+ * accumulator stored and loaded again is the same float, so splitting k this way keeps every sum's order. */
+#define PACKED_SPAN(T, MR)                                                                       \
+    static void span_##T##_##MR(const float *x, const T##_t *wp, float *acc, long K, long k0, long k1) { \
+        __m512 a[MR][4];                                                                         \
+        for (int r = 0; r < MR; r++)                                                             \
+            for (int c = 0; c < 4; c++) a[r][c] = _mm512_loadu_ps(acc + r * PANEL + 16 * c);     \
+        for (long k = k0; k < k1; k++) {                                                         \
+            const T##_t *wk = wp + k * PANEL;                                                    \
+            PREFETCH_ROW(wk + PREFETCH_K * PANEL, PANEL * sizeof(T##_t));                          \
+            __m512 w0 = load16_##T(wk, 0xFFFF), w1 = load16_##T(wk + 16, 0xFFFF);               \
+            __m512 w2 = load16_##T(wk + 32, 0xFFFF), w3 = load16_##T(wk + 48, 0xFFFF);          \
+            for (int r = 0; r < MR; r++) {                                                       \
+                __m512 xb = _mm512_set1_ps(x[r * K + k]);                                        \
+                a[r][0] = _mm512_fmadd_ps(xb, w0, a[r][0]);                                      \
+                a[r][1] = _mm512_fmadd_ps(xb, w1, a[r][1]);                                      \
+                a[r][2] = _mm512_fmadd_ps(xb, w2, a[r][2]);                                      \
+                a[r][3] = _mm512_fmadd_ps(xb, w3, a[r][3]);                                      \
+            }                                                                                    \
+        }                                                                                        \
+        for (int r = 0; r < MR; r++)                                                             \
+            for (int c = 0; c < 4; c++) _mm512_storeu_ps(acc + r * PANEL + 16 * c, a[r][c]);     \
+    }
+#define PACKED_SPAN_ALL(T) PACKED_SPAN(T, 1) PACKED_SPAN(T, 2) PACKED_SPAN(T, 3) PACKED_SPAN(T, 4) \
+    PACKED_SPAN(T, 5) PACKED_SPAN(T, 6)
+PACKED_SPAN_ALL(f32)
+PACKED_SPAN_ALL(bf16)
+PACKED_SPAN_ALL(f16)
+#define HAVE_SPAN 1
+#define SPAN_ROWS 48 /* rows up to which a product runs k-blocked (acc on the stack: 12 KB) */
+#define KBLOCK 32    /* k per block: 8 KB of a float32 panel, held in L1 across the row blocks */
 #else
 /* One row against one panel: 8 accumulators of 8 lanes (AVX2 has 16 registers). */
 #define PACKED_TILE(T, MR)                                                                       \
@@ -440,6 +474,31 @@ static void paired_multi(const uint16_t *x, const uint16_t *w, long stride, floa
         for (int c = 0; c < 4; c++) _mm512_storeu_ps(out + p * PANEL + 16 * c, a[p][c]);
 }
 #define HAVE_PAIRED_MULTI 1
+/* The paired tile over pairs [k0, k1), continuing the sums in acc (see PACKED_SPAN). */
+#define PAIRED_SPAN(MR)                                                                          \
+    static void pspan_##MR(const uint16_t *x, const uint16_t *wp, float *acc, long K2, long k0, long k1) { \
+        __m512 a[MR][4];                                                                         \
+        for (int r = 0; r < MR; r++)                                                             \
+            for (int c = 0; c < 4; c++) a[r][c] = _mm512_loadu_ps(acc + r * PANEL + 16 * c);     \
+        for (long k = k0; k < k1; k++) {                                                         \
+            const uint16_t *wk = wp + k * 2 * PANEL;                                             \
+            PREFETCH_ROW(wk + PREFETCH_K * 2 * PANEL, 2 * PANEL * sizeof(uint16_t));               \
+            __m512bh w0 = (__m512bh)_mm512_loadu_si512(wk), w1 = (__m512bh)_mm512_loadu_si512(wk + 32); \
+            __m512bh w2 = (__m512bh)_mm512_loadu_si512(wk + 64), w3 = (__m512bh)_mm512_loadu_si512(wk + 96); \
+            for (int r = 0; r < MR; r++) {                                                       \
+                uint32_t two;                                                                    \
+                memcpy(&two, x + r * 2 * K2 + 2 * k, 4);                                         \
+                __m512bh xb = (__m512bh)_mm512_set1_epi32((int)two);                             \
+                a[r][0] = _mm512_dpbf16_ps(a[r][0], xb, w0);                                     \
+                a[r][1] = _mm512_dpbf16_ps(a[r][1], xb, w1);                                     \
+                a[r][2] = _mm512_dpbf16_ps(a[r][2], xb, w2);                                     \
+                a[r][3] = _mm512_dpbf16_ps(a[r][3], xb, w3);                                     \
+            }                                                                                    \
+        }                                                                                        \
+        for (int r = 0; r < MR; r++)                                                             \
+            for (int c = 0; c < 4; c++) _mm512_storeu_ps(acc + r * PANEL + 16 * c, a[r][c]);     \
+    }
+PAIRED_SPAN(1) PAIRED_SPAN(2) PAIRED_SPAN(3) PAIRED_SPAN(4) PAIRED_SPAN(5) PAIRED_SPAN(6)
 #endif
 
 #define DISPATCH(PREFIX, MB, ...)                                                                \
@@ -492,6 +551,49 @@ void ddtree_packed_linear(const void *x, const void *wp, const void *bias, void 
             }
             long width = N - j < np * PANEL ? N - j : np * PANEL;
             for (long c = 0; c < width; c++) store_one(y, j + c, bf ? out[c] + bf[j + c] : out[c], dt);
+        }
+        free(xf);
+        free(xp);
+        free(bf);
+        return;
+    }
+#endif
+#ifdef HAVE_SPAN
+    /* A few row blocks: each KBLOCK slice of a panel, streamed from memory once, serves every block from L1
+     * (one pass per block would stream the whole panel again). */
+    if (M > PACKED_ROWS && M <= SPAN_ROWS) {
+        long span = paired ? K2 : K;
+#pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
+        for (long p = 0; p < panels; p++) {
+            float acc[SPAN_ROWS * PANEL];
+            memset(acc, 0, sizeof(float) * (size_t)(M * PANEL));
+            long j = p * PANEL, width = N - j < PANEL ? N - j : PANEL;
+            for (long k0 = 0; k0 < span; k0 += KBLOCK) {
+                long k1 = span - k0 < KBLOCK ? span : k0 + KBLOCK;
+                for (long m = 0; m < M; m += PACKED_ROWS) {
+                    long mb = M - m < PACKED_ROWS ? M - m : PACKED_ROWS;
+                    if (paired) {
+#if PAIRED_BF16
+                        DISPATCH(pspan, mb, xp + m * xk, (const uint16_t *)wp + p * panel_elems, acc + m * PANEL, K2,
+                                 k0, k1)
+#endif
+                    } else if (dt == DT_F32) {
+                        DISPATCH(span_f32, mb, xf + m * K, (const float *)wp + p * panel_elems, acc + m * PANEL, K,
+                                 k0, k1)
+                    } else if (dt == DT_BF16) {
+                        DISPATCH(span_bf16, mb, xf + m * K, (const uint16_t *)wp + p * panel_elems, acc + m * PANEL,
+                                 K, k0, k1)
+                    } else {
+                        DISPATCH(span_f16, mb, xf + m * K, (const uint16_t *)wp + p * panel_elems, acc + m * PANEL,
+                                 K, k0, k1)
+                    }
+                }
+            }
+            for (long r = 0; r < M; r++)
+                for (long c = 0; c < width; c++) {
+                    float s = acc[r * PANEL + c];
+                    store_one(y, r * N + j + c, bf ? s + bf[j + c] : s, dt);
+                }
         }
         free(xf);
         free(xp);
