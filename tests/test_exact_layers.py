@@ -271,3 +271,33 @@ def test_a_padding_mask_changed_in_place_is_read_again():
         mask[0, :2] = 0
         again, _ = exact_layers._step_keys(mask, 2, 7, None, mask.device)
     assert first.tolist() == [[0], [0]] and again.tolist() == [[2], [0]]
+
+
+def test_the_c_layer_sees_a_hook_or_a_part_added_after_its_plan():
+    """A plan, once made, keeps no stale view of the modules: a forward hook registered on one linear after C
+    calls ran sends that layer back to its modules, where the MLP calls that linear as a module (the hook
+    fires; one C call fewer per forward), and its removal brings the C call back; a projection replaced by
+    another linear is used (the module path's logits for the new weights, not the old ones)."""
+    from ddtree.core.tree import DraftTree
+
+    target = tiny_target("qwen3", dtype=torch.float32)
+    parents = torch.tensor([-1, 0, 0, 1]).expand(2, -1)
+    tree = DraftTree.from_parents(torch.randint(3, 90, parents.shape, generator=torch.Generator().manual_seed(2)),
+                                  parents)
+    before, _, calls = _tree_logits(target, PROMPTS, tree, module_path=False)
+    seen = []
+    handle = target.model.layers[0].mlp.down_proj.register_forward_hook(lambda *a: seen.append(1))
+    hooked, _, hooked_calls = _tree_logits(target, PROMPTS, tree, module_path=False)
+    handle.remove()
+    again, _, again_calls = _tree_logits(target, PROMPTS, tree, module_path=False)
+    assert seen and hooked_calls == calls - 2 and again_calls == calls  # two forwards: the verify and a step
+    # the hooked MLP runs transformers' own forward (its activation rounds as torch's does): close, not equal
+    assert torch.allclose(hooked, before, atol=1e-4) and torch.equal(again, before)
+    old = target.model.layers[1].self_attn.o_proj
+    new = torch.nn.Linear(old.in_features, old.out_features, bias=False)
+    with torch.no_grad():
+        new.weight.copy_(old.weight * 0.5)
+    target.model.layers[1].self_attn.o_proj = new
+    swapped, _, swapped_calls = _tree_logits(target, PROMPTS, tree, module_path=False)
+    modules, _, _ = _tree_logits(target, PROMPTS, tree, module_path=True)
+    assert swapped_calls == calls and not torch.equal(swapped, before) and torch.equal(swapped, modules)

@@ -172,13 +172,21 @@ def _window(attn: Any) -> int | None:
 
 
 _ATTENTION_ARGS = ("hidden_states", "position_embeddings", "attention_mask")
+_ATTENTION_PARTS = ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm")
+
+
+def _parts(module: torch.nn.Module, names: tuple[str, ...]) -> list[torch.nn.Module]:
+    """The named children a taken module calls itself (a hook on one of them must see that call)."""
+    held = module._modules
+    return [held[n] for n in names if held.get(n) is not None]  # type: ignore[misc]
 
 
 def _attention(module: Any, original: Any, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, None]:
     call = dict(zip(_ATTENTION_ARGS, args), **kwargs)
     hidden_states, position_embeddings = call.get("hidden_states"), call.get("position_embeddings")
     if (len(args) > len(_ATTENTION_ARGS) or not isinstance(hidden_states, torch.Tensor) or hidden_states.dim() != 3
-            or position_embeddings is None or not _decoding(hidden_states, module.q_proj.weight)):
+            or position_embeddings is None or not _decoding(hidden_states, module.q_proj.weight)
+            or _watched(*_parts(module, _ATTENTION_PARTS))):  # a hook on a projection or norm sees its calls
         return original(*args, **kwargs)
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
@@ -236,7 +244,7 @@ def _norm(module: Any, original: Any, x: torch.Tensor) -> torch.Tensor:
 
 
 def _mlp(module: Any, original: Any, x: torch.Tensor) -> torch.Tensor:
-    if not _decoding(x, module.gate_proj.weight):
+    if not _decoding(x, module.gate_proj.weight) or _watched(module.gate_proj, module.up_proj, module.down_proj):
         return original(x)
     return _swiglu(module, x)
 
@@ -282,6 +290,9 @@ def _pointer(t: torch.Tensor | None) -> int:
 
 
 _SLOT = {name: i for i, name in enumerate(_SLOTS)}
+_CALL_SLOTS = tuple(_SLOT[name] for name in ("x", "y", "cos", "sin", "kc", "vc", "start", "vis", "ends", "cap",
+                                             "held", "b", "n", "threads"))
+"""The slots each call fills, in :func:`_decoder`'s order."""
 _PLAN = "_ddtree_layer_plan"
 
 
@@ -294,13 +305,23 @@ class _LayerPlan:
     with those slots filled, the modules a hook could watch, and the weights it was made from (a weight that is
     replaced, moved or changed in place makes a new plan, repacking what changed)."""
 
-    __slots__ = ("ints", "floats", "weights", "stamps", "watch", "window", "layer_idx", "hkv", "d")
+    __slots__ = ("ints", "floats", "weights", "stamps", "watch", "window", "layer_idx", "hkv", "d", "parts",
+                 "params", "forwards")
 
     def __init__(self, module: Any):
         attn, mlp = module.self_attn, module.mlp
         linears = (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj)
         norms = [module.input_layernorm, module.post_attention_layernorm, getattr(attn, "q_norm", None),
                  getattr(attn, "k_norm", None)]
+        # what current() compares, as dict lookups (a module's __getattr__ costs more than the C layer's checks)
+        self.parts = [(parent._modules, name, parent._modules[name]) for parent, names in (
+            (module, ("self_attn", "mlp", "input_layernorm", "post_attention_layernorm")),
+            (attn, tuple(n for n in ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm")
+                         if n in attn._modules)),
+            (mlp, ("gate_proj", "up_proj", "down_proj"))) for name in names]
+        self.params = [(m._parameters, name, m._parameters[name]) for m in (*linears, *(n for n in norms if n))
+                       for name in ("weight", "bias") if m._parameters.get(name) is not None]
+        self.forwards: list[tuple[torch.nn.Module, dict, Any]] | None = None  # as when last seen unwatched
         packed = [cpu_linear.packed_weight(p) for p in linears]
         self.d = attn.head_dim
         self.hkv = attn.k_proj.weight.shape[0] // self.d
@@ -310,7 +331,7 @@ class _LayerPlan:
                       mlp.gate_proj, mlp.up_proj, mlp.down_proj)
         self.weights = [p.weight for p in linears] + [p.bias for p in linears if p.bias is not None] + [
             m.weight for m in norms if m is not None]
-        self.stamps = [_stamp(w) for w in self.weights]
+        self.stamps = [(w, *_stamp(w)) for w in self.weights]  # an inference tensor's version: -1, unread
         styles = [(0, 0.0) if m is None else (row_kernels.NORM_STYLES[vars(m)[_STYLE][0]], vars(m)[_STYLE][1])
                   for m in norms]
         self.ints = (ctypes.c_int64 * len(_SLOTS))()
@@ -327,19 +348,40 @@ class _LayerPlan:
             self.ints[_SLOT[name]] = value
         self.floats = (ctypes.c_double * 5)(styles[0][1], styles[1][1], styles[2][1], styles[3][1], attn.scaling)
 
-    def current(self, module: Any) -> bool:
-        """Whether the layer's weights are still the tensors, storage and versions this plan was made from."""
-        weights = self.weights
-        mine = [p.weight for p in (module.self_attn.q_proj, module.self_attn.k_proj, module.self_attn.v_proj,
-                                   module.self_attn.o_proj, module.mlp.gate_proj, module.mlp.up_proj,
-                                   module.mlp.down_proj)]
-        return all(a is b for a, b in zip(mine, weights)) and all(
-            _stamp(w) == stamp for w, stamp in zip(weights, self.stamps))
+    def current(self) -> bool:
+        """Whether the layer's parts and weights are still the modules, tensors, storage and versions this plan
+        was made from."""
+        for held, name, part in self.parts:
+            if held.get(name) is not part:
+                return False
+        for held, name, tensor in self.params:
+            if held.get(name) is not tensor:
+                return False
+        for w, pointer, version in self.stamps:
+            if w.data_ptr() != pointer or (version >= 0 and w._version != version):
+                return False
+        return True
+
+    def unwatched(self) -> bool:
+        """``not _watched(*self.watch)``, at the cost of comparing each module's forward with what it was when
+        the full check last passed (and looking for hooks)."""
+        from torch.nn.modules import module as nn_module
+
+        if nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks:
+            return False
+        if self.forwards is not None and all(
+                held.get("forward") is forward and not (m._forward_hooks or m._forward_pre_hooks)
+                for m, held, forward in self.forwards):
+            return True
+        if _watched(*self.watch):
+            return False
+        self.forwards = [(m, vars(m), vars(m).get("forward")) for m in self.watch]
+        return True
 
 
 def _plan(module: Any) -> _LayerPlan:
     plan = vars(module).get(_PLAN)
-    if plan is None or not plan.current(module):
+    if plan is None or not plan.current():
         plan = _LayerPlan(module)
         vars(module)[_PLAN] = plan
     return plan
@@ -385,7 +427,7 @@ def _decoder(module: Any, original: Any, *args: Any, **kwargs: Any) -> torch.Ten
             or module.self_attn.config._attn_implementation != EXACT_IMPLEMENTATION):
         return original(*args, **kwargs)
     plan = _plan(module)
-    if plan.layer_idx >= len(layers) or _watched(*plan.watch):
+    if plan.layer_idx >= len(layers) or not plan.unwatched():
         return original(*args, **kwargs)
     from transformers.cache_utils import DynamicLayer
 
@@ -412,11 +454,11 @@ def _decoder(module: Any, original: Any, *args: Any, **kwargs: Any) -> torch.Ten
     y = torch.empty_like(x)
     ends = torch.full((bsz,), held, dtype=torch.int64)
     ints = plan.ints
-    for name, value in (("x", x.data_ptr()), ("y", y.data_ptr()), ("cos", cos.data_ptr()), ("sin", sin.data_ptr()),
-                        ("kc", room[0].data_ptr()), ("vc", room[1].data_ptr()), ("start", start.data_ptr()),
-                        ("vis", visible.data_ptr()), ("ends", ends.data_ptr()), ("cap", room[0].shape[-2]),
-                        ("held", held), ("b", bsz), ("n", n), ("threads", row_kernels.caller_threads())):
-        ints[_SLOT[name]] = value
+    for slot, value in zip(_CALL_SLOTS, (
+            x.data_ptr(), y.data_ptr(), cos.data_ptr(), sin.data_ptr(), room[0].data_ptr(), room[1].data_ptr(),
+            start.data_ptr(), visible.data_ptr(), ends.data_ptr(), room[0].shape[-2], held, bsz, n,
+            row_kernels.caller_threads())):
+        ints[slot] = value
     row_kernels.decoder_layer(ints, plan.floats)
     layer.keys, layer.values = room[0][..., :held + n, :], room[1][..., :held + n, :]
     return y
