@@ -18,6 +18,10 @@
 
 enum { DT_F32 = 0, DT_BF16 = 1, DT_F16 = 2, DT_F64 = 3 };
 
+/* The product tiles are inlined into their callers: as functions of their own, GCC keeps their 24 accumulators
+ * in memory (a store per sum per step, half the speed). */
+#define TILE_INLINE inline __attribute__((always_inline))
+
 /* ------------------------------------------------------------------ conversions */
 
 static inline float bf16_to_f32(uint16_t h) {
@@ -334,7 +338,7 @@ void ddtree_pack_weight(const void *w, void *dst, long N, long K, int dt, int tr
 #ifdef WIDE
 /* MR rows against one panel: MR x 4 accumulators of 16 lanes. */
 #define PACKED_TILE(T, MR)                                                                       \
-    static void packed_##T##_##MR(const float *x, const T##_t *wp, float *out, long K) {        \
+    static TILE_INLINE void packed_##T##_##MR(const float *x, const T##_t *wp, float *out, long K) {        \
         __m512 a[MR][4];                                                                         \
         for (int r = 0; r < MR; r++) a[r][0] = a[r][1] = a[r][2] = a[r][3] = _mm512_setzero_ps(); \
         for (long k = 0; k < K; k++) {                                                           \
@@ -356,7 +360,7 @@ void ddtree_pack_weight(const void *w, void *dst, long N, long K, int dt, int tr
 /* One row against MULTI panels at once: 4 * MULTI independent sums instead of 4 (the same order for each). */
 #define MULTI 4
 #define PACKED_MULTI(T)                                                                          \
-    static void packed_multi_##T(const float *x, const T##_t *w, long stride, float *out, long K) { \
+    static TILE_INLINE void packed_multi_##T(const float *x, const T##_t *w, long stride, float *out, long K) { \
         __m512 a[MULTI][4];                                                                      \
         for (int p = 0; p < MULTI; p++) a[p][0] = a[p][1] = a[p][2] = a[p][3] = _mm512_setzero_ps(); \
         for (long k = 0; k < K; k++) {                                                           \
@@ -379,7 +383,7 @@ PACKED_MULTI(f32)
 /* MR rows against k in [k0, k1) of one panel, continuing sums held in acc (MR x PANEL floats): a float32
  * accumulator stored and loaded again is the same float, so splitting k this way keeps every sum's order. */
 #define PACKED_SPAN(T, MR)                                                                       \
-    static void span_##T##_##MR(const float *x, const T##_t *wp, float *acc, long K, long k0, long k1) { \
+    static TILE_INLINE void span_##T##_##MR(const float *x, const T##_t *wp, float *acc, long K, long k0, long k1) { \
         __m512 a[MR][4];                                                                         \
         for (int r = 0; r < MR; r++)                                                             \
             for (int c = 0; c < 4; c++) a[r][c] = _mm512_loadu_ps(acc + r * PANEL + 16 * c);     \
@@ -410,7 +414,7 @@ PACKED_SPAN_ALL(f16)
 #else
 /* One row against one panel: 8 accumulators of 8 lanes (AVX2 has 16 registers). */
 #define PACKED_TILE(T, MR)                                                                       \
-    static void packed_##T##_##MR(const float *x, const T##_t *wp, float *out, long K) {        \
+    static TILE_INLINE void packed_##T##_##MR(const float *x, const T##_t *wp, float *out, long K) {        \
         for (int r = 0; r < MR; r++) {                                                           \
             __m256 a[8];                                                                         \
             for (int c = 0; c < 8; c++) a[c] = _mm256_setzero_ps();                              \
@@ -433,7 +437,7 @@ PACKED_ALL(f16)
 #if PAIRED_BF16
 /* bfloat16 rows (x padded to an even K) against a paired panel: 32 products per instruction. */
 #define PAIRED_TILE(MR)                                                                          \
-    static void paired_##MR(const uint16_t *x, const uint16_t *wp, float *out, long K2) {       \
+    static TILE_INLINE void paired_##MR(const uint16_t *x, const uint16_t *wp, float *out, long K2) {       \
         __m512 a[MR][4];                                                                         \
         for (int r = 0; r < MR; r++) a[r][0] = a[r][1] = a[r][2] = a[r][3] = _mm512_setzero_ps(); \
         for (long k = 0; k < K2; k++) {                                                          \
@@ -456,7 +460,7 @@ PACKED_ALL(f16)
     }
 PAIRED_TILE(1) PAIRED_TILE(2) PAIRED_TILE(3) PAIRED_TILE(4) PAIRED_TILE(5) PAIRED_TILE(6)
 /* One bfloat16 row against MULTI paired panels at once (the same order for each sum). */
-static void paired_multi(const uint16_t *x, const uint16_t *w, long stride, float *out, long K2) {
+static TILE_INLINE void paired_multi(const uint16_t *x, const uint16_t *w, long stride, float *out, long K2) {
     __m512 a[MULTI][4];
     for (int p = 0; p < MULTI; p++) a[p][0] = a[p][1] = a[p][2] = a[p][3] = _mm512_setzero_ps();
     for (long k = 0; k < K2; k++) {
@@ -476,7 +480,7 @@ static void paired_multi(const uint16_t *x, const uint16_t *w, long stride, floa
 #define HAVE_PAIRED_MULTI 1
 /* The paired tile over pairs [k0, k1), continuing the sums in acc (see PACKED_SPAN). */
 #define PAIRED_SPAN(MR)                                                                          \
-    static void pspan_##MR(const uint16_t *x, const uint16_t *wp, float *acc, long K2, long k0, long k1) { \
+    static TILE_INLINE void pspan_##MR(const uint16_t *x, const uint16_t *wp, float *acc, long K2, long k0, long k1) { \
         __m512 a[MR][4];                                                                         \
         for (int r = 0; r < MR; r++)                                                             \
             for (int c = 0; c < 4; c++) a[r][c] = _mm512_loadu_ps(acc + r * PANEL + 16 * c);     \
@@ -511,63 +515,64 @@ PAIRED_SPAN(1) PAIRED_SPAN(2) PAIRED_SPAN(3) PAIRED_SPAN(4) PAIRED_SPAN(5) PAIRE
         default: PREFIX##_1(__VA_ARGS__); break;                                                 \
     }
 
-/* y [M, N] (dtype dt) = x [M, K] . w^T + bias with w packed by ddtree_pack_weight. */
-void ddtree_packed_linear(const void *x, const void *wp, const void *bias, void *y, long M, long K, long N, int dt,
-                          int threads) {
-    int paired = PAIRED_BF16 && dt == DT_BF16;
-    long K2 = (K + 1) / 2, xk = paired ? 2 * K2 : K;
-    float *xf = paired ? NULL : (float *)malloc(sizeof(float) * (size_t)(M * K > 0 ? M * K : 1));
-    uint16_t *xp = paired ? (uint16_t *)calloc((size_t)(M * xk > 0 ? M * xk : 1), 2) : NULL;
-    for (long m = 0; m < M; m++)
-        for (long k = 0; k < K; k++) {
-            if (paired) xp[m * xk + k] = ((const uint16_t *)x)[m * K + k];
-            else xf[m * K + k] = load_one(x, m * K + k, dt);
-        }
-    float *bf = bias ? (float *)malloc(sizeof(float) * (size_t)N) : NULL;
-    if (bf)
-        for (long j = 0; j < N; j++) bf[j] = load_one(bias, j, dt);
-    long panels = (N + PANEL - 1) / PANEL, rows = panel_rows(K, dt);
-    long panel_elems = rows * (paired ? 2 * PANEL : PANEL);
+/* One product of a call: a packed weight [N, K], its bias (as float32, or NULL) and its output y [M, N]. */
+typedef struct {
+    const void *wp;
+    float *bias;
+    void *y;
+    long N, panels;
+} product_t;
+
+/* The call's rows, once: float32 (or, paired, bfloat16 padded to an even K). */
+typedef struct {
+    const float *xf;
+    const uint16_t *xp;
+    long M, K, K2, xk, panel_elems;
+    int dt, paired;
+} rows_t;
+
+/* Panels [p0, p0 + np) of one product: np == MULTI only for one row (four panels at once). */
+static TILE_INLINE void product_unit(const rows_t *r, const product_t *pr, long p0, long np) {
+    long M = r->M, K = r->K, K2 = r->K2, xk = r->xk, panel_elems = r->panel_elems, N = pr->N;
+    int dt = r->dt, paired = r->paired;
+    const float *xf = r->xf, *bf = pr->bias;
+    const uint16_t *xp = r->xp;
+    const void *wp = pr->wp;
+    void *y = pr->y;
+    (void)xp;
+    (void)K2;
+    (void)xk;
 #ifdef HAVE_MULTI
-    if (M == 1 && (dt == DT_F32 || paired) && panels >= MULTI) {
-        long units = panels / MULTI;
-#pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
-        for (long u = 0; u <= units; u++) {
-            float out[MULTI * PANEL];
-            long p0 = u * MULTI, np = u < units ? MULTI : panels - p0, j = p0 * PANEL;
-            if (np == 0) continue;
-            if (paired) {
+    if (M == 1 && (dt == DT_F32 || paired)) {
+        float out[MULTI * PANEL];
+        long j = p0 * PANEL;
+        if (paired) {
 #ifdef HAVE_PAIRED_MULTI
-                const uint16_t *w0 = (const uint16_t *)wp + p0 * panel_elems;
-                if (np == MULTI) paired_multi(xp, w0, panel_elems, out, K2);
-                else
-                    for (long p = 0; p < np; p++) paired_1(xp, w0 + p * panel_elems, out + p * PANEL, K2);
+            const uint16_t *w0 = (const uint16_t *)wp + p0 * panel_elems;
+            if (np == MULTI) paired_multi(xp, w0, panel_elems, out, K2);
+            else
+                for (long p = 0; p < np; p++) paired_1(xp, w0 + p * panel_elems, out + p * PANEL, K2);
 #endif
-            } else {
-                const float *w0 = (const float *)wp + p0 * panel_elems;
-                if (np == MULTI) packed_multi_f32(xf, w0, panel_elems, out, K);
-                else
-                    for (long p = 0; p < np; p++) packed_f32_1(xf, w0 + p * panel_elems, out + p * PANEL, K);
-            }
-            long width = N - j < np * PANEL ? N - j : np * PANEL;
-            for (long c = 0; c < width; c++) store_one(y, j + c, bf ? out[c] + bf[j + c] : out[c], dt);
+        } else {
+            const float *w0 = (const float *)wp + p0 * panel_elems;
+            if (np == MULTI) packed_multi_f32(xf, w0, panel_elems, out, K);
+            else
+                for (long p = 0; p < np; p++) packed_f32_1(xf, w0 + p * panel_elems, out + p * PANEL, K);
         }
-        free(xf);
-        free(xp);
-        free(bf);
+        long width = N - j < np * PANEL ? N - j : np * PANEL;
+        for (long c = 0; c < width; c++) store_one(y, j + c, bf ? out[c] + bf[j + c] : out[c], dt);
         return;
     }
 #endif
+    for (long p = p0; p < p0 + np; p++) {
+        long j = p * PANEL, width = N - j < PANEL ? N - j : PANEL;
 #ifdef HAVE_SPAN
-    /* A few row blocks: each KBLOCK slice of a panel, streamed from memory once, serves every block from L1
-     * (one pass per block would stream the whole panel again). */
-    if (M > PACKED_ROWS && M <= SPAN_ROWS) {
-        long span = paired ? K2 : K;
-#pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
-        for (long p = 0; p < panels; p++) {
+        /* A few row blocks: each KBLOCK slice of a panel, streamed from memory once, serves every block from L1
+         * (one pass per block would stream the whole panel again). */
+        if (M > PACKED_ROWS && M <= SPAN_ROWS) {
             float acc[SPAN_ROWS * PANEL];
+            long span = paired ? K2 : K;
             memset(acc, 0, sizeof(float) * (size_t)(M * PANEL));
-            long j = p * PANEL, width = N - j < PANEL ? N - j : PANEL;
             for (long k0 = 0; k0 < span; k0 += KBLOCK) {
                 long k1 = span - k0 < KBLOCK ? span : k0 + KBLOCK;
                 for (long m = 0; m < M; m += PACKED_ROWS) {
@@ -589,22 +594,15 @@ void ddtree_packed_linear(const void *x, const void *wp, const void *bias, void 
                     }
                 }
             }
-            for (long r = 0; r < M; r++)
+            for (long rr = 0; rr < M; rr++)
                 for (long c = 0; c < width; c++) {
-                    float s = acc[r * PANEL + c];
-                    store_one(y, r * N + j + c, bf ? s + bf[j + c] : s, dt);
+                    float v = acc[rr * PANEL + c];
+                    store_one(y, rr * N + j + c, bf ? v + bf[j + c] : v, dt);
                 }
+            continue;
         }
-        free(xf);
-        free(xp);
-        free(bf);
-        return;
-    }
 #endif
-#pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
-    for (long p = 0; p < panels; p++) {
         float out[PACKED_ROWS * PANEL];
-        long j = p * PANEL, width = N - j < PANEL ? N - j : PANEL;
         for (long m = 0; m < M; m += PACKED_ROWS) {
             long mb = M - m < PACKED_ROWS ? M - m : PACKED_ROWS;
             if (paired) {
@@ -618,16 +616,76 @@ void ddtree_packed_linear(const void *x, const void *wp, const void *bias, void 
             } else {
                 DISPATCH(packed_f16, mb, xf + m * K, (const uint16_t *)wp + p * panel_elems, out, K)
             }
-            for (long r = 0; r < mb; r++)
+            for (long rr = 0; rr < mb; rr++)
                 for (long c = 0; c < width; c++) {
-                    float s = out[r * PANEL + c];
-                    store_one(y, (m + r) * N + j + c, bf ? s + bf[j + c] : s, dt);
+                    float v = out[rr * PANEL + c];
+                    store_one(y, (m + rr) * N + j + c, bf ? v + bf[j + c] : v, dt);
                 }
         }
     }
+}
+
+/* ys[i] [M, Ns[i]] = x [M, K] . w_i^T + bias_i for `count` weights packed by ddtree_pack_weight, sharing x: one
+ * parallel loop over all their panels (the threads share the work of q, k and v, say, rather than splitting three
+ * small products apiece). Each output's sum is the single-product call's. */
+void ddtree_packed_linears(const void *x, int count, const void *const *wps, const void *const *biases,
+                           void *const *ys, long M, long K, const long *Ns, int dt, int threads) {
+    rows_t r = {0};
+    r.M = M;
+    r.K = K;
+    r.dt = dt;
+    r.paired = PAIRED_BF16 && dt == DT_BF16;
+    r.K2 = (K + 1) / 2;
+    r.xk = r.paired ? 2 * r.K2 : K;
+    r.panel_elems = panel_rows(K, dt) * (r.paired ? 2 * PANEL : PANEL);
+    float *xf = r.paired ? NULL : (float *)malloc(sizeof(float) * (size_t)(M * K > 0 ? M * K : 1));
+    uint16_t *xp = r.paired ? (uint16_t *)calloc((size_t)(M * r.xk > 0 ? M * r.xk : 1), 2) : NULL;
+    for (long m = 0; m < M; m++)
+        for (long k = 0; k < K; k++) {
+            if (r.paired) xp[m * r.xk + k] = ((const uint16_t *)x)[m * K + k];
+            else xf[m * K + k] = load_one(x, m * K + k, dt);
+        }
+    r.xf = xf;
+    r.xp = xp;
+    product_t pr[8];
+    long first[9];
+    long per_unit = 1;
+#ifdef HAVE_MULTI
+    if (M == 1 && (dt == DT_F32 || r.paired)) per_unit = MULTI;
+#endif
+    if (count > 8) count = 8;
+    first[0] = 0;
+    for (int i = 0; i < count; i++) {
+        pr[i].wp = wps[i];
+        pr[i].y = ys[i];
+        pr[i].N = Ns[i];
+        pr[i].panels = (Ns[i] + PANEL - 1) / PANEL;
+        pr[i].bias = NULL;
+        if (biases && biases[i]) {
+            pr[i].bias = (float *)malloc(sizeof(float) * (size_t)Ns[i]);
+            for (long j = 0; j < Ns[i]; j++) pr[i].bias[j] = load_one(biases[i], j, dt);
+        }
+        first[i + 1] = first[i] + (pr[i].panels + per_unit - 1) / per_unit;
+    }
+    long units = first[count];
+#pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
+    for (long u = 0; u < units; u++) {
+        int i = 0;
+        while (u >= first[i + 1]) i++;
+        long p0 = (u - first[i]) * per_unit, np = pr[i].panels - p0 < per_unit ? pr[i].panels - p0 : per_unit;
+        product_unit(&r, &pr[i], p0, np);
+    }
+    for (int i = 0; i < count; i++) free(pr[i].bias);
     free(xf);
     free(xp);
-    free(bf);
+}
+
+/* y [M, N] (dtype dt) = x [M, K] . w^T + bias with w packed by ddtree_pack_weight. */
+void ddtree_packed_linear(const void *x, const void *wp, const void *bias, void *y, long M, long K, long N, int dt,
+                          int threads) {
+    const void *b[1] = {bias};
+    void *out[1] = {y};
+    ddtree_packed_linears(x, 1, &wp, b, out, M, K, &N, dt, threads);
 }
 
 /* ------------------------------------------------------------------ float64 linear */
@@ -1121,9 +1179,12 @@ void ddtree_decoder_layer(const int64_t *a, const double *f) {
     void *x = PTR(L_X), *y = PTR(L_Y);
     /* attention block */
     ddtree_rms_norm(x, PTR(L_LN1), h, R, H, H, H, f[F_EPS1], (int)a[L_STYLE1], dt, row_threads(R * H, thr));
-    ddtree_packed_linear(h, PTR(L_PQ), PTR(L_BQ), q, R, H, QD, dt, product_threads(R, H, QD, thr));
-    ddtree_packed_linear(h, PTR(L_PK), PTR(L_BK), k, R, H, KD, dt, product_threads(R, H, KD, thr));
-    ddtree_packed_linear(h, PTR(L_PV), PTR(L_BV), v, R, H, KD, dt, product_threads(R, H, KD, thr));
+    {
+        const void *w[3] = {PTR(L_PQ), PTR(L_PK), PTR(L_PV)}, *b[3] = {PTR(L_BQ), PTR(L_BK), PTR(L_BV)};
+        void *out[3] = {q, k, v};
+        long Ns[3] = {QD, KD, KD};
+        ddtree_packed_linears(h, 3, w, b, out, R, H, Ns, dt, product_threads(R, H, QD + 2 * KD, thr));
+    }
     if (PTR(L_QN)) {
         ddtree_rms_norm(q, PTR(L_QN), q, R * Hq, D, D, D, f[F_EPSQ], (int)a[L_STYLEQ], dt, row_threads(R * QD, thr));
         ddtree_rms_norm(k, PTR(L_KN), k, R * Hkv, D, D, D, f[F_EPSK], (int)a[L_STYLEK], dt, row_threads(R * KD, thr));
@@ -1145,8 +1206,12 @@ void ddtree_decoder_layer(const int64_t *a, const double *f) {
     add_into(y, x, o, R * H, dt);
     /* MLP block */
     ddtree_rms_norm(y, PTR(L_LN2), h, R, H, H, H, f[F_EPS2], (int)a[L_STYLE2], dt, row_threads(R * H, thr));
-    ddtree_packed_linear(h, PTR(L_PG), PTR(L_BG), g, R, H, I, dt, product_threads(R, H, I, thr));
-    ddtree_packed_linear(h, PTR(L_PU), PTR(L_BU), u, R, H, I, dt, product_threads(R, H, I, thr));
+    {
+        const void *w[2] = {PTR(L_PG), PTR(L_PU)}, *b[2] = {PTR(L_BG), PTR(L_BU)};
+        void *out[2] = {g, u};
+        long Ns[2] = {I, I};
+        ddtree_packed_linears(h, 2, w, b, out, R, H, Ns, dt, product_threads(R, H, 2 * I, thr));
+    }
     ddtree_silu_mul(g, u, ac, R, I, I, I, I, dt, row_threads(R * I, thr));
     ddtree_packed_linear(ac, PTR(L_PD), PTR(L_BD), o, R, I, H, dt, product_threads(R, I, H, thr));
     add_into(y, y, o, R * H, dt);
