@@ -220,6 +220,38 @@ def test_short_prompts_prefill_in_one_forward_with_each_rows_batch_one_bits():
     assert _rows_differ_from_alone(target, BATCH_PROMPTS, done) == []
 
 
+def test_a_padded_row_prefill_multiplies_only_real_tokens(monkeypatch):
+    """The batched row-kernel prefill hands every packed product its real tokens alone: the rows the products
+    compute are the prompts' tokens, not the padded width (and the rows' bits stay their batch-1 bits: the test
+    above). A product under only_rows gives the picked rows their own values and zeros elsewhere."""
+    from ddtree.targets import row_kernels
+
+    target = _near_tie_target(torch.bfloat16)
+    SpeculativeGenerator(target, tiny_drafter(target), numerics="exact")
+    rows, real = [], row_kernels.packed_linear
+
+    def counted(x, packed, bias=None):
+        only = row_kernels._ONLY.get()
+        rows.append(x.shape[:-1].numel() if only is None or x.shape[:-1] != only[0] else only[1].numel())
+        return real(x, packed, bias)
+
+    monkeypatch.setattr(row_kernels, "packed_linear", counted)
+    forwards, done = _prefill_forwards(target, BATCH_PROMPTS)
+    assert forwards == 1 and rows
+    layer_products = [r for r in rows if r != len(BATCH_PROMPTS)]  # the LM head takes each row's last token
+    assert set(layer_products) == {sum(map(len, BATCH_PROMPTS))}  # not 3 x 31 padded rows
+    monkeypatch.undo()
+    layer = target.model.layers[0].mlp.up_proj
+    packed = row_kernels.PackedWeight(layer.weight)
+    x = torch.randn(3, 5, layer.in_features).to(layer.weight.dtype)
+    valid = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1], [0, 0, 0, 0, 1]], dtype=torch.bool)
+    full = row_kernels.packed_linear(x, packed)
+    with row_kernels.only_rows(valid):
+        some = row_kernels.packed_linear(x, packed)
+        assert torch.equal(row_kernels.packed_linear(x[:2], packed), full[:2])  # another layout: every row
+    assert torch.equal(some[valid], full[valid]) and not some[~valid].any() and full[~valid].any()
+
+
 def test_control_a_padded_blas_prefill_differs_from_rows_alone(monkeypatch):
     """The same batch through BLAS and the causal kernels in one forward (what exact numerics does not do):
     some row's bits differ from its batch-1 prefill's."""

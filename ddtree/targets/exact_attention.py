@@ -37,13 +37,14 @@ _ROW_PREFILL: contextvars.ContextVar[bool] = contextvars.ContextVar("ddtree_row_
 
 
 @contextmanager
-def row_prefill() -> Iterator[None]:
+def row_prefill(valid: torch.Tensor | None = None) -> Iterator[None]:
     """A prefill forward on the row kernels: the products on the packed kernels (not the BLAS of
     :func:`~ddtree.targets.cpu_linear.bulk_rows`) and exact attention's queries as a chain over their own keys
-    (not the causal kernels)."""
+    (not the causal kernels). ``valid`` (``[B, T]``, the chunk's real tokens): the products skip the padding."""
     token = _ROW_PREFILL.set(True)
     try:
-        yield
+        with row_kernels.only_rows(valid):
+            yield
     finally:
         _ROW_PREFILL.reset(token)
 

@@ -173,13 +173,15 @@ def chunked_prefill(target: TargetModel, ids: torch.Tensor, cache: Any, chunk: i
     description = describe(target)
     step = description.prefill_step(width, chunk)
     # the row kernels (exact numerics, short prompts: each row's bits its own), or BLAS and the causal kernels
-    mode = row_prefill if description.prefill_through_row_kernels(width) else bulk_rows
+    rows = description.prefill_through_row_kernels(width)
     out = None
     for start in range(0, width, step):
         end = min(start + step, width)
         extra = {} if valid is None else {"attention_mask": valid[:, :end].long()}
         pos = None if positions is None else positions[:, start:end]
-        with mode():
+        # on the row kernels a padded batch's products skip its padding (each real row's bits are its own anyway)
+        mode = (row_prefill(None if valid is None else valid[:, start:end].bool()) if rows else bulk_rows())
+        with mode:
             out = target_forward(target, ids[:, start:end], pos, cache, hidden=hidden, last=1, layers=layers,
                                  **extra)
         check_cache_length(cache, end, "prefill")

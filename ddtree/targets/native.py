@@ -76,7 +76,7 @@ def library() -> tuple[ctypes.CDLL | None, str | None]:
     lib.ddtree_packed_bytes.restype = long
     lib.ddtree_pack_weight.argtypes = [ptr, ptr, long, long, i32, i32]
     lib.ddtree_pack_weight.restype = None
-    lib.ddtree_packed_linear.argtypes = [ptr] * 4 + [long] * 3 + [i32, i32]
+    lib.ddtree_packed_linear.argtypes = [ptr] * 4 + [long] * 3 + [i32, i32, ptr, long]
     lib.ddtree_packed_linear.restype = None
     strides = ctypes.POINTER(long)
     lib.ddtree_row_attention.argtypes = [ptr] * 4 + [i32] + [long] * 5 + [strides] * 3 + [ptr] * 4 + [f64, f64, i32]

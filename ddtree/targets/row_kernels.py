@@ -9,7 +9,10 @@ kernels cannot run.
 
 from __future__ import annotations
 
+import contextvars
 import ctypes
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 
@@ -120,6 +123,23 @@ class PackedWeight:
         return self._source == (weight.data_ptr(), version(weight), weight.dtype, tuple(weight.shape))
 
 
+_ONLY: contextvars.ContextVar[tuple[torch.Size, torch.Tensor] | None] = contextvars.ContextVar(
+    "ddtree_only_rows", default=None)
+
+
+@contextmanager
+def only_rows(valid: torch.Tensor | None) -> Iterator[None]:
+    """Inside, a :func:`packed_linear` whose input rows are laid out as ``valid`` (``[B, T]``, a padded
+    prefill's real tokens) computes only the ``True`` rows and gives the others zeros: a padded batch's
+    padding costs no products, and each real row's bits are what they would be anyway."""
+    held = None if valid is None else (valid.shape, valid.reshape(-1).nonzero().reshape(-1).to(torch.int64))
+    token = _ONLY.set(held)
+    try:
+        yield
+    finally:
+        _ONLY.reset(token)
+
+
 def packed_linear(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` for the weight ``packed`` holds (``x`` and ``bias`` of its dtype, on the
     CPU): each output one accumulation over the input features in order, whatever the number of rows."""
@@ -130,10 +150,14 @@ def packed_linear(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | No
     x2 = x if x.is_contiguous() else x.contiguous()
     y = torch.empty(*x.shape[:-1], packed.n, dtype=x.dtype)
     if rows and packed.n:
-        threads = 1 if rows * packed.k * packed.n < SMALL_PRODUCT else _threads()
+        only = _ONLY.get()
+        pick = only[1] if only is not None and x.shape[:-1] == only[0] else None
+        work = rows if pick is None else pick.numel()
+        threads = 1 if work * packed.k * packed.n < SMALL_PRODUCT else _threads()
         b = None if bias is None else bias.contiguous()
         _LIB[0].ddtree_packed_linear(x2.data_ptr(), packed.data.data_ptr(), 0 if b is None else b.data_ptr(),
-                                     y.data_ptr(), rows, packed.k, packed.n, DTYPE_CODES[x.dtype], threads)
+                                     y.data_ptr(), rows, packed.k, packed.n, DTYPE_CODES[x.dtype], threads,
+                                     0 if pick is None else pick.data_ptr(), work)
     return y
 
 

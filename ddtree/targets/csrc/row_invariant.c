@@ -527,9 +527,12 @@ typedef struct {
 typedef struct {
     const float *xf;
     const uint16_t *xp;
+    const int64_t *pick; /* the output row of each computed row (NULL: row m is row m) */
     long M, K, K2, xk, panel_elems;
     int dt, paired;
 } rows_t;
+
+#define OUT_ROW(r, m) ((r)->pick ? (r)->pick[m] : (m))
 
 /* Panels [p0, p0 + np) of one product: np == MULTI only for one row (four panels at once). */
 static TILE_INLINE void product_unit(const rows_t *r, const product_t *pr, long p0, long np) {
@@ -560,7 +563,7 @@ static TILE_INLINE void product_unit(const rows_t *r, const product_t *pr, long 
                 for (long p = 0; p < np; p++) packed_f32_1(xf, w0 + p * panel_elems, out + p * PANEL, K);
         }
         long width = N - j < np * PANEL ? N - j : np * PANEL;
-        for (long c = 0; c < width; c++) store_one(y, j + c, bf ? out[c] + bf[j + c] : out[c], dt);
+        for (long c = 0; c < width; c++) store_one(y, OUT_ROW(r, 0) * N + j + c, bf ? out[c] + bf[j + c] : out[c], dt);
         return;
     }
 #endif
@@ -597,7 +600,7 @@ static TILE_INLINE void product_unit(const rows_t *r, const product_t *pr, long 
             for (long rr = 0; rr < M; rr++)
                 for (long c = 0; c < width; c++) {
                     float v = acc[rr * PANEL + c];
-                    store_one(y, rr * N + j + c, bf ? v + bf[j + c] : v, dt);
+                    store_one(y, OUT_ROW(r, rr) * N + j + c, bf ? v + bf[j + c] : v, dt);
                 }
             continue;
         }
@@ -619,7 +622,7 @@ static TILE_INLINE void product_unit(const rows_t *r, const product_t *pr, long 
             for (long rr = 0; rr < mb; rr++)
                 for (long c = 0; c < width; c++) {
                     float v = out[rr * PANEL + c];
-                    store_one(y, (m + rr) * N + j + c, bf ? v + bf[j + c] : v, dt);
+                    store_one(y, OUT_ROW(r, m + rr) * N + j + c, bf ? v + bf[j + c] : v, dt);
                 }
         }
     }
@@ -628,9 +631,15 @@ static TILE_INLINE void product_unit(const rows_t *r, const product_t *pr, long 
 /* ys[i] [M, Ns[i]] = x [M, K] . w_i^T + bias_i for `count` weights packed by ddtree_pack_weight, sharing x: one
  * parallel loop over all their panels (the threads share the work of q, k and v, say, rather than splitting three
  * small products apiece). Each output's sum is the single-product call's. */
-void ddtree_packed_linears(const void *x, int count, const void *const *wps, const void *const *biases,
-                           void *const *ys, long M, long K, const long *Ns, int dt, int threads) {
+static void packed_products(const void *x, int count, const void *const *wps, const void *const *biases,
+                            void *const *ys, long M, long K, const long *Ns, int dt, int threads, const int64_t *pick,
+                            long picked) {
     rows_t r = {0};
+    if (pick) { /* only the picked rows: the rest of each output is zero */
+        for (int i = 0; i < count; i++) memset(ys[i], 0, (size_t)(M * Ns[i]) * (dt == DT_F32 ? 4 : 2));
+        M = picked;
+    }
+    r.pick = pick;
     r.M = M;
     r.K = K;
     r.dt = dt;
@@ -640,11 +649,13 @@ void ddtree_packed_linears(const void *x, int count, const void *const *wps, con
     r.panel_elems = panel_rows(K, dt) * (r.paired ? 2 * PANEL : PANEL);
     float *xf = r.paired ? NULL : (float *)malloc(sizeof(float) * (size_t)(M * K > 0 ? M * K : 1));
     uint16_t *xp = r.paired ? (uint16_t *)calloc((size_t)(M * r.xk > 0 ? M * r.xk : 1), 2) : NULL;
-    for (long m = 0; m < M; m++)
+    for (long m = 0; m < M; m++) {
+        long from = pick ? pick[m] : m;
         for (long k = 0; k < K; k++) {
-            if (r.paired) xp[m * r.xk + k] = ((const uint16_t *)x)[m * K + k];
-            else xf[m * K + k] = load_one(x, m * K + k, dt);
+            if (r.paired) xp[m * r.xk + k] = ((const uint16_t *)x)[from * K + k];
+            else xf[m * K + k] = load_one(x, from * K + k, dt);
         }
+    }
     r.xf = xf;
     r.xp = xp;
     product_t pr[8];
@@ -680,12 +691,18 @@ void ddtree_packed_linears(const void *x, int count, const void *const *wps, con
     free(xp);
 }
 
-/* y [M, N] (dtype dt) = x [M, K] . w^T + bias with w packed by ddtree_pack_weight. */
+void ddtree_packed_linears(const void *x, int count, const void *const *wps, const void *const *biases,
+                           void *const *ys, long M, long K, const long *Ns, int dt, int threads) {
+    packed_products(x, count, wps, biases, ys, M, K, Ns, dt, threads, NULL, 0);
+}
+
+/* y [M, N] (dtype dt) = x [M, K] . w^T + bias with w packed by ddtree_pack_weight; with pick, only the picked
+ * rows (`picked` row indices, the rest zero: a padded prefill's padding costs nothing). */
 void ddtree_packed_linear(const void *x, const void *wp, const void *bias, void *y, long M, long K, long N, int dt,
-                          int threads) {
+                          int threads, const int64_t *pick, long picked) {
     const void *b[1] = {bias};
     void *out[1] = {y};
-    ddtree_packed_linears(x, 1, &wp, b, out, M, K, &N, dt, threads);
+    packed_products(x, 1, &wp, b, out, M, K, &N, dt, threads, pick, picked);
 }
 
 /* ------------------------------------------------------------------ float64 linear */
@@ -1202,7 +1219,7 @@ void ddtree_decoder_layer(const int64_t *a, const double *f) {
     long qs[3] = {n * QD, D, QD}, cs[3] = {Hkv * cap * D, cap * D, D};
     ddtree_row_attention(q, kc, vc, at, dt, B, Hq, Hkv, n, D, qs, cs, cs, (const int64_t *)PTR(L_START),
                          (const int64_t *)PTR(L_ENDS), (const uint8_t *)PTR(L_VIS), NULL, 0.0, f[F_SCALE], thr);
-    ddtree_packed_linear(at, PTR(L_PO), PTR(L_BO), o, R, QD, H, dt, product_threads(R, QD, H, thr));
+    ddtree_packed_linear(at, PTR(L_PO), PTR(L_BO), o, R, QD, H, dt, product_threads(R, QD, H, thr), NULL, 0);
     add_into(y, x, o, R * H, dt);
     /* MLP block */
     ddtree_rms_norm(y, PTR(L_LN2), h, R, H, H, H, f[F_EPS2], (int)a[L_STYLE2], dt, row_threads(R * H, thr));
@@ -1213,7 +1230,7 @@ void ddtree_decoder_layer(const int64_t *a, const double *f) {
         ddtree_packed_linears(h, 2, w, b, out, R, H, Ns, dt, product_threads(R, H, 2 * I, thr));
     }
     ddtree_silu_mul(g, u, ac, R, I, I, I, I, dt, row_threads(R * I, thr));
-    ddtree_packed_linear(ac, PTR(L_PD), PTR(L_BD), o, R, I, H, dt, product_threads(R, I, H, thr));
+    ddtree_packed_linear(ac, PTR(L_PD), PTR(L_BD), o, R, I, H, dt, product_threads(R, I, H, thr), NULL, 0);
     add_into(y, y, o, R * H, dt);
     free(h); free(q); free(k); free(v); free(at); free(o); free(g); free(u); free(ac);
 }
