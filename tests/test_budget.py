@@ -412,3 +412,44 @@ def test_a_policys_choice_is_an_int_budget_or_refused_naming_the_policy():
         gen = SpeculativeGenerator(target, drafter, tree_budget=_Returns(value))
         with pytest.raises(ValueError, match=r"_Returns\.choose returned .*a tree budget is an int >= 0"):
             gen.generate([5, 9, 12], max_new_tokens=4)
+
+
+@pytest.mark.parametrize("sampled", [False, True])
+def test_a_round_the_policy_does_not_draft_runs_as_a_plain_step(monkeypatch, sampled):
+    """A policy that drafts every other round: its plain rounds build no tree (no mask, no walk), and every
+    token, acceptance, reason and drafted round equals what the root-only tree gives them (``record_trees``
+    keeps that path), greedy and keyed-sampled; a drafting round after plain ones still accepts the scripted
+    continuation (the drafter context took in the plain rounds' features)."""
+    from ddtree.budget.policy import BudgetPolicy
+    from ddtree.core import verify
+    from ddtree.generation import round as round_module
+
+    class EveryOther(BudgetPolicy):
+        def __init__(self):
+            self.rounds = 0
+
+        def prepare(self, context_len, batch):
+            self.rounds += 1
+            self.skip_draft, self.reason = self.rounds % 2 == 1, "every other"
+
+        def choose(self, proposal, context_len):
+            return 4
+
+    target = tiny_target("qwen3")
+    prompts = [[5, 17, 3, 9, 22, 6], [8, 2, 44, 4]]
+    refs = [target.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                            max_new_tokens=40, do_sample=False, pad_token_id=0, eos_token_id=None)[0] for p in prompts]
+    gen = SpeculativeGenerator(target, ScriptedDrafter(refs, 97, block_size=5, match_prompt=True),
+                               prompt_lookup=False)
+    walks = []
+    real = verify.verify_tree
+    monkeypatch.setattr(round_module, "verify_tree", lambda *a, **k: (walks.append(1), real(*a, **k))[1])
+    options = dict(max_new_tokens=24, stop_token_ids=(), **({"temperature": 0.8, "seed": 3} if sampled else {}))
+    plain = gen.generate(prompts, tree_budget=EveryOther(), **options)
+    plain_walks, walks[:] = len(walks), []
+    tree = gen.generate(prompts, tree_budget=EveryOther(), record_trees=True, **options)
+    assert plain.row_tokens == tree.row_tokens and plain.row_acceptance == tree.row_acceptance
+    assert plain.stats.reasons == tree.stats.reasons and plain.stats.budgets == tree.stats.budgets
+    assert plain_walks == plain.stats.rounds // 2 < len(walks) == tree.stats.rounds  # no walk on plain rounds
+    if not sampled:  # the scripted drafter is right: every drafted round accepts its whole chain
+        assert all(a == 5 for row in plain.row_acceptance for a in row[1::2])

@@ -183,7 +183,10 @@ def _tree_round(state: DecodeState, policy: BudgetPolicy) -> RoundResult:
     context = max(state.rows.host_lengths)
     with state.timer.stage("calibration"):
         policy.prepare(context, len(state.rows.active))
-    tree, budget = _draft_tree(state, policy, context)
+    skip = state.generator.lockstep.share(bool(policy.skip_draft))  # rank 0 decides under tensor parallelism
+    if skip and not state.stats.record:  # (a recorded round keeps its root-only tree)
+        return _root_round(state, policy, context)
+    tree, budget = _draft_tree(state, policy, context, skip)
     out, result = _verify(state, tree)
     with state.timer.stage("commit"):
         accepted = _read_accepted(tree, result)
@@ -197,12 +200,50 @@ def _tree_round(state: DecodeState, policy: BudgetPolicy) -> RoundResult:
     return emitted
 
 
-def _draft_tree(state: DecodeState, policy: BudgetPolicy, context: int) -> tuple[DraftTree, int]:
+def _root_round(state: DecodeState, policy: BudgetPolicy, context: int) -> RoundResult:
+    """A round the policy does not draft, as the plain step runs it (no tree mask, walk or commit), keeping
+    the target features the drafter context takes in when a later round drafts; the same token a root-only
+    tree's verify gives (the same logits under exact numerics, the same draw at ``length + 1``)."""
+    gen, rows, held = state.generator, state.rows, state.on_device
+    cache, lengths, roots = held.cache, cast(torch.Tensor, held.lengths), cast(torch.Tensor, held.roots)
+    width = cache_length(cache)
+    hidden = gen.drafter.needs_hidden_states
+    with state.timer.stage("verify"):
+        extra: dict[str, Any] = {}
+        positions = None
+        if not all(n == width for n in rows.host_lengths):
+            positions = lengths[:, None]
+            extra["attention_mask"] = torch.cat([padding_mask(lengths, width),
+                                                 torch.ones_like(lengths[:, None], dtype=torch.bool)], 1).long()
+        out = target_forward(gen.target, roots.view(-1, 1), positions, cache, hidden=hidden, last=1,
+                             layers=gen.drafter.target_layer_ids, **extra)
+        check_cache_length(cache, width + 1, "decode step")
+        bonus = gen.lockstep.share(choose_tokens(out.logits[:, -1].to(roots.device), state.sampling,
+                                                 keys=held.keys, positions=lengths + 1))
+    with state.timer.stage("commit"):  # the drafter context's append waits for a round that drafts
+        features = gen.drafter.context_features(cast(Any, out.hidden_states)) if hidden else None
+        ones = torch.ones_like(lengths)
+        held.deferred.append((features, roots.view(-1, 1), ones, [1] * len(rows.active)))
+        if len(held.deferred) >= HELD_BACK_MOST:
+            state.catch_up_draft()
+    chosen = bonus.tolist()  # the round's one host read
+    n = len(rows.active)
+    state.stats.observe(rows.active, [1] * n, budget=0, sources=None, records=None, reason=policy.reason, nodes=0)
+    tokens, acceptance = emit_accepted(state, AcceptedOnHost([1] * n, chosen, [[0]] * n, [[0]] * n, None))
+    held.lengths, held.roots = lengths + 1, bonus
+    result = _finish_round(state, tokens, acceptance)
+    policy.observe([a for a in acceptance if a is not None], state.timer.last("verify"), context)
+    if state.done:
+        policy.finish()
+    return result
+
+
+def _draft_tree(state: DecodeState, policy: BudgetPolicy, context: int, skip: bool) -> tuple[DraftTree, int]:
     """This round's trees and budget: the drafter's proposal built under the policy's budget (lookup branches
     grafted in), or the roots alone while the policy says no tree pays (rank 0 decides both under tensor
     parallelism). Only a drafting round takes in the drafter context's held-back appends."""
     gen, roots = state.generator, cast(torch.Tensor, state.on_device.roots)  # set by the prefill
-    if gen.lockstep.share(bool(policy.skip_draft)):
+    if skip:
         return root_only(roots), 0
     draft = cast(DraftContext, state.catch_up_draft())  # made by the prefill whenever there is a policy
     with state.timer.stage("draft"):
