@@ -180,3 +180,49 @@ def test_attention_layers_append_in_place_and_hold_what_concatenation_holds():
         target(steps[2][[0, 2]], use_cache=True, **cache_kwargs(target, copied))
         assert copied.get_seq_length() == 13 and ours.get_seq_length() == 12
         assert torch.equal(copied.layers[0].keys[..., :12, :], ours.layers[0].keys)
+
+
+def _roomed_cache(rows: int, columns: int, seed: int):
+    """``_filled_cache``'s states in a ddtree cache whose layers hold them in their in-place room."""
+    from ddtree.targets.kv_room import held_in_room
+
+    g = torch.Generator().manual_seed(seed)
+    cache = new_target_cache()
+    for layer in range(2):
+        k, v = (torch.randn(rows, 2, columns, 4, generator=g, dtype=torch.float64) for _ in range(2))
+        cache.update(k[..., :-1, :], v[..., :-1, :], layer)
+        cache.update(k[..., -1:, :], v[..., -1:, :], layer)  # the second update moves them into room
+    assert all(held_in_room(layer) for layer in cache.layers)
+    return cache
+
+
+@pytest.mark.parametrize("accepted,lengths", [
+    ([[0, 2, 5], [0, -1, -1]], [6, 4]),  # ragged counts and rows: row 1 moves right
+    ([[0, 1, -1], [0, 3, 4]], None),
+    ([[0, -1, -1], [0, 4, 5]], [6, 2]),  # the short row accepts most: it moves left, into its padding
+])
+def test_a_ragged_commit_moves_rows_within_their_room(accepted, lengths, monkeypatch):
+    """A ragged commit of a cache held in room moves each row's columns there (no whole-cache gather, the
+    layers still append in place) and keeps what the gathering commit keeps, on every row's real columns."""
+    from ddtree.targets import cache as cache_module
+
+    prefix, nodes = 6, 6
+    accepted_t = torch.tensor(accepted)
+    paths = [[i for i in row if i >= 0] for row in accepted]
+    host_lengths = [prefix, prefix] if lengths is None else lengths
+    lengths_t = None if lengths is None else torch.tensor(lengths)
+    want = _filled_cache(2, prefix + nodes, 0)
+    commit_accepted(want, prefix, accepted_t, lengths_t)
+    got = _roomed_cache(2, prefix + nodes, 0)
+    gathers = []
+    real = cache_module._gather_columns
+    monkeypatch.setattr(cache_module, "_gather_columns", lambda *a: (gathers.append(1), real(*a))[1])
+    commit_accepted(got, prefix, accepted_t, lengths_t, paths=paths, host_lengths=lengths)
+    assert not gathers and got.get_seq_length() == want.get_seq_length()
+    for a, b in zip(got.layers, want.layers):
+        room = vars(a)["_ddtree_room"]
+        assert a.keys.data_ptr() == room[0].data_ptr() and a.values.data_ptr() == room[1].data_ptr()
+        for row, path in enumerate(paths):
+            kept = host_lengths[row] + len(path)
+            assert torch.equal(a.keys[row, :, -kept:], b.keys[row, :, -kept:])
+            assert torch.equal(a.values[row, :, -kept:], b.values[row, :, -kept:])

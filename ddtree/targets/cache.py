@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from ddtree.targets.description import describe
-from ddtree.targets.kv_room import append_in_place
+from ddtree.targets.kv_room import append_in_place, compact_in_room, compaction_plan, held_in_room
 from ddtree.targets.layer_kinds import kinds_in_cache
 
 SUPPORTED_TRANSFORMERS = ">=5.0,<6"
@@ -186,6 +186,13 @@ def commit_accepted(cache: Any, prefix_len: int, accepted: torch.Tensor, lengths
         for keys, values, store in kv_layers:  # contiguous decided once per round, not once per layer
             store(keep_positions(keys, prefix_len, accepted, contiguous),
                   keep_positions(values, prefix_len, accepted, contiguous))
+    elif paths is not None and width is not None and _in_rooms(cache, kv_layers):
+        # each row's columns moved within its in-place room (a whole-cache gather, then a copy of it into new
+        # room at the next step, cost more than the forward at a batch of 12)
+        rows = [prefix_len] * len(paths) if host_lengths is None or lengths is None else list(host_lengths)
+        plan = compaction_plan(rows, [list(p) for p in paths])
+        for layer in _attention_layers(cache):
+            compact_in_room(layer, prefix_len, plan, width)
     else:
         if lengths is None:
             lengths = torch.full((accepted.shape[0],), prefix_len, dtype=torch.long, device=accepted.device)
@@ -193,6 +200,23 @@ def commit_accepted(cache: Any, prefix_len: int, accepted: torch.Tensor, lengths
         for keys, values, store in kv_layers:
             store(_gather_columns(keys, index), _gather_columns(values, index))
     _sync_linear_counts(cache)
+
+
+def _attention_layers(cache: Any) -> list[Any]:
+    """The layers :func:`_kv_layers` finds, as layer objects (a ``layers`` cache)."""
+    return [layer for layer in getattr(cache, "layers", None) or []
+            if not (hasattr(layer, "recurrent_states") and not hasattr(layer, "keys"))
+            and getattr(layer, "keys", None) is not None and layer.keys.numel()]
+
+
+def _in_rooms(cache: Any, kv_layers: list[tuple]) -> bool:
+    """Whether every filled attention layer holds its columns in its in-place room (then a ragged commit moves
+    them there) and the native kernels load."""
+    from ddtree.targets.native import library
+
+    layers = _attention_layers(cache)
+    return (bool(layers) and len(layers) == len(kv_layers) and all(held_in_room(layer) for layer in layers)
+            and library()[0] is not None)
 
 
 def _sync_linear_counts(cache: Any) -> None:

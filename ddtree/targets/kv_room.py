@@ -89,3 +89,39 @@ def room_for(layer: Any, new: int) -> tuple[torch.Tensor, torch.Tensor]:
         room[1][..., :held, :].copy_(values)
         vars(layer)[_ROOM] = room
     return room
+
+
+def held_in_room(layer: Any) -> bool:
+    """Whether ``layer``'s keys and values are prefix views of its room (what :func:`compact_in_room` moves)."""
+    room = vars(layer).get(_ROOM)
+    keys, values = getattr(layer, "keys", None), getattr(layer, "values", None)
+    return (room is not None and isinstance(keys, torch.Tensor) and isinstance(values, torch.Tensor)
+            and keys.device.type == "cpu" and _prefix_of(keys, room[0]) and _prefix_of(values, room[1]))
+
+
+def compaction_plan(lengths: list[int], paths: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A ragged commit's rows for :func:`compact_in_room`, made once for every layer: each row's committed
+    columns, accepted count and accepted tree nodes (padded)."""
+    most = max(len(p) for p in paths)
+    return (torch.tensor(lengths, dtype=torch.int64), torch.tensor([len(p) for p in paths], dtype=torch.int64),
+            torch.tensor([list(p) + [0] * (most - len(p)) for p in paths], dtype=torch.int64))
+
+
+def compact_in_room(layer: Any, prefix: int, plan: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+                    width: int) -> None:
+    """Keep each row's committed columns and accepted nodes right-aligned at ``width`` inside the layer's room
+    (:func:`held_in_room` must hold): only rows whose columns move are touched, and the layer keeps appending
+    in place. The columns a row keeps are those the gathering commit keeps; its padding is left as it was."""
+    from ddtree.runtime.invariant import caller_threads
+    from ddtree.targets import native
+
+    lib, why = native.library()
+    if lib is None:
+        raise RuntimeError(f"compact_in_room needs ddtree's native kernels: {why}")
+    lens, counts, nodes = plan
+    for buf in vars(layer)[_ROOM]:
+        bsz, heads, cap, dim = buf.shape
+        lib.ddtree_compact_rows(buf.data_ptr(), bsz, heads, cap, dim * buf.element_size(), prefix, lens.data_ptr(),
+                                counts.data_ptr(), nodes.data_ptr(), nodes.shape[1], width, caller_threads())
+    room = vars(layer)[_ROOM]
+    layer.keys, layer.values = room[0][..., :width, :], room[1][..., :width, :]

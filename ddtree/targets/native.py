@@ -78,6 +78,8 @@ def library() -> tuple[ctypes.CDLL | None, str | None]:
     lib.ddtree_pack_weight.restype = None
     lib.ddtree_packed_linear.argtypes = [ptr] * 4 + [long] * 3 + [i32, i32, ptr, long]
     lib.ddtree_packed_linear.restype = None
+    lib.ddtree_compact_rows.argtypes = [ptr] + [long] * 5 + [ptr] * 3 + [long, long, i32]
+    lib.ddtree_compact_rows.restype = None
     strides = ctypes.POINTER(long)
     lib.ddtree_row_attention.argtypes = [ptr] * 4 + [i32] + [long] * 5 + [strides] * 3 + [ptr] * 4 + [f64, f64, i32]
     lib.ddtree_row_attention.restype = None

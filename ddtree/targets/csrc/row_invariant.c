@@ -1234,3 +1234,29 @@ void ddtree_decoder_layer(const int64_t *a, const double *f) {
     add_into(y, y, o, R * H, dt);
     free(h); free(q); free(k); free(v); free(at); free(o); free(g); free(u); free(ac);
 }
+
+/* ------------------------------------------------------------------ cache compaction */
+
+/* A ragged commit in place: buf [B, H, cap, D] (rows of `row` bytes per column) holds each row's committed
+ * columns right-aligned at [prefix - lens[b], prefix) and the tree's nodes from column `prefix`; afterwards row b
+ * holds its committed columns and then its accepted nodes (nodes[b, :counts[b]], tree indices) right-aligned at
+ * `width`. Columns before a row's first are left as they were (padding: masked). Only rows whose columns move
+ * are touched, and only their own columns: no copy of the whole cache. */
+void ddtree_compact_rows(void *buf, long B, long H, long cap, long row, long prefix, const int64_t *lens,
+                         const int64_t *counts, const int64_t *nodes, long most, long width, int threads) {
+#pragma omp parallel num_threads(threads)
+    {
+        char *saved = malloc((size_t)(most > 0 ? most : 1) * (size_t)row);
+#pragma omp for schedule(static)
+        for (long bh = 0; bh < B * H; bh++) {
+            long b = bh / H;
+            char *base = (char *)buf + (size_t)bh * (size_t)cap * (size_t)row;
+            long kept = counts[b], src = prefix - lens[b], dst = width - kept - lens[b];
+            for (long i = 0; i < kept; i++)
+                memcpy(saved + i * row, base + (prefix + nodes[b * most + i]) * row, (size_t)row);
+            if (src != dst && lens[b] > 0) memmove(base + dst * row, base + src * row, (size_t)(lens[b] * row));
+            memcpy(base + (width - kept) * row, saved, (size_t)(kept * row));
+        }
+        free(saved);
+    }
+}
