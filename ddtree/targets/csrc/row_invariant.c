@@ -336,50 +336,6 @@ void ddtree_pack_weight(const void *w, void *dst, long N, long K, int dt, int tr
     for (long pf = 0; pf < (long)(bytes); pf += 64) _mm_prefetch((const char *)(p) + pf, _MM_HINT_T0)
 
 #ifdef WIDE
-/* MR rows against one panel: MR x 4 accumulators of 16 lanes. */
-#define PACKED_TILE(T, MR)                                                                       \
-    static TILE_INLINE void packed_##T##_##MR(const float *x, const T##_t *wp, float *out, long K) {        \
-        __m512 a[MR][4];                                                                         \
-        for (int r = 0; r < MR; r++) a[r][0] = a[r][1] = a[r][2] = a[r][3] = _mm512_setzero_ps(); \
-        for (long k = 0; k < K; k++) {                                                           \
-            const T##_t *wk = wp + k * PANEL;                                                    \
-            PREFETCH_ROW(wk + PREFETCH_K * PANEL, PANEL * sizeof(T##_t));                          \
-            __m512 w0 = load16_##T(wk, 0xFFFF), w1 = load16_##T(wk + 16, 0xFFFF);               \
-            __m512 w2 = load16_##T(wk + 32, 0xFFFF), w3 = load16_##T(wk + 48, 0xFFFF);          \
-            for (int r = 0; r < MR; r++) {                                                       \
-                __m512 xb = _mm512_set1_ps(x[r * K + k]);                                        \
-                a[r][0] = _mm512_fmadd_ps(xb, w0, a[r][0]);                                      \
-                a[r][1] = _mm512_fmadd_ps(xb, w1, a[r][1]);                                      \
-                a[r][2] = _mm512_fmadd_ps(xb, w2, a[r][2]);                                      \
-                a[r][3] = _mm512_fmadd_ps(xb, w3, a[r][3]);                                      \
-            }                                                                                    \
-        }                                                                                        \
-        for (int r = 0; r < MR; r++)                                                             \
-            for (int c = 0; c < 4; c++) _mm512_storeu_ps(out + r * PANEL + 16 * c, a[r][c]);     \
-    }
-/* One row against MULTI panels at once: 4 * MULTI independent sums instead of 4 (the same order for each). */
-#define MULTI 4
-#define PACKED_MULTI(T)                                                                          \
-    static TILE_INLINE void packed_multi_##T(const float *x, const T##_t *w, long stride, float *out, long K) { \
-        __m512 a[MULTI][4];                                                                      \
-        for (int p = 0; p < MULTI; p++) a[p][0] = a[p][1] = a[p][2] = a[p][3] = _mm512_setzero_ps(); \
-        for (long k = 0; k < K; k++) {                                                           \
-            __m512 xb = _mm512_set1_ps(x[k]);                                                    \
-            for (int p = 0; p < MULTI; p++) {                                                    \
-                const T##_t *wk = w + p * stride + k * PANEL;                                    \
-                PREFETCH_ROW(wk + PREFETCH_K * PANEL, PANEL * sizeof(T##_t));                      \
-                for (int c = 0; c < 4; c++) a[p][c] = _mm512_fmadd_ps(xb, load16_##T(wk + 16 * c, 0xFFFF), a[p][c]); \
-            }                                                                                    \
-        }                                                                                        \
-        for (int p = 0; p < MULTI; p++)                                                          \
-            for (int c = 0; c < 4; c++) _mm512_storeu_ps(out + p * PANEL + 16 * c, a[p][c]);     \
-    }
-PACKED_MULTI(f32)
-#define HAVE_MULTI 1
-#define PACKED_ROWS 6
-#ifndef SPAN_PF
-#define SPAN_PF 48
-#endif
 /* MR rows against k in [k0, k1) of one panel, continuing sums held in acc (MR x PANEL floats): a float32
  * accumulator stored and loaded again is the same float, so splitting k this way keeps every sum's order. */
 #define PACKED_SPAN(T, MR)                                                                       \
@@ -408,6 +364,32 @@ PACKED_MULTI(f32)
 PACKED_SPAN_ALL(f32)
 PACKED_SPAN_ALL(bf16)
 PACKED_SPAN_ALL(f16)
+/* MR rows against one whole panel: the span from zero. */
+#define PACKED_TILE(T, MR)                                                                       \
+    static TILE_INLINE void packed_##T##_##MR(const float *x, const T##_t *wp, float *out, long K) { \
+        memset(out, 0, sizeof(float) * MR * PANEL);                                              \
+        span_##T##_##MR(x, wp, out, K, 0, K);                                                    \
+    }
+/* One row against MULTI panels at once: 4 * MULTI independent sums instead of 4 (the same order for each). */
+#define MULTI 4
+#define PACKED_MULTI(T)                                                                          \
+    static TILE_INLINE void packed_multi_##T(const float *x, const T##_t *w, long stride, float *out, long K) { \
+        __m512 a[MULTI][4];                                                                      \
+        for (int p = 0; p < MULTI; p++) a[p][0] = a[p][1] = a[p][2] = a[p][3] = _mm512_setzero_ps(); \
+        for (long k = 0; k < K; k++) {                                                           \
+            __m512 xb = _mm512_set1_ps(x[k]);                                                    \
+            for (int p = 0; p < MULTI; p++) {                                                    \
+                const T##_t *wk = w + p * stride + k * PANEL;                                    \
+                PREFETCH_ROW(wk + PREFETCH_K * PANEL, PANEL * sizeof(T##_t));                      \
+                for (int c = 0; c < 4; c++) a[p][c] = _mm512_fmadd_ps(xb, load16_##T(wk + 16 * c, 0xFFFF), a[p][c]); \
+            }                                                                                    \
+        }                                                                                        \
+        for (int p = 0; p < MULTI; p++)                                                          \
+            for (int c = 0; c < 4; c++) _mm512_storeu_ps(out + p * PANEL + 16 * c, a[p][c]);     \
+    }
+PACKED_MULTI(f32)
+#define HAVE_MULTI 1
+#define PACKED_ROWS 6
 #define HAVE_SPAN 1
 #define SPAN_ROWS 48 /* rows up to which a product runs k-blocked (acc on the stack: 12 KB) */
 #define KBLOCK 32    /* k per block: 8 KB of a float32 panel, held in L1 across the row blocks */
@@ -435,50 +417,8 @@ PACKED_ALL(bf16)
 PACKED_ALL(f16)
 
 #if PAIRED_BF16
-/* bfloat16 rows (x padded to an even K) against a paired panel: 32 products per instruction. */
-#define PAIRED_TILE(MR)                                                                          \
-    static TILE_INLINE void paired_##MR(const uint16_t *x, const uint16_t *wp, float *out, long K2) {       \
-        __m512 a[MR][4];                                                                         \
-        for (int r = 0; r < MR; r++) a[r][0] = a[r][1] = a[r][2] = a[r][3] = _mm512_setzero_ps(); \
-        for (long k = 0; k < K2; k++) {                                                          \
-            const uint16_t *wk = wp + k * 2 * PANEL;                                             \
-            PREFETCH_ROW(wk + PREFETCH_K * 2 * PANEL, 2 * PANEL * sizeof(uint16_t));               \
-            __m512bh w0 = (__m512bh)_mm512_loadu_si512(wk), w1 = (__m512bh)_mm512_loadu_si512(wk + 32); \
-            __m512bh w2 = (__m512bh)_mm512_loadu_si512(wk + 64), w3 = (__m512bh)_mm512_loadu_si512(wk + 96); \
-            for (int r = 0; r < MR; r++) {                                                       \
-                uint32_t two;                                                                    \
-                memcpy(&two, x + r * 2 * K2 + 2 * k, 4);                                         \
-                __m512bh xb = (__m512bh)_mm512_set1_epi32((int)two);                             \
-                a[r][0] = _mm512_dpbf16_ps(a[r][0], xb, w0);                                     \
-                a[r][1] = _mm512_dpbf16_ps(a[r][1], xb, w1);                                     \
-                a[r][2] = _mm512_dpbf16_ps(a[r][2], xb, w2);                                     \
-                a[r][3] = _mm512_dpbf16_ps(a[r][3], xb, w3);                                     \
-            }                                                                                    \
-        }                                                                                        \
-        for (int r = 0; r < MR; r++)                                                             \
-            for (int c = 0; c < 4; c++) _mm512_storeu_ps(out + r * PANEL + 16 * c, a[r][c]);     \
-    }
-PAIRED_TILE(1) PAIRED_TILE(2) PAIRED_TILE(3) PAIRED_TILE(4) PAIRED_TILE(5) PAIRED_TILE(6)
-/* One bfloat16 row against MULTI paired panels at once (the same order for each sum). */
-static TILE_INLINE void paired_multi(const uint16_t *x, const uint16_t *w, long stride, float *out, long K2) {
-    __m512 a[MULTI][4];
-    for (int p = 0; p < MULTI; p++) a[p][0] = a[p][1] = a[p][2] = a[p][3] = _mm512_setzero_ps();
-    for (long k = 0; k < K2; k++) {
-        uint32_t two;
-        memcpy(&two, x + 2 * k, 4);
-        __m512bh xb = (__m512bh)_mm512_set1_epi32((int)two);
-        for (int p = 0; p < MULTI; p++) {
-            const uint16_t *wk = w + p * stride + k * 2 * PANEL;
-            PREFETCH_ROW(wk + PREFETCH_K * 2 * PANEL, 2 * PANEL * sizeof(uint16_t));
-            for (int c = 0; c < 4; c++)
-                a[p][c] = _mm512_dpbf16_ps(a[p][c], xb, (__m512bh)_mm512_loadu_si512(wk + 32 * c));
-        }
-    }
-    for (int p = 0; p < MULTI; p++)
-        for (int c = 0; c < 4; c++) _mm512_storeu_ps(out + p * PANEL + 16 * c, a[p][c]);
-}
-#define HAVE_PAIRED_MULTI 1
-/* The paired tile over pairs [k0, k1), continuing the sums in acc (see PACKED_SPAN). */
+/* bfloat16 rows (x padded to an even K) against a paired panel over pairs [k0, k1), continuing the sums in acc
+ * (see PACKED_SPAN): 32 products per instruction. */
 #define PAIRED_SPAN(MR)                                                                          \
     static TILE_INLINE void pspan_##MR(const uint16_t *x, const uint16_t *wp, float *acc, long K2, long k0, long k1) { \
         __m512 a[MR][4];                                                                         \
@@ -503,6 +443,32 @@ static TILE_INLINE void paired_multi(const uint16_t *x, const uint16_t *w, long 
             for (int c = 0; c < 4; c++) _mm512_storeu_ps(acc + r * PANEL + 16 * c, a[r][c]);     \
     }
 PAIRED_SPAN(1) PAIRED_SPAN(2) PAIRED_SPAN(3) PAIRED_SPAN(4) PAIRED_SPAN(5) PAIRED_SPAN(6)
+/* The paired rows against one whole panel: the span from zero. */
+#define PAIRED_TILE(MR)                                                                          \
+    static TILE_INLINE void paired_##MR(const uint16_t *x, const uint16_t *wp, float *out, long K2) { \
+        memset(out, 0, sizeof(float) * MR * PANEL);                                              \
+        pspan_##MR(x, wp, out, K2, 0, K2);                                                       \
+    }
+PAIRED_TILE(1) PAIRED_TILE(2) PAIRED_TILE(3) PAIRED_TILE(4) PAIRED_TILE(5) PAIRED_TILE(6)
+/* One bfloat16 row against MULTI paired panels at once (the same order for each sum). */
+static TILE_INLINE void paired_multi(const uint16_t *x, const uint16_t *w, long stride, float *out, long K2) {
+    __m512 a[MULTI][4];
+    for (int p = 0; p < MULTI; p++) a[p][0] = a[p][1] = a[p][2] = a[p][3] = _mm512_setzero_ps();
+    for (long k = 0; k < K2; k++) {
+        uint32_t two;
+        memcpy(&two, x + 2 * k, 4);
+        __m512bh xb = (__m512bh)_mm512_set1_epi32((int)two);
+        for (int p = 0; p < MULTI; p++) {
+            const uint16_t *wk = w + p * stride + k * 2 * PANEL;
+            PREFETCH_ROW(wk + PREFETCH_K * 2 * PANEL, 2 * PANEL * sizeof(uint16_t));
+            for (int c = 0; c < 4; c++)
+                a[p][c] = _mm512_dpbf16_ps(a[p][c], xb, (__m512bh)_mm512_loadu_si512(wk + 32 * c));
+        }
+    }
+    for (int p = 0; p < MULTI; p++)
+        for (int c = 0; c < 4; c++) _mm512_storeu_ps(out + p * PANEL + 16 * c, a[p][c]);
+}
+#define HAVE_PAIRED_MULTI 1
 #endif
 
 #define DISPATCH(PREFIX, MB, ...)                                                                \
