@@ -453,3 +453,47 @@ def test_a_round_the_policy_does_not_draft_runs_as_a_plain_step(monkeypatch, sam
     assert plain_walks == plain.stats.rounds // 2 < len(walks) == tree.stats.rounds  # no walk on plain rounds
     if not sampled:  # the scripted drafter is right: every drafted round accepts its whole chain
         assert all(a == 5 for row in plain.row_acceptance for a in row[1::2])
+
+
+def test_the_drafter_scores_only_the_depths_the_budget_can_use(monkeypatch):
+    """Best-first trees of ``n`` nodes are at most ``n`` deep: under a fixed budget the DFlash drafter scores
+    ``n`` positions (not its whole block), under ``auto`` at most as deep as any budget the round then chooses,
+    and every token, acceptance and budget equals the run whose drafter scores the whole block (a scripted
+    ScriptedDrafter is not involved: the real DFlash context, with the lookup branch merged)."""
+    from ddtree.budget.policy import AutoBudget
+    from ddtree.drafters import base
+    from ddtree.generation import round as round_module
+
+    torch.manual_seed(0)
+    target = tiny_target("qwen3")
+    drafter = tiny_drafter(target)
+    gen = SpeculativeGenerator(target, drafter)
+    prompts = [[5, 17, 3, 9, 22, 6, 5, 17, 3], [8, 2, 44, 4]]
+    depths, bounds, chosen = [], [], []
+    real_propose, real_deepest, real_choose = base.propose_to_depth, AutoBudget.deepest, AutoBudget.choose
+
+    def spy(context, roots, depth):
+        proposal = real_propose(context, roots, depth)
+        depths.append((depth, proposal.logprobs.shape[1]))
+        return proposal
+
+    monkeypatch.setattr(round_module, "propose_to_depth", spy)
+    monkeypatch.setattr(AutoBudget, "deepest", lambda self, *a: bounds.append(real_deepest(self, *a)) or bounds[-1])
+    monkeypatch.setattr(AutoBudget, "choose", lambda self, *a: chosen.append(real_choose(self, *a)) or chosen[-1])
+    runs = {}
+    for budget in (2, "auto"):
+        depths.clear()
+        runs[budget] = gen.generate(prompts, max_new_tokens=20, tree_budget=budget, stop_token_ids=(),
+                                    record_trees=budget == 2)
+        if budget == 2:
+            assert depths and all(d == 2 and scored == 2 for d, scored in depths)
+    assert bounds and len(bounds) == len(chosen) and all(c <= b for c, b in zip(chosen, bounds))
+    monkeypatch.setattr(round_module, "propose_to_depth", lambda context, roots, depth: real_propose(context, roots,
+                                                                                                      None))
+    whole = gen.generate(prompts, max_new_tokens=20, tree_budget=2, stop_token_ids=(), record_trees=True)
+    assert whole.row_tokens == runs[2].row_tokens and whole.row_acceptance == runs[2].row_acceptance
+    for ours, theirs in zip(runs[2].row_rounds, whole.row_rounds):  # the same trees, round by round
+        assert [(r.tree.tokens.tolist(), r.tree.parents.tolist()) for r in ours] == [
+            (r.tree.tokens.tolist(), r.tree.parents.tolist()) for r in theirs]
+    assert gen.generate(prompts, max_new_tokens=20, tree_budget="auto", stop_token_ids=()).row_tokens == runs[
+        "auto"].row_tokens

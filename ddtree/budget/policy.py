@@ -48,6 +48,11 @@ class BudgetPolicy:
         """The tree ``builder`` would grow from ``proposal`` under ``budget``, when :meth:`choose` grew it."""
         return None
 
+    def deepest(self, context_len: int, batch: int) -> int | None:
+        """The largest budget :meth:`choose` can return this round (``None``: any), asked before drafting: a
+        best-first tree of ``n`` nodes is at most ``n`` deep, so the drafter need not score deeper positions."""
+        return None
+
     def observe(self, accepted: Sequence[int], verify_seconds: float, context_len: int) -> None:
         return None
 
@@ -68,6 +73,9 @@ class FixedBudget(BudgetPolicy):
         self.budget = budget
 
     def choose(self, proposal: Proposal, context_len: int) -> int:
+        return self.budget
+
+    def deepest(self, context_len: int, batch: int) -> int | None:
         return self.budget
 
     def describe(self) -> dict[str, Any]:
@@ -195,23 +203,40 @@ class AutoBudget(BudgetPolicy):
 
     # ------------------------------------------------------------------ with the proposal
 
+    def _measured(self, batch: int, context: int) -> dict[int, float]:
+        """A drafting round's seconds at each budget whose verify counts as measured here."""
+        measured = {}
+        for n in self.candidates:
+            verify, known = self.costs.verify_seconds(n + 1, batch, context)
+            overhead = self.costs.seconds("overhead", batch, context)
+            if known and verify is not None and overhead is not None:
+                measured[n] = overhead + verify
+        return measured
+
+    def _top(self, measured: dict[int, float], batch: int, explore: bool) -> tuple[int, int]:
+        """The start budget (the nodes the rows share) and the largest budget priced: the largest measured, or
+        the start, and one candidate more on a round that explores."""
+        s = self.settings
+        fits = [c for c in self.candidates if c <= max(1, s.start // max(1, batch))]
+        start = fits[-1] if fits else self.candidates[0]
+        top = max(measured or [start])
+        return start, next((c for c in self.candidates if c > top), top) if explore else top
+
+    def deepest(self, context_len: int, batch: int) -> int | None:
+        """:meth:`choose` prices budgets up to :meth:`_top`'s (an exploring round's at most), and picks one of
+        them; a builder other than best-first may build deeper than its budget."""
+        if self.builder is not best_first:
+            return None
+        return self._top(self._measured(batch, context_len), batch, explore=True)[1]
+
     def choose(self, proposal: Proposal, context_len: int) -> int:
         s, batch = self.settings, proposal.logprobs.shape[0]
         key = self.costs.key(batch, context_len)
-        measured = {}
-        for n in self.candidates:  # a drafting round's seconds at budget n, where its verify counts as measured
-            verify, known = self.costs.verify_seconds(n + 1, batch, context_len)
-            overhead = self.costs.seconds("overhead", batch, context_len)
-            if known and verify is not None and overhead is not None:
-                measured[n] = overhead + verify
+        measured = self._measured(batch, context_len)
         schedule = self.carried.neighbours.setdefault(key, Backoff(s.first_interval, s.first_interval))
         pending = self._pending if self._pending is not None else _Round(False, batch, context_len)
         explore = not pending.retry and bool(measured) and schedule.tick()
-        fits = [c for c in self.candidates if c <= max(1, s.start // max(1, batch))]  # start: nodes the rows share
-        start = fits[-1] if fits else self.candidates[0]
-        top = max(measured or [start])
-        if explore:
-            top = next((c for c in self.candidates if c > top), top)
+        start, top = self._top(measured, batch, explore)
         factors = self.carried.calibration.factors(proposal.logprobs.shape[1], s.prior_rounds)
         price = self.pricer.price(proposal, top, factors)  # the policy's one host read
         expected = {n: sum(row[i] for row in price.expected) for i, n in enumerate(self.candidates) if n <= top}

@@ -68,7 +68,10 @@ class DraftContext(Protocol):
         ...
 
     def propose(self, root_tokens: torch.Tensor) -> Proposal:
-        """The proposal for the positions after each row's root (``root_tokens`` ``[B]`` or ``[B, 1]``)."""
+        """The proposal for the positions after each row's root (``root_tokens`` ``[B]`` or ``[B, 1]``). To a
+        context whose ``propose`` takes ``depth``, the round passes the deepest position its tree can use
+        (``None``: any): it may score only that many (at least one); one without the parameter is called
+        without it."""
         ...
 
     def select_rows(self, rows: torch.Tensor, host_rows: Sequence[int] | None = None) -> None:
@@ -135,6 +138,13 @@ def takes_host_counts(context: DraftContext) -> bool:
 def takes_host_rows(context: DraftContext) -> bool:
     """Whether ``context.select_rows`` takes ``host_rows`` (by name, or through ``**kwargs``)."""
     return _takes(context.select_rows, "host_rows")
+
+
+def propose_to_depth(context: DraftContext, root_tokens: torch.Tensor, depth: int | None) -> Proposal:
+    """``context.propose(root_tokens)``, with ``depth`` where it takes one (see :class:`DraftContext`)."""
+    if depth is not None and _takes(context.propose, "depth"):
+        return context.propose(root_tokens, depth=depth)  # type: ignore[call-arg]
+    return context.propose(root_tokens)
 
 
 def _takes(method: Any, name: str) -> bool:

@@ -32,6 +32,7 @@ from ddtree.drafters.base import (
     Proposal,
     StaticDraftContext,
     check_proposal,
+    propose_to_depth,
     takes_host_counts,
     takes_host_rows,
 )
@@ -349,6 +350,6 @@ class MergedContext(DraftContext):
                              f"{type(self.model).__name__} has none. Use compile=False")
         return StaticMergedContext(to_static(capacity), self.lookup.to_static(capacity))
 
-    def propose(self, root_tokens: torch.Tensor) -> Proposal:
-        proposal = check_proposal(self.model.propose(root_tokens), self.model)
+    def propose(self, root_tokens: torch.Tensor, depth: int | None = None) -> Proposal:
+        proposal = check_proposal(propose_to_depth(self.model, root_tokens, depth), self.model)
         return with_lookup_branch(proposal, self.lookup.paths(root_tokens))

@@ -29,11 +29,19 @@ from typing import Any, cast
 import torch
 
 from ddtree.budget.policy import BudgetPolicy
+from ddtree.core.builders import best_first
 from ddtree.core.masks import tree_position_ids
 from ddtree.core.sampling import choose_tokens
 from ddtree.core.tree import DraftTree, root_only
 from ddtree.core.verify import VerifyResult, verify_tree
-from ddtree.drafters.base import DraftContext, check_proposal, coupled_proposal, proposal_rows, proposal_tree
+from ddtree.drafters.base import (
+    DraftContext,
+    check_proposal,
+    coupled_proposal,
+    proposal_rows,
+    proposal_tree,
+    propose_to_depth,
+)
 from ddtree.generation.accepted import AcceptedOnHost, emit_accepted, observe_accepted, pack_accepted, unpack_accepted
 from ddtree.generation.prefill import prefill_each_row, prefill_padded
 from ddtree.generation.state import DecodeState, RoundResult
@@ -247,7 +255,11 @@ def _draft_tree(state: DecodeState, policy: BudgetPolicy, context: int, skip: bo
         return root_only(roots), 0
     draft = cast(DraftContext, state.catch_up_draft())  # made by the prefill whenever there is a policy
     with state.timer.stage("draft"):
-        proposal = check_proposal(draft.propose(roots), draft)
+        # the deepest position a tree can use this round (best-first: the budget's): the drafter scores no more
+        deepest = getattr(policy, "deepest", None)
+        depth = gen.lockstep.share(deepest(context, len(state.rows.active))
+                                   if deepest is not None and gen.builder is best_first else None)
+        proposal = check_proposal(propose_to_depth(draft, roots, depth), draft)
         keys = state.on_device.keys
         if keys is not None and state.coupled_drafts:  # rank by the target's own noise (the tokens stay the same)
             proposal = coupled_proposal(proposal, state.sampling, keys, cast(torch.Tensor, state.on_device.lengths))

@@ -173,8 +173,10 @@ class DFlashContext(DraftContext):
         return StaticDFlashContext(self.drafter, kv)
 
     @torch.no_grad()
-    def propose(self, root_tokens: torch.Tensor) -> Proposal:
-        """Log-probs ``[B, block_size - 1, V]`` for positions ``lengths + 1 ..``, in float32."""
+    def propose(self, root_tokens: torch.Tensor, depth: int | None = None) -> Proposal:
+        """Log-probs ``[B, block_size - 1, V]`` for positions ``lengths + 1 ..``, in float32; with ``depth``,
+        the first ``depth`` of them only (the block's forward is the same: its positions see each other, and
+        the LM head, the costliest part at a batch, scores only what the tree can use)."""
         if self.kv is None or 0 in self.host_lengths:
             raise RuntimeError("the drafter has no context yet: append the prompt's target features first")
         drafter = self.drafter
@@ -198,4 +200,6 @@ class DFlashContext(DraftContext):
             key_mask = key_mask[:, None, None]  # [B, 1, 1, S]; each layer adds its own rule by position
         hidden = model(model.embed_block(block, embed), block_pos, context_kv=kv, key_mask=key_mask,
                        context_offsets=offsets, contiguous=not ragged)[:, 1:]
+        if depth is not None:
+            hidden = hidden[:, :max(1, depth)]
         return Proposal(cast(_BlockHead, drafter).block_logprobs(hidden))  # DFlash2Context has its own propose

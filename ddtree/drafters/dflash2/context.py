@@ -26,10 +26,11 @@ class DFlash2Context(DFlashContext):
         return StaticDFlash2Context(static.drafter, static.kv)
 
     @torch.no_grad()
-    def propose(self, root_tokens: torch.Tensor) -> Proposal:
+    def propose(self, root_tokens: torch.Tensor, depth: int | None = None) -> Proposal:
         """``Proposal.pairwise``: the selector's log-probs for slots ``1 ..`` given each slot's previous
         token; ``Proposal.logprobs`` ``[B, block_size - 1, V]``: those along the greedy path (``-inf`` off
-        each slot's candidates), so ``chain`` on either is the selector's greedy chain."""
+        each slot's candidates), so ``chain`` on either is the selector's greedy chain. Every slot, whatever
+        ``depth``: its pairwise tree is built from all of them."""
         if self.kv is None or 0 in self.host_lengths:
             raise RuntimeError("the drafter has no context yet: append the prompt's target features first")
         lengths = self.lengths.to(root_tokens.device)
