@@ -67,7 +67,7 @@ class DraftContext(Protocol):
                host_counts: Sequence[int] | None = None) -> None:
         ...
 
-    def propose(self, root_tokens: torch.Tensor) -> Proposal:
+    def propose(self, root_tokens: torch.Tensor, depth: int | None = None) -> Proposal:
         """The proposal for the positions after each row's root (``root_tokens`` ``[B]`` or ``[B, 1]``). To a
         context whose ``propose`` takes ``depth``, the round passes the deepest position its tree can use
         (``None``: any): it may score only that many (at least one); one without the parameter is called
@@ -143,7 +143,7 @@ def takes_host_rows(context: DraftContext) -> bool:
 def propose_to_depth(context: DraftContext, root_tokens: torch.Tensor, depth: int | None) -> Proposal:
     """``context.propose(root_tokens)``, with ``depth`` where it takes one (see :class:`DraftContext`)."""
     if depth is not None and _takes(context.propose, "depth"):
-        return context.propose(root_tokens, depth=depth)  # type: ignore[call-arg]
+        return context.propose(root_tokens, depth=depth)
     return context.propose(root_tokens)
 
 

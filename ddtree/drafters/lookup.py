@@ -175,8 +175,8 @@ class LookupContext(DraftContext):
         ``log(confidence[n]) * depth``."""
         return lookup_branches(self.lookup, *self.continuations(root_tokens))
 
-    def propose(self, root_tokens: torch.Tensor) -> Proposal:
-        return lookup_proposal(self.lookup, *self.continuations(root_tokens))
+    def propose(self, root_tokens: torch.Tensor, depth: int | None = None) -> Proposal:
+        return lookup_proposal(self.lookup, *self.continuations(root_tokens))  # cheap at any depth: all of it
 
     def to_static(self, capacity: int) -> StaticLookupContext:
         """The committed tokens in a fixed ``[B, capacity]`` buffer, for the static round."""
