@@ -279,12 +279,13 @@ def test_a_routed_layer_repacks_its_weight_after_it_changes(dtype):
     assert "_ddtree_packed_weight" not in vars(layer)  # the copy goes with the routing
 
 
-def test_packed_products_are_row_invariant_on_both_builds(monkeypatch):
+def test_packed_products_are_row_invariant_on_every_build(monkeypatch):
     """The packed kernel's rows are bit for bit the one-row call's, for any row count and column tail, on the
-    native and the portable build; the float32 sums agree with float64 to rounding."""
+    native build (AMX tiles for bfloat16 where the CPU has them), the same without AMX and the portable build;
+    the float32 sums agree with float64 to rounding."""
     from ddtree.targets import row_kernels
 
-    for arch in ("native", "avx2"):
+    for arch in ("native", "vector", "avx2"):
         monkeypatch.setenv("DDTREE_KERNEL_ARCH", arch)
         native.library.cache_clear()
         try:
@@ -304,6 +305,35 @@ def test_packed_products_are_row_invariant_on_both_builds(monkeypatch):
                                                                                           transposed=True), b), y)
         finally:
             native.library.cache_clear()
+
+
+def test_bfloat16_products_run_on_amx_tiles_where_the_cpu_has_them(monkeypatch):
+    """On a CPU with AMX-BF16 the native build multiplies bfloat16 on tiles for every row count, and the vector
+    build does not: their bits differ (so the invariance test above covers two kernels, not one twice), and
+    both are the product to rounding."""
+    from ddtree.targets import row_kernels
+
+    if "amx_bf16" not in native._cpu_flags():
+        pytest.skip("this CPU has no AMX-BF16")
+    torch.manual_seed(0)
+    w, x = torch.randn(200, 150).bfloat16(), torch.randn(13, 150).bfloat16()
+    ref = F.linear(x.double(), w.double())
+    # a sum whose value depends on its order far past rounding: 2^24, thirty ones, -2^24 (the ones vanish
+    # into 2^24 when added to it one at a time)
+    wc = torch.ones(64, 32)
+    wc[:, 0], wc[:, 31] = 2.0**24, -2.0**24
+    out = {}
+    try:
+        for arch in ("native", "vector"):
+            monkeypatch.setenv("DDTREE_KERNEL_ARCH", arch)
+            native.library.cache_clear()
+            y = row_kernels.packed_linear(x, row_kernels.PackedWeight(w))
+            assert native.uses_amx() == (arch == "native")
+            assert (y.double() - ref).abs().max() <= 0.02 * ref.abs().max()
+            out[arch] = row_kernels.packed_linear(torch.ones(3, 32).bfloat16(), row_kernels.PackedWeight(wc.bfloat16()))
+    finally:
+        native.library.cache_clear()
+    assert not torch.equal(out["native"], out["vector"])
 
 
 @needs_kernel

@@ -21,7 +21,8 @@ from pathlib import Path
 SOURCE = Path(__file__).with_name("csrc") / "row_invariant.c"
 COMMON = ["-O3", "-fopenmp", "-shared", "-fPIC"]
 ARCH_FLAGS = {
-    "native": ["-march=native"],  # this CPU's widest vectors (AVX-512, AVX512-BF16 where it has them)
+    "native": ["-march=native"],  # this CPU's widest vectors (AVX-512, AVX512-BF16) and AMX tiles where it has them
+    "vector": ["-march=native", "-mno-amx-tile", "-mno-amx-bf16", "-mno-amx-int8"],  # the same without AMX
     "avx2": ["-mavx2", "-mfma", "-mf16c"],  # any x86-64 CPU with AVX2, FMA and F16C
 }
 """``DDTREE_KERNEL_ARCH`` picks one (default ``native``, falling back to ``avx2`` where the compiler refuses it).
@@ -93,13 +94,15 @@ def library() -> tuple[ctypes.CDLL | None, str | None]:
     lib.ddtree_decoder_layer.restype = None
     lib.ddtree_decoder_layer_slots.argtypes = []
     lib.ddtree_decoder_layer_slots.restype = long
+    lib.ddtree_uses_amx.argtypes = []
+    lib.ddtree_uses_amx.restype = i32
     return lib, None
 
 
 def _build(cc: str, arch: str) -> tuple[Path | None, str | None]:
-    """The library built for ``arch`` (once per source, compiler, flags and, for ``native``, CPU)."""
+    """The library built for ``arch`` (once per source, compiler, flags and, for this CPU's builds, CPU)."""
     flags = [*COMMON, *ARCH_FLAGS[arch]]
-    cpu = " ".join(sorted(_cpu_flags())) if arch == "native" else ""
+    cpu = " ".join(sorted(_cpu_flags())) if "-march=native" in flags else ""
     tag = hashlib.sha256(SOURCE.read_bytes() + " ".join([cc, *flags, cpu]).encode()).hexdigest()[:16]
     out = _build_dir() / f"row_invariant_{arch}_{tag}.so"
     if out.exists():
@@ -126,3 +129,10 @@ def available() -> bool:
 def unavailable_reason() -> str | None:
     """Why :func:`available` is False, or None."""
     return library()[1]
+
+
+def uses_amx() -> bool:
+    """Whether bfloat16 products run on AMX tiles here: a ``native`` build on a CPU with AMX-BF16 whose kernel
+    lets this process use them (the first call asks; every product after it, of any row count, uses the same)."""
+    lib = library()[0]
+    return bool(lib is not None and lib.ddtree_uses_amx())

@@ -471,6 +471,106 @@ static TILE_INLINE void paired_multi(const uint16_t *x, const uint16_t *w, long 
 #define HAVE_PAIRED_MULTI 1
 #endif
 
+#if PAIRED_BF16 && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+/* bfloat16 rows against paired panels on AMX tiles (where the CPU has them and Linux lets this process use
+ * them). One tile instruction adds a chunk of 16 pairs into each output, in an order the hardware fixes within
+ * the chunk (not the pair-by-pair order of the vector kernel, so a process uses AMX for every row count or for
+ * none). The chunks run in k order and the last is K2 % 16 pairs for any row count: each output's sum depends
+ * on its row, its column and K alone, so blocks of rows and threads never change it. */
+#include <sys/syscall.h>
+#include <unistd.h>
+#define HAVE_AMX 1
+#define AMX_ROWS 16
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} tile_config_t;
+
+/* 1 once Linux grants this process the tile state, -1 where it refuses (the vector kernel then runs always). */
+static int amx_state;
+
+static int amx_ready(void) {
+    if (amx_state == 0) {
+        const long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
+        amx_state = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0 ? 1 : -1;
+    }
+    return amx_state > 0;
+}
+
+/* Tiles 0-3: the sums of mb rows by 64 columns; 4/5: a chunk of x and of one 16-column slice of the panel;
+ * 6/7: the same for the last `tail` pairs. Loaded for every block: other code on this thread (oneDNN) may have
+ * set its own. */
+static void amx_configure(long mb, long tail) {
+    tile_config_t c;
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    for (int t = 0; t < 4; t++) {
+        c.rows[t] = (uint8_t)mb;
+        c.colsb[t] = 64;
+    }
+    c.rows[4] = (uint8_t)mb;
+    c.colsb[4] = 64;
+    c.rows[5] = 16;
+    c.colsb[5] = 64;
+    if (tail) {
+        c.rows[6] = (uint8_t)mb;
+        c.colsb[6] = (uint16_t)(4 * tail);
+        c.rows[7] = (uint8_t)tail;
+        c.colsb[7] = 64;
+    }
+    _tile_loadconfig(&c);
+}
+
+/* The configured mb <= AMX_ROWS rows of x (row stride xk) against one paired panel of K2 pairs: out [mb][PANEL]. */
+static void amx_block(const uint16_t *x, long xk, const uint16_t *wp, float *out, long K2) {
+    long full = K2 / 16 * 16, tail = K2 - full, row = 2 * PANEL; /* a pair row of the panel, in elements */
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (long k = 0; k < full; k += 16) {
+        const uint16_t *wk = wp + k * row;
+        PREFETCH_ROW(wk + 16 * row, 16 * row * sizeof(uint16_t)); /* the next chunk, as the vector kernel's */
+        _tile_loadd(4, x + 2 * k, xk * 2);
+        _tile_loadd(5, wk, row * 2);
+        _tile_dpbf16ps(0, 4, 5);
+        _tile_loadd(5, wk + 32, row * 2);
+        _tile_dpbf16ps(1, 4, 5);
+        _tile_loadd(5, wk + 64, row * 2);
+        _tile_dpbf16ps(2, 4, 5);
+        _tile_loadd(5, wk + 96, row * 2);
+        _tile_dpbf16ps(3, 4, 5);
+    }
+    if (tail) {
+        const uint16_t *wk = wp + full * row;
+        _tile_loadd(6, x + 2 * full, xk * 2);
+        _tile_loadd(7, wk, row * 2);
+        _tile_dpbf16ps(0, 6, 7);
+        _tile_loadd(7, wk + 32, row * 2);
+        _tile_dpbf16ps(1, 6, 7);
+        _tile_loadd(7, wk + 64, row * 2);
+        _tile_dpbf16ps(2, 6, 7);
+        _tile_loadd(7, wk + 96, row * 2);
+        _tile_dpbf16ps(3, 6, 7);
+    }
+    _tile_stored(0, out, PANEL * 4);
+    _tile_stored(1, out + 16, PANEL * 4);
+    _tile_stored(2, out + 32, PANEL * 4);
+    _tile_stored(3, out + 48, PANEL * 4);
+}
+#endif
+
+/* 1 where bfloat16 products run on AMX tiles (asking Linux on the first call), else 0. */
+int ddtree_uses_amx(void) {
+#ifdef HAVE_AMX
+    return amx_ready();
+#else
+    return 0;
+#endif
+}
+
 #define DISPATCH(PREFIX, MB, ...)                                                                \
     switch (MB) {                                                                                \
         case 6: PREFIX##_6(__VA_ARGS__); break;                                                  \
@@ -495,7 +595,7 @@ typedef struct {
     const uint16_t *xp;
     const int64_t *pick; /* the output row of each computed row (NULL: row m is row m) */
     long M, K, K2, xk, panel_elems;
-    int dt, paired;
+    int dt, paired, amx; /* amx: the paired products run on AMX tiles (HAVE_AMX) */
 } rows_t;
 
 #define OUT_ROW(r, m) ((r)->pick ? (r)->pick[m] : (m))
@@ -511,6 +611,25 @@ static TILE_INLINE void product_unit(const rows_t *r, const product_t *pr, long 
     (void)xp;
     (void)K2;
     (void)xk;
+#ifdef HAVE_AMX
+    if (r->amx) {
+        float out[AMX_ROWS * PANEL];
+        for (long m = 0; m < M; m += AMX_ROWS) {
+            long mb = M - m < AMX_ROWS ? M - m : AMX_ROWS;
+            amx_configure(mb, K2 % 16);
+            for (long p = p0; p < p0 + np; p++) {
+                long j = p * PANEL, width = N - j < PANEL ? N - j : PANEL;
+                amx_block(xp + m * xk, xk, (const uint16_t *)wp + p * panel_elems, out, K2);
+                for (long rr = 0; rr < mb; rr++)
+                    for (long c = 0; c < width; c++) {
+                        float v = out[rr * PANEL + c];
+                        store_one(y, OUT_ROW(r, m + rr) * N + j + c, bf ? v + bf[j + c] : v, dt);
+                    }
+            }
+        }
+        return;
+    }
+#endif
 #ifdef HAVE_MULTI
     if (M == 1 && (dt == DT_F32 || paired)) {
         float out[MULTI * PANEL];
@@ -610,6 +729,9 @@ static void packed_products(const void *x, int count, const void *const *wps, co
     r.K = K;
     r.dt = dt;
     r.paired = PAIRED_BF16 && dt == DT_BF16;
+#ifdef HAVE_AMX
+    r.amx = r.paired && amx_ready();
+#endif
     r.K2 = (K + 1) / 2;
     r.xk = r.paired ? 2 * r.K2 : K;
     r.panel_elems = panel_rows(K, dt) * (r.paired ? 2 * PANEL : PANEL);
