@@ -600,6 +600,25 @@ typedef struct {
 
 #define OUT_ROW(r, m) ((r)->pick ? (r)->pick[m] : (m))
 
+static inline void store8_any(void *p, long i, __m256 v, int dt);
+
+/* Sums out [rows][stride] (+ bias bf[j..]) into y's columns [j, j + width) of output rows m0.., each rounded
+ * once to dt: eight at a time, the same add and rounding as store_one (a store per element cost a tile of
+ * rows more than its products). */
+static TILE_INLINE void store_panel(const rows_t *r, void *y, long N, long m0, long rows, long j, long width,
+                                    const float *out, long stride, const float *bf, int dt) {
+    for (long rr = 0; rr < rows; rr++) {
+        long at = OUT_ROW(r, m0 + rr) * N + j, c = 0;
+        const float *o = out + rr * stride;
+        for (; c + 8 <= width; c += 8) {
+            __m256 v = _mm256_loadu_ps(o + c);
+            if (bf) v = _mm256_add_ps(v, _mm256_loadu_ps(bf + j + c));
+            store8_any(y, at + c, v, dt);
+        }
+        for (; c < width; c++) store_one(y, at + c, bf ? o[c] + bf[j + c] : o[c], dt);
+    }
+}
+
 /* Panels [p0, p0 + np) of one product: np == MULTI only for one row (four panels at once). */
 static TILE_INLINE void product_unit(const rows_t *r, const product_t *pr, long p0, long np) {
     long M = r->M, K = r->K, K2 = r->K2, xk = r->xk, panel_elems = r->panel_elems, N = pr->N;
@@ -620,11 +639,7 @@ static TILE_INLINE void product_unit(const rows_t *r, const product_t *pr, long 
             for (long p = p0; p < p0 + np; p++) {
                 long j = p * PANEL, width = N - j < PANEL ? N - j : PANEL;
                 amx_block(xp + m * xk, xk, (const uint16_t *)wp + p * panel_elems, out, K2);
-                for (long rr = 0; rr < mb; rr++)
-                    for (long c = 0; c < width; c++) {
-                        float v = out[rr * PANEL + c];
-                        store_one(y, OUT_ROW(r, m + rr) * N + j + c, bf ? v + bf[j + c] : v, dt);
-                    }
+                store_panel(r, y, N, m, mb, j, width, out, PANEL, bf, dt);
             }
         }
         return;
@@ -648,7 +663,7 @@ static TILE_INLINE void product_unit(const rows_t *r, const product_t *pr, long 
                 for (long p = 0; p < np; p++) packed_f32_1(xf, w0 + p * panel_elems, out + p * PANEL, K);
         }
         long width = N - j < np * PANEL ? N - j : np * PANEL;
-        for (long c = 0; c < width; c++) store_one(y, OUT_ROW(r, 0) * N + j + c, bf ? out[c] + bf[j + c] : out[c], dt);
+        store_panel(r, y, N, 0, 1, j, width, out, np * PANEL, bf, dt);
         return;
     }
 #endif
@@ -682,11 +697,7 @@ static TILE_INLINE void product_unit(const rows_t *r, const product_t *pr, long 
                     }
                 }
             }
-            for (long rr = 0; rr < M; rr++)
-                for (long c = 0; c < width; c++) {
-                    float v = acc[rr * PANEL + c];
-                    store_one(y, OUT_ROW(r, rr) * N + j + c, bf ? v + bf[j + c] : v, dt);
-                }
+            store_panel(r, y, N, 0, M, j, width, acc, PANEL, bf, dt);
             continue;
         }
 #endif
@@ -704,11 +715,7 @@ static TILE_INLINE void product_unit(const rows_t *r, const product_t *pr, long 
             } else {
                 DISPATCH(packed_f16, mb, xf + m * K, (const uint16_t *)wp + p * panel_elems, out, K)
             }
-            for (long rr = 0; rr < mb; rr++)
-                for (long c = 0; c < width; c++) {
-                    float v = out[rr * PANEL + c];
-                    store_one(y, OUT_ROW(r, m + rr) * N + j + c, bf ? v + bf[j + c] : v, dt);
-                }
+            store_panel(r, y, N, m, mb, j, width, out, PANEL, bf, dt);
         }
     }
 }
