@@ -307,6 +307,32 @@ def test_packed_products_are_row_invariant_on_every_build(monkeypatch):
             native.library.cache_clear()
 
 
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_packed_outputs_round_once_to_nearest_even(dtype):
+    """Each output is its float32 sum plus bias rounded once to nearest even, as torch rounds, in every lane of
+    the stores (eight at a time, then a tail): sums exact in float32, half of them on a tie (1 + half an ulp of
+    the output dtype), so a wrong rounding or a shifted lane changes them."""
+    from ddtree.targets import row_kernels
+
+    ulp = 2.0 ** -7 if dtype == torch.bfloat16 else 2.0 ** -10
+    n, k = 70, 4  # 70 columns: eight groups of eight and a tail of six
+    w = torch.zeros(n, k)
+    w[:, 0] = 1.0
+    w[:, 1] = ulp / 2 * (torch.arange(n) % 4)  # 0, a tie, one ulp, a tie above it
+    w[:, 2] = torch.arange(n) % 3 - 1.0
+    bias = torch.zeros(n)
+    bias[1::5] = -2.0
+    for rows in (1, 13):
+        x = torch.ones(rows, k)
+        x[:, 2] = torch.arange(rows) % 2
+        got = row_kernels.packed_linear(x.to(dtype), row_kernels.PackedWeight(w.to(dtype)), bias.to(dtype))
+        assert torch.equal(got, (x @ w.t() + bias).to(dtype))
+    w[5, 3] = float("nan")
+    got = row_kernels.packed_linear(torch.ones(2, k).to(dtype), row_kernels.PackedWeight(w.to(dtype)))
+    assert got[:, 5].isnan().all() and not got[:, 4].isnan().any()
+
+
 def test_bfloat16_products_run_on_amx_tiles_where_the_cpu_has_them(monkeypatch):
     """On a CPU with AMX-BF16 the native build multiplies bfloat16 on tiles for every row count, and the vector
     build does not: their bits differ (so the invariance test above covers two kernels, not one twice), and
