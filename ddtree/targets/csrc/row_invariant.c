@@ -967,7 +967,10 @@ static void softmax_values_f64(double *s, long T, long G, const double *sinks, d
 /* A cached key or value row as float32: the row itself, or its widened copy in buf. */
 static inline const float *as_f32(const char *src, int dt, long D, float *buf) {
     if (dt == DT_F32) return (const float *)src;
-    for (long d = 0; d < D; d++) buf[d] = load_one(src, d, dt);
+    const uint16_t *h = (const uint16_t *)src;
+    long d = 0;
+    for (; d + 8 <= D; d += 8) _mm256_storeu_ps(buf + d, dt == DT_BF16 ? load8_bf16(h + d) : load8_f16(h + d));
+    for (; d < D; d++) buf[d] = load_one(src, d, dt);
     return buf;
 }
 
@@ -1093,8 +1096,10 @@ void ddtree_row_attention(const void *q, const void *k, const void *v, void *out
             }
             for (long g = 0; g < G; g++) {
                 float l = ls[i * G + g] > 0.f ? ls[i * G + g] : 1.f;
-                long base = ((b * N + n0 + i) * Hq + hk * G + g) * D;
-                for (long d = 0; d < D; d++) store_one(out, base + d, o[(i * G + g) * D + d] / l, dt);
+                long base = ((b * N + n0 + i) * Hq + hk * G + g) * D, d = 0;
+                const float *og = o + (i * G + g) * D;
+                for (; d + 8 <= D; d += 8) store8_any(out, base + d, _mm256_div_ps(_mm256_loadu_ps(og + d), _mm256_set1_ps(l)), dt);
+                for (; d < D; d++) store_one(out, base + d, og[d] / l, dt);
             }
         }
         free(sc);
