@@ -261,6 +261,32 @@ def test_the_c_layer_follows_a_weight_changed_in_place():
     assert calls > 0 and not torch.equal(after, before) and torch.equal(after, modules)
 
 
+def test_a_forward_checks_its_layers_once_and_sees_a_later_layers_hook(monkeypatch):
+    """The C layers of a forward are checked together before its first C call (each layer's plan once per
+    forward), and a hook put on the last layer's projection between forwards sends that layer (only) back to its
+    modules."""
+    from ddtree.core.tree import DraftTree
+
+    target = tiny_target("qwen3", dtype=torch.float32)
+    layers = target.config.num_hidden_layers
+    parents = torch.tensor([-1, 0, 0, 1]).expand(2, -1)
+    tree = DraftTree.from_parents(torch.randint(3, 90, parents.shape, generator=torch.Generator().manual_seed(3)),
+                                  parents)
+    before, _, calls = _tree_logits(target, PROMPTS, tree, module_path=False)
+    events = []
+    current, call = exact_layers._LayerPlan.current, row_kernels.decoder_layer
+    monkeypatch.setattr(exact_layers._LayerPlan, "current", lambda plan: events.append("check") or current(plan))
+    monkeypatch.setattr(row_kernels, "decoder_layer", lambda *a: events.append("C") or call(*a))
+    again, _, again_calls = _tree_logits(target, PROMPTS, tree, module_path=False)
+    assert again_calls == calls == 2 * layers and torch.equal(again, before)
+    assert events == (["check"] * layers + ["C"] * layers) * 2  # two forwards: the tree verify and a step
+    seen = []
+    handle = target.model.layers[-1].mlp.down_proj.register_forward_hook(lambda *a: seen.append(1))
+    hooked, _, hooked_calls = _tree_logits(target, PROMPTS, tree, module_path=False)
+    handle.remove()
+    assert seen and hooked_calls == calls - 2 and torch.allclose(hooked, before, atol=1e-4)
+
+
 def test_a_padding_mask_changed_in_place_is_read_again():
     """A one-token step's key ranges are made once per forward and kept on the padding mask; an inference-mode
     mask (no version counter) changed in place and passed again at the same length gives its new ranges."""

@@ -379,6 +379,48 @@ class _LayerPlan:
         return True
 
 
+_STACK = "_ddtree_decoder_stack"
+
+
+class _DecoderStack:
+    """A model's taken decoder layers, checked together at the first C layer of each forward (plans current, no
+    hooks) so that its later layers skip their own checks: after a C layer has streamed its weights through the
+    caches, each Python check reads memory again (about a sixth of a one-row step, spread over its layers). A
+    forward is known by its rotary table, a new tensor each forward that every layer of it receives, and its
+    cache."""
+
+    __slots__ = ("modules", "forward", "ends")
+
+    def __init__(self, modules: list[torch.nn.Module]):
+        self.modules = modules
+        # (table, id(cache), passed): the table is held, so its id is not reused meanwhile
+        self.forward: tuple[torch.Tensor, int, bool] | None = None
+        self.ends: tuple[tuple[int, int], torch.Tensor] | None = None
+
+    def passed(self, table: torch.Tensor, store: Any) -> bool:
+        """Whether every layer passed the check, made at this forward's first C layer."""
+        seen = self.forward
+        if seen is None or seen[0] is not table or seen[1] != id(store):
+            seen = self.forward = (table, id(store), self._check())
+        return seen[2]
+
+    def _check(self) -> bool:
+        """Every layer's plan current (made again where stale) and no hooks: a hook on a decoder layer could
+        change the next layer's weights mid-forward, so any hook declines (each layer then checks itself)."""
+        from torch.nn.modules import module as nn_module
+
+        if nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks:
+            return False
+        return all(not (m._forward_hooks or m._forward_pre_hooks) and _FUSED in vars(m) and _plan(m).unwatched()
+                   for m in self.modules)
+
+    def ends_for(self, bsz: int, held: int) -> torch.Tensor:
+        """Every row's prefix end, ``held`` (the same tensor for each layer of a forward)."""
+        if self.ends is None or self.ends[0] != (bsz, held):
+            self.ends = ((bsz, held), torch.full((bsz,), held, dtype=torch.int64))
+        return self.ends[1]
+
+
 def _plan(module: Any) -> _LayerPlan:
     plan = vars(module).get(_PLAN)
     if plan is None or not plan.current():
@@ -426,8 +468,14 @@ def _decoder(module: Any, original: Any, *args: Any, **kwargs: Any) -> torch.Ten
             or not isinstance(layers, list) or not _decoding(x, module.self_attn.q_proj.weight)
             or module.self_attn.config._attn_implementation != EXACT_IMPLEMENTATION):
         return original(*args, **kwargs)
-    plan = _plan(module)
-    if plan.layer_idx >= len(layers) or not plan.unwatched():
+    stack = vars(module).get(_STACK)
+    if stack is not None and stack.passed(embeddings[0], store):
+        plan = vars(module)[_PLAN]
+    else:
+        plan = _plan(module)
+        if not plan.unwatched():
+            return original(*args, **kwargs)
+    if plan.layer_idx >= len(layers):
         return original(*args, **kwargs)
     from transformers.cache_utils import DynamicLayer
 
@@ -452,7 +500,7 @@ def _decoder(module: Any, original: Any, *args: Any, **kwargs: Any) -> torch.Ten
     x = x.contiguous()
     cos, sin = (t.contiguous() for t in embeddings)
     y = torch.empty_like(x)
-    ends = torch.full((bsz,), held, dtype=torch.int64)
+    ends = torch.full((bsz,), held, dtype=torch.int64) if stack is None else stack.ends_for(bsz, held)
     ints = plan.ints
     for slot, value in zip(_CALL_SLOTS, (
             x.data_ptr(), y.data_ptr(), cos.data_ptr(), sin.data_ptr(), room[0].data_ptr(), room[1].data_ptr(),
@@ -483,11 +531,12 @@ def install(model: torch.nn.Module) -> int:
         if _is_attention(module):
             _install(module, _attention)
             count += 1
-    for module in modules:  # after its parts
-        if _is_decoder(module):
-            _install(module, _decoder)
-            count += 1
-    return count
+    decoders = [module for module in modules if _is_decoder(module)]  # after their parts
+    stack = _DecoderStack(decoders)
+    for module in decoders:
+        _install(module, _decoder)
+        vars(module)[_STACK] = stack
+    return count + len(decoders)
 
 
 def uninstall(model: torch.nn.Module) -> int:
@@ -497,6 +546,7 @@ def uninstall(model: torch.nn.Module) -> int:
         if vars(module).pop(_FUSED, None):
             vars(module).pop(_STYLE, None)
             vars(module).pop(_PLAN, None)
+            vars(module).pop(_STACK, None)
             del module.forward
             count += 1
     return count
