@@ -397,21 +397,24 @@ class _DecoderStack:
         self.forward: tuple[torch.Tensor, int, bool] | None = None
         self.ends: tuple[tuple[int, int], torch.Tensor] | None = None
 
-    def passed(self, table: torch.Tensor, store: Any) -> bool:
-        """Whether every layer passed the check, made at this forward's first C layer."""
+    def passed(self, table: torch.Tensor, store: Any, x: torch.Tensor) -> bool:
+        """Whether every layer passed the check, made at this forward's first layer with its input ``x``."""
         seen = self.forward
         if seen is None or seen[0] is not table or seen[1] != id(store):
-            seen = self.forward = (table, id(store), self._check())
+            seen = self.forward = (table, id(store), self._check(x))
         return seen[2]
 
-    def _check(self) -> bool:
-        """Every layer's plan current (made again where stale) and no hooks: a hook on a decoder layer could
-        change the next layer's weights mid-forward, so any hook declines (each layer then checks itself)."""
+    def _check(self, x: torch.Tensor) -> bool:
+        """Every layer a decode forward for ``x`` takes as a C call (:func:`_decoding`, the exact attention), its
+        plan current (made again where stale), and no hooks: a hook on a decoder layer could change the next
+        layer's weights mid-forward, so any hook declines (each layer then checks itself)."""
         from torch.nn.modules import module as nn_module
 
         if nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks:
             return False
-        return all(not (m._forward_hooks or m._forward_pre_hooks) and _FUSED in vars(m) and _plan(m).unwatched()
+        return all(not (m._forward_hooks or m._forward_pre_hooks) and _FUSED in vars(m)
+                   and _decoding(x, m.self_attn.q_proj.weight)
+                   and m.self_attn.config._attn_implementation == EXACT_IMPLEMENTATION and _plan(m).unwatched()
                    for m in self.modules)
 
     def ends_for(self, bsz: int, held: int) -> torch.Tensor:
@@ -465,13 +468,15 @@ def _decoder(module: Any, original: Any, *args: Any, **kwargs: Any) -> torch.Ten
     layers = getattr(store, "layers", None)
     if (len(args) > len(_DECODER_ARGS) or not isinstance(x, torch.Tensor) or x.dim() != 3 or embeddings is None
             or not (isinstance(spec, ExactTreeSpec) or spec is None and x.shape[1] == 1)
-            or not isinstance(layers, list) or not _decoding(x, module.self_attn.q_proj.weight)
-            or module.self_attn.config._attn_implementation != EXACT_IMPLEMENTATION):
+            or not isinstance(layers, list)):
         return original(*args, **kwargs)
     stack = vars(module).get(_STACK)
-    if stack is not None and stack.passed(embeddings[0], store):
+    if stack is not None and stack.passed(embeddings[0], store, x):
         plan = vars(module)[_PLAN]
     else:
+        if (not _decoding(x, module.self_attn.q_proj.weight)
+                or module.self_attn.config._attn_implementation != EXACT_IMPLEMENTATION):
+            return original(*args, **kwargs)
         plan = _plan(module)
         if not plan.unwatched():
             return original(*args, **kwargs)
