@@ -391,8 +391,8 @@ class _DecoderStack:
 
     __slots__ = ("modules", "forward", "ends")
 
-    def __init__(self, modules: list[torch.nn.Module]):
-        self.modules = modules
+    def __init__(self, modules: list[Any]):
+        self.modules = modules  # the decoder layer modules
         # (table, id(cache), passed): the table is held, so its id is not reused meanwhile
         self.forward: tuple[torch.Tensor, int, bool] | None = None
         self.ends: tuple[tuple[int, int], torch.Tensor] | None = None
