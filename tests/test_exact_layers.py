@@ -287,6 +287,30 @@ def test_a_forward_checks_its_layers_once_and_sees_a_later_layers_hook(monkeypat
     assert seen and hooked_calls == calls - 2 and torch.allclose(hooked, before, atol=1e-4)
 
 
+def test_a_layer_given_another_input_than_the_chain_gave_it_computes_again():
+    """A forward's first C layer runs the C calls of the layers after it; a layer that receives another input
+    (here scaled on its way in) computes again, as does every layer after it: the module path's logits."""
+    from ddtree.core.tree import DraftTree
+
+    target = tiny_target("qwen3", dtype=torch.float32)
+    layers = target.config.num_hidden_layers
+    assert layers >= 3
+    parents = torch.tensor([-1, 0, 0, 1]).expand(2, -1)
+    tree = DraftTree.from_parents(torch.randint(3, 90, parents.shape, generator=torch.Generator().manual_seed(4)),
+                                  parents)
+    before, _, calls = _tree_logits(target, PROMPTS, tree, module_path=False)
+    layer = target.model.layers[2]
+    inner = layer.forward
+    layer.forward = lambda hidden_states, *a, **k: inner(hidden_states * 1.5, *a, **k)
+    try:
+        scaled, _, scaled_calls = _tree_logits(target, PROMPTS, tree, module_path=False)
+        modules, _, _ = _tree_logits(target, PROMPTS, tree, module_path=True)
+    finally:
+        layer.forward = inner
+    assert calls == 2 * layers and scaled_calls == 2 * (layers + layers - 2)  # layers 2.. again, each forward
+    assert torch.equal(scaled, modules) and not torch.equal(scaled, before)
+
+
 def test_a_padding_mask_changed_in_place_is_read_again():
     """A one-token step's key ranges are made once per forward and kept on the padding mask; an inference-mode
     mask (no version counter) changed in place and passed again at the same length gives its new ranges."""

@@ -389,10 +389,12 @@ class _DecoderStack:
     forward is known by its rotary table, a new tensor each forward that every layer of it receives, and its
     cache."""
 
-    __slots__ = ("modules", "forward", "ends")
+    __slots__ = ("modules", "index", "forward", "ends", "chain")
 
     def __init__(self, modules: list[Any]):
-        self.modules = modules  # the decoder layer modules
+        self.modules = modules  # the decoder layer modules, in the order the model runs them
+        self.index = {id(m): i for i, m in enumerate(modules)}
+        self.chain: _Chain | None = None  # this forward's C calls, made at its first C layer
         # (table, id(cache), passed): the table is held, so its id is not reused meanwhile
         self.forward: tuple[torch.Tensor, int, bool] | None = None
         self.ends: tuple[tuple[int, int], torch.Tensor] | None = None
@@ -459,52 +461,32 @@ def _step_keys(mask: torch.Tensor | None, bsz: int, kv_len: int, window: int | N
     return held[2]
 
 
-def _decoder(module: Any, original: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
-    """The layer's decode forward as one C call (the module-by-module path's kernels, in its order: the same
-    bits), where the call is a decode forward through an in-place attention cache; otherwise its own forward."""
-    call = dict(zip(_DECODER_ARGS, args), **kwargs)
-    x, embeddings, spec = call.get("hidden_states"), call.get("position_embeddings"), call.get(TREE_KWARG)
-    store = call.get("cache", call.get("past_key_values"))
-    layers = getattr(store, "layers", None)
-    if (len(args) > len(_DECODER_ARGS) or not isinstance(x, torch.Tensor) or x.dim() != 3 or embeddings is None
-            or not (isinstance(spec, ExactTreeSpec) or spec is None and x.shape[1] == 1)
-            or not isinstance(layers, list)):
-        return original(*args, **kwargs)
-    stack = vars(module).get(_STACK)
-    if stack is not None and stack.passed(embeddings[0], store, x):
-        plan = vars(module)[_PLAN]
-    else:
-        if (not _decoding(x, module.self_attn.q_proj.weight)
-                or module.self_attn.config._attn_implementation != EXACT_IMPLEMENTATION):
-            return original(*args, **kwargs)
-        plan = _plan(module)
-        if not plan.unwatched():
-            return original(*args, **kwargs)
-    if plan.layer_idx >= len(layers):
-        return original(*args, **kwargs)
+def _prepare(plan: _LayerPlan, layers: list, x: torch.Tensor, y: torch.Tensor, embeddings: tuple,
+             spec: ExactTreeSpec | None, mask: torch.Tensor | None, stack: _DecoderStack | None
+             ) -> tuple[Any, tuple[torch.Tensor, torch.Tensor], int, tuple] | None:
+    """Fill ``plan``'s call slots for ``x`` -> ``y`` through its cache layer (its room made where needed), or
+    None where this layer's cache is not one the C call appends to in place. Returns the layer, its room, the
+    columns it held and the tensors the slots point into (kept alive until the call)."""
     from transformers.cache_utils import DynamicLayer
 
+    if plan.layer_idx >= len(layers):
+        return None
     layer = layers[plan.layer_idx]
     bsz, n, _ = x.shape
     keys = getattr(layer, "keys", None)
     if (type(layer) is not DynamicLayer or not getattr(layer, "is_initialized", False) or keys is None
             or keys.dim() != 4 or keys.shape[0] != bsz or keys.shape[1] != plan.hkv or keys.shape[-1] != plan.d
             or keys.dtype != x.dtype):
-        return original(*args, **kwargs)
+        return None
     held = keys.shape[-2]
     if spec is None:  # a one-token step without a tree spec, as exact attention takes it
-        mask = call.get("attention_mask")
-        if mask is not None and not (isinstance(mask, torch.Tensor) and mask.dim() == 2):
-            return original(*args, **kwargs)
         start, visible = _step_keys(mask, bsz, held + n, plan.window, x.device)
     else:
         start, visible = spec.keys(held, plan.window)
     if start.shape != (bsz, n):
-        return original(*args, **kwargs)
+        return None
     room = kv_room.room_for(layer, n)
-    x = x.contiguous()
-    cos, sin = (t.contiguous() for t in embeddings)
-    y = torch.empty_like(x)
+    cos, sin = embeddings
     ends = torch.full((bsz,), held, dtype=torch.int64) if stack is None else stack.ends_for(bsz, held)
     ints = plan.ints
     for slot, value in zip(_CALL_SLOTS, (
@@ -512,8 +494,101 @@ def _decoder(module: Any, original: Any, *args: Any, **kwargs: Any) -> torch.Ten
             start.data_ptr(), visible.data_ptr(), ends.data_ptr(), room[0].shape[-2], held, bsz, n,
             row_kernels.caller_threads())):
         ints[slot] = value
-    row_kernels.decoder_layer(ints, plan.floats)
-    layer.keys, layer.values = room[0][..., :held + n, :], room[1][..., :held + n, :]
+    return layer, room, held, (start, visible, ends)
+
+
+class _Chain:
+    """One forward's C calls for a run of consecutive layers, made together at the first of them: the later
+    layers' Python then runs between no C calls (warm caches) and hands back their outputs. Each layer takes
+    its output only for the input the chain gave it (the previous layer's output, as a plain decoder loop
+    passes it) and a padding mask that gives the same key ranges; any other input, mask or table, and it
+    computes again (the C call rewrites the same room columns), as does every layer after it."""
+
+    __slots__ = ("key", "mask", "entries")
+
+    def __init__(self, key: tuple, mask: torch.Tensor | None, entries: dict[int, tuple]):
+        self.key = key  # (cos, sin, spec, id(cache)): the tensors held, so no id is reused meanwhile
+        self.mask = mask
+        self.entries = entries  # id(module) -> (input, output, layer, room, held, what its slots point into)
+
+    def entry(self, module: Any, x: torch.Tensor, embeddings: tuple, spec: Any, mask: Any, store: Any
+              ) -> tuple | None:
+        key = self.key
+        if not (key[0] is embeddings[0] and key[1] is embeddings[1] and key[2] is spec and key[3] == id(store)):
+            return None
+        entry = self.entries.get(id(module))
+        if entry is None or entry[0] is not x:
+            return None
+        # a layer type may get its own copy of the padding mask (transformers makes one per type)
+        same = mask is self.mask or (isinstance(mask, torch.Tensor) and isinstance(self.mask, torch.Tensor)
+                                     and mask.shape == self.mask.shape and torch.equal(mask == 0, self.mask == 0))
+        return entry if same else None
+
+
+def _run_chain(stack: _DecoderStack, module: Any, x: torch.Tensor, embeddings: tuple, spec: Any, mask: Any,
+               store: Any, layers: list) -> _Chain | None:
+    """Prepare ``module`` and the layers after it while each can (every one then runs its C call), or None."""
+    entries: dict[int, tuple] = {}
+    calls = []
+    inp = x
+    for m in stack.modules[stack.index[id(module)]:]:
+        plan = vars(m)[_PLAN]
+        out = torch.empty_like(inp)
+        prepared = _prepare(plan, layers, inp, out, embeddings, spec, mask, stack)
+        if prepared is None:
+            break
+        entries[id(m)] = (inp, out, *prepared)
+        calls.append(plan)
+        inp = out
+    if not calls:
+        return None
+    for plan in calls:
+        row_kernels.decoder_layer(plan.ints, plan.floats)
+    return _Chain((embeddings[0], embeddings[1], spec, id(store)), mask, entries)
+
+
+def _decoder(module: Any, original: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+    """The layer's decode forward as one C call (the module-by-module path's kernels, in its order: the same
+    bits), where the call is a decode forward through an in-place attention cache; otherwise its own forward.
+    Where the whole stack passed its check, the first layer runs the C calls of every layer after it too."""
+    call = dict(zip(_DECODER_ARGS, args), **kwargs)
+    x, embeddings, spec = call.get("hidden_states"), call.get("position_embeddings"), call.get(TREE_KWARG)
+    store = call.get("cache", call.get("past_key_values"))
+    layers = getattr(store, "layers", None)
+    mask = call.get("attention_mask") if spec is None else None
+    if (len(args) > len(_DECODER_ARGS) or not isinstance(x, torch.Tensor) or x.dim() != 3 or embeddings is None
+            or not (isinstance(spec, ExactTreeSpec) or spec is None and x.shape[1] == 1)
+            or not isinstance(layers, list)
+            or not (mask is None or isinstance(mask, torch.Tensor) and mask.dim() == 2)):
+        return original(*args, **kwargs)
+    embeddings = tuple(t.contiguous() for t in embeddings)
+    stack = vars(module).get(_STACK)
+    if stack is not None and stack.passed(embeddings[0], store, x):
+        chain = stack.chain
+        entry = None if chain is None else chain.entry(module, x, embeddings, spec, mask, store)
+        if entry is None:
+            chain = stack.chain = _run_chain(stack, module, x.contiguous(), embeddings, spec, mask, store, layers)
+            entry = None if chain is None else chain.entries.get(id(module))
+            if entry is None:
+                return original(*args, **kwargs)
+        _, y, layer, room, held, _ = entry
+        n = y.shape[1]
+        layer.keys, layer.values = room[0][..., :held + n, :], room[1][..., :held + n, :]
+        return y
+    if (not _decoding(x, module.self_attn.q_proj.weight)
+            or module.self_attn.config._attn_implementation != EXACT_IMPLEMENTATION):
+        return original(*args, **kwargs)
+    plan = _plan(module)
+    if not plan.unwatched():
+        return original(*args, **kwargs)
+    x = x.contiguous()
+    y = torch.empty_like(x)
+    prepared = _prepare(plan, layers, x, y, embeddings, spec, mask, None)
+    if prepared is None:
+        return original(*args, **kwargs)
+    layer, room, held, _kept = prepared
+    row_kernels.decoder_layer(plan.ints, plan.floats)
+    layer.keys, layer.values = room[0][..., :held + x.shape[1], :], room[1][..., :held + x.shape[1], :]
     return y
 
 
