@@ -362,6 +362,29 @@ def test_bfloat16_products_run_on_amx_tiles_where_the_cpu_has_them(monkeypatch):
     assert not torch.equal(out["native"], out["vector"])
 
 
+def test_bfloat16_layers_are_routed_where_their_products_run_on_amx(monkeypatch):
+    """The inexact routing takes a bfloat16 layer where the products run on AMX tiles (the native build on such
+    a CPU) and leaves it to torch elsewhere (the build without AMX), where oneDNN is faster past a few rows; an
+    exact generator's bfloat16 drafter goes along the same way."""
+    try:
+        for arch in ("native", "vector"):
+            monkeypatch.setenv("DDTREE_KERNEL_ARCH", arch)
+            native.library.cache_clear()
+            layer = torch.nn.Linear(96, 80).bfloat16()
+            routed = cpu_linear.install(layer)
+            assert routed == int(native.uses_amx()) and cpu_linear.fast_dtype(torch.bfloat16) == native.uses_amx()
+            x = torch.randn(5, 96).bfloat16()
+            with torch.no_grad():
+                assert torch.allclose(layer(x).float(), F.linear(x, layer.weight, layer.bias).float(), atol=0.05,
+                                      rtol=0.02)
+            cpu_linear.uninstall(layer)
+            target = tiny_target("qwen3", dtype=torch.bfloat16)
+            gen = SpeculativeGenerator(target, tiny_drafter(target), numerics="exact")
+            assert (cpu_linear.installed(gen.drafter.cpu_linear_model) > 0) == native.uses_amx()
+    finally:
+        native.library.cache_clear()
+
+
 @needs_kernel
 def test_a_layer_made_in_inference_mode_is_routed():
     """A target built under ``torch.inference_mode`` has weights without version counters: the packed copy

@@ -636,12 +636,13 @@ def _route_cpu_linear(target: Any, mode: bool | str) -> int:
         return cpu_linear.installed(target)
     param = next(target.parameters())
     sharded = Lockstep.for_model(target).active  # its linears run through transformers' tensor-parallel hooks
-    suitable = param.device.type == "cpu" and param.dtype == torch.float32 and not sharded
-    if mode == "auto" and not (suitable and cpu_linear.available()):
+    suitable = (param.device.type == "cpu" and not sharded and cpu_linear.available()
+                and cpu_linear.fast_dtype(param.dtype))
+    if mode == "auto" and not suitable:
         return cpu_linear.installed(target)
     if not suitable:
-        raise ValueError(f"cpu_linear=True needs a float32 target on the CPU, this one is {param.dtype} on "
-                         f"{param.device}; pass cpu_linear='auto' or False")
+        raise ValueError(f"cpu_linear=True needs a float32 target on the CPU (or bfloat16 on one with AMX), this "
+                         f"one is {param.dtype} on {param.device}; pass cpu_linear='auto' or False")
     return cpu_linear.install(target)
 
 

@@ -5,8 +5,8 @@ Two uses, one kernel:
 - **fast** (``cpu_linear=True``/``"auto"``): a tree verify pushes 2-32 tokens through the target at once. On a
   CPU the weights are streamed from memory for every forward, so such a forward could cost about as much as a
   one-token step, but the BLAS small-M paths reach only half that speed or less. The kernel streams each weight
-  row once and applies it to every row, so float32 calls of at most ``max_rows`` rows go to it; larger calls
-  (a prompt's prefill) go to BLAS.
+  row once and applies it to every row, so float32 calls (bfloat16 on a CPU with AMX) of at most ``max_rows``
+  rows go to it; larger calls (a prompt's prefill) go to BLAS.
 - **exact** (``numerics="exact"``): every call outside :func:`bulk_rows` goes to the kernel, in every dtype it
   takes, so a token's activations in these layers are the same bits whatever else shares its forward. The
   prefill runs inside :func:`bulk_rows` on BLAS: plain decoding and speculation share it.
@@ -65,6 +65,12 @@ def unavailable_reason() -> str | None:
     return native.unavailable_reason()
 
 
+def fast_dtype(dtype: torch.dtype) -> bool:
+    """Whether the inexact routing takes ``dtype``: float32, and bfloat16 where its products run on AMX tiles
+    (elsewhere oneDNN's bf16 products beat the vector kernel past a few rows)."""
+    return dtype == torch.float32 or dtype == torch.bfloat16 and native.uses_amx()
+
+
 def takes(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, rows: int,
           max_rows: int | None) -> bool:
     """Whether :func:`linear` gives this call to the kernel (an exact call takes a weight of any layout, copied
@@ -74,7 +80,7 @@ def takes(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, rows
     if max_rows is EVERY_ROW:
         if _BULK.get() or x.dtype not in row_kernels.DTYPE_CODES:
             return False
-    elif rows > max_rows or x.dtype != torch.float32 or not weight.is_contiguous():
+    elif rows > max_rows or not fast_dtype(x.dtype) or not weight.is_contiguous():
         return False
     if weight.dtype != x.dtype or (bias is not None and (bias.dtype != x.dtype or bias.device.type != "cpu")):
         return False
@@ -86,7 +92,8 @@ def takes(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, rows
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            max_rows: int | None = DEFAULT_MAX_ROWS) -> torch.Tensor:
-    """``F.linear(x, weight, bias)``; through the kernel when ``x`` has at most ``max_rows`` rows (float32), or
+    """``F.linear(x, weight, bias)``; through the kernel when ``x`` has at most ``max_rows`` rows (float32, or
+    bfloat16 where :func:`fast_dtype` says), or
     with ``max_rows=EVERY_ROW`` for any row count and dtype outside :func:`bulk_rows`."""
     if weight.dim() != 2 or x.shape[-1] != weight.shape[1]:
         raise ValueError(f"linear: input has {x.shape[-1]} features but the weight {tuple(weight.shape)} expects "
@@ -164,13 +171,14 @@ def _routable(mod: torch.nn.Module, exact: bool) -> bool:
         return False
     if exact and mod.bias is not None and (mod.bias.dtype != mod.weight.dtype or not mod.bias.is_contiguous()):
         return False
-    return mod.weight.dtype in row_kernels.DTYPE_CODES if exact else mod.weight.dtype == torch.float32
+    return mod.weight.dtype in row_kernels.DTYPE_CODES if exact else fast_dtype(mod.weight.dtype)
 
 
 def install(model: torch.nn.Module, max_rows: int = DEFAULT_MAX_ROWS, *, exact: bool = False) -> int:
     """Route ``model``'s CPU ``nn.Linear`` layers through :func:`linear`; returns how many.
 
-    Without ``exact``: float32 layers, calls of at most ``max_rows`` rows (a prompt's prefill still uses
+    Without ``exact``: float32 layers (bfloat16 too where :func:`fast_dtype` says), calls of at most
+    ``max_rows`` rows (a prompt's prefill still uses
     BLAS). With ``exact``: layers of every dtype the kernel takes, every call outside :func:`bulk_rows`.
     Raises if the kernel cannot run here; :func:`uninstall` undoes it.
     """
