@@ -280,6 +280,7 @@ def test_a_forward_checks_its_layers_once_and_sees_a_later_layers_hook(monkeypat
     again, _, again_calls = _tree_logits(target, PROMPTS, tree, module_path=False)
     assert again_calls == calls == 2 * layers and torch.equal(again, before)
     assert events == (["check"] * layers + ["C"] * layers) * 2  # two forwards: the tree verify and a step
+    assert vars(target.model.layers[0])[exact_layers._STACK].chain is None  # no forward's tensors held past it
     seen = []
     handle = target.model.layers[-1].mlp.down_proj.register_forward_hook(lambda *a: seen.append(1))
     hooked, _, hooked_calls = _tree_logits(target, PROMPTS, tree, module_path=False)

@@ -571,6 +571,9 @@ def _decoder(module: Any, original: Any, *args: Any, **kwargs: Any) -> torch.Ten
             entry = None if chain is None else chain.entries.get(id(module))
             if entry is None:
                 return original(*args, **kwargs)
+        del chain.entries[id(module)]
+        if not chain.entries:  # the chain's last layer: hold none of the forward's tensors past it
+            stack.chain = None
         _, y, layer, room, held, _ = entry
         n = y.shape[1]
         layer.keys, layer.values = room[0][..., :held + n, :], room[1][..., :held + n, :]
