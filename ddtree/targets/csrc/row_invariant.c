@@ -530,31 +530,27 @@ static void amx_block(const uint16_t *x, long xk, const uint16_t *wp, float *out
     _tile_zero(1);
     _tile_zero(2);
     _tile_zero(3);
+/* x's chunk at pair k into tile A, then each 16-column slice of the panel's chunk into tile B, added into
+ * sums 0-3 (tile numbers are immediates, hence a macro) */
+#define AMX_CHUNK(A, B, k)                                                                       \
+    do {                                                                                         \
+        const uint16_t *wk = wp + (k) * row;                                                     \
+        _tile_loadd(A, x + 2 * (k), xk * 2);                                                     \
+        _tile_loadd(B, wk, row * 2);                                                             \
+        _tile_dpbf16ps(0, A, B);                                                                 \
+        _tile_loadd(B, wk + 32, row * 2);                                                        \
+        _tile_dpbf16ps(1, A, B);                                                                 \
+        _tile_loadd(B, wk + 64, row * 2);                                                        \
+        _tile_dpbf16ps(2, A, B);                                                                 \
+        _tile_loadd(B, wk + 96, row * 2);                                                        \
+        _tile_dpbf16ps(3, A, B);                                                                 \
+    } while (0)
     for (long k = 0; k < full; k += 16) {
-        const uint16_t *wk = wp + k * row;
-        PREFETCH_ROW(wk + 16 * row, 16 * row * sizeof(uint16_t)); /* the next chunk, as the vector kernel's */
-        _tile_loadd(4, x + 2 * k, xk * 2);
-        _tile_loadd(5, wk, row * 2);
-        _tile_dpbf16ps(0, 4, 5);
-        _tile_loadd(5, wk + 32, row * 2);
-        _tile_dpbf16ps(1, 4, 5);
-        _tile_loadd(5, wk + 64, row * 2);
-        _tile_dpbf16ps(2, 4, 5);
-        _tile_loadd(5, wk + 96, row * 2);
-        _tile_dpbf16ps(3, 4, 5);
+        PREFETCH_ROW(wp + (k + 16) * row, 16 * row * sizeof(uint16_t)); /* the next chunk, as the vector kernel's */
+        AMX_CHUNK(4, 5, k);
     }
-    if (tail) {
-        const uint16_t *wk = wp + full * row;
-        _tile_loadd(6, x + 2 * full, xk * 2);
-        _tile_loadd(7, wk, row * 2);
-        _tile_dpbf16ps(0, 6, 7);
-        _tile_loadd(7, wk + 32, row * 2);
-        _tile_dpbf16ps(1, 6, 7);
-        _tile_loadd(7, wk + 64, row * 2);
-        _tile_dpbf16ps(2, 6, 7);
-        _tile_loadd(7, wk + 96, row * 2);
-        _tile_dpbf16ps(3, 6, 7);
-    }
+    if (tail) AMX_CHUNK(6, 7, full);
+#undef AMX_CHUNK
     _tile_stored(0, out, PANEL * 4);
     _tile_stored(1, out + 16, PANEL * 4);
     _tile_stored(2, out + 32, PANEL * 4);
