@@ -288,6 +288,41 @@ def test_a_forward_checks_its_layers_once_and_sees_a_later_layers_hook(monkeypat
     assert seen and hooked_calls == calls - 2 and torch.allclose(hooked, before, atol=1e-4)
 
 
+def test_a_forward_runs_ahead_past_output_readers_only(monkeypatch):
+    """A hook marked as reading a decoder layer's output (the target forward's capture of hidden states) keeps a
+    forward's C calls together and sees that layer's output; any other hook on a decoder layer sends each layer
+    back to checking itself before its own call."""
+    from ddtree.core.tree import DraftTree
+    from ddtree.targets.registration import OUTPUT_READER
+
+    target = tiny_target("qwen3", dtype=torch.float32)
+    layers = target.config.num_hidden_layers
+    parents = torch.tensor([-1, 0, 0, 1]).expand(2, -1)
+    tree = DraftTree.from_parents(torch.randint(3, 90, parents.shape, generator=torch.Generator().manual_seed(5)),
+                                  parents)
+    before, _, _ = _tree_logits(target, PROMPTS, tree, module_path=False)
+    events, seen = [], []
+    current, call = exact_layers._LayerPlan.current, row_kernels.decoder_layer
+    monkeypatch.setattr(exact_layers._LayerPlan, "current", lambda plan: events.append("check") or current(plan))
+    monkeypatch.setattr(row_kernels, "decoder_layer", lambda *a: events.append("C") or call(*a))
+
+    def reader(module, args, output):
+        seen.append(output)
+
+    setattr(reader, OUTPUT_READER, True)
+    handle = target.model.layers[1].register_forward_hook(reader)
+    read, _, _ = _tree_logits(target, PROMPTS, tree, module_path=False)
+    handle.remove()
+    assert events == (["check"] * layers + ["C"] * layers) * 2 and torch.equal(read, before)
+    assert len(seen) == len(PROMPTS) + 2  # each prompt's prefill, the verify and the step
+    events.clear()
+    handle = target.model.layers[1].register_forward_hook(lambda *a: None)  # not marked
+    other, _, _ = _tree_logits(target, PROMPTS, tree, module_path=False)
+    handle.remove()
+    assert events != (["check"] * layers + ["C"] * layers) * 2 and events.count("C") == 2 * layers
+    assert torch.equal(other, before)
+
+
 def test_a_layer_given_another_input_than_the_chain_gave_it_computes_again():
     """A forward's first C layer runs the C calls of the layers after it; a layer that receives another input
     (here scaled on its way in) computes again, as does every layer after it: the module path's logits."""

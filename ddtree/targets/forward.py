@@ -23,6 +23,7 @@ from ddtree.targets.cache import cache_kwargs, check_cache_length
 from ddtree.targets.cpu_linear import bulk_rows
 from ddtree.targets.description import describe
 from ddtree.targets.exact_attention import row_prefill
+from ddtree.targets.registration import OUTPUT_READER
 
 
 class TargetOutput(Protocol):
@@ -96,6 +97,7 @@ def target_forward(target: TargetModel, input_ids: torch.Tensor, position_ids: t
                 kept[j] = output.last_hidden_state if hasattr(output, "last_hidden_state") else output[0]
             else:
                 kept[j] = output[0] if isinstance(output, tuple) else output
+        setattr(hook, OUTPUT_READER, True)
         return hook
 
     try:

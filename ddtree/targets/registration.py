@@ -41,6 +41,11 @@ from ddtree.targets.split_attention import (
 TREE_KWARG = "ddtree_tree"
 """Name of the forward kwarg that carries a :class:`TreeAttentionSpec` down to the attention function."""
 
+OUTPUT_READER = "_ddtree_reads_output"
+"""An attribute set (True) on a forward hook that only reads its module's output, as the target forward's
+capture of the drafter's hidden states does: the exact decoder layers run a forward's later layers ahead
+(their Python then runs on warm caches) where every hook on them is such a reader."""
+
 
 @dataclass(eq=False)
 class TreeAttentionSpec:
