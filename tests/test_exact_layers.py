@@ -323,6 +323,30 @@ def test_a_forward_runs_ahead_past_output_readers_only(monkeypatch):
     assert torch.equal(other, before)
 
 
+def test_rotary_tables_that_are_not_contiguous_take_each_layer_alone():
+    """A forward whose rotary tables are not contiguous (copied per layer, so no table identifies the forward)
+    runs each layer's own C call once, not a chain per layer: the same calls and logits."""
+    from ddtree.core.tree import DraftTree
+
+    target = tiny_target("qwen3", dtype=torch.float32)
+    parents = torch.tensor([-1, 0, 0, 1]).expand(2, -1)
+    tree = DraftTree.from_parents(torch.randint(3, 90, parents.shape, generator=torch.Generator().manual_seed(6)),
+                                  parents)
+    before, _, calls = _tree_logits(target, PROMPTS, tree, module_path=False)
+    rotary = target.model.rotary_emb
+    inner = rotary.forward
+
+    def strided(*a, **k):
+        return tuple(t.new_empty(t.shape[0], t.shape[2], t.shape[1]).transpose(1, 2).copy_(t) for t in inner(*a, **k))
+
+    rotary.forward = strided
+    try:
+        after, _, after_calls = _tree_logits(target, PROMPTS, tree, module_path=False)
+    finally:
+        rotary.forward = inner
+    assert after_calls == calls == 2 * target.config.num_hidden_layers and torch.equal(after, before)
+
+
 def test_a_layer_given_another_input_than_the_chain_gave_it_computes_again():
     """A forward's first C layer runs the C calls of the layers after it; a layer that receives another input
     (here scaled on its way in) computes again, as does every layer after it: the module path's logits."""

@@ -496,7 +496,7 @@ def _prepare(plan: _LayerPlan, layers: list, x: torch.Tensor, y: torch.Tensor, e
             start.data_ptr(), visible.data_ptr(), ends.data_ptr(), room[0].shape[-2], held, bsz, n,
             row_kernels.caller_threads())):
         ints[slot] = value
-    return layer, room, held, (start, visible, ends)
+    return layer, room, held, (start, visible, ends, cos, sin)
 
 
 class _Chain:
@@ -563,9 +563,10 @@ def _decoder(module: Any, original: Any, *args: Any, **kwargs: Any) -> torch.Ten
             or not isinstance(layers, list)
             or not (mask is None or isinstance(mask, torch.Tensor) and mask.dim() == 2)):
         return original(*args, **kwargs)
-    embeddings = tuple(t.contiguous() for t in embeddings)
     stack = vars(module).get(_STACK)
-    if stack is not None and stack.passed(embeddings[0], store, x):
+    # the chain knows a forward by its tables: a copy made here each layer would be another forward to it
+    if (stack is not None and all(t.is_contiguous() for t in embeddings)
+            and stack.passed(embeddings[0], store, x)):
         chain = stack.chain
         entry = None if chain is None else chain.entry(module, x, embeddings, spec, mask, store)
         if entry is None:
@@ -588,7 +589,8 @@ def _decoder(module: Any, original: Any, *args: Any, **kwargs: Any) -> torch.Ten
         return original(*args, **kwargs)
     x = x.contiguous()
     y = torch.empty_like(x)
-    prepared = _prepare(plan, layers, x, y, embeddings, spec, mask, None)
+    tables = tuple(t.contiguous() for t in embeddings)
+    prepared = _prepare(plan, layers, x, y, tables, spec, mask, None)
     if prepared is None:
         return original(*args, **kwargs)
     layer, room, held, _kept = prepared
