@@ -261,22 +261,33 @@ def test_the_c_layer_follows_a_weight_changed_in_place():
     assert calls > 0 and not torch.equal(after, before) and torch.equal(after, modules)
 
 
+def _four_node_tree(seed: int):
+    """A two-row tree of four nodes (root, two children, a grandchild) with random tokens."""
+    from ddtree.core.tree import DraftTree
+
+    parents = torch.tensor([-1, 0, 0, 1]).expand(2, -1)
+    return DraftTree.from_parents(torch.randint(3, 90, parents.shape, generator=torch.Generator().manual_seed(seed)),
+                                  parents)
+
+
+def _record_checks_and_calls(monkeypatch) -> list[str]:
+    """The order of plan checks ("check") and C layer calls ("C") from here on."""
+    events: list[str] = []
+    current, call = exact_layers._LayerPlan.current, row_kernels.decoder_layer
+    monkeypatch.setattr(exact_layers._LayerPlan, "current", lambda plan: events.append("check") or current(plan))
+    monkeypatch.setattr(row_kernels, "decoder_layer", lambda *a: events.append("C") or call(*a))
+    return events
+
+
 def test_a_forward_checks_its_layers_once_and_sees_a_later_layers_hook(monkeypatch):
     """The C layers of a forward are checked together before its first C call (each layer's plan once per
     forward), and a hook put on the last layer's projection between forwards sends that layer (only) back to its
     modules."""
-    from ddtree.core.tree import DraftTree
-
     target = tiny_target("qwen3", dtype=torch.float32)
     layers = target.config.num_hidden_layers
-    parents = torch.tensor([-1, 0, 0, 1]).expand(2, -1)
-    tree = DraftTree.from_parents(torch.randint(3, 90, parents.shape, generator=torch.Generator().manual_seed(3)),
-                                  parents)
+    tree = _four_node_tree(3)
     before, _, calls = _tree_logits(target, PROMPTS, tree, module_path=False)
-    events = []
-    current, call = exact_layers._LayerPlan.current, row_kernels.decoder_layer
-    monkeypatch.setattr(exact_layers._LayerPlan, "current", lambda plan: events.append("check") or current(plan))
-    monkeypatch.setattr(row_kernels, "decoder_layer", lambda *a: events.append("C") or call(*a))
+    events = _record_checks_and_calls(monkeypatch)
     again, _, again_calls = _tree_logits(target, PROMPTS, tree, module_path=False)
     assert again_calls == calls == 2 * layers and torch.equal(again, before)
     assert events == (["check"] * layers + ["C"] * layers) * 2  # two forwards: the tree verify and a step
@@ -292,19 +303,13 @@ def test_a_forward_runs_ahead_past_output_readers_only(monkeypatch):
     """A hook marked as reading a decoder layer's output (the target forward's capture of hidden states) keeps a
     forward's C calls together and sees that layer's output; any other hook on a decoder layer sends each layer
     back to checking itself before its own call."""
-    from ddtree.core.tree import DraftTree
     from ddtree.targets.registration import OUTPUT_READER
 
     target = tiny_target("qwen3", dtype=torch.float32)
     layers = target.config.num_hidden_layers
-    parents = torch.tensor([-1, 0, 0, 1]).expand(2, -1)
-    tree = DraftTree.from_parents(torch.randint(3, 90, parents.shape, generator=torch.Generator().manual_seed(5)),
-                                  parents)
+    tree = _four_node_tree(5)
     before, _, _ = _tree_logits(target, PROMPTS, tree, module_path=False)
-    events, seen = [], []
-    current, call = exact_layers._LayerPlan.current, row_kernels.decoder_layer
-    monkeypatch.setattr(exact_layers._LayerPlan, "current", lambda plan: events.append("check") or current(plan))
-    monkeypatch.setattr(row_kernels, "decoder_layer", lambda *a: events.append("C") or call(*a))
+    events, seen = _record_checks_and_calls(monkeypatch), []
 
     def reader(module, args, output):
         seen.append(output)
@@ -326,12 +331,8 @@ def test_a_forward_runs_ahead_past_output_readers_only(monkeypatch):
 def test_rotary_tables_that_are_not_contiguous_take_each_layer_alone():
     """A forward whose rotary tables are not contiguous (copied per layer, so no table identifies the forward)
     runs each layer's own C call once, not a chain per layer: the same calls and logits."""
-    from ddtree.core.tree import DraftTree
-
     target = tiny_target("qwen3", dtype=torch.float32)
-    parents = torch.tensor([-1, 0, 0, 1]).expand(2, -1)
-    tree = DraftTree.from_parents(torch.randint(3, 90, parents.shape, generator=torch.Generator().manual_seed(6)),
-                                  parents)
+    tree = _four_node_tree(6)
     before, _, calls = _tree_logits(target, PROMPTS, tree, module_path=False)
     rotary = target.model.rotary_emb
     inner = rotary.forward
@@ -350,14 +351,10 @@ def test_rotary_tables_that_are_not_contiguous_take_each_layer_alone():
 def test_a_layer_given_another_input_than_the_chain_gave_it_computes_again():
     """A forward's first C layer runs the C calls of the layers after it; a layer that receives another input
     (here scaled on its way in) computes again, as does every layer after it: the module path's logits."""
-    from ddtree.core.tree import DraftTree
-
     target = tiny_target("qwen3", dtype=torch.float32)
     layers = target.config.num_hidden_layers
     assert layers >= 3
-    parents = torch.tensor([-1, 0, 0, 1]).expand(2, -1)
-    tree = DraftTree.from_parents(torch.randint(3, 90, parents.shape, generator=torch.Generator().manual_seed(4)),
-                                  parents)
+    tree = _four_node_tree(4)
     before, _, calls = _tree_logits(target, PROMPTS, tree, module_path=False)
     layer = target.model.layers[2]
     inner = layer.forward
