@@ -215,49 +215,51 @@ def test_cpu_linear_bench_command(tmp_path, capsys):
 
 
 @needs_kernel
-def test_a_routed_target_compiles_whole_with_torchs_own_linears():
-    """A target (and drafter) another generator routed through the kernel, then compiled: the traced steps hold
-    torch's own linears (a graph cannot call ctypes), with no graph break, and equal the dynamic round run on
-    the same linears, in tokens, trees and acceptance; the routing stays for the eager generator."""
+def test_a_routed_target_compiles_whole_with_the_kernel_as_an_operator(monkeypatch):
+    """A target (and drafter) routed through the kernel, compiled: the traced steps call the kernel's operator
+    (every routed linear of the verify and the draft), with no graph break, and equal the dynamic round on the
+    same routing in tokens, trees and acceptance, and plain decoding in tokens."""
     from test_static_round import PROMPTS as STATIC_PROMPTS
     from test_static_round import assert_same_rounds, graph_breaks, run
 
     from ddtree.drafters.dflash.drafter import DFlashDrafter
+    from ddtree.targets import row_kernels
 
     target = tiny_target("qwen3", dtype=torch.float32)
     drafter = DFlashDrafter(tiny_drafter(target, block_size=5), target)
-    eager = SpeculativeGenerator(target, drafter, cpu_linear=True, tree_budget=6)
+    eager = SpeculativeGenerator(target, drafter, cpu_linear=True, tree_budget=6, prompt_lookup=False)
     routed = cpu_linear.installed(target)
     assert routed > 0 and cpu_linear.installed(drafter.cpu_linear_model) > 0
+    dynamic, _ = run(eager, STATIC_PROMPTS, stop_token_ids=())
+    shapes = []
+    product = row_kernels.packed_product
+    monkeypatch.setattr(row_kernels, "packed_product", lambda x, *a, **k: shapes.append(x.shape) or product(x, *a, **k))
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     try:
-        compiled = SpeculativeGenerator(eager.target, eager.drafter, compile="eager", tree_budget=6,
-                                        cpu_linear="auto")
-        assert compiled.options.cpu_linear is False and compiled.cpu_linear == 0  # what its steps really use
+        compiled = SpeculativeGenerator(target, drafter, compile="eager", tree_budget=6, cpu_linear=True,
+                                        prompt_lookup=False)
+        assert compiled.cpu_linear == routed
         static, _ = run(compiled, STATIC_PROMPTS, stop_token_ids=())
         assert graph_breaks() == 0
     finally:
         torch._dynamo.reset()
-    assert cpu_linear.installed(target) == routed  # the eager generator keeps its kernel
-    with cpu_linear.suspended(target), cpu_linear.suspended(drafter.cpu_linear_model):
-        dynamic, _ = run(SpeculativeGenerator(target, drafter, tree_budget=6), STATIC_PROMPTS, stop_token_ids=())
+    verify_rows = (len(STATIC_PROMPTS), 7)  # every row's 7 nodes (budget 6 and the root) in one product
+    assert sum(s[:-1] == verify_rows for s in shapes) >= routed  # the verify forward's linears, all on the kernel
+    assert any(s[:-1] == (len(STATIC_PROMPTS), 5) for s in shapes)  # and the draft step's (the block of 5)
     assert_same_rounds(static, dynamic, len(STATIC_PROMPTS))
     for b, prompt in enumerate(STATIC_PROMPTS):
-        with cpu_linear.suspended(target):
-            ref = reference(target, prompt, new=28)[0].tolist()
+        ref = reference(target, prompt, new=28)[0].tolist()
         assert static.new_tokens[b] == ref[len(prompt) : len(prompt) + 20]
         assert static.acceptance[b] == [expected_acceptance(r, ref) for r in static.records[b]]
     assert any(a > 1 for row in static.acceptance for a in row)  # paths past the root were committed
 
 
-def test_compile_reports_the_linears_it_uses():
+def test_compile_keeps_the_linears_routing():
     from ddtree.generation.options import GeneratorOptions
 
-    assert GeneratorOptions(compile=True, tree_budget=4, cpu_linear="auto").cpu_linear is False
-    assert GeneratorOptions(compile=False, cpu_linear="auto").cpu_linear == "auto"
-    with pytest.raises(ValueError, match="Pass cpu_linear=False"):
-        GeneratorOptions(compile=True, tree_budget=4, cpu_linear=True)
+    assert GeneratorOptions(compile=True, tree_budget=4, cpu_linear="auto").cpu_linear == "auto"
+    assert GeneratorOptions(compile=True, tree_budget=4, cpu_linear=True).cpu_linear is True
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -6,7 +6,8 @@ hidden 64), or a Qwen3.5-style GDN hybrid (``qwen36-27b-hybrid``: Qwen3.6-27B's 
 (``--preset default-pair``,
 float32, the demo's prompt through the chat template). Per method (the chain at the drafter's depth,
 best_first at each budget) and mode (``eager``: the dynamic round; ``compiled``: ``compile=True``, inductor,
-CUDA graphs on CUDA) it runs one warm-up generation (which compiles) and then ``--repeats`` timed ones, and
+CUDA graphs on CUDA; both with the dense-mask attention and ``numerics="fast"``, the linears routed as
+``--cpu-linear`` says; on a CPU also ``default``: the eager generator's own settings, exact numerics) it runs one warm-up generation (which compiles) and then ``--repeats`` timed ones, and
 reports the median milliseconds per round and its share per stage, the tokens per round, the tokens/s, and
 whether the compiled run's tokens and acceptance equal the eager one's. Random weights accept about one
 token per round, so tokens/s there is a per-round cost: with a trained pair, tokens/s is the tokens per
@@ -25,6 +26,8 @@ import traceback
 from pathlib import Path
 
 import torch
+
+from ddtree.targets import cpu_linear
 
 PRESETS = {
     "qwen3-8b": dict(hidden_size=4096, intermediate_size=12288, num_attention_heads=32, num_key_value_heads=8,
@@ -69,12 +72,14 @@ def methods(budgets: list[int], block: int = BLOCK) -> list[tuple[str, str, int]
     return [("chain", "chain", block - 1)] + [(f"best_first@{b}", "best_first", b) for b in budgets]
 
 
-def default_pair() -> tuple:
-    """The shipped pair in float32 with torch's own linears, and the demo's prompt through its chat template."""
+def default_pair(cpu_linear: bool) -> tuple:
+    """The shipped pair in float32 (its linears routed through the few-row kernel with ``cpu_linear``), and the
+    demo's prompt through its chat template."""
     from ddtree.apps.demo import DEFAULT_PROMPT
     from ddtree.generation.generator import SpeculativeGenerator
 
-    gen = SpeculativeGenerator.from_pretrained(dtype=torch.float32, cpu_linear=False, prompt_lookup=False)
+    gen = SpeculativeGenerator.from_pretrained(dtype=torch.float32, cpu_linear="auto" if cpu_linear else False,
+                                               prompt_lookup=False, numerics="fast")
     ids = gen.tokenizer.apply_chat_template([{"role": "user", "content": DEFAULT_PROMPT}],
                                             add_generation_prompt=True, return_tensors="pt")
     ids = ids["input_ids"] if hasattr(ids, "keys") else ids
@@ -82,11 +87,14 @@ def default_pair() -> tuple:
 
 
 def measure(target, drafter, builder: str, budget: int, compile: bool | str, prompt: torch.Tensor,
-            new_tokens: int, repeats: int) -> dict:
+            new_tokens: int, repeats: int, routed: bool = False, default: bool = False) -> dict:
+    """One case; ``default``: the generator's own numerics and attention (on a CPU, exact numerics) instead of
+    the dense-mask attention and fast numerics the compiled round runs."""
     from ddtree.generation.generator import SpeculativeGenerator
 
-    gen = SpeculativeGenerator(target, drafter, tree_budget=budget, builder=builder, attention="sdpa",
-                               compile=compile, prompt_lookup=False)
+    settings: dict = {} if default else {"attention": "sdpa", "numerics": "fast"}
+    gen = SpeculativeGenerator(target, drafter, tree_budget=budget, builder=builder, compile=compile,
+                               prompt_lookup=False, cpu_linear="auto" if routed else False, **settings)
     t0 = time.perf_counter()
     gen.generate(prompt, max_new_tokens=new_tokens, stop_token_ids=())  # warm-up: compiles the steps
     warm = time.perf_counter() - t0
@@ -111,16 +119,22 @@ def measure(target, drafter, builder: str, budget: int, compile: bool | str, pro
 
 def run(args: argparse.Namespace) -> dict:
     device = torch.device(args.device)
+    routed = args.cpu_linear == "auto"
     if args.preset == "default-pair":
-        target, drafter, prompt = default_pair()
+        target, drafter, prompt = default_pair(routed)
     else:
         target, drafter = build_pair(args.preset, args.layers, device, DTYPES[args.dtype])
+        if routed and device.type == "cpu" and cpu_linear.available() and cpu_linear.fast_dtype(DTYPES[args.dtype]):
+            cpu_linear.install(target)
+            cpu_linear.install(drafter.cpu_linear_model)
         torch.manual_seed(2)
         vocab = target.get_input_embeddings().weight.shape[0]
         prompt = torch.randint(3, vocab - 2, (1, args.context), device=device)
     start = time.perf_counter()
     rows = []
     modes = [("eager", False), ("compiled", True if args.backend == "inductor" else args.backend)]
+    if device.type == "cpu":
+        modes.append(("default", False))  # the eager generator as built by default (exact numerics on a CPU)
     for label, builder, budget in methods([int(b) for b in args.budgets.split(",")], drafter.block_size):
         for mode, compile in modes:
             row = {"method": label, "mode": mode, "budget": budget}
@@ -129,20 +143,24 @@ def run(args: argparse.Namespace) -> dict:
             else:
                 try:
                     row.update(measure(target, drafter, builder, budget, compile, prompt, args.new_tokens,
-                                       args.repeats))
+                                       args.repeats, routed=routed, default=mode == "default"))
                 except Exception as exc:  # report and go on: one failing case must not hide the others
                     row["error"] = f"{type(exc).__name__}: {exc}"
                     row["traceback"] = traceback.format_exc(limit=8)
             rows.append(row)
             print(json.dumps({k: v for k, v in row.items() if k not in ("traceback", "output")}), flush=True)
     eager = {r["method"]: r for r in rows if r["mode"] == "eager" and "ms_per_round" in r}
+    default = {r["method"]: r for r in rows if r["mode"] == "default" and "ms_per_round" in r}
     for r in rows:
         if r["mode"] == "compiled" and "ms_per_round" in r and r["method"] in eager:
             r["speedup_over_eager"] = round(eager[r["method"]]["ms_per_round"] / r["ms_per_round"], 3)
             r["same_tokens_and_acceptance_as_eager"] = r["output"] == eager[r["method"]]["output"]
+        if r["mode"] == "compiled" and "ms_per_round" in r and r["method"] in default:
+            r["speedup_over_default"] = round(default[r["method"]]["ms_per_round"] / r["ms_per_round"], 3)
     for r in rows:
         r.pop("output", None)
     return {"preset": args.preset, "layers": args.layers, "dtype": args.dtype, "device": str(device),
+            "cpu_linear_layers": cpu_linear.installed(target),
             "context": args.context, "new_tokens": args.new_tokens, "backend": args.backend, "rows": rows}
 
 
@@ -159,6 +177,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--backend", default="inductor", help="torch.compile backend of the compiled mode")
+    p.add_argument("--cpu-linear", choices=["auto", "off"], default="auto",
+                   help="auto: a CPU target's linears through the few-row kernel (an operator in compiled steps), "
+                        "as a generator routes them; off: torch's own")
     p.add_argument("--deadline", type=float, default=None, help="skip the cases left after this many seconds")
     p.add_argument("--out", default=None, help="write the JSON report here")
     args = p.parse_args(argv)

@@ -188,8 +188,8 @@ class SpeculativeGenerator:
         self.options = options
         if options.numerics == "exact":
             self.cpu_linear = cpu_linear.installed(target)
-        else:  # compiled steps trace torch's own linears, even where another generator routed this target's
-            self.cpu_linear = 0 if options.compile else _route_cpu_linear(target, options.cpu_linear)
+        else:
+            self.cpu_linear = _route_cpu_linear(target, options.cpu_linear)
         if self.cpu_linear and getattr(drafter, "cpu_linear_model", None) is not None:
             _route_cpu_linear(drafter.cpu_linear_model, "auto")  # the draft step is a few-row forward as well
         self.drafter = drafter

@@ -56,8 +56,8 @@ class GeneratorOptions:
     ``prompt_lookup``: merge a prompt-lookup branch (:class:`~ddtree.drafters.lookup.WithLookup`) into every
     tree, under the same budget (on by default; prompt lookup itself, or a drafter that merges it already, is kept
     as it is).
-    ``cpu_linear="auto"`` reads ``False`` under ``compile``: the compiled steps trace torch's own linears, even on a
-    target that another generator routed through :mod:`ddtree.targets.cpu_linear`.
+    ``cpu_linear`` holds under ``compile`` too: a compiled step calls the routed linears' kernel as one operator
+    each (:mod:`ddtree.targets.kernel_ops`).
     ``coupled_drafts``: under sampling, trees are built from the drafter's tempered scores plus the target's
     keyed noise (:func:`~ddtree.drafters.base.coupled_proposal`), so the drafter's first guess is its own sample
     under the target's draw; the tokens are the same either way, the acceptance is not. ``None`` (the default):
@@ -88,8 +88,6 @@ class GeneratorOptions:
         check_exact_settings(self)
         if self.prompt_lookup is not None and not isinstance(self.prompt_lookup, bool):
             raise ValueError(f"prompt_lookup must be True, False or None (the default), got {self.prompt_lookup!r}")
-        if self.compile and self.cpu_linear == "auto":  # what a compiled generator uses: torch's own linears
-            object.__setattr__(self, "cpu_linear", False)
         if self.coupled_drafts is not None and not isinstance(self.coupled_drafts, bool):
             raise ValueError(f"coupled_drafts must be True, False or None (on from temperature "
                              f"{COUPLED_FROM_TEMPERATURE}), got {self.coupled_drafts!r}")
@@ -118,8 +116,8 @@ def check_attention(attention: Any) -> None:
 
 def check_compile(options: GeneratorOptions) -> None:
     """``compile``: ``False``, ``True`` (inductor; CUDA graphs on CUDA) or a ``torch.compile`` backend name; it
-    runs the static round, which takes a fixed tree budget or ``"auto"`` over a ladder of fixed ones, the
-    dense-mask attention and torch's own linears."""
+    runs the static round, which takes a fixed tree budget or ``"auto"`` over a ladder of fixed ones and the
+    dense-mask attention."""
     value = options.compile
     if not (isinstance(value, bool) or (isinstance(value, str) and value)):
         raise ValueError(f"compile must be True, False or a torch.compile backend name, got {value!r}")
@@ -134,9 +132,6 @@ def check_compile(options: GeneratorOptions) -> None:
     if options.attention not in ("auto", "sdpa", None):
         raise ValueError(f"compile=True verifies with the dense tree mask (attention='sdpa'), got attention="
                          f"{options.attention!r}; leave attention='auto' or pass 'sdpa'")
-    if options.cpu_linear is True:
-        raise ValueError("compile=True compiles torch's own linear layers; cpu_linear=True routes them elsewhere. "
-                         "Pass cpu_linear=False (or 'auto', which then stays off)")
 
 
 def attention_name(attention: Any) -> Any:

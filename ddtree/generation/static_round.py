@@ -43,6 +43,7 @@ from ddtree.drafters.base import Proposal, StaticDraftContext, coupled_proposal,
 from ddtree.generation.accepted import emit_accepted, observe_accepted, pack_accepted, unpack_accepted
 from ddtree.generation.state import DecodeState, RoundResult
 from ddtree.runtime.log import logger
+from ddtree.targets import cpu_linear
 from ddtree.targets.backends import masks_for_plan, window_plan
 from ddtree.targets.cache import cache_kwargs, new_target_cache
 from ddtree.targets.description import describe
@@ -331,6 +332,10 @@ def compiled_ladder(device: torch.device) -> tuple[int, ...]:
 def to_static(state: DecodeState) -> StaticRows:
     """Move a prefilled generation's cache and drafter context into static buffers."""
     held, book = state.on_device, state.rows
+    gen = state.generator
+    for model in (gen.target, getattr(gen.drafter, "cpu_linear_model", None)):
+        if isinstance(model, torch.nn.Module):
+            cpu_linear.pack_routed(model)  # the compiled steps read routed linears' packed weights, current ones
     draft = state.catch_up_draft()
     to_static_draft = getattr(draft, "to_static", None)
     if to_static_draft is None:

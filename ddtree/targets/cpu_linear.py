@@ -15,8 +15,9 @@ A routed layer keeps a packed copy of its weight (:class:`~ddtree.targets.row_ke
 its first call and again after the weight changes), so the routed model holds its linear weights twice.
 
 Where the kernel cannot run (another CPU, no compiler, autograd, another dtype) :func:`linear` is plain
-``torch.nn.functional.linear``. Under ``torch.compile`` it is plain ``F.linear`` too: a traced graph cannot
-call into ctypes, so a routed model still compiles whole.
+``torch.nn.functional.linear``. Under ``torch.compile`` a routed layer whose weight :func:`pack_routed` packed
+calls the kernel as an operator (:mod:`ddtree.targets.kernel_ops`; the same calls, decided by the traced
+shapes), so a compiled step computes what the eager one does; any other linear traces as ``F.linear``.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from contextlib import contextmanager
 import torch
 import torch.nn.functional as F
 
-from ddtree.targets import native, row_kernels
+from ddtree.targets import kernel_ops, native, row_kernels
 
 DEFAULT_MAX_ROWS = 32  # above this BLAS is as fast (prefill always goes to BLAS)
 EVERY_ROW = None
@@ -131,9 +132,41 @@ def _packed(layer: torch.nn.Linear) -> row_kernels.PackedWeight | None:
     return packed
 
 
+def _traced(layer: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """A routed layer's forward as ``torch.compile`` traces it: the kernel's operator for the calls the eager
+    routing gives the kernel (a weight :func:`pack_routed` packed, the rows the routing takes), else
+    ``F.linear``. Decided from the traced shapes, once per graph."""
+    weight, bias = layer.weight, layer.bias
+    packed = layer.__dict__.get(_PACKED)
+    max_rows = getattr(layer, _INSTALLED)
+    rows = x.numel() // packed.k if packed is not None and packed.k else 0
+    if (packed is None or x.dtype != packed.dtype or x.device.type != "cpu" or x.dim() == 0
+            or x.shape[-1] != packed.k or rows == 0 or (max_rows is not EVERY_ROW and rows > max_rows)
+            or (bias is not None and bias.dtype != x.dtype)
+            or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))):
+        return F.linear(x, weight, bias)
+    return kernel_ops.packed_linear(x, packed.data, bias, packed.n, packed.k)
+
+
+def pack_routed(model: torch.nn.Module) -> int:
+    """Pack (or pack again, where the weight changed) every routed linear of ``model`` that the kernel takes,
+    before a step that uses them is compiled and before each compiled generation: a traced graph reads the
+    packed weight but cannot pack one. Returns how many are packed."""
+    count = 0
+    for mod in model.modules():
+        if hasattr(mod, _INSTALLED) and isinstance(mod, torch.nn.Linear):
+            exact = getattr(mod, _INSTALLED) is EVERY_ROW
+            if (mod.weight.dtype in row_kernels.DTYPE_CODES if exact else fast_dtype(mod.weight.dtype)) \
+                    and _packed(mod) is not None:
+                count += 1
+    return count
+
+
 def _forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     weight, bias = self.weight, self.bias
-    if torch.compiler.is_compiling() or x.dim() == 0 or x.shape[-1] != weight.shape[1]:
+    if torch.compiler.is_compiling():
+        return _traced(self, x)
+    if x.dim() == 0 or x.shape[-1] != weight.shape[1]:
         return linear(x, weight, bias, getattr(self, _INSTALLED))
     rows = x.numel() // weight.shape[1] if weight.shape[1] else 0
     if not takes(x, weight, bias, rows, getattr(self, _INSTALLED)):
@@ -145,7 +178,9 @@ def _forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
 def _forward_exact(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     """An exactly routed layer's forward: its weight was checked when routed, so only the input is."""
     weight = self.weight
-    if (_BULK.get() or x.dtype != weight.dtype or x.device.type != "cpu" or torch.compiler.is_compiling()
+    if torch.compiler.is_compiling():
+        return _traced(self, x)
+    if (_BULK.get() or x.dtype != weight.dtype or x.device.type != "cpu"
             or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))):
         return F.linear(x, weight, self.bias)
     if x.shape[-1] != weight.shape[1]:

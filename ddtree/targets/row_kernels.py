@@ -146,17 +146,26 @@ def packed_linear(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | No
     if x.dtype != packed.dtype or x.shape[-1] != packed.k or x.device.type != "cpu":
         raise ValueError(f"packed_linear: input {tuple(x.shape)} {x.dtype} on {x.device} does not fit the packed "
                          f"weight ({packed.n} x {packed.k}, {packed.dtype}, CPU)")
-    rows = x.numel() // packed.k if packed.k else 0
+    return packed_product(x, packed.data, packed.n, packed.k, bias)
+
+
+def packed_product(x: torch.Tensor, data: torch.Tensor, n: int, k: int,
+                   bias: torch.Tensor | None = None) -> torch.Tensor:
+    """:func:`packed_linear` given the packed bytes and the weight's ``[n, k]`` (``x`` known to fit: a CPU tensor
+    of the dtype ``data`` was packed from, ``k`` features)."""
+    rows = x.numel() // k if k else 0
     x2 = x if x.is_contiguous() else x.contiguous()
-    y = torch.empty(*x.shape[:-1], packed.n, dtype=x.dtype)
-    if rows and packed.n:
+    y = torch.empty(*x.shape[:-1], n, dtype=x.dtype)
+    if rows and n:
+        if _LIB[0] is None:
+            _library()
         only = _ONLY.get()
         pick = only[1] if only is not None and x.shape[:-1] == only[0] else None
         work = rows if pick is None else pick.numel()
-        threads = 1 if work * packed.k * packed.n < SMALL_PRODUCT else _threads()
+        threads = 1 if work * k * n < SMALL_PRODUCT else _threads()
         b = None if bias is None else bias.contiguous()
-        _LIB[0].ddtree_packed_linear(x2.data_ptr(), packed.data.data_ptr(), 0 if b is None else b.data_ptr(),
-                                     y.data_ptr(), rows, packed.k, packed.n, DTYPE_CODES[x.dtype], threads,
+        _LIB[0].ddtree_packed_linear(x2.data_ptr(), data.data_ptr(), 0 if b is None else b.data_ptr(),
+                                     y.data_ptr(), rows, k, n, DTYPE_CODES[x.dtype], threads,
                                      0 if pick is None else pick.data_ptr(), work)
     return y
 
