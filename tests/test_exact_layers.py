@@ -328,6 +328,57 @@ def test_a_forward_runs_ahead_past_output_readers_only(monkeypatch):
     assert torch.equal(other, before)
 
 
+def _captured_step(target, prompt, module_path: bool):
+    """A one-token step after ``prompt``'s prefill through transformers' own forward with
+    ``output_hidden_states`` (its capture hooks collecting), through the C layers or module by module; returns
+    the hidden states, the logits and the number of C layer calls."""
+    from ddtree.targets.cache import cache_kwargs, new_target_cache
+    from ddtree.targets.forward import chunked_prefill
+
+    SpeculativeGenerator(target, tiny_drafter(target), numerics="exact", prompt_lookup=False)
+    calls, real = [], row_kernels.decoder_layer
+    handles = [m.register_forward_hook(lambda *a: None) for m in target.modules()
+               if module_path and type(m).__name__.endswith("Attention")]
+    try:
+        row_kernels.decoder_layer = lambda *a: (calls.append(1), real(*a))[1]
+        with torch.inference_mode():
+            cache = new_target_cache(target)
+            chunked_prefill(target, torch.tensor([prompt]), cache, None)
+            out = target(input_ids=torch.tensor([[prompt[-1]]]), position_ids=torch.tensor([[len(prompt)]]),
+                         use_cache=True, output_hidden_states=True, **cache_kwargs(target, cache))
+    finally:
+        row_kernels.decoder_layer = real
+        for h in handles:
+            h.remove()
+    return out.hidden_states, out.logits, len(calls)
+
+
+def test_transformers_output_capture_left_on_the_layers_keeps_the_c_calls(monkeypatch):
+    """A forward with ``output_hidden_states`` leaves transformers' capture hooks on every layer for good (they
+    used to send every later exact forward module by module): idle, they keep a forward's C calls together; capturing
+    hidden states, they read the C layers' outputs, the module path's bits."""
+    from ddtree.targets import registration
+
+    target = tiny_target("qwen3", dtype=torch.float32)
+    layers = target.config.num_hidden_layers
+    tree = _four_node_tree(7)
+    before, _, calls = _tree_logits(target, PROMPTS, tree, module_path=False)
+    with torch.inference_mode():
+        target(torch.tensor([PROMPTS[0]]), output_hidden_states=True)
+    left = [h for m in target.modules() for h in m._forward_hooks.values()]
+    if not any(registration._capture_key(h) == "hidden_states" for h in left):
+        pytest.skip("this transformers captures hidden states without hooks on the layers")
+    assert all(registration.idle(h) for h in left)  # no forward collecting now
+    events = _record_checks_and_calls(monkeypatch)
+    after, _, after_calls = _tree_logits(target, PROMPTS, tree, module_path=False)
+    assert after_calls == calls == 2 * layers and torch.equal(after, before)
+    assert events == (["check"] * layers + ["C"] * layers) * 2
+    hidden, logits, c_calls = _captured_step(target, PROMPTS[1], module_path=False)
+    hidden_modules, logits_modules, module_calls = _captured_step(target, PROMPTS[1], module_path=True)
+    assert c_calls == layers and module_calls == 0 and len(hidden) == len(hidden_modules) == layers + 1
+    assert all(torch.equal(a, b) for a, b in zip(hidden, hidden_modules)) and torch.equal(logits, logits_modules)
+
+
 def test_rotary_tables_that_are_not_contiguous_take_each_layer_alone():
     """A forward whose rotary tables are not contiguous (copied per layer, so no table identifies the forward)
     runs each layer's own C call once, not a chain per layer: the same calls and logits."""

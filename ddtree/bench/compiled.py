@@ -3,11 +3,11 @@
 A random-weight Qwen3 target (``--preset qwen3-8b``: Qwen3-8B's widths, ``--layers`` of them; ``tiny``:
 hidden 64), or a Qwen3.5-style GDN hybrid (``qwen36-27b-hybrid``: Qwen3.6-27B's widths; ``tiny-hybrid``; every
 4th layer attention, the others GDN), and a one-layer DFlash drafter (block 16), or the shipped default pair
-(``--preset default-pair``,
-float32, the demo's prompt through the chat template). Per method (the chain at the drafter's depth,
-best_first at each budget) and mode (``eager``: the dynamic round; ``compiled``: ``compile=True``, inductor,
-CUDA graphs on CUDA; both with the dense-mask attention and ``numerics="fast"``, the linears routed as
-``--cpu-linear`` says; on a CPU also ``default``: the eager generator's own settings, exact numerics) it runs one warm-up generation (which compiles) and then ``--repeats`` timed ones, and
+(``--preset default-pair``, float32, the demo's prompt through the chat template). Per method (the chain at
+the drafter's depth, best_first at each budget) and mode (``eager``: the dynamic round; ``compiled``:
+``compile=True``, inductor, CUDA graphs on CUDA; both with the dense-mask attention and ``numerics="fast"``,
+the linears routed as ``--cpu-linear`` says; on a CPU also ``default``: the eager generator's own settings,
+exact numerics) it runs one warm-up generation (which compiles) and then ``--repeats`` timed ones, and
 reports the median milliseconds per round and its share per stage, the tokens per round, the tokens/s, and
 whether the compiled run's tokens and acceptance equal the eager one's. Random weights accept about one
 token per round, so tokens/s there is a per-round cost: with a trained pair, tokens/s is the tokens per

@@ -28,7 +28,7 @@ import torch
 
 from ddtree.targets import cpu_linear, kv_room, row_kernels
 from ddtree.targets.exact_attention import EXACT_IMPLEMENTATION, ExactTreeSpec, exact_attention, one_token_keys
-from ddtree.targets.registration import OUTPUT_READER, TREE_KWARG
+from ddtree.targets.registration import TREE_KWARG, idle, reads_output_only
 
 ATTENTION_CLASSES = {"LlamaAttention": None, "MistralAttention": "config", "MixtralAttention": "config",
                      "Qwen2Attention": "module", "Qwen3Attention": "module", "Qwen3MoeAttention": "module"}
@@ -271,16 +271,19 @@ def _is_decoder(module: torch.nn.Module) -> bool:
 
 
 def _watched(*modules: torch.nn.Module) -> bool:
-    """Whether something would see these modules' calls, which the C layer does not make: a forward hook, or a
-    forward replaced by anything but this module's or the exact routing's (a profiler's timer, say)."""
+    """Whether something would see these modules' calls, which the C layer does not make: a forward hook (but
+    transformers' output capture while it collects nothing), or a forward replaced by anything but this
+    module's or the exact routing's (a profiler's timer, say)."""
     from torch.nn.modules import module as nn_module
 
     if nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks:
         return True
     for m in modules:
         forward = vars(m).get("forward")
-        if m._forward_hooks or m._forward_pre_hooks or (forward is not None and vars(m).get(_FUSED) is not forward
-                                                          and not cpu_linear.runs_exact_forward(m)):
+        if m._forward_pre_hooks or (forward is not None and vars(m).get(_FUSED) is not forward
+                                    and not cpu_linear.runs_exact_forward(m)):
+            return True
+        if m._forward_hooks and not all(idle(h) for h in m._forward_hooks.values()):
             return True
     return False
 
@@ -408,14 +411,14 @@ class _DecoderStack:
 
     def _check(self, x: torch.Tensor) -> bool:
         """Every layer a decode forward for ``x`` takes as a C call (:func:`_decoding`, the exact attention), its
-        plan current (made again where stale), and no hooks but readers of its output (``OUTPUT_READER``): any
-        other hook on a decoder layer could change the next layer mid-forward, so it declines (each layer then
-        checks itself)."""
+        plan current (made again where stale), and no hooks but readers of its output (``OUTPUT_READER``,
+        transformers' capture of hidden states): any other hook on a decoder layer could change the next layer
+        mid-forward, so it declines (each layer then checks itself)."""
         from torch.nn.modules import module as nn_module
 
         if nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks:
             return False
-        return all(not m._forward_pre_hooks and all(getattr(h, OUTPUT_READER, False) for h in m._forward_hooks.values())
+        return all(not m._forward_pre_hooks and all(reads_output_only(h) for h in m._forward_hooks.values())
                    and _FUSED in vars(m)
                    and _decoding(x, m.self_attn.q_proj.weight)
                    and m.self_attn.config._attn_implementation == EXACT_IMPLEMENTATION and _plan(m).unwatched()

@@ -47,6 +47,43 @@ capture of the drafter's hidden states does: the exact decoder layers run a forw
 (their Python then runs on warm caches) where every hook on them is such a reader."""
 
 
+def _capture_key(hook: Any) -> str | None:
+    """The output name (``"hidden_states"``, ``"attentions"``, ...) of transformers' output-capturing hook,
+    which a forward with ``output_hidden_states`` or ``output_attentions`` leaves on the model's layers for
+    good; None for any other hook (read from the hook's closure: a transformers that builds it otherwise gives
+    None, and the hook then counts as a watcher)."""
+    code = getattr(hook, "__code__", None)
+    if (code is None or not getattr(hook, "__module__", "").startswith("transformers.")
+            or code.co_name != "output_capturing_hook"):
+        return None
+    cells = dict(zip(code.co_freevars, getattr(hook, "__closure__", None) or ()))
+    try:
+        key = cells["key"].cell_contents
+    except (KeyError, ValueError):
+        return None
+    return key if isinstance(key, str) else None
+
+
+def reads_output_only(hook: Any) -> bool:
+    """Whether a forward hook on a decoder layer only reads the layer's output: ours (:data:`OUTPUT_READER`) or
+    transformers' capture of hidden states."""
+    return bool(getattr(hook, OUTPUT_READER, False)) or _capture_key(hook) == "hidden_states"
+
+
+def idle(hook: Any) -> bool:
+    """Whether a forward hook does nothing in the forward running now: transformers' output capture outside a
+    forward that collects its output (its collector is per call)."""
+    key = _capture_key(hook)
+    if key is None:
+        return False
+    try:
+        from transformers.utils.output_capturing import _active_collector
+    except ImportError:
+        return False
+    collected = _active_collector.get()
+    return collected is None or key not in collected
+
+
 @dataclass(eq=False)
 class TreeAttentionSpec:
     """What the attention function needs about the tree, built once per verify forward.
