@@ -328,22 +328,24 @@ def test_a_forward_runs_ahead_past_output_readers_only(monkeypatch):
     assert torch.equal(other, before)
 
 
-def _captured_step(target, prompt, module_path: bool):
+def _captured_step(target, prompt, module_path: bool, grad: bool = False, prepare: bool = True):
     """A one-token step after ``prompt``'s prefill through transformers' own forward with
-    ``output_hidden_states`` (its capture hooks collecting), through the C layers or module by module; returns
-    the hidden states, the logits and the number of C layer calls."""
+    ``output_hidden_states`` (its capture hooks collecting), through the C layers or module by module (or with
+    ``grad`` enabled); returns the hidden states, the logits and the number of C layer calls."""
     from ddtree.targets.cache import cache_kwargs, new_target_cache
     from ddtree.targets.forward import chunked_prefill
 
-    SpeculativeGenerator(target, tiny_drafter(target), numerics="exact", prompt_lookup=False)
+    if prepare:
+        SpeculativeGenerator(target, tiny_drafter(target), numerics="exact", prompt_lookup=False)
     calls, real = [], row_kernels.decoder_layer
     handles = [m.register_forward_hook(lambda *a: None) for m in target.modules()
                if module_path and type(m).__name__.endswith("Attention")]
     try:
         row_kernels.decoder_layer = lambda *a: (calls.append(1), real(*a))[1]
-        with torch.inference_mode():
+        with torch.no_grad():
             cache = new_target_cache(target)
             chunked_prefill(target, torch.tensor([prompt]), cache, None)
+        with torch.enable_grad() if grad else torch.inference_mode():
             out = target(input_ids=torch.tensor([[prompt[-1]]]), position_ids=torch.tensor([[len(prompt)]]),
                          use_cache=True, output_hidden_states=True, **cache_kwargs(target, cache))
     finally:
@@ -377,6 +379,30 @@ def test_transformers_output_capture_left_on_the_layers_keeps_the_c_calls(monkey
     hidden_modules, logits_modules, module_calls = _captured_step(target, PROMPTS[1], module_path=True)
     assert c_calls == layers and module_calls == 0 and len(hidden) == len(hidden_modules) == layers + 1
     assert all(torch.equal(a, b) for a, b in zip(hidden, hidden_modules)) and torch.equal(logits, logits_modules)
+
+
+def test_a_forward_with_autograd_or_another_attention_takes_no_c_layer():
+    """The forward's checks, made once for all its layers: a forward that autograd records (weights that
+    require grad, grad on) and one whose config names another attention make no C call, and the next exact
+    decode forward makes them all again."""
+    target = tiny_target("qwen3", dtype=torch.float32)
+    layers = target.config.num_hidden_layers
+    _, logits, calls = _captured_step(target, PROMPTS[1], module_path=False)
+    assert calls == layers
+    for p in target.parameters():
+        p.requires_grad_(True)
+    _, graded, grad_calls = _captured_step(target, PROMPTS[1], module_path=False, grad=True, prepare=False)
+    assert grad_calls == 0 and graded.requires_grad
+    for p in target.parameters():
+        p.requires_grad_(False)
+    exact = target.config._attn_implementation
+    target.config._attn_implementation = "sdpa"
+    try:
+        _, _, sdpa_calls = _captured_step(target, PROMPTS[1], module_path=False, prepare=False)
+    finally:
+        target.config._attn_implementation = exact
+    _, again, again_calls = _captured_step(target, PROMPTS[1], module_path=False, prepare=False)
+    assert sdpa_calls == 0 and again_calls == layers and torch.equal(again, logits)
 
 
 def test_rotary_tables_that_are_not_contiguous_take_each_layer_alone():

@@ -309,10 +309,11 @@ class _LayerPlan:
     replaced, moved or changed in place makes a new plan, repacking what changed)."""
 
     __slots__ = ("ints", "floats", "weights", "stamps", "watch", "window", "layer_idx", "hkv", "d", "parts",
-                 "params", "forwards")
+                 "params", "forwards", "attn")
 
     def __init__(self, module: Any):
         attn, mlp = module.self_attn, module.mlp
+        self.attn = attn
         linears = (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj)
         norms = [module.input_layernorm, module.post_attention_layernorm, getattr(attn, "q_norm", None),
                  getattr(attn, "k_norm", None)]
@@ -416,13 +417,25 @@ class _DecoderStack:
         mid-forward, so it declines (each layer then checks itself)."""
         from torch.nn.modules import module as nn_module
 
-        if nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks:
-            return False
-        return all(not m._forward_pre_hooks and all(reads_output_only(h) for h in m._forward_hooks.values())
-                   and _FUSED in vars(m)
-                   and _decoding(x, m.self_attn.q_proj.weight)
-                   and m.self_attn.config._attn_implementation == EXACT_IMPLEMENTATION and _plan(m).unwatched()
-                   for m in self.modules)
+        if nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks or not _decoding(x, x):
+            return False  # the input's half of _decoding, once; each layer's weight below
+        grad, config = torch.is_grad_enabled(), None
+        for m in self.modules:
+            if (m._forward_pre_hooks or not all(reads_output_only(h) for h in m._forward_hooks.values())
+                    or _FUSED not in vars(m)):
+                return False
+            plan = _plan(m)  # current: its weights are the layer's own tensors
+            weight = plan.weights[0]  # q_proj's
+            if weight.dtype != x.dtype or (grad and weight.requires_grad):
+                return False
+            held = getattr(plan.attn, "config", None)
+            if held is not config:  # the layers share one config, as a rule: its property read once
+                if held is None or held._attn_implementation != EXACT_IMPLEMENTATION:
+                    return False
+                config = held
+            if not plan.unwatched():
+                return False
+        return True
 
     def ends_for(self, bsz: int, held: int) -> torch.Tensor:
         """Every row's prefix end, ``held`` (the same tensor for each layer of a forward)."""
