@@ -372,3 +372,20 @@ def test_greedy_two_tokens_are_the_argmax_chain():
     a = int(target.tables[0].argmax())
     b = int(target.tables[1][a].argmax())
     assert counts[a, b] == ROWS
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_greedy_widens_half_width_logits_to_the_same_index(dtype):
+    """Greedy's argmax on a CPU widens bf16/fp16 logits first (faster there): the same index as the narrow
+    argmax on logits thick with ties, infinities, signed zeros and NaN."""
+    g = torch.Generator().manual_seed(0)
+    logits = (torch.randint(-3, 4, (64, 97), generator=g).float() / 2).to(dtype)  # few values: many ties
+    logits[1, 5] = logits[2, 7] = float("inf")
+    logits[3, :] = -float("inf")
+    logits[4, :] = 0.0
+    logits[4, 10] = -0.0
+    logits[5, 30] = logits[5, 60] = float("nan")
+    logits[6, :] = float("nan")
+    got = choose_tokens(logits, SamplingConfig())
+    assert got.dtype == torch.int64 and torch.equal(got, logits.argmax(dim=-1))
+    assert got[5].item() == 30 and got[1].item() == 5  # NaN wins, and the first of equals
