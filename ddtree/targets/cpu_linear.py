@@ -17,7 +17,7 @@ its first call and again after the weight changes), so the routed model holds it
 Where the kernel cannot run (another CPU, no compiler, autograd, another dtype) :func:`linear` is plain
 ``torch.nn.functional.linear``. Under ``torch.compile`` a routed layer whose weight :func:`pack_routed` packed
 calls the kernel as an operator (:mod:`ddtree.targets.kernel_ops`; the same calls, decided by the traced
-shapes), so a compiled step computes what the eager one does; any other linear traces as ``F.linear``.
+shapes), so its products have the eager calls' bits; any other linear traces as ``F.linear``.
 """
 
 from __future__ import annotations
@@ -127,8 +127,11 @@ def _packed(layer: torch.nn.Linear) -> row_kernels.PackedWeight | None:
     if packed is None or not packed.packed_from(weight):
         if weight.dtype == torch.float64:
             return None
-        packed = row_kernels.PackedWeight(weight)
-        layer.__dict__[_PACKED] = packed
+        if packed is not None and packed.fits(weight):
+            packed.repack(weight)  # in place: a compiled graph or a C layer's plan holding the bytes sees it
+        else:
+            packed = row_kernels.PackedWeight(weight)
+            layer.__dict__[_PACKED] = packed
     return packed
 
 
@@ -145,13 +148,13 @@ def _traced(layer: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
             or (bias is not None and bias.dtype != x.dtype)
             or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))):
         return F.linear(x, weight, bias)
-    return kernel_ops.packed_linear(x, packed.data, bias, packed.n, packed.k)
+    return kernel_ops.packed_linear(x, weight, packed.data, bias, packed.n, packed.k)
 
 
 def pack_routed(model: torch.nn.Module) -> int:
-    """Pack (or pack again, where the weight changed) every routed linear of ``model`` that the kernel takes,
-    before a step that uses them is compiled and before each compiled generation: a traced graph reads the
-    packed weight but cannot pack one. Returns how many are packed."""
+    """Pack every routed linear of ``model`` that the kernel takes (again where the weight changed), before a
+    step that uses them is compiled: a traced graph reads the packed weight but cannot pack one (its operator
+    repacks a weight changed in place). Returns how many are packed."""
     count = 0
     for mod in model.modules():
         if hasattr(mod, _INSTALLED) and isinstance(mod, torch.nn.Linear):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextvars
 import ctypes
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -100,7 +101,7 @@ class PackedWeight:
     it remembers which tensor and version it was packed from (:meth:`packed_from`) so a caller can repack after
     the weight changes."""
 
-    __slots__ = ("data", "n", "k", "dtype", "_source")
+    __slots__ = ("data", "n", "k", "dtype", "transposed", "_source", "__weakref__")
 
     def __init__(self, weight: torch.Tensor, transposed: bool = False):
         if weight.dim() != 2:
@@ -109,18 +110,41 @@ class PackedWeight:
         if dtype == torch.float64:
             raise ValueError("PackedWeight: float64 weights are not packed (use linear)")
         lib = _library()
-        w = weight.detach().contiguous()
-        self.k, self.n = (w.shape[0], w.shape[1]) if transposed else (w.shape[1], w.shape[0])
-        self.dtype = dtype
+        self.k, self.n = (weight.shape[0], weight.shape[1]) if transposed else (weight.shape[1], weight.shape[0])
+        self.dtype, self.transposed = dtype, transposed
         self.data = torch.empty(lib.ddtree_packed_bytes(self.n, self.k, DTYPE_CODES[dtype]), dtype=torch.uint8)
-        lib.ddtree_pack_weight(w.data_ptr(), self.data.data_ptr(), self.n, self.k, DTYPE_CODES[dtype],
-                               int(transposed))
-        self._source = (weight.data_ptr(), version(weight), weight.dtype, tuple(weight.shape))
+        self.repack(weight)
+        _PACKS[self.data.data_ptr()] = self
 
     def packed_from(self, weight: torch.Tensor) -> bool:
         """Whether ``weight`` is, unchanged, the tensor this was packed from (its storage, version, dtype and
         shape: an in-place update, a load or a ``.to()`` all make it False)."""
         return self._source == (weight.data_ptr(), version(weight), weight.dtype, tuple(weight.shape))
+
+    def fits(self, weight: torch.Tensor) -> bool:
+        """Whether ``weight`` has the shape and dtype this holds, so :meth:`repack` can take it in place."""
+        shape = (self.k, self.n) if self.transposed else (self.n, self.k)
+        return weight.dtype == self.dtype and tuple(weight.shape) == shape and weight.device.type == "cpu"
+
+    def repack(self, weight: torch.Tensor) -> None:
+        """Pack ``weight`` (of the shape and dtype this holds) into the same bytes: whatever holds them (a
+        compiled graph, a C layer's plan) multiplies by the new weight."""
+        if not self.fits(weight):
+            raise ValueError(f"PackedWeight.repack: a {tuple(weight.shape)} {weight.dtype} weight does not fit the "
+                             f"packed {self.n} x {self.k} {self.dtype} one; pack it anew")
+        w = weight.detach().contiguous()
+        _library().ddtree_pack_weight(w.data_ptr(), self.data.data_ptr(), self.n, self.k, DTYPE_CODES[self.dtype],
+                                      int(self.transposed))
+        self._source = (weight.data_ptr(), version(weight), weight.dtype, tuple(weight.shape))
+
+
+_PACKS: weakref.WeakValueDictionary[int, PackedWeight] = weakref.WeakValueDictionary()
+"""Each live :class:`PackedWeight` by the address of its bytes, for :func:`packed_for`."""
+
+
+def packed_for(data: torch.Tensor) -> PackedWeight | None:
+    """The :class:`PackedWeight` whose bytes ``data`` is, or None (an operator receives the bytes alone)."""
+    return _PACKS.get(data.data_ptr())
 
 
 _ONLY: contextvars.ContextVar[tuple[torch.Size, torch.Tensor] | None] = contextvars.ContextVar(
