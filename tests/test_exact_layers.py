@@ -9,6 +9,8 @@ padded rows included. That a tree node still gets the one-token step's bits thro
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from tiny import WINDOW, family_target, tiny_drafter, tiny_target
@@ -180,35 +182,41 @@ def _tree_logits(target, prompts, tree, module_path: bool):
     from ddtree.targets.forward import chunked_prefill, target_forward
 
     gen = SpeculativeGenerator(target, tiny_drafter(target), numerics="exact", prompt_lookup=False)
-    calls = []
-    real = row_kernels.decoder_layer
+    with _c_layer_calls(target, module_path) as calls, torch.inference_mode():
+        caches = []
+        for p in prompts:
+            cache = new_target_cache(target)
+            chunked_prefill(target, torch.tensor([p]), cache, None)
+            caches.append(cache)
+        lengths = [len(p) for p in prompts]
+        cache = stack_rows(caches, lengths)
+        width = max(lengths)
+        kwargs = gen.backend.tree_forward_kwargs(target, tree, width, gen.dtype,
+                                                 prefix_valid=padding_mask(torch.tensor(lengths), width))
+        out = target_forward(target, tree.tokens, torch.tensor(lengths)[:, None] + tree.depths, cache,
+                             hidden=False, **kwargs)
+        keys = [layer.keys.clone() for layer in cache.layers]
+        truncate(cache, width)  # then a one-token step without a tree spec (a padding mask), as HF steps
+        mask = torch.cat([padding_mask(torch.tensor(lengths), width), torch.ones(len(prompts), 1)], 1).long()
+        step = target_forward(target, tree.tokens[:, :1], torch.tensor(lengths)[:, None], cache, hidden=False,
+                              attention_mask=mask)
+    return torch.cat([out.logits, step.logits], 1), keys, len(calls)
+
+
+@contextlib.contextmanager
+def _c_layer_calls(target, module_path: bool):
+    """Inside, a list that grows by one per C decoder layer call; with ``module_path``, a no-op hook on every
+    attention block sends each layer to its modules."""
+    calls, real = [], row_kernels.decoder_layer
     handles = [m.register_forward_hook(lambda *a: None) for m in target.modules()
                if module_path and type(m).__name__.endswith("Attention")]
     try:
         row_kernels.decoder_layer = lambda *a: (calls.append(1), real(*a))[1]
-        with torch.inference_mode():
-            caches = []
-            for p in prompts:
-                cache = new_target_cache(target)
-                chunked_prefill(target, torch.tensor([p]), cache, None)
-                caches.append(cache)
-            lengths = [len(p) for p in prompts]
-            cache = stack_rows(caches, lengths)
-            width = max(lengths)
-            kwargs = gen.backend.tree_forward_kwargs(target, tree, width, gen.dtype,
-                                                     prefix_valid=padding_mask(torch.tensor(lengths), width))
-            out = target_forward(target, tree.tokens, torch.tensor(lengths)[:, None] + tree.depths, cache,
-                                 hidden=False, **kwargs)
-            keys = [layer.keys.clone() for layer in cache.layers]
-            truncate(cache, width)  # then a one-token step without a tree spec (a padding mask), as HF steps
-            mask = torch.cat([padding_mask(torch.tensor(lengths), width), torch.ones(len(prompts), 1)], 1).long()
-            step = target_forward(target, tree.tokens[:, :1], torch.tensor(lengths)[:, None], cache, hidden=False,
-                                  attention_mask=mask)
+        yield calls
     finally:
         row_kernels.decoder_layer = real
         for h in handles:
             h.remove()
-    return torch.cat([out.logits, step.logits], 1), keys, len(calls)
 
 
 @pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3"])
@@ -337,21 +345,13 @@ def _captured_step(target, prompt, module_path: bool, grad: bool = False, prepar
 
     if prepare:
         SpeculativeGenerator(target, tiny_drafter(target), numerics="exact", prompt_lookup=False)
-    calls, real = [], row_kernels.decoder_layer
-    handles = [m.register_forward_hook(lambda *a: None) for m in target.modules()
-               if module_path and type(m).__name__.endswith("Attention")]
-    try:
-        row_kernels.decoder_layer = lambda *a: (calls.append(1), real(*a))[1]
+    with _c_layer_calls(target, module_path) as calls:
         with torch.no_grad():
             cache = new_target_cache(target)
             chunked_prefill(target, torch.tensor([prompt]), cache, None)
         with torch.enable_grad() if grad else torch.inference_mode():
             out = target(input_ids=torch.tensor([[prompt[-1]]]), position_ids=torch.tensor([[len(prompt)]]),
                          use_cache=True, output_hidden_states=True, **cache_kwargs(target, cache))
-    finally:
-        row_kernels.decoder_layer = real
-        for h in handles:
-            h.remove()
     return out.hidden_states, out.logits, len(calls)
 
 

@@ -157,11 +157,9 @@ def pack_routed(model: torch.nn.Module) -> int:
     repacks a weight changed in place). Returns how many are packed."""
     count = 0
     for mod in model.modules():
-        if hasattr(mod, _INSTALLED) and isinstance(mod, torch.nn.Linear):
-            exact = getattr(mod, _INSTALLED) is EVERY_ROW
-            if (mod.weight.dtype in row_kernels.DTYPE_CODES if exact else fast_dtype(mod.weight.dtype)) \
-                    and _packed(mod) is not None:
-                count += 1
+        if (hasattr(mod, _INSTALLED) and isinstance(mod, torch.nn.Linear)
+                and _takes_dtype(mod.weight.dtype, getattr(mod, _INSTALLED) is EVERY_ROW) and _packed(mod) is not None):
+            count += 1
     return count
 
 
@@ -209,7 +207,12 @@ def _routable(mod: torch.nn.Module, exact: bool) -> bool:
         return False
     if exact and mod.bias is not None and (mod.bias.dtype != mod.weight.dtype or not mod.bias.is_contiguous()):
         return False
-    return mod.weight.dtype in row_kernels.DTYPE_CODES if exact else fast_dtype(mod.weight.dtype)
+    return _takes_dtype(mod.weight.dtype, exact)
+
+
+def _takes_dtype(dtype: torch.dtype, exact: bool) -> bool:
+    """Whether a routing (exact, or the inexact one) gives a layer of this dtype to the kernel."""
+    return dtype in row_kernels.DTYPE_CODES if exact else fast_dtype(dtype)
 
 
 def install(model: torch.nn.Module, max_rows: int = DEFAULT_MAX_ROWS, *, exact: bool = False) -> int:
