@@ -9,6 +9,8 @@ need, without inductor's code generation); one case runs inductor itself, which 
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 import torch
 from test_batch import RowDecoys
@@ -229,6 +231,50 @@ def test_what_the_static_round_cannot_run_is_refused_with_the_way_out(pair):
     gen = SpeculativeGenerator(target, scripted, tree_budget=4, compile=BACKEND)
     with pytest.raises(ValueError, match="to_static"):
         gen.generate(torch.tensor([PROMPTS[0]]), max_new_tokens=4)
+
+
+def test_a_sweep_of_budgets_and_batch_sizes_compiles_past_dynamos_recompile_limit(pair):
+    """Each budget's steps hold their own graphs and may hold one per batch size: with dynamo's limit at 1, a
+    second budget and a second batch size in one process compile (each run equal to HF's tokens, acceptance a
+    walk of each tree against them), where one shared code object would have failed (the control)."""
+    target, drafter = pair
+    if "recompile_limit" not in inspect.signature(torch.compile).parameters:  # an older torch: the global is raised
+        pytest.skip("this torch.compile takes no per-call recompile_limit")
+    limited = torch._dynamo.config.patch(recompile_limit=1)
+    with limited:
+        for budget in (3, 5):
+            gen = SpeculativeGenerator(target, drafter, tree_budget=budget, compile="eager")
+            state, _ = run(gen, PROMPTS[:1], stop_token_ids=())
+            assert_target_acceptance(target, state, PROMPTS[:1])
+        state, _ = run(gen, PROMPTS[:2], stop_token_ids=())  # the last budget's steps at a second batch size
+        assert_target_acceptance(target, state, PROMPTS[:2])
+    assert graph_breaks() == 0
+
+    class Steps:  # the control: a second instance's graph for one shared code object is a recompile
+        def __init__(self, budget):
+            self.budget = budget
+
+        def step(self, x):
+            return x + self.budget
+
+    with limited, pytest.raises(torch._dynamo.exc.FailOnRecompileLimitHit):
+        for budget in (1, 2):
+            torch.compile(Steps(budget).step, fullgraph=True, backend="eager")(torch.ones(2))
+
+
+def test_a_compiled_generator_refuses_a_target_an_exact_one_took_since(pair):
+    """The last generator built prepares a target: after an exact one, a compiled generator built before it says
+    so and how to go on, rather than failing inside dynamo on the exact kernels."""
+    _, drafter = pair
+    target = tiny_target("qwen3")
+    drafter = DFlashDrafter(tiny_drafter(target, block_size=5), target)
+    compiled = SpeculativeGenerator(target, drafter, tree_budget=4, compile=BACKEND)
+    SpeculativeGenerator(target, drafter, tree_budget=4, numerics="exact")
+    with pytest.raises(RuntimeError, match="numerics='exact' routed .* build a new SpeculativeGenerator"):
+        compiled.generate(torch.tensor([PROMPTS[0]]), max_new_tokens=4)
+    again = SpeculativeGenerator(target, drafter, tree_budget=4, compile=BACKEND)
+    state, _ = run(again, PROMPTS[:1], stop_token_ids=())
+    assert_target_acceptance(target, state, PROMPTS[:1])
 
 
 class StaticDecoys(RowDecoys):

@@ -28,6 +28,7 @@ import contextlib
 import functools
 import inspect
 import time
+import types
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, cast
@@ -292,15 +293,44 @@ def _install_output_hooks(target: Any) -> None:
                output_hidden_states=True)
 
 
+STEP_GRAPHS_MOST = 64
+"""Graphs one compiled step of one budget may hold: one per batch size and buffer capacity it meets (dynamo's own
+limit, 8, would make the ninth batch size a hard error under ``fullgraph=True``)."""
+
+
 def _compiled(fn: Callable, compile: bool | str, cuda: bool = False) -> Callable:
     """``fn`` under ``torch.compile(fullgraph=True)`` (inductor; CUDA graphs for a CUDA target), another backend
     by name, or as it is for ``compile=False`` (the static round uncompiled: the tests' reference)."""
     if compile is False:
         return fn
+    fn = _own_code(fn)
+    limit = _graph_limit()
     if compile is True:
         mode = "reduce-overhead" if cuda else None  # a CPU target on a CUDA machine gets no CUDA graphs
-        return torch.compile(fn, fullgraph=True, dynamic=False, mode=mode)
-    return torch.compile(fn, fullgraph=True, dynamic=False, backend=compile)
+        return torch.compile(fn, fullgraph=True, dynamic=False, mode=mode, **limit)
+    return torch.compile(fn, fullgraph=True, dynamic=False, backend=compile, **limit)
+
+
+def _own_code(method: Callable) -> Callable:
+    """``method`` bound to a copy of its code object. Dynamo keeps graphs and counts recompiles per code object:
+    with a copy, each budget's steps hold their own graphs (a sweep over budgets in one process meets no
+    recompile limit, a call checks no other budget's guards) and free them with the steps."""
+    fn = getattr(method, "__func__", method)
+    own = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+    own.__qualname__ = fn.__qualname__
+    owner = getattr(method, "__self__", None)
+    return own if owner is None else types.MethodType(own, owner)
+
+
+def _graph_limit() -> dict[str, Any]:
+    """``torch.compile``'s per-call recompile limit set to :data:`STEP_GRAPHS_MOST` where it takes one; an older
+    torch has only the process-wide limit, which is raised to it (never lowered)."""
+    if "recompile_limit" in inspect.signature(torch.compile).parameters:
+        return {"recompile_limit": STEP_GRAPHS_MOST}
+    config = torch._dynamo.config
+    name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
+    setattr(config, name, max(getattr(config, name), STEP_GRAPHS_MOST))
+    return {}
 
 
 def static_budget(state: DecodeState) -> int | None:
@@ -333,6 +363,11 @@ def to_static(state: DecodeState) -> StaticRows:
     """Move a prefilled generation's cache and drafter context into static buffers."""
     held, book = state.on_device, state.rows
     gen = state.generator
+    if describe(gen.target).numerics == "exact":
+        raise RuntimeError("this generator runs compile=True, but a generator built later on its target with "
+                           "numerics='exact' routed the target's layers through the exact kernels, which do not "
+                           "trace (the last generator built prepares a target): build a new SpeculativeGenerator "
+                           "with compile=True for this target")
     for model in (gen.target, getattr(gen.drafter, "cpu_linear_model", None)):
         if isinstance(model, torch.nn.Module):
             cpu_linear.pack_routed(model)  # the compiled steps read routed linears' packed weights, current ones
