@@ -473,6 +473,14 @@ class GenerateSpy:
                             for x in c["reasons"]))
 
 
+def test_the_reasons_text_does_not_depend_on_which_reason_came_first():
+    from ddtree.bench.report import reasons_text
+
+    assert reasons_text({"retry": 2, "best rate": 66}) == reasons_text({"best rate": 66, "retry": 2}) == \
+        "best rate 66, retry 2"
+    assert reasons_text({"retry": 2, "explore": 2}) == "explore 2, retry 2" and reasons_text({}) == "–"
+
+
 def test_short_warmup_starts_every_method_and_repeat_on_a_fresh_generator(monkeypatch):
     """``warmup="short"``: before each repeat every tree method gets a generator of its own that has learned
     nothing, and one 16-token call; auto's first timed call starts from that call's round costs alone (a

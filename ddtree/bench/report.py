@@ -96,8 +96,11 @@ def budget_reasons(reasons: Iterable[str]) -> dict[str, int]:
 
 
 def reasons_text(counts: dict[str, int] | None) -> str:
-    """``best rate 41, explore 6, retry 2`` (``–`` for none)."""
-    return ", ".join(f"{k} {v}" for k, v in counts.items()) if counts else "–"
+    """``best rate 41, explore 6, retry 2`` (``–`` for none): most rounds first, then by name, so the text does not
+    depend on which reason a run met first."""
+    if not counts:
+        return "–"
+    return ", ".join(f"{k} {v}" for k, v in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))
 
 
 def reasons_section(rows: list[dict], label=lambda r: r["method"]) -> str:
