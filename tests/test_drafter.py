@@ -319,6 +319,35 @@ def test_block_logprobs_in_slices_are_log_softmax_to_the_bit(cap, monkeypatch):
     assert torch.equal(got, want)
 
 
+def _op_names(fn) -> set[str]:
+    """The aten ops that ``fn()`` runs, as the profiler sees them (below ``aten::linear``'s own dispatch)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof, torch.inference_mode():
+        fn()
+    return {event.key for event in prof.key_averages()}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("sliced_vocab", [False, True])
+def test_the_block_head_multiplies_rows_not_a_batch_of_slices(dtype, sliced_vocab):
+    """The depths a round uses are a strided slice of the drafter's block; the head multiplies them as rows (one
+    product), not as a batch of matrices, for which torch's CPU matmul copies the whole head weight each call.
+    The log-probs are the rows' own (the same bits as the rows passed contiguous)."""
+    target = tiny_target(dtype=dtype).requires_grad_(False)  # as loaded for inference (a weight that requires
+    drafter = DFlashDrafter(tiny_drafter(target, dtype=dtype), target, draft_vocab=None)  # grad folds the rows)
+    if sliced_vocab:
+        drafter.set_draft_vocab(torch.arange(0, target.config.vocab_size, 3))
+    block = torch.randn(3, 8, target.config.hidden_size, generator=torch.Generator().manual_seed(2)).to(dtype)
+    hidden = block[:, 1:4]  # [B, depth, H], rows strided by the block
+    ops = _op_names(lambda: drafter.block_logprobs(hidden))
+    assert "aten::bmm" not in ops and "aten::mm" in ops, sorted(ops)
+    with torch.inference_mode():
+        got = drafter.block_logprobs(hidden)
+        want = drafter.block_logprobs(hidden.contiguous().view(-1, hidden.shape[-1])).view(*hidden.shape[:2], -1)
+    assert got.shape == (3, 3, target.config.vocab_size) and torch.equal(got, want)
+    # the control: the slice passed as it is takes the batched path
+    assert "aten::bmm" in _op_names(lambda: torch.nn.functional.linear(hidden, target.get_output_embeddings().weight))
+
+
 def test_a_drafter_for_a_target_with_rope_per_layer_type_takes_full_attentions():
     """Gemma 3 keeps RoPE parameters per layer type (transformers 5.0 also leaves a top-level ``rope_theta:
     None``): a drafter built for it takes the full-attention layers' base, never a missing one."""

@@ -163,12 +163,15 @@ class DFlashDrafter(FeatureDrafter):
     def block_logprobs(self, hidden: torch.Tensor) -> torch.Tensor:
         """Log-probs over the target's vocabulary (``-inf`` outside a draft vocabulary), float32."""
         lm_head = self._target_parts[1]
-        hidden = hidden.to(lm_head.weight.dtype)
+        lead = hidden.shape[:-1]
+        # rows, not a [B, depth] slice of the block: on a CPU, a 3-D input whose rows are strided sends torch's
+        # matmul down its batched path, which copies the whole head weight on every call
+        hidden = hidden.to(lm_head.weight.dtype).reshape(-1, hidden.shape[-1])
         head_slice, ids = self._head_slice, self.draft_vocab  # set together by _slice_head
         if head_slice is None or ids is None:  # the target's own module: its tensor-parallel or device hooks apply
             logits = self.model.process_logits(lm_head(hidden.to(lm_head.weight.device)).float())
-            return log_softmax_inplace(logits.contiguous()).to(hidden.device)
+            return log_softmax_inplace(logits.contiguous()).to(hidden.device).view(*lead, -1)
         linear = cpu_linear.linear if cpu_linear.routed(self.model.fc) else F.linear  # routed with the model
         sub = log_softmax_inplace(self.model.process_logits(linear(hidden, *head_slice).float()).contiguous())
         out = sub.new_full((*sub.shape[:-1], lm_head.weight.shape[0]), float("-inf"))
-        return out.index_copy_(-1, ids, sub)
+        return out.index_copy_(-1, ids, sub).view(*lead, -1)
