@@ -332,8 +332,9 @@ def test_the_block_head_multiplies_rows_not_a_batch_of_slices(dtype, sliced_voca
     """The depths a round uses are a strided slice of the drafter's block; the head multiplies them as rows (one
     product), not as a batch of matrices, for which torch's CPU matmul copies the whole head weight each call.
     The log-probs are the rows' own (the same bits as the rows passed contiguous)."""
-    target = tiny_target(dtype=dtype).requires_grad_(False)  # as loaded for inference (a weight that requires
-    drafter = DFlashDrafter(tiny_drafter(target, dtype=dtype), target, draft_vocab=None)  # grad folds the rows)
+    # weights that need no grad, as for inference (torch's matmul folds the rows for a weight that requires grad)
+    target = tiny_target(dtype=dtype).requires_grad_(False)
+    drafter = DFlashDrafter(tiny_drafter(target, dtype=dtype), target, draft_vocab=None)
     if sliced_vocab:
         drafter.set_draft_vocab(torch.arange(0, target.config.vocab_size, 3))
     block = torch.randn(3, 8, target.config.hidden_size, generator=torch.Generator().manual_seed(2)).to(dtype)

@@ -432,10 +432,6 @@ def environment(device: torch.device) -> dict:
 
 def run(settings: Settings, out: Path | None = None) -> dict:
     """Measure every model of ``settings`` inside its time budget; writes ``out/full_size.json`` as it goes."""
-    config = torch._dynamo.config
-    name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
-    limit = getattr(config, name)
-    setattr(config, name, max(limit, 64))  # one graph per batch and budget, of the same code
     budget = Budget(settings.time_budget)
     report: dict = {
         "what": f"ms per round of random-weight targets at {settings.scale} widths; tokens per round and tokens/s "
@@ -462,17 +458,14 @@ def run(settings: Settings, out: Path | None = None) -> dict:
         if out is not None:
             write(report, out)
 
-    try:
-        for i, shape in enumerate(settings.shapes):
-            keep = sum(s.keep_s for s in settings.shapes[i + 1:])
-            need = shape.prior_case_s + shape.keep_s * 0.5  # its build and first case (its eager cases are core)
-            if budget.left() < need:
-                emit({"model": shape.name, "skipped": f"time budget: {budget.left():.0f} s left, and building "
-                                                      f"the pair and a first case take about {need:.0f} s"})
-                continue
-            run_model(settings, shape, budget, keep, emit)
-    finally:
-        setattr(config, name, limit)
+    for i, shape in enumerate(settings.shapes):
+        keep = sum(s.keep_s for s in settings.shapes[i + 1:])
+        need = shape.prior_case_s + shape.keep_s * 0.5  # its build and first case (its eager cases are core)
+        if budget.left() < need:
+            emit({"model": shape.name, "skipped": f"time budget: {budget.left():.0f} s left, and building "
+                                                  f"the pair and a first case take about {need:.0f} s"})
+            continue
+        run_model(settings, shape, budget, keep, emit)
     if settings.device.type == "cuda":
         report["peak_memory_gib"] = round(torch.cuda.max_memory_allocated(settings.device) / 2**30, 2)
     report["seconds"] = round(settings.time_budget - budget.left(), 1)
