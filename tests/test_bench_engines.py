@@ -160,6 +160,8 @@ def test_parsing_and_settings():
             engines.parse_sizes(bad)
     assert engines.extra_settings(["attention=sdpa", "prefill_chunk=64", "compile=false"]) == {
         "attention": "sdpa", "prefill_chunk": 64, "compile": False}
+    assert engines.extra_settings(["prompt_lookup=False", "coupled_drafts=None", "compile=True"]) == {
+        "prompt_lookup": False, "coupled_drafts": None, "compile": True}  # as a Python user writes them
     with pytest.raises(SystemExit, match="NAME=VALUE"):
         engines.extra_settings(["attention"])
     assert engines.ddtree_method_kwargs("plain") == {"tree_budget": 0}

@@ -355,7 +355,9 @@ def commit() -> str:
 
 
 def extra_settings(pairs: list[str]) -> dict:
-    """``--setting NAME=VALUE`` pairs as generator keywords (VALUE read as JSON where it parses, else text)."""
+    """``--setting NAME=VALUE`` pairs as generator keywords (VALUE read as JSON where it parses, Python's
+    ``True``/``False``/``None`` as themselves, else text)."""
+    python = {"True": True, "False": False, "None": None}
     out = {}
     for pair in pairs:
         name, eq, value = pair.partition("=")
@@ -364,7 +366,7 @@ def extra_settings(pairs: list[str]) -> dict:
         try:
             out[name] = json.loads(value)
         except json.JSONDecodeError:
-            out[name] = value
+            out[name] = python.get(value, value)
     return out
 
 

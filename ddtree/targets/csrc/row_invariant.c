@@ -723,8 +723,14 @@ static void packed_products(const void *x, int count, const void *const *wps, co
                             void *const *ys, long M, long K, const long *Ns, int dt, int threads, const int64_t *pick,
                             long picked) {
     rows_t r = {0};
-    if (pick) { /* only the picked rows: the rest of each output is zero */
-        for (int i = 0; i < count; i++) memset(ys[i], 0, (size_t)(M * Ns[i]) * (dt == DT_F32 ? 4 : 2));
+    if (pick) { /* only the picked rows: the rest of each output is zero (the picked ones are written whole) */
+        uint8_t *kept = calloc((size_t)(M > 0 ? M : 1), 1);
+        for (long m = 0; m < picked; m++) kept[pick[m]] = 1;
+        size_t es = dt == DT_F32 ? 4 : 2;
+        for (int i = 0; i < count; i++)
+            for (long m = 0; m < M; m++)
+                if (!kept[m]) memset((char *)ys[i] + (size_t)(m * Ns[i]) * es, 0, (size_t)Ns[i] * es);
+        free(kept);
         M = picked;
     }
     r.pick = pick;
@@ -972,6 +978,130 @@ static inline const float *as_f32(const char *src, int dt, long D, float *buf) {
 
 #define NODE_CHUNK 8 /* nodes per task: they share one pass over the prefix's keys and values */
 
+#ifdef WIDE
+/* The prefix passes with each key and value widened once into registers and the sums held there, for D of 64 or
+ * 128: the same operations on every score and output as dot_f32 and axpy, so the same bits, in fewer loads and
+ * stores. A "pair" is one query (node i, head g) of the task. */
+
+/* One cached row (D = 16 * DV elements) as float32 lanes. */
+#define WIDEN(DV, dst, src, dt)                                                                  \
+    for (int c = 0; c < DV; c++)                                                                 \
+        dst[c] = dt == DT_BF16 ? load16_bf16((const uint16_t *)(src) + 16 * c, 0xFFFF)           \
+                 : dt == DT_F16 ? load16_f16((const uint16_t *)(src) + 16 * c, 0xFFFF)           \
+                                : _mm512_loadu_ps((const float *)(src) + 16 * c);
+
+/* 16 keys' lane partials a[t] to their sums, each added as _mm512_reduce_add_ps adds one vector (halves, then
+ * quarters, then lanes 0 + 2 and 1 + 3, then those two; float addition commutes, so transposed is the same) */
+static inline __m512 reduce16(const __m512 *a) {
+    __m512 b[8], c[4], f[2];
+    for (int i = 0; i < 8; i++)
+        b[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0xEE),
+                             _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0x44));
+    for (int m = 0; m < 4; m++)
+        c[m] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * m], b[2 * m + 1], 0xDD),
+                             _mm512_shuffle_f32x4(b[2 * m], b[2 * m + 1], 0x88));
+    for (int n = 0; n < 2; n++)
+        f[n] = _mm512_add_ps(_mm512_shuffle_ps(c[2 * n], c[2 * n + 1], 0xEE),
+                             _mm512_shuffle_ps(c[2 * n], c[2 * n + 1], 0x44));
+    __m512 g = _mm512_add_ps(_mm512_shuffle_ps(f[0], f[1], 0xDD), _mm512_shuffle_ps(f[0], f[1], 0x88));
+    /* element 4j + l holds key 4l + j */
+    return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), g);
+}
+
+/* Scores of NP pairs (queries qp[p], each D floats) over the prefix columns [lo, P): key col's score goes to
+ * dst[p][col - first[p]] where col >= first[p]. */
+#define PREFIX_SCORES(NP, DV)                                                                    \
+    static void prefix_scores_##NP##_##DV(const float *const *qp, const char *kb, long kstride, int dt,     \
+                                          size_t esize, long lo, long P, const long *first, float *const *dst, \
+                                          float scale) {                                        \
+        __m512 q[NP][DV], part[NP][16];                                                          \
+        for (int p = 0; p < NP; p++)                                                             \
+            for (int c = 0; c < DV; c++) q[p][c] = _mm512_loadu_ps(qp[p] + 16 * c);              \
+        for (long c0 = lo; c0 < P; c0 += 16) {                                                   \
+            long n = P - c0 < 16 ? P - c0 : 16;                                                  \
+            for (long t = 0; t < 16; t++) {                                                      \
+                if (t >= n) {                                                                    \
+                    for (int p = 0; p < NP; p++) part[p][t] = _mm512_setzero_ps();               \
+                    continue;                                                                    \
+                }                                                                                \
+                __m512 kv[DV];                                                                   \
+                WIDEN(DV, kv, kb + (size_t)((c0 + t) * kstride) * esize, dt)                     \
+                for (int p = 0; p < NP; p++) {                                                   \
+                    __m512 acc = _mm512_setzero_ps();                                            \
+                    for (int c = 0; c < DV; c++) acc = _mm512_fmadd_ps(q[p][c], kv[c], acc);     \
+                    part[p][t] = acc;                                                            \
+                }                                                                                \
+            }                                                                                    \
+            for (int p = 0; p < NP; p++) {                                                       \
+                float sums[16];                                                                  \
+                _mm512_storeu_ps(sums, _mm512_mul_ps(reduce16(part[p]), _mm512_set1_ps(scale)));  \
+                for (long t = 0; t < n; t++)                                                     \
+                    if (c0 + t >= first[p]) dst[p][c0 + t - first[p]] = sums[t];                 \
+            }                                                                                    \
+        }                                                                                        \
+    }
+/* o[p] += w[p][col - first[p]] * v[col] over the prefix columns [lo, P) (col >= first[p]), in column order. */
+#define PREFIX_VALUES(NP, DV)                                                                    \
+    static void prefix_values_##NP##_##DV(const char *vb, long vstride, int dt, size_t esize, long lo, long P, \
+                                          const long *first, const float *const *w, float *const *o) { \
+        __m512 acc[NP][DV];                                                                      \
+        for (int p = 0; p < NP; p++)                                                             \
+            for (int c = 0; c < DV; c++) acc[p][c] = _mm512_loadu_ps(o[p] + 16 * c);             \
+        for (long col = lo; col < P; col++) {                                                    \
+            __m512 vv[DV];                                                                       \
+            WIDEN(DV, vv, vb + (size_t)(col * vstride) * esize, dt)                              \
+            for (int p = 0; p < NP; p++) {                                                       \
+                if (col < first[p]) continue;                                                    \
+                __m512 pw = _mm512_set1_ps(w[p][col - first[p]]);                                \
+                for (int c = 0; c < DV; c++) acc[p][c] = _mm512_fmadd_ps(pw, vv[c], acc[p][c]);  \
+            }                                                                                    \
+        }                                                                                        \
+        for (int p = 0; p < NP; p++)                                                             \
+            for (int c = 0; c < DV; c++) _mm512_storeu_ps(o[p] + 16 * c, acc[p][c]);             \
+    }
+PREFIX_SCORES(1, 4) PREFIX_SCORES(2, 4) PREFIX_SCORES(3, 4) PREFIX_SCORES(4, 4)
+PREFIX_SCORES(1, 8) PREFIX_SCORES(2, 8)
+PREFIX_VALUES(1, 4) PREFIX_VALUES(2, 4) PREFIX_VALUES(3, 4) PREFIX_VALUES(4, 4)
+PREFIX_VALUES(1, 8) PREFIX_VALUES(2, 8)
+
+/* Whether the register passes take a head of D elements. */
+static int prefix_fast(long D) { return D == 64 || D == 128; }
+
+/* Both prefix passes of `pairs` queries in groups that fit the registers; `scores` is called between them by the
+ * caller, so this runs one pass: values == 0 the scores, else the values. */
+static void prefix_pass(int values, long pairs, const float *const *qp, float *const *dst, const float *const *w,
+                        float *const *o, const long *first, const char *base, long stride, int dt, size_t esize,
+                        long lo, long P, long D, float scale) {
+    long most = D == 64 ? 4 : 2;
+    for (long p0 = 0; p0 < pairs; p0 += most) {
+        long np = pairs - p0 < most ? pairs - p0 : most;
+        if (D == 64) {
+            if (!values) {
+                switch (np) {
+                    case 4: prefix_scores_4_4(qp + p0, base, stride, dt, esize, lo, P, first + p0, dst + p0, scale); break;
+                    case 3: prefix_scores_3_4(qp + p0, base, stride, dt, esize, lo, P, first + p0, dst + p0, scale); break;
+                    case 2: prefix_scores_2_4(qp + p0, base, stride, dt, esize, lo, P, first + p0, dst + p0, scale); break;
+                    default: prefix_scores_1_4(qp + p0, base, stride, dt, esize, lo, P, first + p0, dst + p0, scale);
+                }
+            } else {
+                switch (np) {
+                    case 4: prefix_values_4_4(base, stride, dt, esize, lo, P, first + p0, w + p0, o + p0); break;
+                    case 3: prefix_values_3_4(base, stride, dt, esize, lo, P, first + p0, w + p0, o + p0); break;
+                    case 2: prefix_values_2_4(base, stride, dt, esize, lo, P, first + p0, w + p0, o + p0); break;
+                    default: prefix_values_1_4(base, stride, dt, esize, lo, P, first + p0, w + p0, o + p0);
+                }
+            }
+        } else if (!values) {
+            if (np == 2) prefix_scores_2_8(qp + p0, base, stride, dt, esize, lo, P, first + p0, dst + p0, scale);
+            else prefix_scores_1_8(qp + p0, base, stride, dt, esize, lo, P, first + p0, dst + p0, scale);
+        } else {
+            if (np == 2) prefix_values_2_8(base, stride, dt, esize, lo, P, first + p0, w + p0, o + p0);
+            else prefix_values_1_8(base, stride, dt, esize, lo, P, first + p0, w + p0, o + p0);
+        }
+    }
+}
+#endif
+
 /* q [B, Hq, N, D], k and v [B, Hkv, S, D] (element strides qs/ks/vs, last dim contiguous): row b's prefix
  * ends at column P = prefix_end[b] and its N tree nodes follow it, at P .. P + N - 1 (S >= P + N). Node n of
  * row b sees the prefix columns [start[b, n], P), then the tree columns P + m with tree[b, n, m] != 0, in
@@ -1048,6 +1178,23 @@ void ddtree_row_attention(const void *q, const void *k, const void *v, void *out
                 for (long d = 0; d < D; d++) qf[(i * G + g) * D + d] = load_one(qg, d, dt);
             }
         /* scores: the shared prefix, one pass over its keys, then each node's own tree keys */
+#ifdef WIDE
+        const float *qp[NODE_CHUNK * 16];
+        float *dst[NODE_CHUNK * 16], *op[NODE_CHUNK * 16];
+        long pfirst[NODE_CHUNK * 16];
+        int fast = prefix_fast(D) && G <= 16;
+        if (fast) {
+            for (long i = 0; i < nn; i++)
+                for (long g = 0; g < G; g++) {
+                    qp[i * G + g] = qf + (i * G + g) * D;
+                    dst[i * G + g] = sc + off[i] + g * TP[i];
+                    op[i * G + g] = o + (i * G + g) * D;
+                    pfirst[i * G + g] = first[i];
+                }
+            prefix_pass(0, nn * G, qp, dst, NULL, NULL, pfirst, kb, ks[2], dt, esize, lo, P, D, (float)scale);
+            for (long i = 0; i < nn; i++) pos[i] = P - first[i];
+        } else
+#endif
         for (long col = lo; col < P; col++) {
             const float *kf = as_f32(kb + (size_t)(col * ks[2]) * esize, dt, D, row);
             for (long i = 0; i < nn; i++) {
@@ -1074,6 +1221,13 @@ void ddtree_row_attention(const void *q, const void *k, const void *v, void *out
             }
         /* values: the same order, each row of values read once for the chunk */
         for (long i = 0; i < nn; i++) pos[i] = 0;
+#ifdef WIDE
+        if (fast) {
+            prefix_pass(1, nn * G, NULL, NULL, (const float *const *)dst, op, pfirst, vb, vs[2], dt, esize, lo, P, D,
+                        0.f);
+            for (long i = 0; i < nn; i++) pos[i] = P - first[i];
+        } else
+#endif
         for (long col = lo; col < P; col++) {
             const float *vf = as_f32(vb + (size_t)(col * vs[2]) * esize, dt, D, row);
             for (long i = 0; i < nn; i++) {
@@ -1212,8 +1366,20 @@ void ddtree_rotary(void *x, const void *cos, const void *sin, long rows, long he
 #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
     for (long r = 0; r < rows; r++) {
         for (long h = 0; h < heads; h++) {
-            long o = r * xs + h * D;
-            for (long i = 0; i < half; i++) {
+            long o = r * xs + h * D, i = 0;
+            /* eight lanes at a time: each element's products, sum and roundings are the scalar loop's */
+            const __m256 flip = _mm256_set1_ps(-0.0f);
+            for (; i + 8 <= half; i += 8) {
+                __m256 a = load8_any(x, o + i, dt), b = load8_any(x, o + i + half, dt);
+                __m256 c0 = load8_any(cos, r * D + i, dt), s0 = load8_any(sin, r * D + i, dt);
+                __m256 c1 = load8_any(cos, r * D + i + half, dt), s1 = load8_any(sin, r * D + i + half, dt);
+                __m256 lo = _mm256_add_ps(round8(_mm256_mul_ps(a, c0), dt),
+                                          round8(_mm256_mul_ps(_mm256_xor_ps(b, flip), s0), dt));
+                __m256 hi = _mm256_add_ps(round8(_mm256_mul_ps(b, c1), dt), round8(_mm256_mul_ps(a, s1), dt));
+                store8_any(x, o + i, lo, dt);
+                store8_any(x, o + i + half, hi, dt);
+            }
+            for (; i < half; i++) {
                 float a = load_one(x, o + i, dt), b = load_one(x, o + i + half, dt);
                 float c0 = load_one(cos, r * D + i, dt), s0 = load_one(sin, r * D + i, dt);
                 float c1 = load_one(cos, r * D + i + half, dt), s1 = load_one(sin, r * D + i + half, dt);
@@ -1275,7 +1441,9 @@ static int row_threads(long elements, int threads) { return elements < (1L << 15
 
 /* y = round(x + a), elementwise (torch's add: one rounding) */
 static void add_into(void *y, const void *x, const void *a, long count, int dt) {
-    for (long i = 0; i < count; i++) store_one(y, i, load_one(x, i, dt) + load_one(a, i, dt), dt);
+    long i = 0;
+    for (; i + 8 <= count; i += 8) store8_any(y, i, _mm256_add_ps(load8_any(x, i, dt), load8_any(a, i, dt)), dt);
+    for (; i < count; i++) store_one(y, i, load_one(x, i, dt) + load_one(a, i, dt), dt);
 }
 
 #define PTR(i) ((void *)(intptr_t)a[i])
