@@ -65,9 +65,11 @@ PARENTS = [-1, 0, 0, 1, 2, 3, 3, 4, 5, 8, 9, 1]
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("sinks,softcap", [(False, None), (True, None), (False, 5.0)])
-def test_tree_attention_is_close_to_float64_and_each_node_is_a_one_token_step(dtype, sinks, softcap):
+@pytest.mark.parametrize("d,prefix", [(24, 13), (64, 37), (128, 21)])  # 64 and 128: the prefix's register passes
+def test_tree_attention_is_close_to_float64_and_each_node_is_a_one_token_step(dtype, sinks, softcap, d, prefix):
+    """Alone, a node's ancestors are prefix keys, in the tree its own: both must give the same bits."""
     g = torch.Generator().manual_seed(1)
-    bsz, hq, hkv, d, prefix, n = 2, 6, 2, 24, 13, len(PARENTS)
+    bsz, hq, hkv, n = 2, 6, 2, len(PARENTS)
     visible = torch.zeros(bsz, n, n, dtype=torch.bool)
     for i in range(n):
         m = i
