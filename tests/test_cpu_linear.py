@@ -297,9 +297,10 @@ def test_packed_products_are_row_invariant_on_every_build(monkeypatch):
                                                  (37, 150)):
                 w, b = torch.randn(n, k).to(dtype), torch.randn(n).to(dtype)
                 packed = row_kernels.PackedWeight(w)
-                x = torch.randn(60, k).to(dtype)  # 60 rows: past the k-blocked sizes
+                x = torch.randn(230, k).to(dtype)  # 230 rows: past the k-blocked sizes, panels split by rows
                 y = row_kernels.packed_linear(x, packed, b)
-                for rows in (slice(0, 1), slice(3, 8), slice(4, 11), slice(0, 13), slice(12, 60), slice(59, 60)):
+                for rows in (slice(0, 1), slice(3, 8), slice(4, 11), slice(0, 13), slice(12, 60), slice(59, 60),
+                             slice(90, 200), slice(229, 230)):
                     assert torch.equal(row_kernels.packed_linear(x[rows], packed, b), y[rows]), (arch, dtype, k)
                 ref = F.linear(x.double(), w.double(), b.double())
                 assert (y.double() - ref).abs().max() <= 0.02 * ref.abs().max()

@@ -577,6 +577,9 @@ int ddtree_uses_amx(void) {
         default: PREFIX##_1(__VA_ARGS__); break;                                                 \
     }
 
+#define SPLIT_PAST 48 /* rows past which a product's panels are split into row ranges (beyond the k-blocked span) */
+#define ROW_SPLIT 96  /* rows per such range: whole blocks of 6 and of 16 */
+
 /* One product of a call: a packed weight [N, K], its bias (as float32, or NULL) and its output y [M, N]. */
 typedef struct {
     const void *wp;
@@ -615,9 +618,10 @@ static TILE_INLINE void store_panel(const rows_t *r, void *y, long N, long m0, l
     }
 }
 
-/* Panels [p0, p0 + np) of one product: np == MULTI only for one row (four panels at once). */
-static TILE_INLINE void product_unit(const rows_t *r, const product_t *pr, long p0, long np) {
-    long M = r->M, K = r->K, K2 = r->K2, xk = r->xk, panel_elems = r->panel_elems, N = pr->N;
+/* Panels [p0, p0 + np) of one product for rows [m0, m1): np == MULTI only for one row (four panels at once); a
+ * row range short of all rows only past SPLIT_PAST rows (row blocks and panels never change a sum). */
+static TILE_INLINE void product_unit(const rows_t *r, const product_t *pr, long p0, long np, long m0, long m1) {
+    long M = m1, K = r->K, K2 = r->K2, xk = r->xk, panel_elems = r->panel_elems, N = pr->N;
     int dt = r->dt, paired = r->paired;
     const float *xf = r->xf, *bf = pr->bias;
     const uint16_t *xp = r->xp;
@@ -629,7 +633,7 @@ static TILE_INLINE void product_unit(const rows_t *r, const product_t *pr, long 
 #ifdef HAVE_AMX
     if (r->amx) {
         float out[AMX_ROWS * PANEL];
-        for (long m = 0; m < M; m += AMX_ROWS) {
+        for (long m = m0; m < M; m += AMX_ROWS) {
             long mb = M - m < AMX_ROWS ? M - m : AMX_ROWS;
             amx_configure(mb, K2 % 16);
             for (long p = p0; p < p0 + np; p++) {
@@ -698,7 +702,7 @@ static TILE_INLINE void product_unit(const rows_t *r, const product_t *pr, long 
         }
 #endif
         float out[PACKED_ROWS * PANEL];
-        for (long m = 0; m < M; m += PACKED_ROWS) {
+        for (long m = m0; m < M; m += PACKED_ROWS) {
             long mb = M - m < PACKED_ROWS ? M - m : PACKED_ROWS;
             if (paired) {
 #if PAIRED_BF16
@@ -758,6 +762,9 @@ static void packed_products(const void *x, int count, const void *const *wps, co
     product_t pr[8];
     long first[9];
     long per_unit = 1;
+    /* past SPLIT_PAST rows each panel is split into row ranges, so that two threads share even a product of few
+     * panels evenly (a prompt's prefill) */
+    long splits = M > SPLIT_PAST ? (M + ROW_SPLIT - 1) / ROW_SPLIT : 1;
 #ifdef HAVE_MULTI
     if (M == 1 && (dt == DT_F32 || r.paired)) per_unit = MULTI;
 #endif
@@ -773,15 +780,17 @@ static void packed_products(const void *x, int count, const void *const *wps, co
             pr[i].bias = (float *)malloc(sizeof(float) * (size_t)Ns[i]);
             for (long j = 0; j < Ns[i]; j++) pr[i].bias[j] = load_one(biases[i], j, dt);
         }
-        first[i + 1] = first[i] + (pr[i].panels + per_unit - 1) / per_unit;
+        first[i + 1] = first[i] + (pr[i].panels + per_unit - 1) / per_unit * splits;
     }
     long units = first[count];
 #pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
     for (long u = 0; u < units; u++) {
         int i = 0;
         while (u >= first[i + 1]) i++;
-        long p0 = (u - first[i]) * per_unit, np = pr[i].panels - p0 < per_unit ? pr[i].panels - p0 : per_unit;
-        product_unit(&r, &pr[i], p0, np);
+        long at = u - first[i], s = at % splits, p0 = at / splits * per_unit;
+        long np = pr[i].panels - p0 < per_unit ? pr[i].panels - p0 : per_unit;
+        long m1 = (s + 1) * ROW_SPLIT < M ? (s + 1) * ROW_SPLIT : M;
+        product_unit(&r, &pr[i], p0, np, s * ROW_SPLIT, splits > 1 ? m1 : M);
     }
     for (int i = 0; i < count; i++) free(pr[i].bias);
     free(xf);
