@@ -336,13 +336,14 @@ void ddtree_pack_weight(const void *w, void *dst, long N, long K, int dt, int tr
     for (long pf = 0; pf < (long)(bytes); pf += 64) _mm_prefetch((const char *)(p) + pf, _MM_HINT_T0)
 
 #ifdef WIDE
-/* MR rows against k in [k0, k1) of one panel, continuing sums held in acc (MR x PANEL floats): a float32
- * accumulator stored and loaded again is the same float, so splitting k this way keeps every sum's order. */
+/* MR rows against k in [k0, k1) of one panel, continuing sums held in acc (MR x PANEL floats; from zero where k0
+ * is 0, acc unread): a float32 accumulator stored and loaded again is the same float, so splitting k this way
+ * keeps every sum's order. */
 #define PACKED_SPAN(T, MR)                                                                       \
     static TILE_INLINE void span_##T##_##MR(const float *x, const T##_t *wp, float *acc, long K, long k0, long k1) { \
         __m512 a[MR][4];                                                                         \
         for (int r = 0; r < MR; r++)                                                             \
-            for (int c = 0; c < 4; c++) a[r][c] = _mm512_loadu_ps(acc + r * PANEL + 16 * c);     \
+            for (int c = 0; c < 4; c++) a[r][c] = k0 ? _mm512_loadu_ps(acc + r * PANEL + 16 * c) : _mm512_setzero_ps(); \
         for (long k = k0; k < k1; k++) {                                                         \
             const T##_t *wk = wp + k * PANEL;                                                    \
             PREFETCH_ROW(wk + PREFETCH_K * PANEL, PANEL * sizeof(T##_t));                          \
@@ -367,7 +368,6 @@ PACKED_SPAN_ALL(f16)
 /* MR rows against one whole panel: the span from zero. */
 #define PACKED_TILE(T, MR)                                                                       \
     static TILE_INLINE void packed_##T##_##MR(const float *x, const T##_t *wp, float *out, long K) { \
-        memset(out, 0, sizeof(float) * MR * PANEL);                                              \
         span_##T##_##MR(x, wp, out, K, 0, K);                                                    \
     }
 /* One row against MULTI panels at once: 4 * MULTI independent sums instead of 4 (the same order for each). */
@@ -423,7 +423,7 @@ PACKED_ALL(f16)
     static TILE_INLINE void pspan_##MR(const uint16_t *x, const uint16_t *wp, float *acc, long K2, long k0, long k1) { \
         __m512 a[MR][4];                                                                         \
         for (int r = 0; r < MR; r++)                                                             \
-            for (int c = 0; c < 4; c++) a[r][c] = _mm512_loadu_ps(acc + r * PANEL + 16 * c);     \
+            for (int c = 0; c < 4; c++) a[r][c] = k0 ? _mm512_loadu_ps(acc + r * PANEL + 16 * c) : _mm512_setzero_ps(); \
         for (long k = k0; k < k1; k++) {                                                         \
             const uint16_t *wk = wp + k * 2 * PANEL;                                             \
             PREFETCH_ROW(wk + PREFETCH_K * 2 * PANEL, 2 * PANEL * sizeof(uint16_t));               \
@@ -446,7 +446,6 @@ PAIRED_SPAN(1) PAIRED_SPAN(2) PAIRED_SPAN(3) PAIRED_SPAN(4) PAIRED_SPAN(5) PAIRE
 /* The paired rows against one whole panel: the span from zero. */
 #define PAIRED_TILE(MR)                                                                          \
     static TILE_INLINE void paired_##MR(const uint16_t *x, const uint16_t *wp, float *out, long K2) { \
-        memset(out, 0, sizeof(float) * MR * PANEL);                                              \
         pspan_##MR(x, wp, out, K2, 0, K2);                                                       \
     }
 PAIRED_TILE(1) PAIRED_TILE(2) PAIRED_TILE(3) PAIRED_TILE(4) PAIRED_TILE(5) PAIRED_TILE(6)
@@ -675,7 +674,6 @@ static TILE_INLINE void product_unit(const rows_t *r, const product_t *pr, long 
         if (M > PACKED_ROWS && M <= SPAN_ROWS) {
             float acc[SPAN_ROWS * PANEL];
             long span = paired ? K2 : K;
-            memset(acc, 0, sizeof(float) * (size_t)(M * PANEL));
             for (long k0 = 0; k0 < span; k0 += KBLOCK) {
                 long k1 = span - k0 < KBLOCK ? span : k0 + KBLOCK;
                 for (long m = 0; m < M; m += PACKED_ROWS) {
