@@ -330,8 +330,9 @@ void ddtree_pack_weight(const void *w, void *dst, long N, long K, int dt, int tr
 }
 
 /* Ask for the weight row PREFETCH_K rows ahead while this one is multiplied: the loads stream from memory
- * behind the arithmetic instead of after it. Only loads move; the sums and their order do not change. */
-#define PREFETCH_K 16
+ * behind the arithmetic instead of after it, one k-block ahead. Only loads move; the sums and their order do not
+ * change. */
+#define PREFETCH_K 32
 #define PREFETCH_ROW(p, bytes)                                                                   \
     for (long pf = 0; pf < (long)(bytes); pf += 64) _mm_prefetch((const char *)(p) + pf, _MM_HINT_T0)
 
