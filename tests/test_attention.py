@@ -441,16 +441,18 @@ def test_dense_mask_still_works_on_a_split_prepared_model():
 
 def test_attention_bench_runs_tiny_on_cpu(tmp_path, capsys):
     from ddtree.bench.__main__ import main
+    from ddtree.targets import native
 
     out = tmp_path / "bench.json"
-    result = main(["attention", "--device", "cpu", "--contexts", "16,40", "--budgets", "3,9", "--heads", "4",
+    result = main(["attention", "--device", "cpu", "--contexts", "16,40", "--budgets", "0,3,9", "--heads", "4",
                    "--kv-heads", "2", "--head-dim", "16", "--dtype", "fp32", "--warmup", "0", "--repeats", "1",
                    "--window", "8", "--out", str(out)])
     saved = json.loads(out.read_text())
     assert saved["rows"] == result["rows"]
-    assert {r["backend"] for r in saved["rows"]} == {"sdpa", "split", "fused"}
-    assert len(saved["rows"]) == 2 * 2 * 3
-    assert all(r["max_abs_err_vs_fp32_dense"] < 1e-5 for r in saved["rows"])
+    backends = {"sdpa", "split", "fused"} | ({"exact"} if native.available() else set())
+    assert {r["backend"] for r in saved["rows"]} == backends
+    assert len(saved["rows"]) == 2 * 3 * len(backends)  # budget 0: a one-token step
+    assert all(r["max_abs_err_vs_fp32_dense"] < 1e-5 for r in saved["rows"])  # exact's window starts included
     assert "vs sdpa" in capsys.readouterr().out
 
 

@@ -176,6 +176,7 @@ def test_vllm_env_binds_the_first_threads_cpus():
     env = engines.vllm_env(2, 2.0, base={"PYTHONPATH": "/repo", "HOME": "/root"}, cpus=[0, 1, 2, 3])
     assert env["VLLM_CPU_OMP_THREADS_BIND"] == "0,1" and env["VLLM_CPU_KVCACHE_SPACE"] == "2"
     assert env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0" and "PYTHONPATH" not in env and env["HOME"] == "/root"
+    assert env["VLLM_DISABLE_COMPILE_CACHE"] == "1"  # no peer loads the graph another saved
     assert engines.vllm_env(1, 0.5, base={}, cpus=[3, 5])["VLLM_CPU_OMP_THREADS_BIND"] == "3"
     with pytest.raises(ValueError, match="may use 2 CPUs"):
         engines.vllm_env(3, 2.0, base={}, cpus=[0, 1])

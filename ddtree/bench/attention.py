@@ -7,7 +7,9 @@ table and writes JSON. The dense baseline is transformers' own
 ``sdpa_attention_forward`` with the additive ``[prefix | tree]`` mask, exactly
 what a target runs under ``attention="sdpa"``; its mask is built once per
 forward and shared by all layers, so it is timed separately (``mask_ms``).
-The split backends are timed through their registered attention functions.
+The split backends are timed through their registered attention functions; ``exact`` (a CPU with the
+row-invariant kernels) is :func:`ddtree.targets.row_kernels.tree_attention`, what ``numerics="exact"`` runs.
+A budget of 0 is a one-token decoding step.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import torch
 
 from ddtree.core.masks import tree_attention_mask
 from ddtree.core.tree import DraftTree
+from ddtree.targets import native, row_kernels
 from ddtree.targets.kernels import flash_attn_available
 from ddtree.targets.registration import (
     IMPLEMENTATIONS,
@@ -85,10 +88,13 @@ def time_ms(fn, device: torch.device, warmup: int, repeats: int) -> float:
 
 
 def available_backends(device: torch.device) -> list[str]:
-    """Backends that can run on ``device`` (flash_attn needs CUDA and the package)."""
+    """Backends that can run on ``device`` (flash_attn needs CUDA and the package; exact, a CPU and the
+    row-invariant kernels)."""
     names = ["sdpa", "split", "fused"]
     if device.type == "cuda" and flash_attn_available():
         names.append("flash_attn")
+    if device.type == "cpu" and native.available():
+        names.append("exact")
     return names
 
 
@@ -138,6 +144,11 @@ def bench_case(
             calls[name] = lambda fn=fn: fn(
                 layer, q, k, v, None, scaling=scale, sliding_window=window, **{TREE_KWARG: spec}
             )[0]
+    if "exact" in backends:
+        depths = tree.depths.view(1, n).cpu()
+        start = ((context + depths - window + 1).clamp(min=0) if window else torch.zeros_like(depths))
+        visible = tree.visibility.view(1, n, n).cpu()
+        calls["exact"] = lambda: row_kernels.tree_attention(q, k, v, start, visible, scale=scale)
     rows, base = [], None
     for name in backends:
         ms = time_ms(calls[name], device, warmup, repeats)
@@ -171,6 +182,8 @@ EXAMPLES = [
     "python -m ddtree.bench attention",
     "python -m ddtree.bench attention --device cpu --dtype fp32 --contexts 1k,4k --budgets 16,64 "
     "--heads 8 --kv-heads 2",
+    "python -m ddtree.bench attention --device cpu --dtype bf16 --contexts 128,1k --budgets 0,8 --heads 9 "
+    "--kv-heads 3 --head-dim 64 --backends exact",
 ]
 
 
@@ -186,7 +199,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--head-dim", type=int, default=128, help="head dimension")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="tensor dtype")
     p.add_argument("--device", default="auto", help="auto (cuda if available), cuda or cpu")
-    p.add_argument("--backends", default="all", help="comma list of sdpa,split,fused,flash_attn, or all available")
+    p.add_argument("--backends", default="all",
+                   help="comma list of sdpa,split,fused,flash_attn,exact, or all available")
     p.add_argument("--window", type=int, default=None, help="time a sliding-window layer with this window")
     p.add_argument("--max-depth", type=int, default=15, help="tree depth cap (DFlash block size - 1)")
     p.add_argument("--warmup", type=int, default=3, help="untimed calls before timing")

@@ -156,15 +156,16 @@ def markdown(results: dict) -> str:
 def vllm_env(threads: int, kvcache_gib: float, base: dict[str, str] | None = None,
              cpus: list[int] | None = None) -> dict[str, str]:
     """The environment vLLM's CPU engine runs under: in-process engine (no engine-core process competing for
-    the cores), its OpenMP threads bound to the first ``threads`` CPUs this process may use, and its KV cache
-    size."""
+    the cores), its OpenMP threads bound to the first ``threads`` CPUs this process may use, its KV cache
+    size, and no compile cache (vLLM 0.32's DFlash peer, loading the target graph the plain peer saved, fails
+    to load it and dies recompiling; a fresh compile is startup, which the bench does not time)."""
     cpus = sorted(os.sched_getaffinity(0)) if cpus is None else cpus
     if threads < 1 or threads > len(cpus):
         raise ValueError(f"--threads {threads}: this process may use {len(cpus)} CPUs ({cpus}); give 1 to {len(cpus)}")
     env = dict(os.environ if base is None else base)
     env.pop("PYTHONPATH", None)  # the venv's own packages, not this checkout's
     env.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_OMP_THREADS_BIND=",".join(map(str, cpus[:threads])),
-               VLLM_CPU_KVCACHE_SPACE=f"{kvcache_gib:g}")
+               VLLM_CPU_KVCACHE_SPACE=f"{kvcache_gib:g}", VLLM_DISABLE_COMPILE_CACHE="1")
     return env
 
 
