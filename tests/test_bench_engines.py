@@ -130,7 +130,10 @@ def test_summarize_without_vllm_compares_with_ddtree_plain_per_batch_size():
 
 
 def test_markdown_names_the_setup_the_skips_and_every_row():
-    runs = [record("vllm", "plain", 1, 0, [[1, 2]], [1.0]), record("ddtree", "plain", 1, 0, [[1, 3]], [2.0])]
+    default = [{**record("ddtree", "default", 1, k, [[1, 3]], [2.0], acceptance=1.0),
+                "budget_reasons": {"best rate": 3, "retry": 1}} for k in (0, 1)]
+    runs = [record("vllm", "plain", 1, 0, [[1, 2]], [1.0]), record("ddtree", "plain", 1, 0, [[1, 3]], [2.0]),
+            *default]
     results = {"rows": engines.summarize(runs), "meta": {
         "command": "python -m ddtree.bench engines --repeats 1", "commit": "abc1234", "machine": "x86_64, 2 CPUs",
         "threads": 2, "prompts": 1, "prompt_set": "p.jsonl", "max_new_tokens": 2, "ignore_eos": False, "repeats": 1,
@@ -145,6 +148,8 @@ def test_markdown_names_the_setup_the_skips_and_every_row():
     assert "vLLM dflash: skipped: vLLM could not start it" in text
     assert "| ddtree | plain | 1 | 1.0 | 1.0 | 0.50x (0.50-0.50) | – | 0/1 (vllm plain) | p0@1 | – |" in text
     assert "| vllm | plain | 1 | 2.0 |" in text and "load average: 2.00" in text
+    # why auto drafted or did not, summed over the repeats; plain decoding has no tree rounds to list
+    assert "- batch 1, ddtree default: best rate 6, retry 2\n" in text and "ddtree plain:" not in text
 
 
 def test_order_alternates_engines_every_repeat():
@@ -335,6 +340,10 @@ def test_engines_command_on_the_tiny_pair(saved_tiny_pair, tmp_path, fake_vllm_p
     assert all(rows[("ddtree", "default", b)]["own_plain"]["rows_equal"] == 3 for b in (1, 2))
     table = (out / "results.md").read_text()
     assert "| vllm | plain | 2 |" in table and (out / "vllm_plain.log").exists()
+    for b in (1, 2):  # the tiny pair's default is a fixed budget: every round says so; plain decoding has none
+        assert set(rows[("ddtree", "default", b)]["budget_reasons"]) == {"fixed"}
+        assert rows[("ddtree", "plain", b)]["budget_reasons"] == {}
+    assert "Tree rounds by the reason" not in table  # fixed budgets only: nothing to explain
     # --report rebuilds the same table from the stored runs, running nothing
     again = tmp_path / "again"
     assert engines.main(["--report", str(out / "results.json"), "--out", str(again)]) == 0

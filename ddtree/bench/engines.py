@@ -93,6 +93,10 @@ def summarize(runs: list[dict]) -> list[dict]:
         own_equal, own_forks = (None, {}) if method == "plain" else compare(
             reps, by_key.get((engine, "plain", batch), {}))
         accepted = [r["acceptance"] for r in reps.values() if r.get("acceptance") is not None]
+        reasons: dict[str, int] = {}
+        for r in reps.values():
+            for why, n in (r.get("budget_reasons") or {}).items():
+                reasons[why] = reasons.get(why, 0) + n
         rows.append({
             "engine": engine, "method": method, "batch": batch, "repeats": len(reps),
             "tokens_per_s": statistics.median(rates.values()),
@@ -104,6 +108,7 @@ def summarize(runs: list[dict]) -> list[dict]:
             "reference": None if equal is None else f"{ref_engine} {ref_method}",
             "prompts": len(next(iter(reps.values()))["outputs"]), "rows_equal": equal, "forks": forks,
             "own_plain": None if own_equal is None else {"rows_equal": own_equal, "forks": own_forks},
+            "budget_reasons": reasons,
         })
     order = {("ddtree", m): i for i, m in enumerate(DDTREE_METHODS)}
     order.update({("vllm", m): len(order) + i for i, m in enumerate(VLLM_METHODS)})
@@ -148,7 +153,10 @@ def markdown(results: dict) -> str:
               "acceptance: tokens committed per verify round (accepted + bonus); first differing token: "
               "prompt index @ token index against the reference in the same repeat; own plain: the same engine's "
               "plain decoding (a speculative method's lossless check)."]
-    return "\n".join(lines) + "\n"
+    from ddtree.bench.report import reasons_section
+
+    why = reasons_section(results["rows"], label=lambda r: f"batch {r['batch']}, {r['engine']} {r['method']}")
+    return "\n".join(lines) + "\n" + why
 
 
 # ------------------------------------------------------------------ the vLLM peer
@@ -297,8 +305,9 @@ def ddtree_method_kwargs(method: str) -> dict:
 
 def ddtree_run(gen, method: str, batches: list[list[list[int]]], max_new_tokens: int,
                stop_token_ids: tuple[int, ...] | None) -> dict:
-    """Each batch generated once: wall seconds per batch, tokens per prompt, pooled acceptance, stage seconds."""
-    seconds, outputs, accepted, stages = [], [], [], {}
+    """Each batch generated once: wall seconds per batch, tokens per prompt, pooled acceptance, stage seconds and
+    the rounds by the reason for their budget (``stats.reasons``: why ``auto`` drafted or did not)."""
+    seconds, outputs, accepted, stages, reasons = [], [], [], {}, {}
     stops = {} if stop_token_ids is None else {"stop_token_ids": stop_token_ids}
     for batch in batches:
         t0 = time.perf_counter()
@@ -308,7 +317,9 @@ def ddtree_run(gen, method: str, batches: list[list[list[int]]], max_new_tokens:
         accepted.extend(a for row in out.row_acceptance for a in row)
         for k, v in out.stats.seconds.items():
             stages[k] = stages.get(k, 0.0) + v
-    return {"seconds": seconds, "outputs": outputs, "stage_seconds": stages,
+        for why in out.stats.reasons:
+            reasons[why] = reasons.get(why, 0) + 1
+    return {"seconds": seconds, "outputs": outputs, "stage_seconds": stages, "budget_reasons": reasons,
             "acceptance": sum(accepted) / len(accepted) if accepted and method != "plain" else None}
 
 
