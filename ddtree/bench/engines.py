@@ -25,6 +25,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -93,10 +94,7 @@ def summarize(runs: list[dict]) -> list[dict]:
         own_equal, own_forks = (None, {}) if method == "plain" else compare(
             reps, by_key.get((engine, "plain", batch), {}))
         accepted = [r["acceptance"] for r in reps.values() if r.get("acceptance") is not None]
-        reasons: dict[str, int] = {}
-        for r in reps.values():
-            for why, n in (r.get("budget_reasons") or {}).items():
-                reasons[why] = reasons.get(why, 0) + n
+        reasons = sum((Counter(r.get("budget_reasons") or {}) for r in reps.values()), Counter())
         rows.append({
             "engine": engine, "method": method, "batch": batch, "repeats": len(reps),
             "tokens_per_s": statistics.median(rates.values()),
@@ -108,7 +106,7 @@ def summarize(runs: list[dict]) -> list[dict]:
             "reference": None if equal is None else f"{ref_engine} {ref_method}",
             "prompts": len(next(iter(reps.values()))["outputs"]), "rows_equal": equal, "forks": forks,
             "own_plain": None if own_equal is None else {"rows_equal": own_equal, "forks": own_forks},
-            "budget_reasons": reasons,
+            "budget_reasons": dict(reasons),
         })
     order = {("ddtree", m): i for i, m in enumerate(DDTREE_METHODS)}
     order.update({("vllm", m): len(order) + i for i, m in enumerate(VLLM_METHODS)})
@@ -307,7 +305,7 @@ def ddtree_run(gen, method: str, batches: list[list[list[int]]], max_new_tokens:
                stop_token_ids: tuple[int, ...] | None) -> dict:
     """Each batch generated once: wall seconds per batch, tokens per prompt, pooled acceptance, stage seconds and
     the rounds by the reason for their budget (``stats.reasons``: why ``auto`` drafted or did not)."""
-    seconds, outputs, accepted, stages, reasons = [], [], [], {}, {}
+    seconds, outputs, accepted, stages, reasons = [], [], [], {}, Counter()
     stops = {} if stop_token_ids is None else {"stop_token_ids": stop_token_ids}
     for batch in batches:
         t0 = time.perf_counter()
@@ -317,9 +315,8 @@ def ddtree_run(gen, method: str, batches: list[list[list[int]]], max_new_tokens:
         accepted.extend(a for row in out.row_acceptance for a in row)
         for k, v in out.stats.seconds.items():
             stages[k] = stages.get(k, 0.0) + v
-        for why in out.stats.reasons:
-            reasons[why] = reasons.get(why, 0) + 1
-    return {"seconds": seconds, "outputs": outputs, "stage_seconds": stages, "budget_reasons": reasons,
+        reasons.update(out.stats.reasons)
+    return {"seconds": seconds, "outputs": outputs, "stage_seconds": stages, "budget_reasons": dict(reasons),
             "acceptance": sum(accepted) / len(accepted) if accepted and method != "plain" else None}
 
 

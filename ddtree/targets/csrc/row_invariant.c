@@ -1072,42 +1072,21 @@ PREFIX_SCORES(1, 8) PREFIX_SCORES(2, 8)
 PREFIX_VALUES(1, 4) PREFIX_VALUES(2, 4) PREFIX_VALUES(3, 4) PREFIX_VALUES(4, 4)
 PREFIX_VALUES(1, 8) PREFIX_VALUES(2, 8)
 
-/* Whether the register passes take a head of D elements. */
-static int prefix_fast(long D) { return D == 64 || D == 128; }
+/* The passes by head size (0: 64, 1: 128) and pairs per call: a group of pairs fits the registers. */
+typedef void (*prefix_scores_fn)(const float *const *, const char *, long, int, size_t, long, long, const long *,
+                                 float *const *, float);
+typedef void (*prefix_values_fn)(const char *, long, int, size_t, long, long, const long *, const float *const *,
+                                 float *const *);
+static const prefix_scores_fn PREFIX_SCORES_BY[2][5] = {
+    {NULL, prefix_scores_1_4, prefix_scores_2_4, prefix_scores_3_4, prefix_scores_4_4},
+    {NULL, prefix_scores_1_8, prefix_scores_2_8, NULL, NULL}};
+static const prefix_values_fn PREFIX_VALUES_BY[2][5] = {
+    {NULL, prefix_values_1_4, prefix_values_2_4, prefix_values_3_4, prefix_values_4_4},
+    {NULL, prefix_values_1_8, prefix_values_2_8, NULL, NULL}};
 
-/* Both prefix passes of `pairs` queries in groups that fit the registers; `scores` is called between them by the
- * caller, so this runs one pass: values == 0 the scores, else the values. */
-static void prefix_pass(int values, long pairs, const float *const *qp, float *const *dst, const float *const *w,
-                        float *const *o, const long *first, const char *base, long stride, int dt, size_t esize,
-                        long lo, long P, long D, float scale) {
-    long most = D == 64 ? 4 : 2;
-    for (long p0 = 0; p0 < pairs; p0 += most) {
-        long np = pairs - p0 < most ? pairs - p0 : most;
-        if (D == 64) {
-            if (!values) {
-                switch (np) {
-                    case 4: prefix_scores_4_4(qp + p0, base, stride, dt, esize, lo, P, first + p0, dst + p0, scale); break;
-                    case 3: prefix_scores_3_4(qp + p0, base, stride, dt, esize, lo, P, first + p0, dst + p0, scale); break;
-                    case 2: prefix_scores_2_4(qp + p0, base, stride, dt, esize, lo, P, first + p0, dst + p0, scale); break;
-                    default: prefix_scores_1_4(qp + p0, base, stride, dt, esize, lo, P, first + p0, dst + p0, scale);
-                }
-            } else {
-                switch (np) {
-                    case 4: prefix_values_4_4(base, stride, dt, esize, lo, P, first + p0, w + p0, o + p0); break;
-                    case 3: prefix_values_3_4(base, stride, dt, esize, lo, P, first + p0, w + p0, o + p0); break;
-                    case 2: prefix_values_2_4(base, stride, dt, esize, lo, P, first + p0, w + p0, o + p0); break;
-                    default: prefix_values_1_4(base, stride, dt, esize, lo, P, first + p0, w + p0, o + p0);
-                }
-            }
-        } else if (!values) {
-            if (np == 2) prefix_scores_2_8(qp + p0, base, stride, dt, esize, lo, P, first + p0, dst + p0, scale);
-            else prefix_scores_1_8(qp + p0, base, stride, dt, esize, lo, P, first + p0, dst + p0, scale);
-        } else {
-            if (np == 2) prefix_values_2_8(base, stride, dt, esize, lo, P, first + p0, w + p0, o + p0);
-            else prefix_values_1_8(base, stride, dt, esize, lo, P, first + p0, w + p0, o + p0);
-        }
-    }
-}
+/* Whether the register passes take a head of D elements, and how many pairs one call holds. */
+static int prefix_fast(long D) { return D == 64 || D == 128; }
+static long prefix_group(long D) { return D == 64 ? 4 : 2; }
 #endif
 
 /* q [B, Hq, N, D], k and v [B, Hkv, S, D] (element strides qs/ks/vs, last dim contiguous): row b's prefix
@@ -1199,7 +1178,9 @@ void ddtree_row_attention(const void *q, const void *k, const void *v, void *out
                     op[i * G + g] = o + (i * G + g) * D;
                     pfirst[i * G + g] = first[i];
                 }
-            prefix_pass(0, nn * G, qp, dst, NULL, NULL, pfirst, kb, ks[2], dt, esize, lo, P, D, (float)scale);
+            for (long p0 = 0, most = prefix_group(D); p0 < nn * G; p0 += most)
+                PREFIX_SCORES_BY[D == 128][nn * G - p0 < most ? nn * G - p0 : most](
+                    qp + p0, kb, ks[2], dt, esize, lo, P, pfirst + p0, dst + p0, (float)scale);
             for (long i = 0; i < nn; i++) pos[i] = P - first[i];
         } else
 #endif
@@ -1231,8 +1212,9 @@ void ddtree_row_attention(const void *q, const void *k, const void *v, void *out
         for (long i = 0; i < nn; i++) pos[i] = 0;
 #ifdef WIDE
         if (fast) {
-            prefix_pass(1, nn * G, NULL, NULL, (const float *const *)dst, op, pfirst, vb, vs[2], dt, esize, lo, P, D,
-                        0.f);
+            for (long p0 = 0, most = prefix_group(D); p0 < nn * G; p0 += most)
+                PREFIX_VALUES_BY[D == 128][nn * G - p0 < most ? nn * G - p0 : most](
+                    vb, vs[2], dt, esize, lo, P, pfirst + p0, (const float *const *)dst + p0, op + p0);
             for (long i = 0; i < nn; i++) pos[i] = P - first[i];
         } else
 #endif
