@@ -281,12 +281,15 @@ def test_a_routed_layer_repacks_its_weight_after_it_changes(dtype):
     assert "_ddtree_packed_weight" not in vars(layer)  # the copy goes with the routing
 
 
-def test_packed_products_are_row_invariant_on_every_build(monkeypatch):
+@pytest.mark.parametrize("threads", [1, 2, 4])
+def test_packed_products_are_row_invariant_on_every_build(monkeypatch, threads):
     """The packed kernel's rows are bit for bit the one-row call's, for any row count and column tail, on the
     native build (AMX tiles for bfloat16 where the CPU has them), the same without AMX and the portable build;
-    the float32 sums agree with float64 to rounding."""
+    the float32 sums agree with float64 to rounding. On several threads, a call of 12 rows or more whose
+    panels do not divide among them splits the last ones by rows."""
     from ddtree.targets import row_kernels
 
+    torch.set_num_threads(threads)
     for arch in ("native", "vector", "avx2"):
         monkeypatch.setenv("DDTREE_KERNEL_ARCH", arch)
         native.library.cache_clear()

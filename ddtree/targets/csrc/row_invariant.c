@@ -579,6 +579,7 @@ int ddtree_uses_amx(void) {
 
 #define SPLIT_PAST 48 /* rows past which a product's panels are split into row ranges (beyond the k-blocked span) */
 #define ROW_SPLIT 96  /* rows per such range: whole blocks of 6 and of 16 */
+#define TAIL_SPLIT_ROWS 12 /* rows from which the units left over after an even share are split by rows */
 
 /* One product of a call: a packed weight [N, K], its bias (as float32, or NULL) and its output y [M, N]. */
 typedef struct {
@@ -672,31 +673,28 @@ static TILE_INLINE void product_unit(const rows_t *r, const product_t *pr, long 
 #ifdef HAVE_SPAN
         /* A few row blocks: each KBLOCK slice of a panel, streamed from memory once, serves every block from L1
          * (one pass per block would stream the whole panel again). */
-        if (M > PACKED_ROWS && M <= SPAN_ROWS) {
+        if (M - m0 > PACKED_ROWS && M - m0 <= SPAN_ROWS) {
             float acc[SPAN_ROWS * PANEL];
             long span = paired ? K2 : K;
             for (long k0 = 0; k0 < span; k0 += KBLOCK) {
                 long k1 = span - k0 < KBLOCK ? span : k0 + KBLOCK;
-                for (long m = 0; m < M; m += PACKED_ROWS) {
+                for (long m = m0; m < M; m += PACKED_ROWS) {
                     long mb = M - m < PACKED_ROWS ? M - m : PACKED_ROWS;
+                    float *at = acc + (m - m0) * PANEL;
                     if (paired) {
 #if PAIRED_BF16
-                        DISPATCH(pspan, mb, xp + m * xk, (const uint16_t *)wp + p * panel_elems, acc + m * PANEL, K2,
-                                 k0, k1)
+                        DISPATCH(pspan, mb, xp + m * xk, (const uint16_t *)wp + p * panel_elems, at, K2, k0, k1)
 #endif
                     } else if (dt == DT_F32) {
-                        DISPATCH(span_f32, mb, xf + m * K, (const float *)wp + p * panel_elems, acc + m * PANEL, K,
-                                 k0, k1)
+                        DISPATCH(span_f32, mb, xf + m * K, (const float *)wp + p * panel_elems, at, K, k0, k1)
                     } else if (dt == DT_BF16) {
-                        DISPATCH(span_bf16, mb, xf + m * K, (const uint16_t *)wp + p * panel_elems, acc + m * PANEL,
-                                 K, k0, k1)
+                        DISPATCH(span_bf16, mb, xf + m * K, (const uint16_t *)wp + p * panel_elems, at, K, k0, k1)
                     } else {
-                        DISPATCH(span_f16, mb, xf + m * K, (const uint16_t *)wp + p * panel_elems, acc + m * PANEL,
-                                 K, k0, k1)
+                        DISPATCH(span_f16, mb, xf + m * K, (const uint16_t *)wp + p * panel_elems, at, K, k0, k1)
                     }
                 }
             }
-            store_panel(r, y, N, 0, M, j, width, acc, PANEL, bf, dt);
+            store_panel(r, y, N, m0, M - m0, j, width, acc, PANEL, bf, dt);
             continue;
         }
 #endif
@@ -782,14 +780,25 @@ static void packed_products(const void *x, int count, const void *const *wps, co
         first[i + 1] = first[i] + (pr[i].panels + per_unit - 1) / per_unit * splits;
     }
     long units = first[count];
+    /* units that do not divide among the threads: the last ones' rows split `threads` ways, so no thread runs
+     * the leftover panels while the others wait for it (a decode step's o and down products have 9 panels) */
+    long tail = splits == 1 && threads > 1 && M >= TAIL_SPLIT_ROWS ? units % threads : 0;
+    long whole = units - tail, part_rows = (M + threads - 1) / threads;
 #pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
-    for (long u = 0; u < units; u++) {
+    for (long u = 0; u < whole + tail * threads; u++) {
+        long w = u < whole ? u : whole + (u - whole) / threads;
         int i = 0;
-        while (u >= first[i + 1]) i++;
-        long at = u - first[i], s = at % splits, p0 = at / splits * per_unit;
+        while (w >= first[i + 1]) i++;
+        long at = w - first[i], s = at % splits, p0 = at / splits * per_unit;
         long np = pr[i].panels - p0 < per_unit ? pr[i].panels - p0 : per_unit;
-        long m1 = (s + 1) * ROW_SPLIT < M ? (s + 1) * ROW_SPLIT : M;
-        product_unit(&r, &pr[i], p0, np, s * ROW_SPLIT, splits > 1 ? m1 : M);
+        long m0 = s * ROW_SPLIT, m1 = splits > 1 && (s + 1) * ROW_SPLIT < M ? (s + 1) * ROW_SPLIT : M;
+        if (u >= whole) {
+            long part = (u - whole) % threads;
+            m0 = part * part_rows;
+            m1 = m0 + part_rows < M ? m0 + part_rows : M;
+            if (m0 >= m1) continue;
+        }
+        product_unit(&r, &pr[i], p0, np, m0, m1);
     }
     for (int i = 0; i < count; i++) free(pr[i].bias);
     free(xf);
@@ -1428,6 +1437,8 @@ enum { F_EPS1, F_EPS2, F_EPSQ, F_EPSK, F_SCALE, F_COUNT };
 
 static int product_threads(long rows, long k, long n, int threads) { return rows * k * n < (1L << 17) ? 1 : threads; }
 static int row_threads(long elements, int threads) { return elements < (1L << 15) ? 1 : threads; }
+/* the gated activation costs an exp and a division an element: worth a second thread from fewer of them */
+static int activation_threads(long elements, int threads) { return elements < (1L << 12) ? 1 : threads; }
 
 /* y = round(x + a), elementwise (torch's add: one rounding) */
 static void add_into(void *y, const void *x, const void *a, long count, int dt) {
@@ -1483,7 +1494,7 @@ void ddtree_decoder_layer(const int64_t *a, const double *f) {
         long Ns[2] = {I, I};
         ddtree_packed_linears(h, 2, w, b, out, R, H, Ns, dt, product_threads(R, H, 2 * I, thr));
     }
-    ddtree_silu_mul(g, u, ac, R, I, I, I, I, dt, row_threads(R * I, thr));
+    ddtree_silu_mul(g, u, ac, R, I, I, I, I, dt, activation_threads(R * I, thr));
     ddtree_packed_linear(ac, PTR(L_PD), PTR(L_BD), o, R, I, H, dt, product_threads(R, I, H, thr), NULL, 0);
     add_into(y, y, o, R * H, dt);
     free(h); free(q); free(k); free(v); free(at); free(o); free(g); free(u); free(ac);
