@@ -728,3 +728,28 @@ def test_interleaved_calls_choose_as_each_alone():
         policy.finish()
     # the seconds went into the one table (each round but the last, booked at a call's next prepare)
     assert shared.costs.rounds - base.costs.rounds == sum(len(run.choices) - 1 for run in runs)
+
+
+def test_a_batch_that_lost_a_row_prices_drafting_by_the_lagging_row_before():
+    """At batch 12 drafting commits 1.6 tokens a row in 0.028 s against plain's one in 0.020 s: by the rows' mean
+    it would win, by its lagging row (0.7 of the mean) it loses. When a row stops, batch 11 has no lagging share
+    of its own; it takes batch 12's (priced by the mean, its first round would draft on a rate no row reaches,
+    as every stopped row made the default pair's batch-12 calls do). One row never lags."""
+    from ddtree.budget.learned import Learned
+
+    def first_round(batch: int, lagging: dict[int, float]) -> bool:
+        learned = Learned()
+        for _ in range(3):
+            learned.costs.record_plain(12, 300, 0.020)
+            learned.costs.record_tree(2, 12, 300, 0.028, 0.024)
+        tokens = Estimate(0.15)
+        tokens.value = 1.6
+        learned.carried.tokens[learned.costs.key(12, 300)] = tokens
+        learned.carried.lagging.update(lagging)
+        policy = auto(learned=learned)
+        policy.prepare(300, batch)
+        return not policy.skip_draft
+
+    assert not first_round(12, {12: 0.7}) and not first_round(11, {12: 0.7})
+    assert first_round(12, {}) and first_round(11, {})  # the control: priced by the mean, both draft
+    assert first_round(1, {12: 0.7})

@@ -4,6 +4,7 @@ the acceptance model, the back-off schedules and the decision (one module each),
 
 from __future__ import annotations
 
+import math
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -197,9 +198,20 @@ class AutoBudget(BudgetPolicy):
         Drafting is priced at this call's tokens per row (else earlier calls') and, at batch > 1, by the row
         that lags: a call lasts until its last row is done."""
         plain, drafted = self.costs.seconds("plain", batch, context), self.costs.seconds("drafted", batch, context)
-        row, lag = self.tokens.value(self.costs.key(batch, context)), self.carried.lagging.get(batch, 1.0)
+        row, lag = self.tokens.value(self.costs.key(batch, context)), self._lagging(batch)
         return (None if plain is None else batch / max(plain, 1e-12),
                 None if drafted is None or row is None else row * batch / max(drafted, 1e-12) * lag, (plain, drafted))
+
+    def _lagging(self, batch: int) -> float:
+        """The lagging row's share at ``batch``, else at the nearest batch measured (a batch that just lost a
+        row lags as it did: priced by the mean, its first round would draft on a price no row reaches); 1.0 for
+        one row or where no batch is measured."""
+        shares = self.carried.lagging
+        if batch < 2 or not shares:
+            return 1.0
+        if batch in shares:
+            return shares[batch]
+        return shares[min(shares, key=lambda b: (abs(math.log2(b / batch)), b))]
 
     # ------------------------------------------------------------------ with the proposal
 
