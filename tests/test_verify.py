@@ -16,7 +16,7 @@ import torch
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 from ddtree.core.builders import best_first
-from ddtree.core.sampling import SamplingConfig, choose_tokens, processed_logprobs
+from ddtree.core.sampling import ARGMAX_BLOCK, SamplingConfig, choose_tokens, greedy_tokens, processed_logprobs
 from ddtree.core.tree import DraftTree
 from ddtree.core.verify import accept_longest_branch, verify_tree
 
@@ -120,6 +120,31 @@ def test_verify_tree_greedy_is_argmax():
         check_result(res, rows, logits.argmax(-1))
     # Ties: the lowest token id.
     assert choose_tokens(torch.zeros(2, 5), SamplingConfig()).tolist() == [0, 0]
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("vocab", [3 * ARGMAX_BLOCK, 3 * ARGMAX_BLOCK + 7, 100])
+def test_greedy_tokens_pick_what_argmax_picks(dtype, vocab):
+    """The CPU's two-step argmax (block maxima, then within the block) gives torch's index where the two steps
+    could part: the max in two blocks (the first wins), in the partial last block, a NaN after the max and
+    before it, rows of -inf, -0.0 against 0.0, values float32 would merge but float64 keeps apart."""
+    torch.manual_seed(7)
+    rows = torch.randn(14, vocab, dtype=torch.float64)
+    top = rows.max() + 1
+    rows[0, [5, vocab - 5]] = top  # a tie across blocks: the first
+    rows[1, vocab - 1] = top  # in the last (possibly partial) block
+    rows[2, [3, vocab - 2]] = torch.tensor([top, float("nan")], dtype=torch.float64)  # a NaN after the max wins
+    rows[3, [vocab // 2, 1]] = float("nan")  # the first NaN
+    rows[4] = float("-inf")
+    rows[5] = 0.0
+    rows[5, ::3] = -0.0
+    rows[6] = -1.0
+    rows[6, [2, vocab - 3]] = torch.tensor([1.0, 1.0 + 1e-12], dtype=torch.float64)  # merged by float32
+    rows[7:] = rows[7:].round()  # many ties
+    logits = rows.to(dtype)
+    assert torch.equal(greedy_tokens(logits), logits.argmax(-1))
+    assert torch.equal(greedy_tokens(logits.view(2, 7, vocab)), logits.view(2, 7, vocab).argmax(-1))
+    assert greedy_tokens(logits)[1] == vocab - 1 and greedy_tokens(logits)[0] == 5
 
 
 def test_verify_tree_rejects_wrong_logits_shape():

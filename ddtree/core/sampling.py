@@ -81,13 +81,31 @@ def log_softmax_inplace(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
+ARGMAX_BLOCK = 512
+"""Vocabulary entries per block of :func:`greedy_tokens`' two-step argmax on a CPU."""
+
+
 def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
-    """``logits.argmax(-1)``; on a CPU, bfloat16 and float16 logits are widened first, which picks the same index
-    (the conversion is exact; ties go to the first, NaN wins in both) at half the cost: torch's CPU argmax
-    converts each element of a half-width type on its own."""
-    if logits.device.type == "cpu" and logits.dtype in (torch.bfloat16, torch.float16):
-        logits = logits.float()
-    return logits.argmax(dim=-1)
+    """``logits.argmax(-1)``. On a CPU, torch's argmax compares one element at a time (about 1 ns each: 0.3 ms
+    for a batch-12 step over a 49k vocabulary) while its max is vectorised, so the index is found in two steps:
+    the first block of :data:`ARGMAX_BLOCK` whose max is the row's (the argmax of the block maxima), then the
+    first entry of that block that is. The same index: ties go to the first, the first NaN wins."""
+    if logits.device.type != "cpu" or logits.shape[-1] < 2 * ARGMAX_BLOCK or logits.numel() == 0:
+        return logits.argmax(dim=-1)
+    vocab = logits.shape[-1]
+    # half-width types widened first (exact): torch's max over them converts each element on its own
+    rows = logits.reshape(-1, vocab)
+    rows = rows.float() if rows.dtype in (torch.bfloat16, torch.float16) else rows
+    whole = vocab - vocab % ARGMAX_BLOCK
+    blocks = rows[:, :whole].unflatten(-1, (-1, ARGMAX_BLOCK))
+    maxima = blocks.amax(-1)  # exact: a max rounds nothing, and a NaN in a block makes its max NaN
+    which = maxima.argmax(-1)
+    ids = which * ARGMAX_BLOCK + blocks[torch.arange(rows.shape[0]), which].argmax(-1)
+    if whole < vocab:  # the last partial block wins only above the rest, or as the first NaN
+        tail = rows[:, whole:]
+        best, last = maxima.gather(1, which[:, None])[:, 0], tail.amax(-1)
+        ids = torch.where((last > best) | (last.isnan() & ~best.isnan()), tail.argmax(-1) + whole, ids)
+    return ids.view(logits.shape[:-1])
 
 
 def choose_tokens(logits: torch.Tensor, cfg: SamplingConfig, generator: torch.Generator | None = None, *,
