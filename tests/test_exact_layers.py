@@ -485,3 +485,56 @@ def test_the_c_layer_sees_a_hook_or_a_part_added_after_its_plan():
     swapped, _, swapped_calls = _tree_logits(target, PROMPTS, tree, module_path=False)
     modules, _, _ = _tree_logits(target, PROMPTS, tree, module_path=True)
     assert swapped_calls == calls and not torch.equal(swapped, before) and torch.equal(swapped, modules)
+
+
+def test_a_scope_vouching_for_the_model_checks_its_layers_at_its_first_forward_only(monkeypatch):
+    """Inside ``unchanged_between_forwards`` the first forward checks every layer's plan and the later ones run
+    their C calls unchecked, to the same logits; a new scope checks again, so a weight changed between two
+    scopes (two ``generate`` calls) is seen."""
+    target = tiny_target("qwen3", dtype=torch.float32)
+    layers = target.config.num_hidden_layers
+    tree = _four_node_tree(3)
+    before, _, _ = _tree_logits(target, PROMPTS, tree, module_path=False)
+    events = _record_checks_and_calls(monkeypatch)
+    with exact_layers.unchanged_between_forwards():
+        again, _, _ = _tree_logits(target, PROMPTS, tree, module_path=False)
+    assert torch.equal(again, before)
+    assert events == ["check"] * layers + ["C"] * layers * 2  # the tree verify checked, the step not
+    events.clear()
+    with torch.no_grad():
+        target.model.layers[1].mlp.down_proj.weight.mul_(1.5)
+    with exact_layers.unchanged_between_forwards():
+        after, _, _ = _tree_logits(target, PROMPTS, tree, module_path=False)
+    assert events == ["check"] * layers + ["C"] * layers * 2
+    modules, _, _ = _tree_logits(target, PROMPTS, tree, module_path=True)
+    assert not torch.equal(after, before) and torch.equal(after, modules)
+
+
+def test_generate_checks_the_layers_once_and_stream_every_round(monkeypatch):
+    """``generate`` without a streamer hands nothing to the caller until it returns: its C layers are checked at
+    its first decode forward only. ``stream`` yields each round to the caller's code, and a streamer is the
+    caller's code, either of which may change the model: every round's forward checks them. All give the same
+    tokens."""
+    target = tiny_target("qwen3", dtype=torch.float32)
+    layers = target.config.num_hidden_layers
+    gen = SpeculativeGenerator(target, tiny_drafter(target), numerics="exact", prompt_lookup=False, tree_budget=0)
+    gen.generate([PROMPTS[0]], max_new_tokens=3)
+    events = _record_checks_and_calls(monkeypatch)
+    out = gen.generate([PROMPTS[0]], max_new_tokens=8, stop_token_ids=())
+    generated = list(events)
+    events.clear()
+    streamed = [t for chunk in gen.stream([PROMPTS[0]], max_new_tokens=8, stop_token_ids=()) for t in chunk[0]]
+    steps = generated.count("C") // layers
+    assert steps == 7 and streamed == out.row_tokens[0]
+    assert generated.count("check") == layers and events.count("check") == layers * steps
+    events.clear()
+
+    class Streamer:
+        def put(self, ids):
+            pass
+
+        def end(self):
+            pass
+
+    fed = gen.generate([PROMPTS[0]], max_new_tokens=8, stop_token_ids=(), streamer=Streamer())
+    assert fed.row_tokens == out.row_tokens and events.count("check") == layers * steps

@@ -8,6 +8,7 @@ round's steps are public building blocks (see :mod:`ddtree.generation.round`).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 import warnings
@@ -55,6 +56,7 @@ from ddtree.runtime.threads import ThreadInfo, thread_info
 from ddtree.runtime.timing import StageTimer, work_clock
 from ddtree.targets import cpu_linear
 from ddtree.targets.backends import get_backend
+from ddtree.targets.exact_layers import unchanged_between_forwards
 from ddtree.targets.numerics import exact_unavailable, prepare_exact, release_exact
 
 
@@ -402,15 +404,19 @@ class SpeculativeGenerator:
         """Generate after each prompt, like HF ``generate``; inputs and options as in :meth:`start`.
 
         ``streamer`` (any transformers streamer, batch 1) gets the prompt, then the tokens as rounds commit.
+        Without one, no code of the caller's runs until the call returns, so the exact C layers check the
+        target's weights, modules and hooks at its first forward only (a policy or drafter of your own that
+        changes the target mid-call is not seen; :meth:`stream` and a streamer check every round).
         """
         state = self.start(input_ids, generation_config, **options)
         feed = self._feed(streamer, state)
         t0 = time.perf_counter()
         try:
-            while not state.done:
-                result = speculative_round(state)
-                if feed is not None and result.tokens[0]:
-                    feed.put(result.tokens[0])
+            with unchanged_between_forwards() if feed is None else contextlib.nullcontext():
+                while not state.done:
+                    result = speculative_round(state)
+                    if feed is not None and result.tokens[0]:
+                        feed.put(result.tokens[0])
         finally:
             if feed is not None:
                 feed.end()
