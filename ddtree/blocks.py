@@ -39,6 +39,7 @@ from ddtree.targets.description import TargetDescription, describe
 from ddtree.targets.forward import target_forward
 from ddtree.targets.layer_kinds import STATEFUL_KINDS, StatefulLayerKind
 from ddtree.targets.linear_attention import GatedDeltaNet
+from ddtree.targets.exact_layers import unchanged_between_forwards
 from ddtree.targets.numerics import exact_unavailable, prepare_exact
 
 # In the order of the README's table.
@@ -74,7 +75,7 @@ __all__ = [
     # keyed draws
     "row_keys", "coupled_proposal",
     # few-row CPU linears; exact numerics (row-invariant kernels)
-    "cpu_linear", "prepare_exact", "exact_unavailable",
+    "cpu_linear", "prepare_exact", "exact_unavailable", "unchanged_between_forwards",
     # HF inputs, settings, streamers
     "prompt_rows", "resolve_generation", "GenerationSettings", "streamed", "StreamerFeed",
     # thread count
