@@ -395,9 +395,9 @@ def unchanged_between_forwards() -> Iterator[None]:
     """A scope whose caller vouches that nothing but the target's forwards touches the model inside it (a
     ``generate`` call that hands no tokens to the caller's code until it returns): a decoder stack checked in full
     at the scope's first forward (every layer's plan, weights, watched modules and their forwards) is not checked
-    again in it. That check reads some 2,000 objects the C layers' weights have pushed out of the caches (about
-    a tenth of the default pair's one-row bf16 step). The layers' own hooks, the global hooks and the input are
-    still checked each forward (a forward's capture of hidden states hooks the layers)."""
+    again in it: that check reads some 2,000 objects the C layers' weights have pushed out of the caches, a
+    share of a small model's step worth saving. The layers' own hooks, the global hooks and the input are still
+    checked each forward (a forward's capture of hidden states hooks the layers)."""
     token = _UNCHANGED.set(object())
     try:
         yield
