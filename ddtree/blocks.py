@@ -36,10 +36,10 @@ from ddtree.targets import cpu_linear
 from ddtree.targets.backends import TreeAttentionBackend, get_backend
 from ddtree.targets.cache import commit_accepted, new_target_cache, padding_mask, select_rows
 from ddtree.targets.description import TargetDescription, describe
+from ddtree.targets.exact_layers import unchanged_between_forwards
 from ddtree.targets.forward import target_forward
 from ddtree.targets.layer_kinds import STATEFUL_KINDS, StatefulLayerKind
 from ddtree.targets.linear_attention import GatedDeltaNet
-from ddtree.targets.exact_layers import unchanged_between_forwards
 from ddtree.targets.numerics import exact_unavailable, prepare_exact
 
 # In the order of the README's table.
