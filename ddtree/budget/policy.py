@@ -4,7 +4,6 @@ the acceptance model, the back-off schedules and the decision (one module each),
 
 from __future__ import annotations
 
-import math
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -15,6 +14,7 @@ import torch
 
 from ddtree.budget.acceptance import COST_MODEL, CallTokens, Moments, RowProgress, TreePricer
 from ddtree.budget.backoff import Backoff, spaced
+from ddtree.budget.costs import nearest
 from ddtree.budget.decide import EXPLORE, FIRST, FIXED, RETRY, Decision, decide, plain_or_draft
 from ddtree.budget.learned import Learned
 from ddtree.budget.settings import Settings
@@ -209,9 +209,8 @@ class AutoBudget(BudgetPolicy):
         shares = self.carried.lagging
         if batch < 2 or not shares:
             return 1.0
-        if batch in shares:
-            return shares[batch]
-        return shares[min(shares, key=lambda b: (abs(math.log2(b / batch)), b))]
+        near = nearest([(1, b) for b in shares], (1, batch))  # the cost table's rule: nearest in log2 batch
+        return shares[near[1]] if near is not None else 1.0
 
     # ------------------------------------------------------------------ with the proposal
 

@@ -405,7 +405,6 @@ def unchanged_between_forwards() -> Iterator[None]:
         _UNCHANGED.reset(token)
 
 
-
 class _DecoderStack:
     """A model's taken decoder layers, checked together at the first C layer of each forward (plans current, no
     hooks) so that its later layers skip their own checks: after a C layer has streamed its weights through the
