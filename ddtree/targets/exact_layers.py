@@ -464,6 +464,33 @@ class _DecoderStack:
         self.vouched = None if scope is None else (scope, x.dtype, grad)
         return True
 
+    def run(self, x: torch.Tensor, embeddings: tuple[torch.Tensor, torch.Tensor], spec: ExactTreeSpec | None,
+            mask: torch.Tensor | None, store: Any) -> list[torch.Tensor] | None:
+        """Every layer's output for a forward of ``x`` (rotary ``embeddings``, a tree ``spec`` or a one-token
+        step's padding ``mask``) through ``store``, each layer one C call, as a decoder loop over the modules
+        would give them; or None, with no layer run, where the stack does not take the forward (:meth:`_check`,
+        a layer with hooks of any kind or another forward, a cache layer the C call cannot append to)."""
+        layers = getattr(store, "layers", None)
+        if (not isinstance(layers, list) or not (spec is not None or x.shape[1] == 1)
+                or any(m._forward_hooks or vars(m).get("forward") is not vars(m).get(_FUSED) for m in self.modules)
+                or not self._check(x)):
+            return None
+        inp, calls, outputs = x.contiguous(), [], []
+        for m in self.modules:
+            plan = vars(m)[_PLAN]
+            out = torch.empty_like(inp)
+            prepared = _prepare(plan, layers, inp, out, embeddings, spec, mask, self)
+            if prepared is None:
+                return None
+            calls.append((plan, prepared))
+            outputs.append(out)
+            inp = out
+        n = x.shape[1]
+        for plan, (layer, room, held, _kept) in calls:
+            row_kernels.decoder_layer(plan.ints, plan.floats)
+            layer.keys, layer.values = room[0][..., :held + n, :], room[1][..., :held + n, :]
+        return outputs
+
     def ends_for(self, bsz: int, held: int) -> torch.Tensor:
         """Every row's prefix end, ``held`` (the same tensor for each layer of a forward)."""
         if self.ends is None or self.ends[0] != (bsz, held):
@@ -680,6 +707,15 @@ def uninstall(model: torch.nn.Module) -> int:
             del module.forward
             count += 1
     return count
+
+
+def decoder_stack(model: torch.nn.Module) -> _DecoderStack | None:
+    """The stack of ``model``'s taken decoder layers (the one :func:`install` made), or None."""
+    for module in model.modules():
+        stack = vars(module).get(_STACK)
+        if stack is not None:
+            return stack
+    return None
 
 
 def installed(model: torch.nn.Module) -> int:

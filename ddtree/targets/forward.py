@@ -19,6 +19,7 @@ from typing import Any, Protocol
 
 import torch
 
+from ddtree.targets import exact_forward
 from ddtree.targets.cache import cache_kwargs, check_cache_length
 from ddtree.targets.cpu_linear import bulk_rows
 from ddtree.targets.description import describe
@@ -74,6 +75,11 @@ def target_forward(target: TargetModel, input_ids: torch.Tensor, position_ids: t
     ``hidden_states[i + 1]`` for these target layer ids (``-1``: the embedding output), the other entries
     ``None`` (the HF indexing and its post-norm last entry unchanged). ``hidden`` without ``layers`` keeps every layer.
     """
+    if not hidden or layers is not None:  # straight through the parts where it can (exact numerics)
+        direct = exact_forward.forward(target, input_ids, position_ids, cache, last=last,
+                                       layers=layers if hidden else None, kwargs=kwargs)
+        if direct is not None:
+            return Output(*direct)
     call = dict(input_ids=input_ids, position_ids=position_ids, use_cache=True, **cache_kwargs(target, cache),
                 **kwargs)
     if not hidden:

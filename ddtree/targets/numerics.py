@@ -29,7 +29,7 @@ from torch.overrides import TorchFunctionMode
 
 from ddtree.runtime import invariant
 from ddtree.runtime.distributed import Lockstep
-from ddtree.targets import cpu_linear, exact_layers, native, row_kernels
+from ddtree.targets import cpu_linear, exact_forward, exact_layers, native, row_kernels
 from ddtree.targets.description import describe
 
 NUMERICS = ("fast", "exact")
@@ -162,6 +162,7 @@ def prepare_exact(model: Any) -> None:
     for module in _activation_modules(model):
         _tail_free(module)
     _pin_torch_threads(model)
+    exact_forward.install(model)  # after the wrap: the forward it expects to find
     describe(model).numerics = "exact"
 
 
@@ -171,6 +172,7 @@ def release_exact(model: Any) -> bool:
     returns whether there was anything to undo. The experts' implementation stays as it was set."""
     if describe(model).numerics != "exact":
         return False
+    exact_forward.uninstall(model)
     exact_layers.uninstall(model)
     cpu_linear.uninstall(model)
     for module in model.modules():
