@@ -538,3 +538,32 @@ def test_generate_checks_the_layers_once_and_stream_every_round(monkeypatch):
 
     fed = gen.generate([PROMPTS[0]], max_new_tokens=8, stop_token_ids=(), streamer=Streamer())
     assert fed.row_tokens == out.row_tokens and events.count("check") == layers * steps
+
+
+def test_rows_sharing_their_positions_each_read_their_own_rotary_row(monkeypatch):
+    """Prompts of one length give positions without a batch, so transformers makes one rotary table for every
+    row: a short batch prefills on the row kernels and a long one (past ``ROW_PREFILL_MOST``) decodes its plain
+    steps with that shared table. Each row must get its own batch-1 tokens, and a tree run the tokens and
+    acceptance of the same batch through transformers' modules (a shared table once sent the C layer's later rows
+    past its end, and the row-kernel prefill refused it)."""
+    from ddtree.targets.description import ROW_PREFILL_MOST
+
+    def run(take: bool, budget: int, batch):
+        target = family_target("llama", dtype=torch.float32)
+        if not take:
+            monkeypatch.setattr(exact_layers, "install", lambda model: 0)
+        gen = SpeculativeGenerator(target, tiny_drafter(target), numerics="exact", tree_budget=budget,
+                                   prompt_lookup=False)
+        monkeypatch.undo()
+        return gen.generate(batch, max_new_tokens=12, stop_token_ids=())
+
+    accepted = []
+    for length in (10, ROW_PREFILL_MOST + 5):
+        prompts = [[(7 * i + 3) % 90 + 1 for i in range(length)], [(5 * i + 11) % 89 + 2 for i in range(length)]]
+        plain = run(True, 0, prompts)
+        assert plain.sequences.tolist() == [run(True, 0, [p]).sequences[0].tolist() for p in prompts]
+        tree, own = run(True, 6, prompts), run(False, 6, prompts)
+        assert tree.sequences.tolist() == own.sequences.tolist() == plain.sequences.tolist()
+        assert tree.row_acceptance == own.row_acceptance
+        accepted += [a for row in tree.row_acceptance for a in row]
+    assert max(accepted) > 1  # trees were verified and accepted, not only roots

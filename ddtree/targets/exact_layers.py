@@ -184,6 +184,21 @@ def _parts(module: torch.nn.Module, names: tuple[str, ...]) -> list[torch.nn.Mod
     return [held[n] for n in names if held.get(n) is not None]  # type: ignore[misc]
 
 
+def _row_tables(embeddings: Any, bsz: int, n: int, d: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The rotary tables ``(cos, sin)`` as the row kernels read them, one contiguous ``[bsz, n, d]`` row per input
+    row (a table shared by the rows, as transformers makes it for positions without a batch, copied out to
+    each), or None where they are not tables for these rows."""
+    if not isinstance(embeddings, (tuple, list)) or len(embeddings) != 2:
+        return None
+    cos, sin = embeddings
+    if (not isinstance(cos, torch.Tensor) or not isinstance(sin, torch.Tensor) or cos.shape != sin.shape
+            or cos.dim() != 3 or cos.shape[0] not in (1, bsz) or cos.shape[1:] != (n, d)):
+        return None
+    if cos.shape[0] != bsz:
+        return cos.expand(bsz, n, d).contiguous(), sin.expand(bsz, n, d).contiguous()
+    return cos.contiguous(), sin.contiguous()
+
+
 def _attention(module: Any, original: Any, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, None]:
     call = dict(zip(_ATTENTION_ARGS, args), **kwargs)
     hidden_states, position_embeddings = call.get("hidden_states"), call.get("position_embeddings")
@@ -201,13 +216,16 @@ def _attention(module: Any, original: Any, *args: Any, **kwargs: Any) -> tuple[t
     cache_position = call.pop("cache_position", None)
     bsz, n = hidden_states.shape[:2]
     d = module.head_dim
+    tables = _row_tables(position_embeddings, bsz, n, d)
+    if tables is None:
+        return original(*args, **kwargs)
     q = _product(module.q_proj, hidden_states).view(bsz, n, -1, d)
     k = _product(module.k_proj, hidden_states).view(bsz, n, -1, d)
     v = _product(module.v_proj, hidden_states).view(bsz, n, -1, d)
     if getattr(module, "q_norm", None) is not None:
         q = _norm(module.q_norm, None, q)
         k = _norm(module.k_norm, None, k)
-    cos, sin = (t.contiguous() for t in position_embeddings)
+    cos, sin = tables
     row_kernels.rotary(q, cos, sin)
     row_kernels.rotary(k, cos, sin)
     q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
@@ -475,11 +493,14 @@ class _DecoderStack:
                 or any(m._forward_hooks or vars(m).get("forward") is not vars(m).get(_FUSED) for m in self.modules)
                 or not self._check(x)):
             return None
+        tables = _row_tables(embeddings, x.shape[0], x.shape[1], vars(self.modules[0])[_PLAN].d)
+        if tables is None:
+            return None
         inp, calls, outputs = x.contiguous(), [], []
         for m in self.modules:
             plan = vars(m)[_PLAN]
             out = torch.empty_like(inp)
-            prepared = _prepare(plan, layers, inp, out, embeddings, spec, mask, self)
+            prepared = _prepare(plan, layers, inp, out, tables, spec, mask, self)
             if prepared is None:
                 return None
             calls.append((plan, prepared))
@@ -555,10 +576,10 @@ def _prepare(plan: _LayerPlan, layers: list, x: torch.Tensor, y: torch.Tensor, e
         start, visible = _step_keys(mask, bsz, held + n, plan.window, x.device)
     else:
         start, visible = spec.keys(held, plan.window)
-    if start.shape != (bsz, n):
-        return None
-    room = kv_room.room_for(layer, n)
     cos, sin = embeddings
+    if start.shape != (bsz, n) or cos.shape != (bsz, n, plan.d) or not (cos.is_contiguous() and sin.is_contiguous()):
+        return None  # the C layer reads one table row per input row
+    room = kv_room.room_for(layer, n)
     ends = torch.full((bsz,), held, dtype=torch.int64) if stack is None else stack.ends_for(bsz, held)
     ints = plan.ints
     for slot, value in zip(_CALL_SLOTS, (
@@ -603,10 +624,13 @@ def _run_chain(stack: _DecoderStack, module: Any, x: torch.Tensor, embeddings: t
     entries: dict[int, tuple] = {}
     calls = []
     inp = x
+    tables = _row_tables(embeddings, x.shape[0], x.shape[1], vars(module)[_PLAN].d)
+    if tables is None:
+        return None
     for m in stack.modules[stack.index[id(module)]:]:
         plan = vars(m)[_PLAN]
         out = torch.empty_like(inp)
-        prepared = _prepare(plan, layers, inp, out, embeddings, spec, mask, stack)
+        prepared = _prepare(plan, layers, inp, out, tables, spec, mask, stack)
         if prepared is None:
             break
         entries[id(m)] = (inp, out, *prepared)
@@ -659,7 +683,9 @@ def _decoder(module: Any, original: Any, *args: Any, **kwargs: Any) -> torch.Ten
         return original(*args, **kwargs)
     x = x.contiguous()
     y = torch.empty_like(x)
-    tables = tuple(t.contiguous() for t in embeddings)
+    tables = _row_tables(embeddings, x.shape[0], x.shape[1], plan.d)
+    if tables is None:
+        return original(*args, **kwargs)
     prepared = _prepare(plan, layers, x, y, tables, spec, mask, None)
     if prepared is None:
         return original(*args, **kwargs)
