@@ -1,0 +1,61 @@
+"""Side by side in one process, alternating: ddtree's decode forward straight through the model's parts
+(``ddtree.targets.exact_forward``) against transformers' model forward (``direct``), or the default budget
+against plain decoding (``default``), on the default pair.
+
+    python docs/benchmarks/exact_forward/ab.py direct DTYPE BATCH PAIRS [auto]
+    python docs/benchmarks/exact_forward/ab.py default DTYPE BATCH PAIRS
+
+Prints the median wall seconds of a call (64 new tokens for ``direct``, 96 for ``default``) and, for
+``direct``, the verify stage's seconds a round; and whether the two sides' tokens were equal.
+"""
+
+import statistics
+import sys
+import time
+
+from ddtree import SpeculativeGenerator
+from ddtree.bench.prompts import load_prompts
+from ddtree.targets import exact_forward
+
+
+def main() -> None:
+    what, dtype, batch, pairs = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+    gen = SpeculativeGenerator.from_pretrained(None, None, dtype=dtype, threads=2)
+    vocab = gen.target.get_input_embeddings().weight.shape[0]
+    prompts = [p.input_ids for p in load_prompts(None, gen.tokenizer, vocab, limit=12)][:batch]
+    if what == "direct":
+        sides = ("transformers", "direct")
+        fixed = {} if sys.argv[5:] == ["auto"] else {"tree_budget": 0}
+        options = {side: fixed for side in sides}
+        new_tokens = 64
+    else:
+        sides = ("plain", "default")
+        options = {"plain": {"tree_budget": 0}, "default": {}}
+        new_tokens = 96
+    for side in sides:
+        gen.generate(prompts, max_new_tokens=8, **options[side])
+    seconds: dict[str, list[tuple[float, float]]] = {side: [] for side in sides}
+    tokens: dict[str, list] = {}
+    for pair in range(pairs):
+        for side in sides if pair % 2 == 0 else sides[::-1]:
+            if what == "direct":
+                if side == "direct":
+                    assert exact_forward.install(gen.target)
+                else:
+                    exact_forward.uninstall(gen.target)
+            start = time.perf_counter()
+            out = gen.generate(prompts, max_new_tokens=new_tokens, stop_token_ids=(), **options[side])
+            wall = time.perf_counter() - start
+            seconds[side].append((wall, out.stats.seconds["verify"] / out.stats.rounds))
+            tokens.setdefault(side, out.sequences.tolist())
+    exact_forward.install(gen.target)
+    for side in sides:
+        walls, rounds = zip(*seconds[side])
+        verify = 1000 * statistics.median(rounds)
+        print(f"{side}: wall {statistics.median(walls):.3f} s, verify {verify:.2f} ms a round")
+    ratio = statistics.median(w for w, _ in seconds[sides[1]]) / statistics.median(w for w, _ in seconds[sides[0]])
+    print(f"{sides[1]} / {sides[0]} wall: {ratio:.3f}; same tokens: {tokens[sides[0]] == tokens[sides[1]]}")
+
+
+if __name__ == "__main__":
+    main()
