@@ -13,7 +13,7 @@ import torch
 from tiny import WINDOW, family_target, tiny_drafter, tiny_target
 
 from ddtree import SpeculativeGenerator
-from ddtree.targets import exact_forward, native
+from ddtree.targets import exact_forward, exact_layers, native
 
 pytestmark = pytest.mark.skipif(not native.available(), reason=f"kernels: {native.unavailable_reason()}")
 
@@ -181,3 +181,11 @@ def test_decoding_through_the_direct_forward_is_decoding_through_transformers(fa
     assert direct.sequences.tolist() == own.sequences.tolist()
     assert direct.row_acceptance == own.row_acceptance
     assert max(a for row in direct.row_acceptance for a in row) > 1
+
+
+def test_the_argument_layouts_are_the_c_codes():
+    """The layer's and the stack's argument arrays have as many slots as the C code reads (a slot added on one
+    side only would shift every later one)."""
+    lib = native.library()[0]
+    assert lib.ddtree_decoder_layer_slots() == len(exact_layers._SLOTS)
+    assert lib.ddtree_decoder_stack_slots() == len(exact_layers._SHARED)

@@ -207,14 +207,15 @@ def _tree_logits(target, prompts, tree, module_path: bool):
 def _c_layer_calls(target, module_path: bool):
     """Inside, a list that grows by one per C decoder layer call; with ``module_path``, a no-op hook on every
     attention block sends each layer to its modules."""
-    calls, real = [], row_kernels.decoder_layer
+    calls, real, real_stack = [], row_kernels.decoder_layer, row_kernels.decoder_stack
     handles = [m.register_forward_hook(lambda *a: None) for m in target.modules()
                if module_path and type(m).__name__.endswith("Attention")]
     try:
         row_kernels.decoder_layer = lambda *a: (calls.append(1), real(*a))[1]
+        row_kernels.decoder_stack = lambda i, f, count, s: (calls.extend([1] * count), real_stack(i, f, count, s))[1]
         yield calls
     finally:
-        row_kernels.decoder_layer = real
+        row_kernels.decoder_layer, row_kernels.decoder_stack = real, real_stack
         for h in handles:
             h.remove()
 
@@ -281,9 +282,11 @@ def _four_node_tree(seed: int):
 def _record_checks_and_calls(monkeypatch) -> list[str]:
     """The order of plan checks ("check") and C layer calls ("C") from here on."""
     events: list[str] = []
-    current, call = exact_layers._LayerPlan.current, row_kernels.decoder_layer
+    current, call, stack = exact_layers._LayerPlan.current, row_kernels.decoder_layer, row_kernels.decoder_stack
     monkeypatch.setattr(exact_layers._LayerPlan, "current", lambda plan: events.append("check") or current(plan))
     monkeypatch.setattr(row_kernels, "decoder_layer", lambda *a: events.append("C") or call(*a))
+    monkeypatch.setattr(row_kernels, "decoder_stack",
+                        lambda i, f, count, s: events.extend(["C"] * count) or stack(i, f, count, s))
     return events
 
 

@@ -318,6 +318,9 @@ _CALL_SLOTS = tuple(_SLOT[name] for name in ("x", "y", "cos", "sin", "kc", "vc",
                                              "held", "b", "n", "threads"))
 """The slots each call fills, in :func:`_decoder`'s order."""
 _PLAN = "_ddtree_layer_plan"
+_KC, _VC, _CAP = _SLOT["kc"], _SLOT["vc"], _SLOT["cap"]
+_SHARED = ("x", "y", "ystep", "cos", "sin", "start", "vis", "ends", "held", "b", "n", "threads")
+"""What ``ddtree_decoder_stack`` gives every layer of a forward, in ``csrc/row_invariant.c``'s ``S_*`` order."""
 
 
 def _stamp(t: torch.Tensor) -> tuple[int, int]:
@@ -483,33 +486,67 @@ class _DecoderStack:
         return True
 
     def run(self, x: torch.Tensor, embeddings: tuple[torch.Tensor, torch.Tensor], spec: ExactTreeSpec | None,
-            mask: torch.Tensor | None, store: Any) -> list[torch.Tensor] | None:
+            mask: torch.Tensor | None, store: Any) -> torch.Tensor | None:
         """Every layer's output for a forward of ``x`` (rotary ``embeddings``, a tree ``spec`` or a one-token
-        step's padding ``mask``) through ``store``, each layer one C call, as a decoder loop over the modules
-        would give them; or None, with no layer run, where the stack does not take the forward (:meth:`_check`,
-        a layer with hooks of any kind or another forward, a cache layer the C call cannot append to)."""
+        step's padding ``mask``) through ``store``, as a decoder loop over the modules would give them, stacked
+        ``[layers, *x.shape]``; or None, with no layer run, where the stack does not take the forward
+        (:meth:`_check`, a layer with hooks of any kind or another forward, a cache layer the C call cannot
+        append to). Layers holding one length with one window run as one C call (``ddtree_decoder_stack``)."""
         layers = getattr(store, "layers", None)
         if (not isinstance(layers, list) or not (spec is not None or x.shape[1] == 1)
                 or any(m._forward_hooks or vars(m).get("forward") is not vars(m).get(_FUSED) for m in self.modules)
                 or not self._check(x)):
             return None
-        tables = _row_tables(embeddings, x.shape[0], x.shape[1], vars(self.modules[0])[_PLAN].d)
+        bsz, n = x.shape[0], x.shape[1]
+        plans = [vars(m)[_PLAN] for m in self.modules]
+        tables = _row_tables(embeddings, bsz, n, plans[0].d)
         if tables is None:
             return None
-        inp, calls, outputs = x.contiguous(), [], []
-        for m in self.modules:
-            plan = vars(m)[_PLAN]
-            out = torch.empty_like(inp)
+        x = x.contiguous()
+        outputs = x.new_empty((len(plans), *x.shape))
+        found = [_appendable(plan, layers, bsz, x.dtype) for plan in plans]
+        held = None if found[0] is None else found[0][1]
+        if (any(f is None or f[1] != held for f in found)
+                or any(p.window != plans[0].window or p.d != plans[0].d for p in plans)):
+            return self._run_each(plans, layers, x, outputs, tables, spec, mask)
+        assert held is not None  # found[0] is not None
+        ranges = _key_ranges(plans[0], spec, mask, bsz, n, held, x.device)
+        if ranges is None:
+            return None
+        rooms = []
+        for plan, (layer, _) in zip(plans, found):  # type: ignore[misc]  # none is None (checked above)
+            room = kv_room.room_for(layer, n)
+            ints = plan.ints
+            ints[_KC], ints[_VC], ints[_CAP] = room[0].data_ptr(), room[1].data_ptr(), room[0].shape[-2]
+            rooms.append((layer, room))
+        ends = self.ends_for(bsz, held)
+        shared = (ctypes.c_int64 * len(_SHARED))(
+            x.data_ptr(), outputs.data_ptr(), outputs[0].numel() * outputs.element_size(), tables[0].data_ptr(),
+            tables[1].data_ptr(), ranges[0].data_ptr(), ranges[1].data_ptr(), ends.data_ptr(), held, bsz, n,
+            row_kernels.caller_threads())
+        count = len(plans)
+        ints = (ctypes.c_void_p * count)(*(ctypes.addressof(p.ints) for p in plans))
+        floats = (ctypes.c_void_p * count)(*(ctypes.addressof(p.floats) for p in plans))
+        row_kernels.decoder_stack(ints, floats, count, shared)
+        for layer, (keys, values) in rooms:
+            layer.keys, layer.values = keys.narrow(2, 0, held + n), values.narrow(2, 0, held + n)
+        return outputs
+
+    def _run_each(self, plans: list[_LayerPlan], layers: list, x: torch.Tensor, outputs: torch.Tensor,
+                  tables: tuple[torch.Tensor, torch.Tensor], spec: ExactTreeSpec | None, mask: torch.Tensor | None
+                  ) -> torch.Tensor | None:
+        """:meth:`run` for layers that hold different lengths or see different windows: each prepared alone."""
+        calls, inp = [], x
+        for plan, out in zip(plans, outputs):
             prepared = _prepare(plan, layers, inp, out, tables, spec, mask, self)
             if prepared is None:
                 return None
             calls.append((plan, prepared))
-            outputs.append(out)
             inp = out
         n = x.shape[1]
         for plan, (layer, room, held, _kept) in calls:
             row_kernels.decoder_layer(plan.ints, plan.floats)
-            layer.keys, layer.values = room[0][..., :held + n, :], room[1][..., :held + n, :]
+            layer.keys, layer.values = room[0].narrow(2, 0, held + n), room[1].narrow(2, 0, held + n)
         return outputs
 
     def ends_for(self, bsz: int, held: int) -> torch.Tensor:
@@ -554,31 +591,49 @@ def _step_keys(mask: torch.Tensor | None, bsz: int, kv_len: int, window: int | N
     return held[2]
 
 
+def _appendable(plan: _LayerPlan, layers: list, bsz: int, dtype: torch.dtype) -> tuple[Any, int] | None:
+    """``plan``'s cache layer and the columns it holds, where it is one the C call appends to in place (an
+    initialized transformers ``DynamicLayer`` of these rows, heads, width and dtype), else None."""
+    from transformers.cache_utils import DynamicLayer
+
+    if plan.layer_idx >= len(layers):
+        return None
+    layer = layers[plan.layer_idx]
+    keys = getattr(layer, "keys", None)
+    if (type(layer) is not DynamicLayer or not getattr(layer, "is_initialized", False) or keys is None
+            or keys.dim() != 4 or keys.shape[0] != bsz or keys.shape[1] != plan.hkv or keys.shape[-1] != plan.d
+            or keys.dtype != dtype):
+        return None
+    return layer, keys.shape[-2]
+
+
+def _key_ranges(plan: _LayerPlan, spec: ExactTreeSpec | None, mask: torch.Tensor | None, bsz: int, n: int,
+                held: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The C call's ``(start, visible)`` for ``n`` new columns after ``held``: the tree spec's, or a one-token
+    step's from its padding mask; None where they are not one row per input row."""
+    if spec is None:  # a one-token step without a tree spec, as exact attention takes it
+        start, visible = _step_keys(mask, bsz, held + n, plan.window, device)
+    else:
+        start, visible = spec.keys(held, plan.window)
+    return (start, visible) if start.shape == (bsz, n) else None
+
+
 def _prepare(plan: _LayerPlan, layers: list, x: torch.Tensor, y: torch.Tensor, embeddings: tuple,
              spec: ExactTreeSpec | None, mask: torch.Tensor | None, stack: _DecoderStack | None
              ) -> tuple[Any, tuple[torch.Tensor, torch.Tensor], int, tuple] | None:
     """Fill ``plan``'s call slots for ``x`` -> ``y`` through its cache layer (its room made where needed), or
     None where this layer's cache is not one the C call appends to in place. Returns the layer, its room, the
     columns it held and the tensors the slots point into (kept alive until the call)."""
-    from transformers.cache_utils import DynamicLayer
-
-    if plan.layer_idx >= len(layers):
-        return None
-    layer = layers[plan.layer_idx]
     bsz, n, _ = x.shape
-    keys = getattr(layer, "keys", None)
-    if (type(layer) is not DynamicLayer or not getattr(layer, "is_initialized", False) or keys is None
-            or keys.dim() != 4 or keys.shape[0] != bsz or keys.shape[1] != plan.hkv or keys.shape[-1] != plan.d
-            or keys.dtype != x.dtype):
+    found = _appendable(plan, layers, bsz, x.dtype)
+    if found is None:
         return None
-    held = keys.shape[-2]
-    if spec is None:  # a one-token step without a tree spec, as exact attention takes it
-        start, visible = _step_keys(mask, bsz, held + n, plan.window, x.device)
-    else:
-        start, visible = spec.keys(held, plan.window)
+    layer, held = found
+    ranges = _key_ranges(plan, spec, mask, bsz, n, held, x.device)
     cos, sin = embeddings
-    if start.shape != (bsz, n) or cos.shape != (bsz, n, plan.d) or not (cos.is_contiguous() and sin.is_contiguous()):
+    if ranges is None or cos.shape != (bsz, n, plan.d) or not (cos.is_contiguous() and sin.is_contiguous()):
         return None  # the C layer reads one table row per input row
+    start, visible = ranges
     room = kv_room.room_for(layer, n)
     ends = torch.full((bsz,), held, dtype=torch.int64) if stack is None else stack.ends_for(bsz, held)
     ints = plan.ints

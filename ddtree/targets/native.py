@@ -92,6 +92,10 @@ def library() -> tuple[ctypes.CDLL | None, str | None]:
     lib.ddtree_silu_mul.restype = None
     lib.ddtree_decoder_layer.argtypes = [ptr, ptr]
     lib.ddtree_decoder_layer.restype = None
+    lib.ddtree_decoder_stack.argtypes = [ptr, ptr, long, ptr]
+    lib.ddtree_decoder_stack.restype = None
+    lib.ddtree_decoder_stack_slots.argtypes = []
+    lib.ddtree_decoder_stack_slots.restype = long
     lib.ddtree_decoder_layer_slots.argtypes = []
     lib.ddtree_decoder_layer_slots.restype = long
     lib.ddtree_uses_amx.argtypes = []

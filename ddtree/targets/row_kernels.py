@@ -321,6 +321,15 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return y
 
 
+def decoder_stack(ints: ctypes.Array, floats: ctypes.Array, count: int, shared: ctypes.Array) -> None:
+    """``count`` decoder layers' decode forwards in turn in C (``ddtree_decoder_stack``: ``ints``/``floats``
+    arrays of each layer's argument arrays, ``shared`` what the forward gives every layer, as
+    :mod:`ddtree.targets.exact_layers` packs them, after checking them)."""
+    if _LIB[0] is None:
+        _library()
+    _LIB[0].ddtree_decoder_stack(ints, floats, count, shared)
+
+
 def decoder_layer(ints: ctypes.Array, floats: ctypes.Array) -> None:
     """One decoder layer's decode forward in C (``ddtree_decoder_layer``; arguments as
     :mod:`ddtree.targets.exact_layers` packs them, after checking them)."""
