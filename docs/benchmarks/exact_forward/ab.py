@@ -1,12 +1,14 @@
 """Side by side in one process, alternating: ddtree's decode forward straight through the model's parts
-(``ddtree.targets.exact_forward``) against transformers' model forward (``direct``), or the default budget
-against plain decoding (``default``), on the default pair.
+(``ddtree.targets.exact_forward``) against transformers' model forward (``direct``), its layers as one C call
+against one call each (``stack``), or the default budget against plain decoding (``default``), on the default
+pair.
 
     python docs/benchmarks/exact_forward/ab.py direct DTYPE BATCH PAIRS [auto]
+    python docs/benchmarks/exact_forward/ab.py stack DTYPE BATCH PAIRS
     python docs/benchmarks/exact_forward/ab.py default DTYPE BATCH PAIRS
 
 Prints the median wall seconds of a call (64 new tokens for ``direct``, 96 for ``default``) and, for
-``direct``, the verify stage's seconds a round; and whether the two sides' tokens were equal.
+``direct`` and ``stack``, the verify stage's seconds a round; and whether the two sides' tokens were equal.
 """
 
 import statistics
@@ -15,7 +17,20 @@ import time
 
 from ddtree import SpeculativeGenerator
 from ddtree.bench.prompts import load_prompts
-from ddtree.targets import exact_forward
+from ddtree.targets import exact_forward, exact_layers
+
+ONE_CALL = exact_layers._DecoderStack.run
+
+
+def one_call_each(stack, x, embeddings, spec, mask, store):
+    """``_DecoderStack.run`` with every layer its own C call (its path for layers of mixed lengths)."""
+    if not stack._check(x):
+        return None
+    plans = [vars(m)[exact_layers._PLAN] for m in stack.modules]
+    tables = exact_layers._row_tables(embeddings, x.shape[0], x.shape[1], plans[0].d)
+    x = x.contiguous()
+    outputs = x.new_empty((len(plans), *x.shape))
+    return stack._run_each(plans, store.layers, x, outputs, tables, spec, mask)
 
 
 def main() -> None:
@@ -23,8 +38,8 @@ def main() -> None:
     gen = SpeculativeGenerator.from_pretrained(None, None, dtype=dtype, threads=2)
     vocab = gen.target.get_input_embeddings().weight.shape[0]
     prompts = [p.input_ids for p in load_prompts(None, gen.tokenizer, vocab, limit=12)][:batch]
-    if what == "direct":
-        sides = ("transformers", "direct")
+    if what in ("direct", "stack"):
+        sides = ("transformers", "direct") if what == "direct" else ("one call each", "one call")
         fixed = {} if sys.argv[5:] == ["auto"] else {"tree_budget": 0}
         options = {side: fixed for side in sides}
         new_tokens = 64
@@ -43,12 +58,15 @@ def main() -> None:
                     assert exact_forward.install(gen.target)
                 else:
                     exact_forward.uninstall(gen.target)
+            elif what == "stack":
+                exact_layers._DecoderStack.run = ONE_CALL if side == "one call" else one_call_each
             start = time.perf_counter()
             out = gen.generate(prompts, max_new_tokens=new_tokens, stop_token_ids=(), **options[side])
             wall = time.perf_counter() - start
             seconds[side].append((wall, out.stats.seconds["verify"] / out.stats.rounds))
             tokens.setdefault(side, out.sequences.tolist())
     exact_forward.install(gen.target)
+    exact_layers._DecoderStack.run = ONE_CALL
     for side in sides:
         walls, rounds = zip(*seconds[side])
         verify = 1000 * statistics.median(rounds)
