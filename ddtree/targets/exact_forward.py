@@ -109,8 +109,6 @@ def forward(model: Any, input_ids: torch.Tensor, position_ids: torch.Tensor | No
         if position_ids is None:
             position_ids = (torch.arange(x.shape[1], device=x.device) + cache.get_seq_length()).unsqueeze(0)
         embeddings = decoder.rotary_emb(x, position_ids)
-        if not all(isinstance(t, torch.Tensor) and t.is_contiguous() for t in embeddings):
-            return None
         outputs = parts.stack.run(x, embeddings, spec, mask, cache)
         if outputs is None:
             return None

@@ -318,8 +318,8 @@ _CALL_SLOTS = tuple(_SLOT[name] for name in ("x", "y", "cos", "sin", "kc", "vc",
                                              "held", "b", "n", "threads"))
 """The slots each call fills, in :func:`_decoder`'s order."""
 _PLAN = "_ddtree_layer_plan"
-_KC, _VC, _CAP = _SLOT["kc"], _SLOT["vc"], _SLOT["cap"]
-_SHARED = ("x", "y", "ystep", "cos", "sin", "start", "vis", "ends", "held", "b", "n", "threads")
+_KC, _VC, _CAP, _START, _VIS = (_SLOT[name] for name in ("kc", "vc", "cap", "start", "vis"))
+_SHARED = ("x", "y", "ystep", "cos", "sin", "ends", "held", "b", "n", "threads")
 """What ``ddtree_decoder_stack`` gives every layer of a forward, in ``csrc/row_invariant.c``'s ``S_*`` order."""
 
 
@@ -452,19 +452,22 @@ class _DecoderStack:
             seen = self.forward = (table, id(store), self._check(x))
         return seen[2]
 
-    def _check(self, x: torch.Tensor) -> bool:
+    def _check(self, x: torch.Tensor, readers: bool = True) -> bool:
         """Every layer a decode forward for ``x`` takes as a C call (:func:`_decoding`, the exact attention), its
         plan current (made again where stale), and no hooks but readers of its output (``OUTPUT_READER``,
         transformers' capture of hidden states): any other hook on a decoder layer could change the next layer
-        mid-forward, so it declines (each layer then checks itself)."""
+        mid-forward, so it declines (each layer then checks itself). Without ``readers`` (a forward that calls
+        no layer module) any hook, or a forward other than the taken one, declines."""
         from torch.nn.modules import module as nn_module
 
         if nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks or not _decoding(x, x):
             return False  # the input's half of _decoding, once; each layer's weight below
         grad, config = torch.is_grad_enabled(), None
         for m in self.modules:  # the layers' own hooks come and go with each forward's capture of hidden states
-            if (m._forward_pre_hooks or not all(reads_output_only(h) for h in m._forward_hooks.values())
-                    or _FUSED not in vars(m)):
+            own = vars(m).get(_FUSED)
+            if (own is None or m._forward_pre_hooks
+                    or not all(readers and reads_output_only(h) for h in m._forward_hooks.values())
+                    or not readers and vars(m).get("forward") is not own):
                 return False
         scope = _UNCHANGED.get()
         if scope is not None and self.vouched == (scope, x.dtype, grad):
@@ -489,64 +492,46 @@ class _DecoderStack:
             mask: torch.Tensor | None, store: Any) -> torch.Tensor | None:
         """Every layer's output for a forward of ``x`` (rotary ``embeddings``, a tree ``spec`` or a one-token
         step's padding ``mask``) through ``store``, as a decoder loop over the modules would give them, stacked
-        ``[layers, *x.shape]``; or None, with no layer run, where the stack does not take the forward
-        (:meth:`_check`, a layer with hooks of any kind or another forward, a cache layer the C call cannot
-        append to). Layers holding one length with one window run as one C call (``ddtree_decoder_stack``)."""
+        ``[layers, *x.shape]``, all layers in one C call (``ddtree_decoder_stack``); or None, with no layer run,
+        where the stack does not take the forward (:meth:`_check` with no hooks at all, cache layers the C call
+        cannot append to or holding different lengths)."""
         layers = getattr(store, "layers", None)
-        if (not isinstance(layers, list) or not (spec is not None or x.shape[1] == 1)
-                or any(m._forward_hooks or vars(m).get("forward") is not vars(m).get(_FUSED) for m in self.modules)
-                or not self._check(x)):
+        if not isinstance(layers, list) or not (spec is not None or x.shape[1] == 1) or not self._check(x, False):
             return None
         bsz, n = x.shape[0], x.shape[1]
         plans = [vars(m)[_PLAN] for m in self.modules]
         tables = _row_tables(embeddings, bsz, n, plans[0].d)
-        if tables is None:
+        found = [_appendable(plan, layers, bsz, x.dtype) for plan in plans]
+        held = None if found[0] is None else found[0][1]
+        if (tables is None or held is None or any(f is None or f[1] != held for f in found)
+                or any(p.d != plans[0].d for p in plans)):
+            return None
+        ranges: dict[int | None, tuple[torch.Tensor, torch.Tensor] | None] = {}
+        for plan in plans:  # each window's key ranges, once
+            if plan.window not in ranges:
+                ranges[plan.window] = _key_ranges(plan, spec, mask, bsz, n, held, x.device)
+        if any(r is None for r in ranges.values()):
             return None
         x = x.contiguous()
         outputs = x.new_empty((len(plans), *x.shape))
-        found = [_appendable(plan, layers, bsz, x.dtype) for plan in plans]
-        held = None if found[0] is None else found[0][1]
-        if (any(f is None or f[1] != held for f in found)
-                or any(p.window != plans[0].window or p.d != plans[0].d for p in plans)):
-            return self._run_each(plans, layers, x, outputs, tables, spec, mask)
-        assert held is not None  # found[0] is not None
-        ranges = _key_ranges(plans[0], spec, mask, bsz, n, held, x.device)
-        if ranges is None:
-            return None
         rooms = []
         for plan, (layer, _) in zip(plans, found):  # type: ignore[misc]  # none is None (checked above)
             room = kv_room.room_for(layer, n)
+            start, visible = ranges[plan.window]  # type: ignore[misc]  # none is None (checked above)
             ints = plan.ints
             ints[_KC], ints[_VC], ints[_CAP] = room[0].data_ptr(), room[1].data_ptr(), room[0].shape[-2]
+            ints[_START], ints[_VIS] = start.data_ptr(), visible.data_ptr()
             rooms.append((layer, room))
         ends = self.ends_for(bsz, held)
         shared = (ctypes.c_int64 * len(_SHARED))(
             x.data_ptr(), outputs.data_ptr(), outputs[0].numel() * outputs.element_size(), tables[0].data_ptr(),
-            tables[1].data_ptr(), ranges[0].data_ptr(), ranges[1].data_ptr(), ends.data_ptr(), held, bsz, n,
-            row_kernels.caller_threads())
+            tables[1].data_ptr(), ends.data_ptr(), held, bsz, n, row_kernels.caller_threads())
         count = len(plans)
-        ints = (ctypes.c_void_p * count)(*(ctypes.addressof(p.ints) for p in plans))
-        floats = (ctypes.c_void_p * count)(*(ctypes.addressof(p.floats) for p in plans))
-        row_kernels.decoder_stack(ints, floats, count, shared)
+        ints_of = (ctypes.c_void_p * count)(*(ctypes.addressof(p.ints) for p in plans))
+        floats_of = (ctypes.c_void_p * count)(*(ctypes.addressof(p.floats) for p in plans))
+        row_kernels.decoder_stack(ints_of, floats_of, count, shared)
         for layer, (keys, values) in rooms:
             layer.keys, layer.values = keys.narrow(2, 0, held + n), values.narrow(2, 0, held + n)
-        return outputs
-
-    def _run_each(self, plans: list[_LayerPlan], layers: list, x: torch.Tensor, outputs: torch.Tensor,
-                  tables: tuple[torch.Tensor, torch.Tensor], spec: ExactTreeSpec | None, mask: torch.Tensor | None
-                  ) -> torch.Tensor | None:
-        """:meth:`run` for layers that hold different lengths or see different windows: each prepared alone."""
-        calls, inp = [], x
-        for plan, out in zip(plans, outputs):
-            prepared = _prepare(plan, layers, inp, out, tables, spec, mask, self)
-            if prepared is None:
-                return None
-            calls.append((plan, prepared))
-            inp = out
-        n = x.shape[1]
-        for plan, (layer, room, held, _kept) in calls:
-            row_kernels.decoder_layer(plan.ints, plan.floats)
-            layer.keys, layer.values = room[0].narrow(2, 0, held + n), room[1].narrow(2, 0, held + n)
         return outputs
 
     def ends_for(self, bsz: int, held: int) -> torch.Tensor:

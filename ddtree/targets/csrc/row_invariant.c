@@ -1501,14 +1501,15 @@ void ddtree_decoder_layer(const int64_t *a, const double *f) {
 }
 
 /* A forward's decoder layers in turn, in one call: what every layer of the forward takes alike (`s`, in S_*
- * order) is copied into each layer's slots before its call; layer 0 reads the forward's input, layer i > 0 the
- * output of layer i - 1, and layer i writes its output at S_Y + i * S_YSTEP bytes. */
-enum { S_X, S_Y, S_YSTEP, S_COS, S_SIN, S_START, S_VIS, S_ENDS, S_HELD, S_B, S_N, S_THREADS, S_COUNT };
+ * order) is copied into each layer's slots before its call (a layer's key ranges, which follow its window, are
+ * its own); layer 0 reads the forward's input, layer i > 0 the output of layer i - 1, and layer i writes its
+ * output at S_Y + i * S_YSTEP bytes. */
+enum { S_X, S_Y, S_YSTEP, S_COS, S_SIN, S_ENDS, S_HELD, S_B, S_N, S_THREADS, S_COUNT };
 long ddtree_decoder_stack_slots(void) { return S_COUNT; }
 
 void ddtree_decoder_stack(int64_t *const *as, const double *const *fs, long count, const int64_t *s) {
-    static const int to[] = {L_COS, L_SIN, L_START, L_VIS, L_ENDS, L_HELD, L_B, L_N, L_THREADS};
-    static const int from[] = {S_COS, S_SIN, S_START, S_VIS, S_ENDS, S_HELD, S_B, S_N, S_THREADS};
+    static const int to[] = {L_COS, L_SIN, L_ENDS, L_HELD, L_B, L_N, L_THREADS};
+    static const int from[] = {S_COS, S_SIN, S_ENDS, S_HELD, S_B, S_N, S_THREADS};
     for (long i = 0; i < count; i++) {
         int64_t *a = as[i];
         a[L_X] = i ? s[S_Y] + (i - 1) * s[S_YSTEP] : s[S_X];

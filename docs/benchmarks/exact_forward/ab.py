@@ -17,20 +17,27 @@ import time
 
 from ddtree import SpeculativeGenerator
 from ddtree.bench.prompts import load_prompts
-from ddtree.targets import exact_forward, exact_layers
+from ddtree.targets import exact_forward, exact_layers, row_kernels
 
 ONE_CALL = exact_layers._DecoderStack.run
 
 
 def one_call_each(stack, x, embeddings, spec, mask, store):
-    """``_DecoderStack.run`` with every layer its own C call (its path for layers of mixed lengths)."""
-    if not stack._check(x):
+    """``_DecoderStack.run`` with every layer its own C call, each prepared from Python as transformers' path
+    prepares it (``_prepare``)."""
+    if not stack._check(x, False):
         return None
     plans = [vars(m)[exact_layers._PLAN] for m in stack.modules]
     tables = exact_layers._row_tables(embeddings, x.shape[0], x.shape[1], plans[0].d)
-    x = x.contiguous()
     outputs = x.new_empty((len(plans), *x.shape))
-    return stack._run_each(plans, store.layers, x, outputs, tables, spec, mask)
+    calls, inp = [], x.contiguous()
+    for plan, out in zip(plans, outputs):
+        calls.append((plan, exact_layers._prepare(plan, store.layers, inp, out, tables, spec, mask, stack)))
+        inp = out
+    for plan, (layer, room, held, _) in calls:
+        row_kernels.decoder_layer(plan.ints, plan.floats)
+        layer.keys, layer.values = room[0].narrow(2, 0, held + x.shape[1]), room[1].narrow(2, 0, held + x.shape[1])
+    return outputs
 
 
 def main() -> None:
