@@ -25,7 +25,8 @@ def hf_greedy(shape: fs.ModelShape, settings: fs.Settings, batch: int) -> list[l
 
 def test_the_full_size_run_at_tiny_widths_is_lossless_and_projects_from_the_default_pair(tmp_path):
     """Every method and mode the GPU run measures, at batch 1 and 2: each row's tokens equal plain decoding's,
-    which equal transformers' greedy ones; the trees accept drafts; the projection uses the cited figure."""
+    which equal transformers' greedy ones (so do those of transformers' compiled static-cache baseline); the
+    trees accept drafts; the projections use the cited figure and the baseline's step."""
     shape = fs.SHAPES["tiny"]["qwen3-8b"]
     settings = fs.settings_for("tiny", shapes=[shape], **TINY)
     report = fs.run(settings, tmp_path)
@@ -33,13 +34,12 @@ def test_the_full_size_run_at_tiny_widths_is_lossless_and_projects_from_the_defa
     assert json.loads((tmp_path / "full_size.json").read_text())["rows"] == json.loads(json.dumps(rows))
     done = {(r["batch"], r["method"], r["mode"]) for r in rows if "ms_per_round" in r}
     methods = {"plain", "chain", "best_first@16", "auto"}
-    compiled = {(2, "chain", "compiled"), (2, "best_first@16", "compiled")}
+    compiled = {(2, m, "compiled") for m in ("hf_static", "plain", "chain", "best_first@16")}
     optional = set() if fs.compile_refusal("auto") else {(2, "auto", "compiled")}  # run where its time is left
     eager = {(b, m, "eager") for b in (1, 2) for m in methods}
     assert eager | compiled <= done <= eager | compiled | optional
     refused = {(r["method"], r["mode"]) for r in rows if "compile=True refuses" in r.get("skipped", "")}
-    assert refused == ({("plain", "compiled"), ("auto", "compiled")} if fs.compile_refusal("auto") else
-                       {("plain", "compiled")})
+    assert refused == ({("auto", "compiled")} if fs.compile_refusal("auto") else set())
     assert report["failures"] == []
     for batch in (1, 2):
         plain = next(r for r in rows if r["batch"] == batch and r["method"] == "plain" and r["mode"] == "eager")
@@ -48,8 +48,13 @@ def test_the_full_size_run_at_tiny_widths_is_lossless_and_projects_from_the_defa
         assert r["same_tokens_as_plain"] is True and r["lossless_required"] is True
         assert r["ms_per_round"] > 0 and r["plain_ms_per_round"] > 0 and r["rounds"] >= 1
         assert len(r["tokens"]) == r["batch"] and all(len(t) == settings.new_tokens for t in r["tokens"])
-        if r["mode"] == "compiled":
+        if r["mode"] == "compiled" and r["method"] != "hf_static":
             assert r["same_tokens_as_eager"] is True
+        if r["mode"] == "compiled" and r["default_pair_tokens_per_round"] is not None:
+            hf = next(h for h in rows if h["method"] == "hf_static" and h["batch"] == r["batch"])
+            assert r["hf_static_ms_per_round"] == hf["ms_per_round"]
+            assert r["projected_speedup_over_hf_static"] == pytest.approx(
+                r["default_pair_tokens_per_round"] * hf["ms_per_round"] / r["ms_per_round"], abs=1e-3)
         if r["method"] == "best_first@16":
             assert r["measured_tokens_per_round"] > 1.0  # drafts accepted, not only bonus tokens
             assert r["default_pair_tokens_per_round"] == 2.17 and "Fixed budgets and auto" in r["default_pair_source"]
@@ -127,20 +132,23 @@ def test_gpu_check_runs_the_full_size_stage_alone(tmp_path, monkeypatch):
     assert {r["method"] for r in rows if "ms_per_round" in r} == {"plain", "chain", "best_first@16", "auto"}
 
 
-def test_the_plan_runs_every_eager_case_then_the_headline_compiled_pair():
-    """Eager cases first (every batch and method), then the compiled chain and smallest tree at the first batch,
-    which alone may spend the seconds kept for the later models; the wider compiled trees after them."""
+def test_the_plan_runs_every_eager_case_then_the_headline_compiled_comparison():
+    """Eager cases first (every batch and method), then at the first batch transformers' compiled static-cache
+    decoding, ddtree's compiled plain decoding and smallest tree, which alone may spend the seconds kept for
+    the later models; the same at the other batches, then the chain, the wider trees and auto."""
     settings = fs.settings_for("tiny")  # batches 1, 8, 32; budgets 16, 32, 64
     cases = fs.plan(settings, fs.SHAPES["full"]["qwen3-8b"])
     modes = [c["mode"] for c in cases]
-    assert modes == sorted(modes, key=lambda m: m == "compiled") and len(cases) == 2 * 3 * 6
+    assert modes == sorted(modes, key=lambda m: m == "compiled") and len(cases) == 3 * 6 + 3 * 7
     assert all(c["core"] for c in cases if c["mode"] == "eager")
+    assert "hf_static" not in {c["method"] for c in cases if c["mode"] == "eager"}
     compiled = [(c["batch"], c["method"], c["core"]) for c in cases if c["mode"] == "compiled"]
-    assert compiled[:2] == [(1, "chain", True), (1, "best_first@16", True)]
-    assert [c for c in compiled if c[2]] == compiled[:2]
-    assert compiled[2:6] == [(8, "chain", False), (8, "best_first@16", False), (32, "chain", False),
-                             (32, "best_first@16", False)]
-    assert {m for _, m, _ in compiled[-6:]} == {"plain", "auto"}
+    headline = ["hf_static", "plain", "best_first@16"]
+    assert compiled[:3] == [(1, m, True) for m in headline]
+    assert [c for c in compiled if c[2]] == compiled[:3]
+    assert compiled[3:9] == [(b, m, False) for b in (8, 32) for m in headline]
+    assert compiled[9:12] == [(b, "chain", False) for b in (1, 8, 32)]
+    assert {m for _, m, _ in compiled[-3:]} == {"auto"}
 
 
 def test_the_full_widths_build_models_of_the_published_sizes():
@@ -171,17 +179,17 @@ def test_the_full_widths_build_models_of_the_published_sizes():
 
 def test_the_headline_compiled_pair_may_spend_what_the_later_models_keep(tmp_path):
     """With the next model keeping more than the whole budget, the first model still runs its eager cases and
-    the compiled chain and best_first at the first batch; its other compiled cases are skipped for the kept
-    seconds, and the next model, left too little to build, is skipped and named."""
+    the compiled baseline, plain decoding and best_first at the first batch; its other compiled cases are
+    skipped for the kept seconds, and the next model, left too little to build, is skipped and named."""
     first, second = fs.SHAPES["tiny"].values()
     second = dataclasses.replace(second, keep_s=1e5)
     report = fs.run(fs.settings_for("tiny", shapes=[first, second], batches=(1,), compiled_batches=(1, 2),
                                     budgets=(16,), new_tokens=4, time_budget=600.0), tmp_path)
     rows = report["rows"]
     ran = {(r["batch"], r["method"], r["mode"]) for r in rows if "ms_per_round" in r}
-    assert {(1, "chain", "compiled"), (1, "best_first@16", "compiled")} <= ran
+    assert {(1, m, "compiled") for m in ("hf_static", "plain", "best_first@16")} <= ran
     kept = {(r["batch"], r["method"]) for r in rows if "kept for the later models" in r.get("skipped", "")}
-    auto = set() if fs.compile_refusal("auto") else {(1, "auto"), (2, "auto")}  # compiled auto: after the pair
-    assert kept == {(2, "chain"), (2, "best_first@16")} | auto
+    auto = set() if fs.compile_refusal("auto") else {(1, "auto"), (2, "auto")}  # compiled auto: after the rest
+    assert kept == {(1, "chain"), (2, "hf_static"), (2, "plain"), (2, "chain"), (2, "best_first@16")} | auto
     assert rows[-1]["model"] == second.name and "time budget" in rows[-1]["skipped"]
     assert report["failures"] == []

@@ -90,7 +90,7 @@ def test_auto_under_compile_picks_among_compiled_budgets(target):
     out = gen.generate(PROMPTS[0], max_new_tokens=NEW, stop_token_ids=(), tree_budget=policy)
     assert out.row_tokens[0] == reference(target, PROMPTS[0], new=NEW)[0, len(PROMPTS[0]):].tolist()
     assert set(out.stats.budgets) <= {0, 1, 2, 4, 8} and max(out.stats.budgets) > 0
-    assert {b for _, b, _ in gen._static_steps} <= {0, 1, 2, 4, 8}  # one set of graphs per rung met
+    assert {b for _, b, _, _ in gen._static_steps} <= {0, 1, 2, 4, 8}  # one set of graphs per rung met
     replayed = SpeculativeGenerator(target, drafter).generate(
         PROMPTS[0], max_new_tokens=NEW, stop_token_ids=(), tree_budget=Replay(out.stats.budgets))
     assert replayed.acceptance_lengths == out.acceptance_lengths

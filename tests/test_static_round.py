@@ -19,6 +19,7 @@ from test_hybrid_batch import _case
 from tiny import ScriptedDrafter, family_target, tiny_drafter, tiny_target
 
 from ddtree import Proposal, SpeculativeGenerator
+from ddtree.budget.policy import BudgetPolicy
 from ddtree.drafters.dflash.drafter import DFlashDrafter
 from ddtree.generation import static_round
 from ddtree.generation.round import speculative_round
@@ -109,6 +110,35 @@ def test_static_round_traces_whole_and_equals_the_dynamic_round(pair, builder, b
     assert_target_acceptance(target, static, prompts)
     assert isinstance(static.on_device.static.cache, static_round.RowPackedCache)
     assert static.on_device.cache is None  # freed at the end
+
+
+@pytest.mark.parametrize("sampled", [False, True])
+def test_compiled_plain_decoding_is_plain_decoding(pair, sampled):
+    """``tree_budget=0`` under ``compile``: plain decoding as the static steps (a one-node verify and its commit),
+    traced whole, one host read a step, the drafter never run and no drafter context kept; the tokens are the
+    eager plain step's (greedy: HF's; sampled: the same keyed draws), every step accepting the root alone."""
+    target, drafter = pair
+    options = dict(do_sample=True, temperature=0.8, seed=5) if sampled else {}
+    calls = []
+    hook = drafter.model.register_forward_pre_hook(lambda *_: calls.append(1))
+    try:
+        eager, _ = run(SpeculativeGenerator(target, drafter, tree_budget=0), PROMPTS, stop_token_ids=(), **options)
+        gen = SpeculativeGenerator(target, drafter, tree_budget=0, compile=BACKEND)
+        static, _ = run(gen, PROMPTS, stop_token_ids=(), **options)
+    finally:
+        hook.remove()
+    assert graph_breaks() == 0
+    assert not calls
+    assert static.new_tokens == eager.new_tokens and all(len(t) == NEW for t in static.new_tokens)
+    assert static.acceptance == eager.acceptance == [[1] * (NEW - 1)] * len(PROMPTS)  # the prefill emits one
+    assert static.stats.budgets == eager.stats.budgets == []  # plain steps, not tree rounds the policy skipped
+    assert static.on_device.static.draft is None
+    assert [(n, drafting) for _, n, _, drafting in gen._static_steps] == [(0, False)]
+    if not sampled:
+        for b, prompt in enumerate(PROMPTS):
+            ref = reference(target, prompt, new=NEW)[0].tolist()
+            assert static.new_tokens[b] == ref[len(prompt):]
+        assert_one_read_per_round(target, drafter, PROMPTS, static, tree_budget=0)
 
 
 def test_sampled_static_round_draws_what_the_dynamic_round_draws(pair):
@@ -216,13 +246,17 @@ def test_a_per_call_builder_and_budget_get_their_own_steps(pair):
         prompt, max_new_tokens=8, record_trees=True)
     assert mine.row_tokens == built.row_tokens and mine.row_acceptance == built.row_acceptance
     assert all(r.tree.num_nodes == 4 for r in mine.row_rounds[0])  # chain of 3 under the call's budget
-    assert {(getattr(b, "__name__", b), n) for b, n, _ in gen._static_steps} == {("chain", 3)}
+    assert {(getattr(b, "__name__", b), n) for b, n, _, _ in gen._static_steps} == {("chain", 3)}
 
 
 def test_what_the_static_round_cannot_run_is_refused_with_the_way_out(pair):
     target, drafter = pair
-    with pytest.raises(ValueError, match="fixed int tree_budget >= 1 .* or \"auto\""):
-        SpeculativeGenerator(target, drafter, tree_budget=0, compile=True)
+    class Own(BudgetPolicy):
+        def choose(self, proposal, context_len):
+            return 2
+
+    with pytest.raises(ValueError, match="fixed int tree_budget >= 0 .* or \"auto\""):
+        SpeculativeGenerator(target, drafter, tree_budget=Own(), compile=True)
     with pytest.raises(ValueError, match="attention='sdpa'"):
         SpeculativeGenerator(target, drafter, tree_budget=4, attention="split", compile=True)
     with pytest.raises(ValueError, match="compile must be"):

@@ -3,7 +3,9 @@
 Builds whole random-weight targets at published widths (``--scale full``: Qwen3-8B, then the Qwen3.6-27B GDN
 hybrid; :data:`SHAPES`), each with a random DFlash drafter of its published drafter's configuration, and times
 per batch size (1, 8, 32), method (plain, the chain, best_first at each budget, ``auto``) and mode (``eager``:
-the dynamic round; ``compiled``: ``compile=True``, CUDA graphs on CUDA) the median milliseconds per round.
+the dynamic round; ``compiled``: ``compile=True``, CUDA graphs on CUDA) the median milliseconds per round,
+beside the baseline an engineer would compile instead: transformers' own forward over its static cache under
+``torch.compile`` (``hf_static``, greedy, one host read a step).
 Random weights accept about one token a round, so each row pairs its round time with the tokens per round the
 default pair commits with the same builder and budget (:data:`DEFAULT_PAIR_ACCEPTANCE`, each figure naming the
 ``docs/benchmarks.md`` section it comes from, or "not measured") and the tokens per second that would give,
@@ -192,6 +194,10 @@ def methods(budgets: tuple[int, ...], block_size: int) -> list[tuple[str, str, i
             *[(f"best_first@{b}", "best_first", b) for b in budgets], ("auto", "best_first", "auto")]
 
 
+HF_STATIC = ("hf_static", "hf", 0)
+"""The compiled mode's baseline: transformers' forward with its static cache under ``torch.compile``."""
+
+
 def compile_refusal(budget: int | str) -> str | None:
     """Why ``compile=True`` refuses ``budget`` (the generator's own check), or None where it takes it."""
     from ddtree.generation.options import GeneratorOptions
@@ -303,21 +309,70 @@ def measure(target: Any, drafter: Any, builder: str, budget: int | str, compile:
             "tokens": [list(map(int, t)) for t in out.row_tokens]}
 
 
+def measure_hf_static(target: Any, prompts: torch.Tensor, new_tokens: int, repeats: int,
+                      compile: bool | str) -> dict:
+    """Greedy decoding through transformers' forward over its ``StaticCache``, compiled as ``compile`` says
+    (``True``: inductor, CUDA graphs on CUDA), the prefill eager: one warm-up (it compiles), then ``repeats``
+    timed runs; the median ms per decode step and each row's tokens. Stock linears (ddtree's CPU routing
+    suspended): the baseline is transformers' own."""
+    from transformers import StaticCache
+
+    from ddtree.targets import cpu_linear
+    from ddtree.targets.cache import cache_kwargs, check_cache_length
+
+    cuda = prompts.device.type == "cuda"
+    options: dict[str, Any] = ({"mode": "reduce-overhead" if cuda else None} if compile is True
+                               else {"backend": compile})
+    step = torch.compile(target.forward, fullgraph=True, dynamic=False, **options)
+    batch, n = prompts.shape
+
+    def decode() -> tuple[list[list[int]], float]:
+        cache = StaticCache(config=target.config, max_cache_len=n + new_tokens)
+        kept = cache_kwargs(target, cache)
+        out = target(input_ids=prompts, cache_position=torch.arange(n, device=prompts.device), use_cache=True,
+                     **kept)
+        token = out.logits[:, -1].argmax(-1)
+        columns = [token.tolist()]
+        start = time.perf_counter()
+        for i in range(new_tokens - 1):
+            if cuda:
+                torch.compiler.cudagraph_mark_step_begin()
+            out = step(input_ids=token[:, None], cache_position=torch.tensor([n + i], device=prompts.device),
+                       use_cache=True, **kept)
+            token = out.logits[:, -1].argmax(-1)
+            columns.append(token.tolist())  # a step's one host read, as generate's stopping check makes
+        check_cache_length(cache, n + new_tokens - 1, "hf_static decoding")
+        return [list(row) for row in zip(*columns)], time.perf_counter() - start
+
+    with torch.inference_mode(), cpu_linear.suspended(target):
+        t0 = time.perf_counter()
+        decode()
+        warm = time.perf_counter() - t0
+        step_ms = []
+        for _ in range(repeats):
+            tokens, seconds = decode()
+            step_ms.append(1e3 * seconds / max(new_tokens - 1, 1))
+    return {"ms_per_round": round(statistics.median(step_ms), 3), "rounds": new_tokens - 1,
+            "measured_tokens_per_round": 1.0, "first_call_seconds": round(warm, 2), "tokens": tokens}
+
+
 def plan(settings: Settings, shape: ModelShape) -> list[dict]:
-    """The model's cases in the order they run: every eager one by batch, then the compiled ones, the chain and
-    the smallest tree at each batch first, then the wider trees. ``core``: the eager cases and the compiled
-    chain and smallest tree at the first batch (the comparison that matters most), which may spend the seconds
-    the later models keep."""
+    """The model's cases in the order they run: every eager one by batch, then the compiled ones: at each batch
+    transformers' compiled static-cache decoding (:data:`HF_STATIC`), ddtree's compiled plain decoding and its
+    smallest tree first, then the chain, the wider trees and ``auto``. ``core``: the eager cases and the compiled
+    baseline, plain decoding and smallest tree at the first batch (the comparison that matters most), which may
+    spend the seconds the later models keep."""
     methods_ = methods(settings.budgets, shape.drafter.block_size)
     compiled = settings.batches if settings.compiled_batches is None else settings.compiled_batches
-    first = {methods_[1][0], methods_[2][0]}  # the chain and the smallest tree
+    first = {HF_STATIC[0], methods_[0][0], methods_[2][0]}  # the baseline, plain decoding, the smallest tree
     cases = [dict(batch=b, method=m, builder=k, budget=n, mode=mode,
                   core=mode == "eager" or (m in first and b == compiled[0]))
              for mode, batches in (("eager", settings.batches), ("compiled", compiled))
-             for b in batches for m, k, n in methods_]
+             for b in batches for m, k, n in ([HF_STATIC] if mode == "compiled" else []) + methods_]
     return sorted(cases, key=lambda c: (c["mode"] == "compiled",
                                         0 if c["mode"] == "eager" or c["method"] in first else
-                                        2 if c["method"] in ("plain", "auto") else 1))
+                                        1 if c["method"] == methods_[1][0] else
+                                        3 if c["method"] == "auto" else 2))
 
 
 def run_model(settings: Settings, shape: ModelShape, budget: Budget, keep: float, emit: Callable[[dict], None]):
@@ -339,6 +394,7 @@ def run_model(settings: Settings, shape: ModelShape, budget: Budget, keep: float
                for b in {*settings.batches, *(settings.compiled_batches or ())}}
     plain: dict[int, dict] = {}
     eager: dict[tuple[int, str], dict] = {}
+    baseline: dict[int, dict] = {}
     for case in plan(settings, shape):
         row = {**base, **case, "build_seconds": built}
         mode, batch = case["mode"], case["batch"]
@@ -355,16 +411,20 @@ def run_model(settings: Settings, shape: ModelShape, budget: Budget, keep: float
                 torch._dynamo.reset()  # each case is a new generator: its graphs replace the last case's
             started = time.perf_counter()
             try:
-                row.update(measure(target, drafter, case["builder"], case["budget"],
-                                   compiled_mode if mode == "compiled" else False, prompts[batch],
-                                   settings.new_tokens, settings.repeats))
+                if case["method"] == HF_STATIC[0]:
+                    row.update(measure_hf_static(target, prompts[batch], settings.new_tokens, settings.repeats,
+                                                 compiled_mode))
+                else:
+                    row.update(measure(target, drafter, case["builder"], case["budget"],
+                                       compiled_mode if mode == "compiled" else False, prompts[batch],
+                                       settings.new_tokens, settings.repeats))
             except Exception as exc:  # one failing case must not hide the others
                 row["error"] = f"{type(exc).__name__}: {exc}"
                 row["traceback"] = traceback.format_exc(limit=8)
                 if settings.device.type == "cuda":
                     torch.cuda.empty_cache()
             measured[mode].append(time.perf_counter() - started)
-        finish_row(row, plain, eager, settings.dtype)
+        finish_row(row, plain, eager, settings.dtype, baseline)
         emit(row)
     del target, drafter
     gc.collect()
@@ -373,9 +433,11 @@ def run_model(settings: Settings, shape: ModelShape, budget: Budget, keep: float
         torch.cuda.empty_cache()
 
 
-def finish_row(row: dict, plain: dict[int, dict], eager: dict[tuple[int, str], dict], dtype: torch.dtype) -> None:
+def finish_row(row: dict, plain: dict[int, dict], eager: dict[tuple[int, str], dict], dtype: torch.dtype,
+               baseline: dict[int, dict] | None = None) -> None:
     """The row's comparisons: its tokens against plain decoding's (and a compiled row's against its eager
-    twin's), and its projection at the default pair's acceptance."""
+    twin's), its projection at the default pair's acceptance, and against transformers' compiled static-cache
+    decoding at the same batch (``baseline``, filled here as its rows come)."""
     batch = row["batch"]
     figure = default_pair_figure(row["builder"], row["budget"])
     row["default_pair_tokens_per_round"] = figure.tokens_per_round
@@ -386,6 +448,9 @@ def finish_row(row: dict, plain: dict[int, dict], eager: dict[tuple[int, str], d
         plain[batch] = row
     if row["mode"] == "eager":
         eager[(batch, row["method"])] = row
+    baseline = {} if baseline is None else baseline
+    if row["method"] == HF_STATIC[0]:
+        baseline[batch] = row
     reference = plain.get(batch)
     if reference is not None:
         row["plain_ms_per_round"] = reference["ms_per_round"]
@@ -399,6 +464,11 @@ def finish_row(row: dict, plain: dict[int, dict], eager: dict[tuple[int, str], d
         if reference is not None:
             row["projected_speedup_over_plain"] = round(
                 figure.tokens_per_round * reference["ms_per_round"] / row["ms_per_round"], 3)
+        hf = baseline.get(batch)
+        if hf is not None and row["mode"] == "compiled":
+            row["hf_static_ms_per_round"] = hf["ms_per_round"]
+            row["projected_speedup_over_hf_static"] = round(
+                figure.tokens_per_round * hf["ms_per_round"] / row["ms_per_round"], 3)
     # fp32 must be exact; bf16's argmax near-ties can differ between a tree verify and a one-token step
     row["lossless_required"] = dtype == torch.float32
 
@@ -412,8 +482,12 @@ def notes() -> list[str]:
         "projected tok/s = batch x the default pair's tokens per round for the same builder and budget / "
         "ms per round; projected vs plain = that tokens per round x plain decoding's ms/round (eager, same "
         "batch) / the row's ms/round",
-        "plain decoding runs eager only" + (f" (compile=True refuses budget 0: {plain})" if plain else "")
-        + ", so a compiled row's 'vs plain' is against eager plain decoding",
+        "vs plain: against ddtree's eager plain decoding at the same batch"
+        + (f" (compile=True refuses budget 0: {plain})" if plain else ""),
+        "hf_static: transformers' forward over its StaticCache under torch.compile (CUDA graphs on CUDA), greedy, "
+        "the prefill eager; a compiled row's 'vs HF static' = its tokens per round (the default pair's) x "
+        "hf_static's ms per step / the row's ms per round (for compiled plain decoding: the step against the "
+        "step)",
         "same tokens as plain: the row's greedy tokens against plain decoding's at the same batch; required in "
         "float32, reported only in bf16/fp16 (argmax near-ties can differ between a tree verify and a one-token "
         "step)",
@@ -488,8 +562,8 @@ def write(report: dict, out: Path) -> None:
 
 
 COLUMNS = ("model", "batch", "method", "mode", "ms/round", "plain ms/round", "measured tok/round",
-           "default-pair tok/round", "projected tok/s", "projected vs plain", "same tokens as plain",
-           "first call s")
+           "default-pair tok/round", "projected tok/s", "projected vs plain", "projected vs HF static",
+           "same tokens as plain", "first call s")
 
 
 def table(report: dict) -> str:
@@ -508,7 +582,8 @@ def table(report: dict) -> str:
         values = (r["model"], r["batch"], r["method"], r["mode"], timing, r.get("plain_ms_per_round"),
                   r.get("measured_tokens_per_round"), "not measured" if figure is None else figure,
                   r.get("projected_tokens_per_second"), r.get("projected_speedup_over_plain"),
-                  r.get("same_tokens_as_plain"), r.get("first_call_seconds"))
+                  r.get("projected_speedup_over_hf_static"), r.get("same_tokens_as_plain"),
+                  r.get("first_call_seconds"))
         lines.append("| " + " | ".join(cell(v) for v in values) + " |")
     notes = sorted({r["default_pair_source"] for r in report["rows"] if "default_pair_source" in r})
     skips = sorted({f"{r.get('mode', '')}: {r['skipped']}" for r in report["rows"] if "skipped" in r})

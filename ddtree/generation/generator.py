@@ -200,7 +200,7 @@ class SpeculativeGenerator:
         self.backend = get_backend(attention) if isinstance(attention, (str, type(None))) else attention
         self.backend.prepare(self.target)
         self.tokenizer = tokenizer
-        self._static_steps: dict[tuple, StaticSteps] = {}  # compiled static-round steps by builder, budget, rule
+        self._static_steps: dict[tuple, StaticSteps] = {}  # compiled steps by builder, budget, rule, drafting
         self._said_capacity: set[tuple] = set()  # (budget, builder) pairs already warned as past the builder's reach
         self.compile_log = CompileLog()  # says each graph compile=True compiles, counted over this generator's calls
         if options.compile:
@@ -467,13 +467,14 @@ class SpeculativeGenerator:
         return self._options.compile
 
     def static_steps(self, budget: int, sampling: SamplingConfig = GREEDY,
-                     builder: TreeBuilder | None = None) -> StaticSteps:
-        """The static round's steps for ``builder`` (default the generator's), ``budget`` and the decoding rule
-        (compiled on first use, then kept)."""
+                     builder: TreeBuilder | None = None, drafting: bool = True) -> StaticSteps:
+        """The static round's steps for ``builder`` (default the generator's), ``budget``, the decoding rule and
+        ``drafting`` (``False``: plain decoding's, budget 0), compiled on first use, then kept."""
         builder = builder or self.builder
-        key = (builder, budget, sampling)
+        key = (builder, budget, sampling, drafting)
         if key not in self._static_steps:
-            self._static_steps[key] = StaticSteps(self, builder, budget, self._options.compile, sampling)
+            self._static_steps[key] = StaticSteps(self, builder, budget, self._options.compile, sampling,
+                                                  drafting)
         return self._static_steps[key]
 
     def budget_policy(self, budget: int | str | BudgetPolicy, *,

@@ -116,8 +116,8 @@ def check_attention(attention: Any) -> None:
 
 def check_compile(options: GeneratorOptions) -> None:
     """``compile``: ``False``, ``True`` (inductor; CUDA graphs on CUDA) or a ``torch.compile`` backend name; it
-    runs the static round, which takes a fixed tree budget or ``"auto"`` over a ladder of fixed ones and the
-    dense-mask attention."""
+    runs the static round, which takes a fixed tree budget (0: plain decoding, compiled), or ``"auto"`` over a
+    ladder of fixed ones, and the dense-mask attention."""
     value = options.compile
     if not (isinstance(value, bool) or (isinstance(value, str) and value)):
         raise ValueError(f"compile must be True, False or a torch.compile backend name, got {value!r}")
@@ -126,9 +126,10 @@ def check_compile(options: GeneratorOptions) -> None:
     budget = options.tree_budget
     adaptive = budget == "auto" or isinstance(budget, (AutoBudget, FixedBudget))
     if budget is not None and not adaptive and (isinstance(budget, bool) or not isinstance(budget, int)
-                                                or budget < 1):
-        raise ValueError(f"compile=True takes a fixed int tree_budget >= 1 (each tree size is its own compiled "
-                         f"graph) or \"auto\" (a ladder of them), got {budget!r}; pass tree_budget=N or compile=False")
+                                                or budget < 0):
+        raise ValueError(f"compile=True takes a fixed int tree_budget >= 0 (each tree size is its own compiled "
+                         f"graph; 0 decodes plainly) or \"auto\" (a ladder of them), got {budget!r}; pass "
+                         f"tree_budget=N or compile=False")
     if options.attention not in ("auto", "sdpa", None):
         raise ValueError(f"compile=True verifies with the dense tree mask (attention='sdpa'), got attention="
                          f"{options.attention!r}; leave attention='auto' or pass 'sdpa'")

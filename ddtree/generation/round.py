@@ -69,20 +69,23 @@ def speculative_round(state: DecodeState) -> RoundResult:
     with torch.inference_mode():
         if not state.rows.prefilled:
             return _prefill(state)
-        if state.policy is None:
-            return _plain_step(state)
         if state.generator.compile:
             return _static_tree_round(state)
+        if state.policy is None:
+            return _plain_step(state)
         return _tree_round(state, state.policy)
 
 
 def _static_tree_round(state: DecodeState) -> RoundResult:
     """A tree round as the static, compiled steps (``compile=True``; see :mod:`ddtree.generation.static_round`):
-    a fixed budget's, or under ``"auto"`` the policy's choice among the compiled ladder's budgets."""
+    a fixed budget's, plain decoding's (``tree_budget=0``), or under ``"auto"`` the policy's choice among the
+    compiled ladder's budgets."""
     gen, held = state.generator, state.on_device
     if held.static is None:
         held.static = to_static(state)
     rows = cast(StaticRows, held.static)
+    if state.policy is None:
+        return static_round(state, gen.static_steps(0, state.sampling, drafting=False), rows)
     budget = static_budget(state)
     if budget is not None:
         return static_round(state, gen.static_steps(budget, state.sampling), rows)

@@ -14,10 +14,11 @@ buffers (:class:`~ddtree.targets.static_cache.RowPackedCache`, the context's ``t
 3. ``commit``: the acceptance walk, the accepted nodes' keys/values copied down in place (and GDN states
    replayed along each row's path), their features written into the drafter context, new lengths and roots;
 
-then the round's one host read of the packed accepted tokens. Rows that finish keep their place (their
-lengths stop growing) so the batch shape holds; capacities grow by doubling outside the steps, so a
-generation uses a handful of graphs. Each step runs under ``torch.compile(fullgraph=True)`` (on CUDA with
-``mode="reduce-overhead"``, CUDA graphs); ``compile="eager"`` or another backend name picks a
+then the round's one host read of the packed accepted tokens. ``tree_budget=0`` runs plain decoding as these
+steps (a root-only tree; no drafter context moves into buffers, no hidden states are kept). Rows that finish
+keep their place (their lengths stop growing) so the batch shape holds; capacities grow by doubling outside
+the steps, so a generation uses a handful of graphs. Each step runs under ``torch.compile(fullgraph=True)``
+(on CUDA with ``mode="reduce-overhead"``, CUDA graphs); ``compile="eager"`` or another backend name picks a
 ``torch.compile`` backend, and the steps' equality with the dynamic round is tested uncompiled and compiled.
 Compiling takes minutes on a CPU: :class:`CompileLog` says each graph as it compiles, and its seconds.
 """
@@ -101,7 +102,7 @@ class StaticRows:
     :class:`~ddtree.generation.rows.RowBook`, as in the dynamic round."""
 
     cache: RowPackedCache
-    draft: StaticDraftContext
+    draft: StaticDraftContext | None  # None: plain decoding (``tree_budget=0``) keeps no drafter context
     lengths: torch.Tensor  # [R] committed positions per buffer row
     roots: torch.Tensor  # [R] each row's last emitted token
     alive: torch.Tensor  # [R] bool
@@ -116,17 +117,20 @@ def _takes_cache_position(owner: type[torch.nn.Module]) -> bool:
 
 class StaticSteps:
     """The three steps of a static round for one target, drafter, builder and budget, compiled on first use.
+    ``drafting=False``: plain decoding's steps (budget 0, no drafter context to feed, no hidden states kept).
 
     Held by the generator (they are derived from its models and settings, and compiling is slow), keyed by
-    the builder and budget."""
+    the builder, budget, decoding rule and ``drafting``."""
 
     def __init__(self, generator: Any, builder: TreeBuilder, budget: int, compile: bool | str,
-                 sampling: SamplingConfig = GREEDY) -> None:
+                 sampling: SamplingConfig = GREEDY, drafting: bool = True) -> None:
+        if not drafting and budget != 0:
+            raise ValueError(f"steps that keep no drafter context decode plainly: budget 0, got {budget}")
         self.target = generator.target
         self.sampling = sampling
         self.drafter = generator.drafter
         self.builder = builder
-        self.budget = budget
+        self.budget, self.drafting = budget, drafting
         self.max_depth = min(budget, self.drafter.block_size - 1)  # a DFlash block proposes block_size - 1 depths
         plan = window_plan(self.target)
         assert plan is not None  # check_static_support refused the rest
@@ -135,7 +139,8 @@ class StaticSteps:
         self.dtype = generator.dtype
         self.cache_keyword = next(iter(cache_kwargs(self.target, None)))
         self.cache_position = _takes_cache_position(type(self.target))  # type: ignore[arg-type]  # hashable class
-        if self.drafter.needs_hidden_states:
+        self.hidden = drafting and self.drafter.needs_hidden_states
+        if self.hidden:
             _install_output_hooks(self.target)
         cuda = self.target.get_input_embeddings().weight.device.type == "cuda"
         self.cuda_graphs = compile is True and cuda
@@ -176,7 +181,7 @@ class StaticSteps:
         extra: dict[str, Any] = {self.cache_keyword: cache}
         if self.cache_position:  # transformers that derive it from the cache's length otherwise; unused by it
             extra["cache_position"] = torch.arange(n, device=lengths.device)
-        hidden = self.drafter.needs_hidden_states
+        hidden = self.hidden
         out = self.target(input_ids=tree.tokens, position_ids=lengths[:, None] + tree.depths,
                           attention_mask=masks_for_plan(self.plan, self.layer_types, mask), use_cache=True,
                           output_hidden_states=hidden, **extra)
@@ -184,7 +189,7 @@ class StaticSteps:
         positions = lengths[:, None] + tree.depths + 1  # each node chooses the token after it
         return choose_tokens(out.logits, self.sampling, keys=keys, positions=positions), features
 
-    def _commit(self, cache: RowPackedCache, draft: StaticDraftContext, tree: DraftTree, choices: torch.Tensor,
+    def _commit(self, cache: RowPackedCache, draft: StaticDraftContext | None, tree: DraftTree, choices: torch.Tensor,
                 features: torch.Tensor | None, lengths: torch.Tensor,
                 alive: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         n = tree.num_nodes
@@ -192,9 +197,10 @@ class StaticSteps:
         commit_packed(cache.keys, cache.values, lengths, result.accepted)
         cache.commit_states(result.accepted[:, : self.max_depth + 1], alive)  # stateful layers, if any
         path = result.accepted.clamp(min=0)
-        if features is not None:
-            features = features.gather(1, path[..., None].expand(-1, -1, features.shape[-1]))
-        draft.append(features, tree.tokens.gather(1, path), lengths)
+        if draft is not None:
+            if features is not None:
+                features = features.gather(1, path[..., None].expand(-1, -1, features.shape[-1]))
+            draft.append(features, tree.tokens.gather(1, path), lengths)
         new_lengths = lengths + torch.where(alive, result.num_accepted, torch.zeros_like(result.num_accepted))
         return pack_accepted(tree, result), new_lengths, result.bonus
 
@@ -371,15 +377,16 @@ def to_static(state: DecodeState) -> StaticRows:
     for model in (gen.target, getattr(gen.drafter, "cpu_linear_model", None)):
         if isinstance(model, torch.nn.Module):
             cpu_linear.pack_routed(model)  # the compiled steps read routed linears' packed weights, current ones
-    draft = state.catch_up_draft()
+    plain = state.policy is None  # plain decoding keeps no drafter context
+    draft = None if plain else state.catch_up_draft()
     to_static_draft = getattr(draft, "to_static", None)
-    if to_static_draft is None:
+    if to_static_draft is None and not plain:
         raise ValueError(f"compile=True needs a drafter context with to_static (DFlash); "
                          f"{type(draft).__name__} has none. Use compile=False")
     capacity = capacity_for(max(book.host_lengths) + state.generator.drafter.block_size + 1)
     cache = RowPackedCache.from_cache(held.cache, book.host_lengths, capacity)
     lengths = cast(torch.Tensor, held.lengths)  # set by the prefill
-    rows = StaticRows(cache=cache, draft=to_static_draft(capacity), lengths=lengths.clone(),
+    rows = StaticRows(cache=cache, draft=None if plain else to_static_draft(capacity), lengths=lengths.clone(),
                       roots=cast(torch.Tensor, held.roots).clone(),
                       alive=torch.ones(len(book.active), dtype=torch.bool, device=lengths.device), keys=held.keys,
                       slots=list(range(len(book.active))))  # the device state holds the active rows in order
@@ -397,7 +404,8 @@ def static_round(state: DecodeState, steps: StaticSteps, rows: StaticRows,
     if need > rows.cache.capacity:
         capacity = capacity_for(need)
         rows.cache = rows.cache.grown(capacity)
-        rows.draft.reserve(capacity)
+        if rows.draft is not None:
+            rows.draft.reserve(capacity)
         held.cache = rows.cache
     if steps.cuda_graphs and tree is None:
         # One round is one CUDA-graph generation: draft, verify and commit run as a path of graphs whose
@@ -415,7 +423,8 @@ def static_round(state: DecodeState, steps: StaticSteps, rows: StaticRows,
                                               rows.alive)
         rows.lengths, rows.roots = lengths.clone(), roots.clone()  # outputs a later replay may overwrite
         host = unpack_accepted(packed.tolist(), tree).select(rows.slots)  # the round's one host read
-    observe_accepted(state, tree, host, steps.budget, tree_rows=rows.slots, reason=reason)
+    observe_accepted(state, tree, host, steps.budget if steps.drafting else None, tree_rows=rows.slots,
+                     reason=reason)
     tokens, acceptance = emit_accepted(state, host)
     finished = [row for row in book.active if book.finished[row]]
     if finished:
