@@ -467,7 +467,7 @@ class SpeculativeGenerator:
         return self._options.compile
 
     def static_steps(self, budget: int, sampling: SamplingConfig = GREEDY,
-                     builder: TreeBuilder | None = None, drafting: bool = True) -> StaticSteps:
+                     builder: TreeBuilder | None = None, *, drafting: bool = True) -> StaticSteps:
         """The static round's steps for ``builder`` (default the generator's), ``budget``, the decoding rule and
         ``drafting`` (``False``: plain decoding's, budget 0), compiled on first use, then kept."""
         builder = builder or self.builder
@@ -568,8 +568,8 @@ class _CallEngine:
         self._generator = generator
         self.builder = builder
 
-    def static_steps(self, budget: int, sampling: SamplingConfig = GREEDY) -> StaticSteps:
-        return self._generator.static_steps(budget, sampling, self.builder)
+    def static_steps(self, budget: int, sampling: SamplingConfig = GREEDY, *, drafting: bool = True) -> StaticSteps:
+        return self._generator.static_steps(budget, sampling, self.builder, drafting=drafting)
 
     def __getattr__(self, name: str) -> Any:
         if name == "_generator":  # not set yet (copy, pickle): no recursion

@@ -377,16 +377,18 @@ def to_static(state: DecodeState) -> StaticRows:
     for model in (gen.target, getattr(gen.drafter, "cpu_linear_model", None)):
         if isinstance(model, torch.nn.Module):
             cpu_linear.pack_routed(model)  # the compiled steps read routed linears' packed weights, current ones
-    plain = state.policy is None  # plain decoding keeps no drafter context
-    draft = None if plain else state.catch_up_draft()
-    to_static_draft = getattr(draft, "to_static", None)
-    if to_static_draft is None and not plain:
-        raise ValueError(f"compile=True needs a drafter context with to_static (DFlash); "
-                         f"{type(draft).__name__} has none. Use compile=False")
     capacity = capacity_for(max(book.host_lengths) + state.generator.drafter.block_size + 1)
+    static_draft = None  # plain decoding keeps no drafter context
+    if state.policy is not None:
+        draft = state.catch_up_draft()
+        to_static_draft = getattr(draft, "to_static", None)
+        if to_static_draft is None:
+            raise ValueError(f"compile=True needs a drafter context with to_static (DFlash); "
+                             f"{type(draft).__name__} has none. Use compile=False")
+        static_draft = to_static_draft(capacity)
     cache = RowPackedCache.from_cache(held.cache, book.host_lengths, capacity)
     lengths = cast(torch.Tensor, held.lengths)  # set by the prefill
-    rows = StaticRows(cache=cache, draft=None if plain else to_static_draft(capacity), lengths=lengths.clone(),
+    rows = StaticRows(cache=cache, draft=static_draft, lengths=lengths.clone(),
                       roots=cast(torch.Tensor, held.roots).clone(),
                       alive=torch.ones(len(book.active), dtype=torch.bool, device=lengths.device), keys=held.keys,
                       slots=list(range(len(book.active))))  # the device state holds the active rows in order
