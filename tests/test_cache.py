@@ -200,10 +200,13 @@ def _roomed_cache(rows: int, columns: int, seed: int):
     ([[0, 2, 5], [0, -1, -1]], [6, 4]),  # ragged counts and rows: row 1 moves right
     ([[0, 1, -1], [0, 3, 4]], None),
     ([[0, -1, -1], [0, 4, 5]], [6, 2]),  # the short row accepts most: it moves left, into its padding
+    ([[0, 2, 5], [0, 1, 4]], None),  # equal counts off the leading run (batch 1's case): only the nodes move
+    ([[0, 3], [0, 1]], [6, 3]),  # equal counts, ragged rows: the padding stays where it is
 ])
-def test_a_ragged_commit_moves_rows_within_their_room(accepted, lengths, monkeypatch):
-    """A ragged commit of a cache held in room moves each row's columns there (no whole-cache gather, the
-    layers still append in place) and keeps what the gathering commit keeps, on every row's real columns."""
+def test_a_tree_commit_moves_rows_within_their_room(accepted, lengths, monkeypatch):
+    """A commit of a cache held in room, ragged or not, moves each row's columns there (no whole-cache gather
+    or concatenation, the layers still append in place) and keeps what the gathering commit keeps, on every
+    row's real columns."""
     from ddtree.targets import cache as cache_module
 
     prefix, nodes = 6, 6

@@ -9,6 +9,7 @@ parts; the generator checks a drafter for every part before it decodes.
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -148,6 +149,16 @@ def propose_to_depth(context: DraftContext, root_tokens: torch.Tensor, depth: in
 
 
 def _takes(method: Any, name: str) -> bool:
+    function = getattr(method, "__func__", None)  # a bound method's function: read its signature once
+    return _function_takes(function, name) if inspect.isfunction(function) else _signature_takes(method, name)
+
+
+@functools.lru_cache(maxsize=256)
+def _function_takes(function: Any, name: str) -> bool:
+    return _signature_takes(function, name)
+
+
+def _signature_takes(method: Any, name: str) -> bool:
     try:
         params = inspect.signature(method).parameters.values()
     except (TypeError, ValueError):
