@@ -154,11 +154,11 @@ class _Candidates:
 
 
 def _merge(tree: DraftTree, branches: Branches) -> _Candidates:
-    """Walk every row's branches down the tree at once, one branch place per step: follow the first real
-    candidate with the branch's token under the current node, or fill the place's own slot."""
+    """Walk every row's branches down the tree at once, one branch after another: a branch follows, place by
+    place, the first real candidate with its token under the current node, and fills its own slots from the
+    first place that has none."""
     bsz, n = tree.tokens.shape
     _, k, d = branches.tokens.shape
-    c = n + k * d
     device = tree.tokens.device
     extra = k * d
 
@@ -178,32 +178,47 @@ def _merge(tree: DraftTree, branches: Branches) -> _Candidates:
                         torch.zeros(bsz, extra, dtype=torch.bool, device=device)], dim=1),
         visibility=torch.nn.functional.pad(tree.visibility, (0, extra, 0, extra)),
     )
-    index = torch.arange(c, device=device)
     lengths = branches.lengths.to(device)
     for j in range(k):
-        node = torch.zeros(bsz, dtype=torch.long, device=device)  # each row's walk starts at its root
-        for place in range(d):
-            slot = n + j * d + place
-            live = place < lengths[:, j]
-            token, score = branches.tokens[:, j, place], branches.scores[:, j, place]
-            match = cand.real & (cand.parents == node[:, None]) & (cand.tokens == token[:, None])
-            found = match.any(dim=1)
-            first = match.long().argmax(dim=1)  # the first match: argmax returns the first maximum
-            follow, add = live & found, live & ~found
-            hit = (index == first[:, None]) & follow[:, None]
-            cand.scores = torch.where(hit, torch.maximum(cand.scores, score[:, None]), cand.scores)
-            cand.sources = torch.where(hit, cand.sources | LOOKUP, cand.sources)
-            cand.tokens[:, slot] = torch.where(add, token, cand.tokens[:, slot])
-            cand.parents[:, slot] = torch.where(add, node, cand.parents[:, slot])
-            cand.depths[:, slot] = torch.where(add, cand.depths.gather(1, node[:, None])[:, 0] + 1,
-                                               cand.depths[:, slot])
-            cand.scores[:, slot] = torch.where(add, score, cand.scores[:, slot])
-            cand.sources[:, slot] = torch.where(add, LOOKUP, cand.sources[:, slot])
-            cand.real[:, slot] = add
-            above = cand.visibility.gather(1, node[:, None, None].expand(bsz, 1, c))[:, 0]  # the node's ancestors
-            cand.visibility[:, slot] = (above | (index == slot)) & add[:, None]
-            node = torch.where(follow, first, torch.where(add, slot, node))
+        _walk(cand, branches.tokens[:, j], branches.scores[:, j], lengths[:, j], n + j * d)
     return cand
+
+
+def _walk(cand: _Candidates, tokens: torch.Tensor, scores: torch.Tensor, length: torch.Tensor, base: int) -> None:
+    """One branch per row (``tokens``/``scores`` ``[B, D]``, ``length`` ``[B]`` places) into ``cand``, its
+    slots at ``base ..``: every place at once. The walk follows, at each place, the first real candidate (by
+    index) with the place's token under the node it stands on, so the candidates it follows are those whose
+    every ancestor (and itself) is such a first one matching the branch at its depth; it stops at the deepest,
+    and the places after it become a chain of new slots under it."""
+    bsz, c = cand.tokens.shape
+    d = tokens.shape[1]
+    index = torch.arange(c, device=cand.tokens.device)
+    depth = cand.depths
+    place = (depth - 1).clamp(0, d - 1)
+    matches = cand.real & (depth >= 1) & (depth <= length[:, None]) & (cand.tokens == tokens.gather(1, place))
+    earlier_twin = ((cand.parents[:, :, None] == cand.parents[:, None, :])
+                    & (cand.tokens[:, :, None] == cand.tokens[:, None, :])
+                    & cand.real[:, None, :] & (index[None, :] < index[:, None]))  # [B, x, y]: y is x's earlier twin
+    first = matches & ~earlier_twin.any(dim=2)
+    followed = first & ~(cand.visibility & ~(first | (index == 0))[:, None, :]).any(dim=2)  # its whole path
+    cand.scores = torch.where(followed, torch.maximum(cand.scores, scores.gather(1, place)), cand.scores)
+    cand.sources = torch.where(followed, cand.sources | LOOKUP, cand.sources)
+    stop = torch.where(followed, depth, 0).amax(dim=1)  # [B]: places followed; the branch adds from there
+    node = torch.where(stop > 0, (followed & (depth == stop[:, None])).long().argmax(dim=1), 0)
+    at = torch.arange(d, device=index.device)
+    add = (at[None, :] >= stop[:, None]) & (at[None, :] < length[:, None])  # [B, D]
+    slots = base + at
+    parent = torch.where(at[None, :] == stop[:, None], node[:, None], (slots - 1)[None, :])
+    span = slice(base, base + d)
+    cand.tokens[:, span] = torch.where(add, tokens, cand.tokens[:, span])
+    cand.parents[:, span] = torch.where(add, parent, cand.parents[:, span])
+    cand.depths[:, span] = torch.where(add, at[None, :] + 1, cand.depths[:, span])
+    cand.scores[:, span] = torch.where(add, scores.to(cand.scores.dtype), cand.scores[:, span])
+    cand.sources[:, span] = torch.where(add, LOOKUP, cand.sources[:, span])
+    cand.real[:, span] = add
+    above = cand.visibility.gather(1, node[:, None, None].expand(bsz, 1, c))  # [B, 1, C]: the node's ancestors
+    chain = (index[None, None, :] >= (base + stop)[:, None, None]) & (index[None, None, :] <= slots[None, :, None])
+    cand.visibility[:, span] = (above | chain) & add[:, :, None]
 
 
 def _select(cand: _Candidates, roots: torch.Tensor, keep: int, first: torch.Tensor,
