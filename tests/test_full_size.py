@@ -132,23 +132,26 @@ def test_gpu_check_runs_the_full_size_stage_alone(tmp_path, monkeypatch):
     assert {r["method"] for r in rows if "ms_per_round" in r} == {"plain", "chain", "best_first@16", "auto"}
 
 
-def test_the_plan_runs_every_eager_case_then_the_headline_compiled_comparison():
-    """Eager cases first (every batch and method), then at the first batch transformers' compiled static-cache
-    decoding, ddtree's compiled plain decoding and smallest tree, which alone may spend the seconds kept for
-    the later models; the same at the other batches, then the chain, the wider trees and auto."""
+def test_the_plan_runs_the_headline_comparison_first():
+    """At the first batch: eager plain decoding and the smallest tree (the references), then transformers'
+    compiled static-cache decoding, ddtree's compiled plain decoding and smallest tree; then every other eager
+    case; then the compiled baseline, plain decoding and smallest tree at the other batches, the chain, the
+    wider trees and auto. Only the eager cases and the compiled headline may spend the later models' seconds."""
     settings = fs.settings_for("tiny")  # batches 1, 8, 32; budgets 16, 32, 64
     cases = fs.plan(settings, fs.SHAPES["full"]["qwen3-8b"])
-    modes = [c["mode"] for c in cases]
-    assert modes == sorted(modes, key=lambda m: m == "compiled") and len(cases) == 3 * 6 + 3 * 7
+    order = [(c["batch"], c["method"], c["mode"]) for c in cases]
+    assert len(cases) == 3 * 6 + 3 * 7 and "hf_static" not in {c["method"] for c in cases if c["mode"] == "eager"}
+    assert order[:5] == [(1, "plain", "eager"), (1, "best_first@16", "eager"), (1, "hf_static", "compiled"),
+                         (1, "plain", "compiled"), (1, "best_first@16", "compiled")]
+    assert {c["mode"] for c in cases[5:5 + 16]} == {"eager"} and {c["mode"] for c in cases[21:]} == {"compiled"}
+    assert [c[:2] for c in order if c[2] == "eager"][:2] == [(1, "plain"), (1, "best_first@16")]
+    assert [(c["batch"], c["method"]) for c in cases if c["core"] and c["mode"] == "compiled"] == [
+        (1, "hf_static"), (1, "plain"), (1, "best_first@16")]
     assert all(c["core"] for c in cases if c["mode"] == "eager")
-    assert "hf_static" not in {c["method"] for c in cases if c["mode"] == "eager"}
-    compiled = [(c["batch"], c["method"], c["core"]) for c in cases if c["mode"] == "compiled"]
-    headline = ["hf_static", "plain", "best_first@16"]
-    assert compiled[:3] == [(1, m, True) for m in headline]
-    assert [c for c in compiled if c[2]] == compiled[:3]
-    assert compiled[3:9] == [(b, m, False) for b in (8, 32) for m in headline]
-    assert compiled[9:12] == [(b, "chain", False) for b in (1, 8, 32)]
-    assert {m for _, m, _ in compiled[-3:]} == {"auto"}
+    rest = [(b, m) for b, m, mode in order[21:]]
+    assert rest[:6] == [(b, m) for b in (8, 32) for m in ("hf_static", "plain", "best_first@16")]
+    assert rest[6:9] == [(b, "chain") for b in (1, 8, 32)]
+    assert {m for _, m in rest[-3:]} == {"auto"}
 
 
 def test_the_full_widths_build_models_of_the_published_sizes():

@@ -357,22 +357,32 @@ def measure_hf_static(target: Any, prompts: torch.Tensor, new_tokens: int, repea
 
 
 def plan(settings: Settings, shape: ModelShape) -> list[dict]:
-    """The model's cases in the order they run: every eager one by batch, then the compiled ones: at each batch
-    transformers' compiled static-cache decoding (:data:`HF_STATIC`), ddtree's compiled plain decoding and its
-    smallest tree first, then the chain, the wider trees and ``auto``. ``core``: the eager cases and the compiled
-    baseline, plain decoding and smallest tree at the first batch (the comparison that matters most), which may
-    spend the seconds the later models keep."""
+    """The model's cases in the order they run: first the comparison that matters most, at the first compiled
+    batch: eager plain decoding and the smallest tree (the compiled rows' references), then transformers'
+    compiled static-cache decoding (:data:`HF_STATIC`), ddtree's compiled plain decoding and smallest tree;
+    then every other eager case by batch; then the compiled ones, the baseline, plain decoding and the smallest
+    tree at each batch first, then the chain, the wider trees and ``auto``. ``core``: the eager cases and the
+    compiled headline, which may spend the seconds the later models keep."""
     methods_ = methods(settings.budgets, shape.drafter.block_size)
     compiled = settings.batches if settings.compiled_batches is None else settings.compiled_batches
     first = {HF_STATIC[0], methods_[0][0], methods_[2][0]}  # the baseline, plain decoding, the smallest tree
+    headline = compiled[0] if compiled else None
     cases = [dict(batch=b, method=m, builder=k, budget=n, mode=mode,
-                  core=mode == "eager" or (m in first and b == compiled[0]))
+                  core=mode == "eager" or (m in first and b == headline))
              for mode, batches in (("eager", settings.batches), ("compiled", compiled))
              for b in batches for m, k, n in ([HF_STATIC] if mode == "compiled" else []) + methods_]
-    return sorted(cases, key=lambda c: (c["mode"] == "compiled",
-                                        0 if c["mode"] == "eager" or c["method"] in first else
-                                        1 if c["method"] == methods_[1][0] else
-                                        3 if c["method"] == "auto" else 2))
+
+    def phase(case: dict) -> int:
+        lead = case["method"] in first and case["batch"] == headline
+        if case["mode"] == "eager":
+            return 0 if lead else 2
+        if lead:
+            return 1
+        if case["method"] in first:
+            return 3
+        return {methods_[1][0]: 4, "auto": 6}.get(case["method"], 5)  # the chain, then wider trees, then auto
+
+    return sorted(cases, key=phase)
 
 
 def run_model(settings: Settings, shape: ModelShape, budget: Budget, keep: float, emit: Callable[[dict], None]):
