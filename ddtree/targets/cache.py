@@ -180,22 +180,25 @@ def commit_accepted(cache: Any, prefix_len: int, accepted: torch.Tensor, lengths
         kind.commit(cache, accepted)  # stateful layers: per row, from each row's own last accepted node
     # Rows that accept equally many nodes stay right-aligned when the nodes are appended after the whole
     # prefix (padding included): the cheap path, whatever each row's own length.
+    # Columns moved within each layer's in-place room where the paths are on the host (a gathered or
+    # concatenated cache, copied into new room at the next step, cost more than the forward at a batch of 12;
+    # at batch 1 it copied the whole cache twice a round); rows accepting equally many nodes keep every prefix
+    # column, padding included, where it is: only their nodes move.
+    in_room = (paths is not None and not (uniform and contiguous) and (uniform or width is not None)
+               and _in_rooms(cache, kv_layers))
     if uniform and contiguous and kv_layers and kv_layers[0][0].shape[-2] == prefix_len + accepted.shape[1]:
         pass  # every column is kept where it is (a round without a tree; a chain accepted whole)
-    elif uniform and (contiguous or paths is None or not _in_rooms(cache, kv_layers)):
-        for keys, values, store in kv_layers:  # contiguous decided once per round, not once per layer
-            store(keep_positions(keys, prefix_len, accepted, contiguous),
-                  keep_positions(values, prefix_len, accepted, contiguous))
-    elif paths is not None and (uniform or width is not None) and _in_rooms(cache, kv_layers):
-        # each row's columns moved within its in-place room (a whole-cache gather, then a copy of it into new
-        # room at the next step, cost more than the forward at a batch of 12); rows accepting equally many
-        # nodes keep every prefix column, padding included, where it is: only their nodes move
+    elif in_room and paths is not None:
         rows = (list(host_lengths) if not uniform and host_lengths is not None and lengths is not None
                 else [prefix_len] * len(paths))
         plan = compaction_plan(rows, [list(p) for p in paths])
         kept = prefix_len + accepted.shape[1] if uniform or width is None else width
         for layer in _attention_layers(cache):
             compact_in_room(layer, prefix_len, plan, kept)
+    elif uniform:
+        for keys, values, store in kv_layers:  # contiguous decided once per round, not once per layer
+            store(keep_positions(keys, prefix_len, accepted, contiguous),
+                  keep_positions(values, prefix_len, accepted, contiguous))
     else:
         if lengths is None:
             lengths = torch.full((accepted.shape[0],), prefix_len, dtype=torch.long, device=accepted.device)
