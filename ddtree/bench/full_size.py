@@ -341,8 +341,9 @@ def measure_hf_static(target: Any, prompts: torch.Tensor, new_tokens: int, repea
                        use_cache=True, **kept)
             token = out.logits[:, -1].argmax(-1)
             columns.append(token.tolist())  # a step's one host read, as generate's stopping check makes
+        seconds = time.perf_counter() - start
         check_cache_length(cache, n + new_tokens - 1, "hf_static decoding")
-        return [list(row) for row in zip(*columns)], time.perf_counter() - start
+        return [list(row) for row in zip(*columns)], seconds
 
     with torch.inference_mode(), cpu_linear.suspended(target):
         t0 = time.perf_counter()
