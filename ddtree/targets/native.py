@@ -135,6 +135,12 @@ def unavailable_reason() -> str | None:
     return library()[1]
 
 
+def uses_paired_bf16() -> bool:
+    """Whether bfloat16 products run on the AVX512-BF16 dot product here (a ``native`` build on a CPU with it)."""
+    lib = library()[0]
+    return bool(lib is not None and lib.ddtree_uses_paired_bf16())
+
+
 def uses_amx() -> bool:
     """Whether bfloat16 products run on AMX tiles here: a ``native`` build on a CPU with AMX-BF16 whose kernel
     lets this process use them (the first call asks; every product after it, of any row count, uses the same)."""

@@ -559,6 +559,9 @@ static void amx_block(const uint16_t *x, long xk, const uint16_t *wp, float *out
 #endif
 
 /* 1 where bfloat16 products run on AMX tiles (asking Linux on the first call), else 0. */
+/* Whether bfloat16 products run on the AVX512-BF16 dot product here (paired panels; on AMX tiles or not). */
+int ddtree_uses_paired_bf16(void) { return PAIRED_BF16; }
+
 int ddtree_uses_amx(void) {
 #ifdef HAVE_AMX
     return amx_ready();

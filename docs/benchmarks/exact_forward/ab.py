@@ -1,11 +1,13 @@
 """Side by side in one process, alternating: ddtree's decode forward straight through the model's parts
 (``ddtree.targets.exact_forward``) against transformers' model forward (``direct``), its layers as one C call
-against one call each (``stack``), or the default budget against plain decoding (``default``), on the default
+against one call each (``stack``), the default budget against plain decoding (``default``), or the drafter's
+linears on the packed kernel against torch's (``drafter``, the default budget or ``BUDGET``), on the default
 pair.
 
     python docs/benchmarks/exact_forward/ab.py direct DTYPE BATCH PAIRS [auto]
     python docs/benchmarks/exact_forward/ab.py stack DTYPE BATCH PAIRS
     python docs/benchmarks/exact_forward/ab.py default DTYPE BATCH PAIRS
+    python docs/benchmarks/exact_forward/ab.py drafter DTYPE BATCH PAIRS [BUDGET]
 
 Prints the median wall seconds of a call (64 new tokens for ``direct``, 96 for ``default``) and, for
 ``direct`` and ``stack``, the verify stage's seconds a round; and whether the two sides' tokens were equal.
@@ -17,7 +19,7 @@ import time
 
 from ddtree import SpeculativeGenerator
 from ddtree.bench.prompts import load_prompts
-from ddtree.targets import exact_forward, exact_layers, row_kernels
+from ddtree.targets import cpu_linear, exact_forward, exact_layers, row_kernels
 
 ONE_CALL = exact_layers._DecoderStack.run
 
@@ -50,10 +52,16 @@ def main() -> None:
         fixed = {} if sys.argv[5:] == ["auto"] else {"tree_budget": 0}
         options = {side: fixed for side in sides}
         new_tokens = 64
+    elif what == "drafter":
+        sides = ("torch", "kernel")
+        fixed = {} if sys.argv[5:] in ([], ["auto"]) else {"tree_budget": int(sys.argv[5])}
+        options = {side: fixed for side in sides}
+        new_tokens = 96
     else:
         sides = ("plain", "default")
         options = {"plain": {"tree_budget": 0}, "default": {}}
         new_tokens = 96
+    drafter_model = gen.drafter.cpu_linear_model
     for side in sides:
         gen.generate(prompts, max_new_tokens=8, **options[side])
     seconds: dict[str, list[tuple[float, float]]] = {side: [] for side in sides}
@@ -67,6 +75,11 @@ def main() -> None:
                     exact_forward.uninstall(gen.target)
             elif what == "stack":
                 exact_layers._DecoderStack.run = ONE_CALL if side == "one call" else one_call_each
+            elif what == "drafter":
+                if side == "kernel":
+                    cpu_linear.install(drafter_model, exact=True)
+                else:
+                    cpu_linear.uninstall(drafter_model)
             start = time.perf_counter()
             out = gen.generate(prompts, max_new_tokens=new_tokens, stop_token_ids=(), **options[side])
             wall = time.perf_counter() - start
