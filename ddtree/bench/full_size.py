@@ -285,10 +285,16 @@ class Budget:
         return self.seconds - (time.perf_counter() - self.start)
 
 
+WARM_UPS = 4
+"""Warm-up generations at most before a compiled case is timed."""
+
+
 def measure(target: Any, drafter: Any, builder: str, budget: int | str, compile: bool | str, prompts: torch.Tensor,
             new_tokens: int, repeats: int) -> dict:
-    """One warm-up generation (it compiles, and ``auto`` learns its costs), then ``repeats`` timed ones: the
-    median ms per decode round and tokens per round, each row's tokens, the budgets the rounds used."""
+    """Warm-up generations (the first compiles and ``auto`` learns its costs; under ``compile`` more follow, up
+    to :data:`WARM_UPS`, while one still compiles a graph: ``auto`` meets its ladder's budgets as it learns),
+    then ``repeats`` timed ones: the median ms per decode round and tokens per round, each row's tokens, the
+    budgets the rounds used, and the graphs compiled while timed (0 unless the warm-ups ran out)."""
     from ddtree.generation.generator import SpeculativeGenerator
 
     gen = SpeculativeGenerator(target, drafter, tree_budget=budget, builder=builder, attention="sdpa",
@@ -296,6 +302,14 @@ def measure(target: Any, drafter: Any, builder: str, budget: int | str, compile:
     t0 = time.perf_counter()
     gen.generate(prompts, max_new_tokens=new_tokens, stop_token_ids=())
     warm = time.perf_counter() - t0
+    for _ in range(WARM_UPS - 1):
+        graphs = gen.compile_log.graphs
+        if compile is False or graphs == 0:
+            break
+        gen.generate(prompts, max_new_tokens=new_tokens, stop_token_ids=())
+        if gen.compile_log.graphs == graphs:
+            break
+    graphs = gen.compile_log.graphs
     round_ms, per_round = [], []
     for _ in range(repeats):
         out = gen.generate(prompts, max_new_tokens=new_tokens, stop_token_ids=())
@@ -304,9 +318,10 @@ def measure(target: Any, drafter: Any, builder: str, budget: int | str, compile:
         per_round.append(stats.mean_acceptance)
     return {"ms_per_round": round(statistics.median(round_ms), 3), "rounds": stats.rounds,
             "measured_tokens_per_round": round(statistics.median(per_round), 3),
-            "first_call_seconds": round(warm, 2),
+            "first_call_seconds": round(warm, 2), "graphs_compiled_while_timed": gen.compile_log.graphs - graphs,
             "budgets_used": {str(k): v for k, v in sorted(Counter(stats.budgets).items())},
             "tokens": [list(map(int, t)) for t in out.row_tokens]}
+
 
 
 def measure_hf_static(target: Any, prompts: torch.Tensor, new_tokens: int, repeats: int,
