@@ -146,7 +146,9 @@ class StaticSteps:
         self.cuda_graphs = compile is True and cuda
         log: CompileLog = getattr(generator, "compile_log", None) or CompileLog()
         said = log.watch if compile is not False else (lambda fn, step, budget: fn)
-        self.draft = said(_compiled(self._draft, compile, cuda), "draft", budget)
+        # a plain step's draft is the root alone: a few tensor ops, not a graph worth its guards each step
+        self.draft: Callable[..., DraftTree] = (
+            self._draft if budget == 0 else said(_compiled(self._draft, compile, cuda), "draft", budget))
         self.propose = said(_compiled(self._propose, compile, cuda), "propose", budget)  # auto's halves of draft
         self.build = said(_compiled(self._build, compile, cuda), "build", budget)
         self.verify = said(_compiled(self._verify, compile, cuda), "verify", budget)
