@@ -223,16 +223,71 @@ def test_moe_experts_trace_in_a_fixed_shape_implementation():
 
 
 def test_inductor_compiled_round_equals_the_dynamic_round():
-    """``compile=True`` itself (inductor's generated code), float32, batch 1."""
+    """``compile=True`` itself (inductor's generated code), float32, batch 1, with the prompt-lookup graft (whose
+    boolean gathers once failed inductor's C++ build). The code allocates no buffer of a layer's cache (a
+    write into it stays in place) nor of its keys per query head (sdpa reads the grouped ones): see the
+    control below."""
+    from torch._inductor.utils import run_and_get_code
+
     target = tiny_target("qwen3", dtype=torch.float32)
     drafter = DFlashDrafter(tiny_drafter(target, block_size=5), target)
     prompt = [PROMPTS[1]]
-    dynamic, _ = run(SpeculativeGenerator(target, drafter, tree_budget=6), prompt, stop_token_ids=())
-    gen = SpeculativeGenerator(target, drafter, tree_budget=6, compile=True)
-    static, _ = run(gen, prompt, stop_token_ids=())
+    dynamic, _ = run(SpeculativeGenerator(target, drafter, tree_budget=6, prompt_lookup=True), prompt,
+                     stop_token_ids=())
+    gen = SpeculativeGenerator(target, drafter, tree_budget=6, compile=True, prompt_lookup=True)
+    (static, _), code = run_and_get_code(run, gen, prompt, stop_token_ids=())
     assert graph_breaks() == 0
     assert_same_rounds(static, dynamic, 1)
     assert_target_acceptance(target, static, prompt)
+    config, capacity = target.config, static.on_device.static.cache.capacity
+    assert len(code) == 3  # draft, verify, commit
+    for heads in (config.num_key_value_heads, config.num_attention_heads):
+        assert not _allocates((1, heads, capacity, config.head_dim), "\n".join(code))
+
+
+def _allocates(shape: tuple, code: str) -> bool:
+    return f"empty_strided_cpu({shape}" in code
+
+
+def test_the_allocation_check_sees_a_copied_cache_and_expanded_keys():
+    """The control of the check above: a scatter into a graph's input buffer compiles to a copy of the buffer,
+    and keys repeated per query head to a buffer of their expanded shape; ``put_columns`` and grouped sdpa
+    allocate neither, and write the scatter's bits."""
+    from torch._inductor.utils import run_and_get_code
+
+    from ddtree.targets.static_cache import put_columns
+
+    torch.manual_seed(0)
+    buf, states = torch.randn(2, 3, 40, 8), torch.randn(2, 3, 2, 8)
+    cols = torch.tensor([[5, 6], [17, 18]])
+
+    def scattered(buf, cols, states):
+        buf.scatter_(2, cols[:, None, :, None].expand_as(states), states)
+        return buf.sum()
+
+    def put(buf, cols, states):
+        put_columns(buf, cols, states)
+        return buf.sum()
+
+    q, mask = torch.randn(2, 6, 1, 8), torch.zeros(2, 1, 1, 40)
+
+    def repeated(q, k, mask):
+        k = k.repeat_interleave(2, dim=1)
+        return torch.nn.functional.scaled_dot_product_attention(q, k, k, attn_mask=mask)
+
+    def grouped(q, k, mask):
+        return torch.nn.functional.scaled_dot_product_attention(q, k, k, attn_mask=mask, enable_gqa=True)
+
+    outs = {}
+    for fn, args, shape, allocates in ((scattered, (buf.clone(), cols, states), (2, 3, 40, 8), True),
+                                       (put, (buf.clone(), cols, states), (2, 3, 40, 8), False),
+                                       (repeated, (q, buf, mask), (2, 6, 40, 8), True),
+                                       (grouped, (q, buf, mask), (2, 6, 40, 8), False)):
+        torch._dynamo.reset()
+        _, code = run_and_get_code(torch.compile(fn, fullgraph=True, dynamic=False), *args)
+        assert _allocates(shape, "\n".join(code)) == allocates, fn.__name__
+        outs[fn.__name__] = args[0]
+    assert torch.equal(outs["put"], outs["scattered"]) and not torch.equal(outs["put"], buf)
 
 
 def test_a_per_call_builder_and_budget_get_their_own_steps(pair):
@@ -471,3 +526,34 @@ def test_compiling_says_each_graph_how_many_and_how_long(pair, monkeypatch, capl
     uncompiled = SpeculativeGenerator(target, drafter, tree_budget=6)
     run(uncompiled, PROMPTS[1:2], stop_token_ids=())
     assert uncompiled.compile_log.graphs == 0 and not [r for r in caplog.records if r.name == "ddtree"]
+
+
+def test_a_target_changed_between_generations_is_compiled_again(pair):
+    """Compiled steps skip dynamo's per-call guards on module state; each generation compares the models with
+    what the steps were built for instead. A hook added to the target between generations (here negating the
+    LM head's logits, which changes every choice) rebuilds the steps: the tokens and acceptance of the hooked
+    target's dynamic round. An unchanged target keeps its steps (no rebuild each generation); without the
+    comparison the old graphs would run on, blind to the hook (the control, where this torch skips guards)."""
+    target, drafter = pair
+    prompt = [PROMPTS[3]]
+    gen = SpeculativeGenerator(target, drafter, tree_budget=4, compile="eager")
+    before = gen.generate(prompt, max_new_tokens=8)
+    steps = dict(gen._static_steps)
+    again = gen.generate(prompt, max_new_tokens=8)
+    assert again.row_tokens == before.row_tokens and gen._static_steps == steps  # kept: nothing changed
+    hook = target.lm_head.register_forward_hook(lambda module, args, out: -out)
+    try:
+        expected = SpeculativeGenerator(target, drafter, tree_budget=4).generate(prompt, max_new_tokens=8)
+        if static_round._unguarded_modules():
+            with pytest.MonkeyPatch.context() as patch:
+                patch.setattr(SpeculativeGenerator, "keep_static_steps", lambda self, fingerprint: None)
+                stale = gen.generate(prompt, max_new_tokens=8)
+            assert stale.row_tokens != expected.row_tokens  # the eager prefill saw the hook, the old graphs not
+        changed = gen.generate(prompt, max_new_tokens=8)
+    finally:
+        hook.remove()
+    assert changed.row_tokens == expected.row_tokens != before.row_tokens
+    assert changed.row_acceptance == expected.row_acceptance
+    assert all(gen._static_steps[key] is not steps[key] for key in steps)  # built again
+    for b, tokens in enumerate(before.row_tokens):  # and the unhooked target's tokens are HF's
+        assert tokens == reference(target, prompt[b], new=8)[0].tolist()[len(prompt[b]):]

@@ -141,8 +141,8 @@ def graft_cuts(tree: DraftTree, paths: Branches | HostPaths, budgets: Sequence[i
 
 @dataclass
 class _Candidates:
-    """The tree's nodes then one slot per branch place, ``[B, C]`` (``visibility`` ``[B, C, C]``); ``real``
-    marks the tree's nodes and the slots a branch filled."""
+    """The tree's nodes then one slot per branch place, ``[B, C]`` (``visibility`` ``[B, C, C]``, as 0/1
+    bytes); ``real`` marks the tree's nodes and the slots a branch filled."""
 
     tokens: torch.Tensor
     parents: torch.Tensor
@@ -176,7 +176,9 @@ def _merge(tree: DraftTree, branches: Branches) -> _Candidates:
         sources=grow(sources, 0),
         real=torch.cat([(tree.parents >= 0) | (torch.arange(n, device=device) == 0),  # a pad stays one
                         torch.zeros(bsz, extra, dtype=torch.bool, device=device)], dim=1),
-        visibility=torch.nn.functional.pad(tree.visibility, (0, extra, 0, extra)),
+        # as bytes: inductor's CPU code for this file's gathers of a padded boolean matrix fails to compile
+        # (torch 2.13: a blend of VecMask<int> and VecMask<float>)
+        visibility=torch.nn.functional.pad(tree.visibility.to(torch.uint8), (0, extra, 0, extra)),
     )
     lengths = branches.lengths.to(device)
     for j in range(k):
@@ -200,7 +202,7 @@ def _walk(cand: _Candidates, tokens: torch.Tensor, scores: torch.Tensor, length:
                     & (cand.tokens[:, :, None] == cand.tokens[:, None, :])
                     & cand.real[:, None, :] & (index[None, :] < index[:, None]))  # [B, x, y]: y is x's earlier twin
     first = matches & ~earlier_twin.any(dim=2)
-    followed = first & ~(cand.visibility & ~(first | (index == 0))[:, None, :]).any(dim=2)  # its whole path
+    followed = first & ~(cand.visibility.bool() & ~(first | (index == 0))[:, None, :]).any(dim=2)  # its whole path
     cand.scores = torch.where(followed, torch.maximum(cand.scores, scores.gather(1, place)), cand.scores)
     cand.sources = torch.where(followed, cand.sources | LOOKUP, cand.sources)
     stop = torch.where(followed, depth, 0).amax(dim=1)  # [B]: places followed; the branch adds from there
@@ -218,7 +220,7 @@ def _walk(cand: _Candidates, tokens: torch.Tensor, scores: torch.Tensor, length:
     cand.real[:, span] = add
     above = cand.visibility.gather(1, node[:, None, None].expand(bsz, 1, c))  # [B, 1, C]: the node's ancestors
     chain = (index[None, None, :] >= (base + stop)[:, None, None]) & (index[None, None, :] <= slots[None, :, None])
-    cand.visibility[:, span] = (above | chain) & add[:, :, None]
+    cand.visibility[:, span] = ((above.bool() | chain) & add[:, :, None]).to(torch.uint8)
 
 
 def _select(cand: _Candidates, roots: torch.Tensor, keep: int, first: torch.Tensor,
@@ -258,6 +260,6 @@ def _select(cand: _Candidates, roots: torch.Tensor, keep: int, first: torch.Tens
         parents=torch.cat([no.new_full((bsz, 1), -1), torch.where(real, parent, no)], dim=1),
         depths=torch.cat([no.new_zeros(bsz, 1), torch.where(real, cand.depths.gather(1, chosen), 0)], dim=1),
         scores=torch.cat([cand.scores.new_zeros(bsz, 1), torch.where(real, scores, float("-inf"))], dim=1),
-        visibility=torch.where(live[:, :, None], seen, eye),
+        visibility=torch.where(live[:, :, None], seen.bool(), eye),
         sources=torch.cat([no.new_zeros(bsz, 1), torch.where(real, cand.sources.gather(1, chosen), 0)], dim=1),
     )

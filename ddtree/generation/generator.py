@@ -47,15 +47,23 @@ from ddtree.generation.options import (
 from ddtree.generation.round import speculative_round
 from ddtree.generation.rows import RowBook
 from ddtree.generation.state import DecodeState, DeviceState, RoundEngine
-from ddtree.generation.static_round import CompileLog, StaticSteps, check_static_support, compiled_ladder
+from ddtree.generation.static_round import (
+    CompileLog,
+    StaticSteps,
+    check_static_support,
+    compiled_ladder,
+    traced_state,
+)
 from ddtree.generation.stats import RoundStats
 from ddtree.loading.drafter import resolve_drafter
 from ddtree.loading.pair import check_target_model, load_pair
 from ddtree.runtime.distributed import Lockstep, module_fingerprint
+from ddtree.runtime.log import logger
 from ddtree.runtime.threads import ThreadInfo, thread_info
 from ddtree.runtime.timing import StageTimer, work_clock
 from ddtree.targets import cpu_linear, native
 from ddtree.targets.backends import get_backend
+from ddtree.targets.description import describe
 from ddtree.targets.exact_layers import unchanged_between_forwards
 from ddtree.targets.numerics import exact_unavailable, prepare_exact, release_exact
 
@@ -197,11 +205,13 @@ class SpeculativeGenerator:
             _route_drafter_linears(draft_model)  # the draft step is a few-row forward as well
         self.drafter = drafter
         # exact numerics has its own attention; the static round verifies with the dense mask
-        attention = "exact" if options.numerics == "exact" else "sdpa" if options.compile else options.attention
+        attention = "exact" if options.numerics == "exact" else _compiled_attention(target) if options.compile \
+            else options.attention
         self.backend = get_backend(attention) if isinstance(attention, (str, type(None))) else attention
         self.backend.prepare(self.target)
         self.tokenizer = tokenizer
         self._static_steps: dict[tuple, StaticSteps] = {}  # compiled steps by builder, budget, rule, drafting
+        self._steps_fingerprint: tuple | None = None  # what the models were when the steps compiled
         self._said_capacity: set[tuple] = set()  # (budget, builder) pairs already warned as past the builder's reach
         self.compile_log = CompileLog()  # says each graph compile=True compiles, counted over this generator's calls
         if options.compile:
@@ -467,6 +477,16 @@ class SpeculativeGenerator:
         """``options.compile``: whether tree rounds run as the static, compiled round."""
         return self._options.compile
 
+    def keep_static_steps(self, fingerprint: tuple) -> None:
+        """Drop the compiled steps if the models changed since they were built (``fingerprint``:
+        :func:`~ddtree.generation.static_round.traced_state`, read at each generation's start): their
+        graphs do not check module state at each call, so a changed model is compiled again."""
+        if self._steps_fingerprint is not None and fingerprint != self._steps_fingerprint and self._static_steps:
+            logger().info("compile: the target or drafter changed since the compiled steps were built (a module, "
+                        "hook, parameter or config); compiling them again")
+            self._static_steps.clear()
+        self._steps_fingerprint = fingerprint
+
     def static_steps(self, budget: int, sampling: SamplingConfig = GREEDY,
                      builder: TreeBuilder | None = None, *, drafting: bool = True) -> StaticSteps:
         """The static round's steps for ``builder`` (default the generator's), ``budget``, the decoding rule and
@@ -476,6 +496,7 @@ class SpeculativeGenerator:
         if key not in self._static_steps:
             self._static_steps[key] = StaticSteps(self, builder, budget, self._options.compile, sampling,
                                                   drafting)
+            self._steps_fingerprint = traced_state(self.target, getattr(self.drafter, "model", None))  # its hooks
         return self._static_steps[key]
 
     def budget_policy(self, budget: int | str | BudgetPolicy, *,
@@ -635,6 +656,16 @@ def _apply_thread_policy(target: Any, threads: int | str | None) -> ThreadInfo |
         warn_if_oversubscribed(stacklevel=3)  # past this helper and the constructor: the caller's line
         return None
     return configure_threads(None if isinstance(threads, str) else threads)  # "auto", the one string accepted
+
+
+def _compiled_attention(target: Any) -> str:
+    """The attention a compiled (static) round verifies through; both take its dense mask. On a CPU, ddtree's
+    ``fused`` implementation, which hands sdpa the grouped key/value heads: transformers' sdpa copies them out
+    per query head first there (a cache's worth of copying per layer and step, in the graph too). Elsewhere,
+    and for attention sinks (which ``fused`` does not run), ``sdpa``."""
+    param = next(target.parameters(), None)
+    on_cpu = param is not None and param.device.type == "cpu"
+    return "fused" if on_cpu and not describe(target).sinks else "sdpa"
 
 
 def _route_cpu_linear(target: Any, mode: bool | str) -> int:

@@ -54,6 +54,8 @@ class RoundEngine(Protocol):
 
     def static_steps(self, budget: int, sampling: SamplingConfig, *, drafting: bool = True) -> Any: ...
 
+    def keep_static_steps(self, fingerprint: tuple) -> None: ...
+
 
 @dataclass
 class RoundResult:

@@ -313,10 +313,44 @@ def _compiled(fn: Callable, compile: bool | str, cuda: bool = False) -> Callable
         return fn
     fn = _own_code(fn)
     limit = _graph_limit()
+    options = _unguarded_modules()
     if compile is True:
-        mode = "reduce-overhead" if cuda else None  # a CPU target on a CUDA machine gets no CUDA graphs
-        return torch.compile(fn, fullgraph=True, dynamic=False, mode=mode, **limit)
-    return torch.compile(fn, fullgraph=True, dynamic=False, backend=compile, **limit)
+        if cuda:  # CUDA graphs ("reduce-overhead"; a CPU target on a CUDA machine gets none)
+            options.update(torch._inductor.list_mode_options("reduce-overhead"))
+        return torch.compile(fn, fullgraph=True, dynamic=False, options=options, **limit)
+    return torch.compile(fn, fullgraph=True, dynamic=False, backend=compile, options=options, **limit)
+
+
+def _unguarded_modules() -> dict[str, Any]:
+    """``torch.compile`` options that drop dynamo's guards on module state (parameters' metadata, attributes,
+    hooks, configs), where this torch has the filter: checked at every call of every step, they cost more than
+    a millisecond a step on a CPU. The generation checks the same once instead (:func:`traced_state`)."""
+    skip = getattr(torch.compiler, "skip_guard_on_all_nn_modules_unsafe", None)
+    return {} if skip is None else {"guard_filter_fn": skip}
+
+
+_SETTINGS = (bool, int, float, str, type(None))
+"""Module attributes of these types are settings a trace makes constants of (``training``, an epsilon)."""
+
+
+def traced_state(*models: Any) -> tuple:
+    """What compiled steps assume of ``models`` and their guards no longer check (:func:`_unguarded_modules`):
+    each module's class, own ``forward`` (a routed linear's), hooks and plain settings (its mode, an
+    epsilon), each parameter's and buffer's dtype, device, shape and grad flag, and the config. Read once a
+    generation; a change rebuilds the steps."""
+    parts: list[Any] = []
+    for model in models:
+        if not isinstance(model, torch.nn.Module):
+            continue
+        config = getattr(model, "config", None)
+        parts.append(repr(sorted(vars(config).items())) if config is not None else None)
+        parts.extend((type(m), m.__dict__.get("forward"), tuple(m._forward_hooks.values()),
+                      tuple(m._forward_pre_hooks.values()),
+                      tuple((k, repr(v)) for k, v in vars(m).items() if isinstance(v, _SETTINGS)))
+                     for m in model.modules())
+        parts.extend((t.dtype, t.device, t.shape, t.requires_grad)
+                     for t in (*model.parameters(), *model.buffers()))
+    return tuple(parts)
 
 
 def _own_code(method: Callable) -> Callable:
@@ -376,6 +410,7 @@ def to_static(state: DecodeState) -> StaticRows:
                            "numerics='exact' routed the target's layers through the exact kernels, which do not "
                            "trace (the last generator built prepares a target): build a new SpeculativeGenerator "
                            "with compile=True for this target")
+    gen.keep_static_steps(traced_state(gen.target, getattr(gen.drafter, "model", None)))
     for model in (gen.target, getattr(gen.drafter, "cpu_linear_model", None)):
         if isinstance(model, torch.nn.Module):
             cpu_linear.pack_routed(model)  # the compiled steps read routed linears' packed weights, current ones

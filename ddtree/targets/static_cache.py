@@ -50,10 +50,8 @@ class RowPackedLayer(CacheLayerMixin):
         cols = self.owner.write_columns  # [B, Q]
         keys, values = self.keys, self.values
         assert keys is not None and values is not None
-        bsz, heads, q, dim = key_states.shape
-        keys.scatter_(2, cols[:, None, :, None].expand(bsz, heads, q, dim), key_states.to(keys.dtype))
-        vdim = value_states.shape[-1]
-        values.scatter_(2, cols[:, None, :, None].expand(bsz, heads, q, vdim), value_states.to(values.dtype))
+        put_columns(keys, cols, key_states.to(keys.dtype))
+        put_columns(values, cols, value_states.to(values.dtype))
         return keys, values
 
     def get_mask_sizes(self, *args: Any, **kwargs: Any) -> tuple[int, int]:
@@ -182,9 +180,17 @@ def commit_packed(keys: list[torch.Tensor], values: list[torch.Tensor], lengths:
     dst = lengths[:, None] + torch.arange(accepted.shape[1], device=accepted.device)
     for buf in (*keys, *values):
         bsz, heads, _, dim = buf.shape
-        index = src[:, None, :, None].expand(bsz, heads, src.shape[1], dim)
-        moved = buf.gather(2, index)
-        buf.scatter_(2, dst[:, None, :, None].expand_as(index), moved)
+        moved = buf.gather(2, src[:, None, :, None].expand(bsz, heads, src.shape[1], dim))
+        put_columns(buf, dst, moved)
+
+
+def put_columns(buf: torch.Tensor, columns: torch.Tensor, states: torch.Tensor) -> None:
+    """Write ``states`` ``[B, heads, Q, d]`` into ``buf`` ``[B, heads, capacity, d]`` at each row's ``columns``
+    ``[B, Q]``, in place. An indexed put, not a scatter: a compiled graph keeps a put into its input in place,
+    where a scatter becomes a copy of the whole buffer (and a copy back) every forward."""
+    rows = torch.arange(buf.shape[0], device=buf.device)[:, None, None]
+    heads = torch.arange(buf.shape[1], device=buf.device)[None, :, None]
+    buf.index_put_((rows, heads, columns[:, None, :]), states)
 
 
 def packed_tree_mask(visibility: torch.Tensor, depths: torch.Tensor, lengths: torch.Tensor, capacity: int,

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Protocol, cast
 import torch
 
 from ddtree.drafters.base import Proposal
-from ddtree.targets.static_cache import mark_static
+from ddtree.targets.static_cache import mark_static, put_columns
 
 if TYPE_CHECKING:
     from ddtree.drafters.features import FeatureDrafter
@@ -68,6 +68,5 @@ class StaticDFlashContext:
         positions = lengths[:, None] + torch.arange(t, device=features.device)
         new = model.context_kv(model.project_context(features), positions)
         for (kb, vb), (k, v) in zip(self.kv, new):
-            index = positions[:, None, :, None]
-            kb.scatter_(2, index.expand(bsz, k.shape[1], t, k.shape[-1]), k.to(kb.dtype))
-            vb.scatter_(2, index.expand(bsz, v.shape[1], t, v.shape[-1]), v.to(vb.dtype))
+            put_columns(kb, positions, k.to(kb.dtype))
+            put_columns(vb, positions, v.to(vb.dtype))
