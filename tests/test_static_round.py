@@ -24,6 +24,7 @@ from ddtree.drafters.dflash.drafter import DFlashDrafter
 from ddtree.generation import static_round
 from ddtree.generation.round import speculative_round
 from ddtree.runtime.host_reads import count_host_reads
+from ddtree.targets import cpu_linear
 from ddtree.targets.cache import new_target_cache
 
 PROMPTS = [[5, 17, 42, 8, 9, 33], [7, 7, 21, 60, 12, 5, 44, 3, 19], [11, 4], [90, 2, 36, 51, 8, 14, 27]]
@@ -224,23 +225,26 @@ def test_moe_experts_trace_in_a_fixed_shape_implementation():
 
 def test_inductor_compiled_round_equals_the_dynamic_round():
     """``compile=True`` itself (inductor's generated code), float32, batch 1, with the prompt-lookup graft (whose
-    boolean gathers once failed inductor's C++ build). The code allocates no buffer of a layer's cache (a
-    write into it stays in place) nor of its keys per query head (sdpa reads the grouped ones): see the
-    control below."""
+    boolean gathers once failed inductor's C++ build) and the linears routed to the packed kernel. The code
+    allocates no buffer of a layer's cache (a write into it stays in place) nor of its keys per query head
+    (sdpa reads the grouped ones): see the control below."""
     from torch._inductor.utils import run_and_get_code
 
     target = tiny_target("qwen3", dtype=torch.float32)
     drafter = DFlashDrafter(tiny_drafter(target, block_size=5), target)
     prompt = [PROMPTS[1]]
-    dynamic, _ = run(SpeculativeGenerator(target, drafter, tree_budget=6, prompt_lookup=True), prompt,
-                     stop_token_ids=())
-    gen = SpeculativeGenerator(target, drafter, tree_budget=6, compile=True, prompt_lookup=True)
+    routed = cpu_linear.available()  # the packed kernel, as a pretrained float32 pair on a CPU runs
+    dynamic, _ = run(SpeculativeGenerator(target, drafter, tree_budget=6, prompt_lookup=True, cpu_linear=routed),
+                     prompt, stop_token_ids=())
+    gen = SpeculativeGenerator(target, drafter, tree_budget=6, compile=True, prompt_lookup=True, cpu_linear=routed)
     (static, _), code = run_and_get_code(run, gen, prompt, stop_token_ids=())
     assert graph_breaks() == 0
     assert_same_rounds(static, dynamic, 1)
     assert_target_acceptance(target, static, prompt)
     config, capacity = target.config, static.on_device.static.cache.capacity
     assert len(code) == 3  # draft, verify, commit
+    if routed:  # every routed linear of the target one packed-kernel call in the verify
+        assert code[1].count("ddtree.packed_linear.default(") == cpu_linear.installed(target) > 0
     for heads in (config.num_key_value_heads, config.num_attention_heads):
         assert not _allocates((1, heads, capacity, config.head_dim), "\n".join(code))
 
