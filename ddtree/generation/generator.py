@@ -662,10 +662,13 @@ def _compiled_attention(target: Any) -> str:
     """The attention a compiled (static) round verifies through; both take its dense mask. On a CPU, ddtree's
     ``fused`` implementation, which hands sdpa the grouped key/value heads: transformers' sdpa copies them out
     per query head first there (a cache's worth of copying per layer and step, in the graph too). Elsewhere,
-    and for attention sinks (which ``fused`` does not run), ``sdpa``."""
+    for attention sinks (which ``fused`` does not run) and for sliding windows (transformers 5.0 hands a
+    windowed layer's causal calls a mask that ``fused`` does not take), ``sdpa``."""
     param = next(target.parameters(), None)
     on_cpu = param is not None and param.device.type == "cpu"
-    return "fused" if on_cpu and not describe(target).sinks else "sdpa"
+    description = describe(target)
+    windowed = any(window is not None for window in description.windows.values())
+    return "fused" if on_cpu and not description.sinks and not windowed else "sdpa"
 
 
 def _route_cpu_linear(target: Any, mode: bool | str) -> int:
