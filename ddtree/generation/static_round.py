@@ -329,7 +329,7 @@ def _unguarded_modules() -> dict[str, Any]:
     return {} if skip is None else {"guard_filter_fn": skip}
 
 
-_SETTINGS = (bool, int, float, str, type(None))
+_SETTINGS = frozenset({bool, int, float, str, type(None)})
 """Module attributes of these types are settings a trace makes constants of (``training``, an epsilon)."""
 
 
@@ -346,7 +346,7 @@ def traced_state(*models: Any) -> tuple:
         parts.append(repr(sorted(vars(config).items())) if config is not None else None)
         parts.extend((type(m), m.__dict__.get("forward"), tuple(m._forward_hooks.values()),
                       tuple(m._forward_pre_hooks.values()),
-                      tuple((k, repr(v)) for k, v in vars(m).items() if isinstance(v, _SETTINGS)))
+                      tuple([(k, v) for k, v in vars(m).items() if type(v) in _SETTINGS]))
                      for m in model.modules())
         parts.extend((t.dtype, t.device, t.shape, t.requires_grad)
                      for t in (*model.parameters(), *model.buffers()))
