@@ -550,7 +550,7 @@ def test_a_target_changed_between_generations_is_compiled_again(pair):
         expected = SpeculativeGenerator(target, drafter, tree_budget=4).generate(prompt, max_new_tokens=8)
         if static_round._unguarded_modules():
             with pytest.MonkeyPatch.context() as patch:
-                patch.setattr(SpeculativeGenerator, "keep_static_steps", lambda self, fingerprint: None)
+                patch.setattr(SpeculativeGenerator, "keep_static_steps", lambda self: None)
                 stale = gen.generate(prompt, max_new_tokens=8)
             assert stale.row_tokens != expected.row_tokens  # the eager prefill saw the hook, the old graphs not
         changed = gen.generate(prompt, max_new_tokens=8)

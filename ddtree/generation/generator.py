@@ -62,8 +62,7 @@ from ddtree.runtime.log import logger
 from ddtree.runtime.threads import ThreadInfo, thread_info
 from ddtree.runtime.timing import StageTimer, work_clock
 from ddtree.targets import cpu_linear, native
-from ddtree.targets.backends import get_backend
-from ddtree.targets.description import describe
+from ddtree.targets.backends import get_backend, static_backend_name
 from ddtree.targets.exact_layers import unchanged_between_forwards
 from ddtree.targets.numerics import exact_unavailable, prepare_exact, release_exact
 
@@ -205,7 +204,7 @@ class SpeculativeGenerator:
             _route_drafter_linears(draft_model)  # the draft step is a few-row forward as well
         self.drafter = drafter
         # exact numerics has its own attention; the static round verifies with the dense mask
-        attention = "exact" if options.numerics == "exact" else _compiled_attention(target) if options.compile \
+        attention = "exact" if options.numerics == "exact" else static_backend_name(target) if options.compile \
             else options.attention
         self.backend = get_backend(attention) if isinstance(attention, (str, type(None))) else attention
         self.backend.prepare(self.target)
@@ -477,10 +476,11 @@ class SpeculativeGenerator:
         """``options.compile``: whether tree rounds run as the static, compiled round."""
         return self._options.compile
 
-    def keep_static_steps(self, fingerprint: tuple) -> None:
-        """Drop the compiled steps if the models changed since they were built (``fingerprint``:
-        :func:`~ddtree.generation.static_round.traced_state`, read at each generation's start): their
-        graphs do not check module state at each call, so a changed model is compiled again."""
+    def keep_static_steps(self) -> None:
+        """Drop the compiled steps if the models changed since they were built (their
+        :func:`~ddtree.generation.static_round.traced_state`; called at each generation's start): their graphs
+        do not check module state at each call, so a changed model is compiled again."""
+        fingerprint = self._traced_models()
         if self._steps_fingerprint is not None and fingerprint != self._steps_fingerprint and self._static_steps:
             logger().info("compile: the target or drafter changed since the compiled steps were built (a module, "
                         "hook, parameter or config); compiling them again")
@@ -496,8 +496,11 @@ class SpeculativeGenerator:
         if key not in self._static_steps:
             self._static_steps[key] = StaticSteps(self, builder, budget, self._options.compile, sampling,
                                                   drafting)
-            self._steps_fingerprint = traced_state(self.target, getattr(self.drafter, "model", None))  # its hooks
+            self._steps_fingerprint = self._traced_models()  # building steps installs output hooks
         return self._static_steps[key]
+
+    def _traced_models(self) -> tuple:
+        return traced_state(self.target, getattr(self.drafter, "model", None))
 
     def budget_policy(self, budget: int | str | BudgetPolicy, *,
                       builder: TreeBuilder | None = None) -> BudgetPolicy | None:
@@ -656,19 +659,6 @@ def _apply_thread_policy(target: Any, threads: int | str | None) -> ThreadInfo |
         warn_if_oversubscribed(stacklevel=3)  # past this helper and the constructor: the caller's line
         return None
     return configure_threads(None if isinstance(threads, str) else threads)  # "auto", the one string accepted
-
-
-def _compiled_attention(target: Any) -> str:
-    """The attention a compiled (static) round verifies through; both take its dense mask. On a CPU, ddtree's
-    ``fused`` implementation, which hands sdpa the grouped key/value heads: transformers' sdpa copies them out
-    per query head first there (a cache's worth of copying per layer and step, in the graph too). Elsewhere,
-    for attention sinks (which ``fused`` does not run) and for sliding windows (transformers 5.0 hands a
-    windowed layer's causal calls a mask that ``fused`` does not take), ``sdpa``."""
-    param = next(target.parameters(), None)
-    on_cpu = param is not None and param.device.type == "cpu"
-    description = describe(target)
-    windowed = any(window is not None for window in description.windows.values())
-    return "fused" if on_cpu and not description.sinks and not windowed else "sdpa"
 
 
 def _route_cpu_linear(target: Any, mode: bool | str) -> int:

@@ -410,7 +410,7 @@ def to_static(state: DecodeState) -> StaticRows:
                            "numerics='exact' routed the target's layers through the exact kernels, which do not "
                            "trace (the last generator built prepares a target): build a new SpeculativeGenerator "
                            "with compile=True for this target")
-    gen.keep_static_steps(traced_state(gen.target, getattr(gen.drafter, "model", None)))
+    gen.keep_static_steps()
     for model in (gen.target, getattr(gen.drafter, "cpu_linear_model", None)):
         if isinstance(model, torch.nn.Module):
             cpu_linear.pack_routed(model)  # the compiled steps read routed linears' packed weights, current ones

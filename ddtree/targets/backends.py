@@ -278,6 +278,19 @@ def auto_backend_name(device: torch.device | str) -> str:
     return "fused" if kind == "cpu" else "sdpa"
 
 
+def static_backend_name(model: Any) -> str:
+    """The backend a compiled (static) round verifies through; both run its dense mask. On a CPU ``fused``,
+    which hands sdpa the grouped key/value heads: transformers' sdpa copies them out per query head first there
+    (a cache's worth of copying per layer and step, in a compiled graph too). Elsewhere ``sdpa``, and for
+    attention sinks (which ``fused`` does not run) and sliding windows (transformers 5.0 hands a windowed
+    layer's causal calls a mask ``fused`` does not take)."""
+    param = next(model.parameters(), None)
+    description = describe(model)
+    windowed = any(window is not None for window in description.windows.values())
+    on_cpu = param is not None and param.device.type == "cpu"
+    return "fused" if on_cpu and not description.sinks and not windowed else "sdpa"
+
+
 def get_backend(
     name: str | None = "sdpa", device: torch.device | str | None = None
 ) -> TreeAttentionBackend:

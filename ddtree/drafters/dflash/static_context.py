@@ -64,7 +64,7 @@ class StaticDFlashContext:
         if features is None:
             raise ValueError("the DFlash drafter needs target features for every committed token")
         model = self.drafter.model
-        bsz, t, _ = features.shape
+        t = features.shape[1]
         positions = lengths[:, None] + torch.arange(t, device=features.device)
         new = model.context_kv(model.project_context(features), positions)
         for (kb, vb), (k, v) in zip(self.kv, new):
