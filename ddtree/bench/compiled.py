@@ -7,13 +7,13 @@ hidden 64), or a Qwen3.5-style GDN hybrid (``qwen36-27b-hybrid``: Qwen3.6-27B's 
 the drafter's depth, best_first at each budget) and mode (``eager``: the dynamic round; ``compiled``:
 ``compile=True``, inductor, CUDA graphs on CUDA; both with the dense-mask attention and ``numerics="fast"``,
 the linears routed as ``--cpu-linear`` says; on a CPU also ``default``: the eager generator's own settings,
-exact numerics) it runs one warm-up generation (which compiles) and then ``--repeats`` timed ones, and
-reports the median milliseconds per round and its share per stage, the tokens per round, the tokens/s, and
-whether the compiled run's tokens and acceptance equal the eager one's. Random weights accept about one
-token per round, so tokens/s there is a per-round cost: with a trained pair, tokens/s is the tokens per
-round over these round times. A case that fails is reported with its error; the others still run.
-``--deadline`` (seconds) skips the cases left when time runs out, so a one-call GPU check stays inside its
-limit.
+exact numerics, and ``compiled-exact``: ``compile=True`` with exact numerics) it runs one warm-up generation
+(which compiles) and then ``--repeats`` timed ones, and reports the median milliseconds per round and its
+share per stage, the tokens per round, the tokens/s, and whether the compiled run's tokens and acceptance
+equal the eager one's (``compiled-exact``: the default's). Random weights accept about one token per round,
+so tokens/s there is a per-round cost: with a trained pair, tokens/s is the tokens per round over these round
+times. A case that fails is reported with its error; the others still run. ``--deadline`` (seconds) skips
+the cases left when time runs out, so a one-call GPU check stays inside its limit.
 """
 
 from __future__ import annotations
@@ -87,12 +87,12 @@ def default_pair(cpu_linear: bool) -> tuple:
 
 
 def measure(target, drafter, builder: str, budget: int, compile: bool | str, prompt: torch.Tensor,
-            new_tokens: int, repeats: int, routed: bool = False, default: bool = False) -> dict:
-    """One case; ``default``: the generator's own numerics and attention (on a CPU, exact numerics) instead of
-    the dense-mask attention and fast numerics the compiled round runs."""
+            new_tokens: int, repeats: int, routed: bool = False, exact: bool = False) -> dict:
+    """One case; ``exact``: exact numerics with the generator's own attention (eager, the CPU default; or
+    compiled) instead of the dense-mask attention and fast numerics."""
     from ddtree.generation.generator import SpeculativeGenerator
 
-    settings: dict = {} if default else {"attention": "sdpa", "numerics": "fast"}
+    settings: dict = {"numerics": "exact"} if exact else {"attention": "sdpa", "numerics": "fast"}
     gen = SpeculativeGenerator(target, drafter, tree_budget=budget, builder=builder, compile=compile,
                                prompt_lookup=False, cpu_linear="auto" if routed else False, **settings)
     t0 = time.perf_counter()
@@ -132,9 +132,10 @@ def run(args: argparse.Namespace) -> dict:
         prompt = torch.randint(3, vocab - 2, (1, args.context), device=device)
     start = time.perf_counter()
     rows = []
-    modes = [("eager", False), ("compiled", True if args.backend == "inductor" else args.backend)]
-    if device.type == "cpu":
-        modes.append(("default", False))  # the eager generator as built by default (exact numerics on a CPU)
+    compiled = True if args.backend == "inductor" else args.backend
+    modes = [("eager", False), ("compiled", compiled)]
+    if device.type == "cpu":  # the eager generator as built by default (exact numerics), and exact compiled
+        modes += [("default", False), ("compiled-exact", compiled)]
     for label, builder, budget in methods([int(b) for b in args.budgets.split(",")], drafter.block_size):
         for mode, compile in modes:
             row = {"method": label, "mode": mode, "budget": budget}
@@ -143,7 +144,7 @@ def run(args: argparse.Namespace) -> dict:
             else:
                 try:
                     row.update(measure(target, drafter, builder, budget, compile, prompt, args.new_tokens,
-                                       args.repeats, routed=routed, default=mode == "default"))
+                                       args.repeats, routed=routed, exact=mode in ("default", "compiled-exact")))
                 except Exception as exc:  # report and go on: one failing case must not hide the others
                     row["error"] = f"{type(exc).__name__}: {exc}"
                     row["traceback"] = traceback.format_exc(limit=8)
@@ -155,8 +156,10 @@ def run(args: argparse.Namespace) -> dict:
         if r["mode"] == "compiled" and "ms_per_round" in r and r["method"] in eager:
             r["speedup_over_eager"] = round(eager[r["method"]]["ms_per_round"] / r["ms_per_round"], 3)
             r["same_tokens_and_acceptance_as_eager"] = r["output"] == eager[r["method"]]["output"]
-        if r["mode"] == "compiled" and "ms_per_round" in r and r["method"] in default:
+        if r["mode"].startswith("compiled") and "ms_per_round" in r and r["method"] in default:
             r["speedup_over_default"] = round(default[r["method"]]["ms_per_round"] / r["ms_per_round"], 3)
+        if r["mode"] == "compiled-exact" and "ms_per_round" in r and r["method"] in default:
+            r["same_tokens_and_acceptance_as_default"] = r["output"] == default[r["method"]]["output"]
     for r in rows:
         r.pop("output", None)
     return {"preset": args.preset, "layers": args.layers, "dtype": args.dtype, "device": str(device),

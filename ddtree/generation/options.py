@@ -142,16 +142,13 @@ def attention_name(attention: Any) -> Any:
 
 
 def check_exact_settings(options: GeneratorOptions) -> None:
-    """``numerics="exact"`` brings its own attention and linears, and runs eagerly."""
+    """``numerics="exact"`` brings its own attention and linears (compiled, as one operator: the target is
+    checked when the generator is built)."""
     if options.numerics != "exact":
         return
     if attention_name(options.attention) not in ("auto", None, "exact"):
         raise ValueError(f"numerics='exact' verifies with its own row-invariant attention, got attention="
                          f"{options.attention!r}; leave attention='auto'")
-    if options.compile:
-        raise ValueError("numerics='exact' runs eagerly: a compiled step generates its own matrix products and "
-                         "reductions for each shape, so a tree node and a one-token step would not share their bits. "
-                         "Pass compile=False, or numerics='fast' to compile")
 
 
 def check_cpu_linear(mode: Any) -> None:

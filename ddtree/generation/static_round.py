@@ -49,6 +49,8 @@ from ddtree.targets import cpu_linear
 from ddtree.targets.backends import masks_for_plan, window_plan
 from ddtree.targets.cache import cache_kwargs, new_target_cache
 from ddtree.targets.description import describe
+from ddtree.targets.exact_static import ExactDecode
+from ddtree.targets.exact_static import unavailable as exact_unavailable
 from ddtree.targets.static_cache import RowPackedCache, commit_packed, packed_tree_mask
 
 CAPACITY_STEP = 256
@@ -69,6 +71,12 @@ def check_static_support(generator: Any) -> None:
     if generator.lockstep.active:
         raise ValueError("compile=True runs in one process; a tensor-parallel target (torchrun) runs the dynamic "
                          "round, which keeps the ranks in lockstep. Use compile=False")
+    if generator.options.numerics == "exact":
+        why = exact_unavailable(target)
+        if why is not None:
+            raise ValueError(f"compile=True with numerics='exact' runs the target's forward as one exact operator, "
+                             f"and {why}. Pass numerics='fast' to compile it, or compile=False")
+        return
     if describe(target).stateful and getattr(new_target_cache(target), "layers", None) is None:
         raise ValueError(f"compile=True runs GDN hybrids on transformers' per-layer cache; this transformers gives "
                          f"{type(target).__name__} a cache without layers (upgrade transformers, or compile=False)")
@@ -140,7 +148,9 @@ class StaticSteps:
         self.cache_keyword = next(iter(cache_kwargs(self.target, None)))
         self.cache_position = _takes_cache_position(type(self.target))  # type: ignore[arg-type]  # hashable class
         self.hidden = drafting and self.drafter.needs_hidden_states
-        if self.hidden:
+        # exact numerics: the target's forward as one opaque operator running the eager exact kernels
+        self.exact = ExactDecode(self.target) if describe(self.target).numerics == "exact" else None
+        if self.hidden and self.exact is None:
             _install_output_hooks(self.target)
         cuda = self.target.get_input_embeddings().weight.device.type == "cuda"
         self.cuda_graphs = compile is True and cuda
@@ -173,6 +183,13 @@ class StaticSteps:
     def _verify(self, cache: RowPackedCache, tree: DraftTree, lengths: torch.Tensor,
                 keys: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
         n = tree.num_nodes
+        positions = lengths[:, None] + tree.depths + 1  # each node chooses the token after it
+        if self.exact is not None:
+            logits, hidden_states = self.exact(tree.tokens, lengths[:, None] + tree.depths, cache.keys, cache.values,
+                                               lengths, tree.visibility, tree.depths,
+                                               self.drafter.target_layer_ids if self.hidden else None)
+            features = self.drafter.context_features(hidden_states) if hidden_states is not None else None
+            return choose_tokens(logits, self.sampling, keys=keys, positions=positions), features
         cache.set_write_columns(lengths[:, None] + torch.arange(n, device=lengths.device))
         cache.set_tree(tree.parents, tree.depths, self.max_depth)  # for stateful layers, if any
         capacity = cache.keys[0].shape[2]
@@ -188,7 +205,6 @@ class StaticSteps:
                           attention_mask=masks_for_plan(self.plan, self.layer_types, mask), use_cache=True,
                           output_hidden_states=hidden, **extra)
         features = self.drafter.context_features(out.hidden_states) if hidden else None
-        positions = lengths[:, None] + tree.depths + 1  # each node chooses the token after it
         return choose_tokens(out.logits, self.sampling, keys=keys, positions=positions), features
 
     def _commit(self, cache: RowPackedCache, draft: StaticDraftContext | None, tree: DraftTree, choices: torch.Tensor,
@@ -405,11 +421,11 @@ def to_static(state: DecodeState) -> StaticRows:
     """Move a prefilled generation's cache and drafter context into static buffers."""
     held, book = state.on_device, state.rows
     gen = state.generator
-    if describe(gen.target).numerics == "exact":
-        raise RuntimeError("this generator runs compile=True, but a generator built later on its target with "
-                           "numerics='exact' routed the target's layers through the exact kernels, which do not "
-                           "trace (the last generator built prepares a target): build a new SpeculativeGenerator "
-                           "with compile=True for this target")
+    prepared = describe(gen.target).numerics
+    if prepared != gen.options.numerics:
+        raise RuntimeError(f"this generator runs compile=True with numerics={gen.options.numerics!r}, but a "
+                           f"generator built later on its target prepared it for numerics={prepared!r} (the last "
+                           "generator built prepares a target): build a new SpeculativeGenerator for this target")
     gen.keep_static_steps()
     for model in (gen.target, getattr(gen.drafter, "cpu_linear_model", None)):
         if isinstance(model, torch.nn.Module):

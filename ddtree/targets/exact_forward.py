@@ -13,7 +13,7 @@ Anything else returns None and runs as transformers writes it.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -81,6 +81,13 @@ def install(model: torch.nn.Module) -> bool:
     return True
 
 
+def taken(model: torch.nn.Module) -> int | None:
+    """How many decoder layers :func:`forward` runs for ``model``, or None where it does not take its forwards
+    (not installed, or the model changed since)."""
+    parts = vars(model).get(_PARTS)
+    return parts.num if parts is not None and parts.intact(model) else None
+
+
 def uninstall(model: torch.nn.Module) -> None:
     vars(model).pop(_PARTS, None)
 
@@ -100,16 +107,41 @@ def forward(model: Any, input_ids: torch.Tensor, position_ids: torch.Tensor | No
             or not (mask is None or isinstance(mask, torch.Tensor) and mask.dim() == 2)
             or not parts.intact(model)):
         return None
+    if position_ids is None:
+        position_ids = (torch.arange(input_ids.shape[1], device=input_ids.device)
+                        + cache.get_seq_length()).unsqueeze(0)
+    return _through(model, parts, input_ids, position_ids, last, layers,
+                    lambda x, embeddings: parts.stack.run(x, embeddings, spec, mask, cache))
+
+
+def forward_packed(model: Any, input_ids: torch.Tensor, position_ids: torch.Tensor,
+                   rooms: list[tuple[torch.Tensor, torch.Tensor]], lengths: torch.Tensor,
+                   key_ranges: Callable[[int | None], tuple[torch.Tensor, torch.Tensor]],
+                   layers: Sequence[int] | None) -> tuple[torch.Tensor, tuple[torch.Tensor | None, ...] | None] | None:
+    """:func:`forward` (every position's logits) through the static round's row-packed rooms, each attention
+    layer's ``(keys, values)`` with row ``b``'s ``lengths[b]`` committed columns first; the forward's columns are
+    written after them (:meth:`~ddtree.targets.exact_layers._DecoderStack.run_packed`, which takes
+    ``key_ranges``). None where this does not take the forward."""
+    parts = vars(model).get(_PARTS)
+    if parts is None or input_ids.dim() != 2 or not parts.intact(model):
+        return None
+    return _through(model, parts, input_ids, position_ids, None, layers,
+                    lambda x, embeddings: parts.stack.run_packed(x, embeddings, rooms, lengths, key_ranges))
+
+
+def _through(model: Any, parts: _Parts, input_ids: torch.Tensor, position_ids: torch.Tensor, last: int | None,
+             layers: Sequence[int] | None, run: Callable[[torch.Tensor, Any], torch.Tensor | None]
+             ) -> tuple[torch.Tensor, tuple[torch.Tensor | None, ...] | None] | None:
+    """The embedding, the rotary table, ``run``'s decoder layers (their outputs stacked, or None: not taken),
+    the norm and the head, with the hidden states ``layers`` names kept."""
     wanted = None if layers is None else sorted({int(i) + 1 for i in layers})
     if wanted is not None and not all(0 <= j <= parts.num for j in wanted):
         return None  # transformers' path says which id is out of range
     decoder = parts.decoder
     with invariant.torch_single_threaded():  # as the wrapped forward runs torch's own ops
         x = decoder.embed_tokens(input_ids)
-        if position_ids is None:
-            position_ids = (torch.arange(x.shape[1], device=x.device) + cache.get_seq_length()).unsqueeze(0)
         embeddings = decoder.rotary_emb(x, position_ids)
-        outputs = parts.stack.run(x, embeddings, spec, mask, cache)
+        outputs = run(x, embeddings)
         if outputs is None:
             return None
         normed = decoder.norm(outputs[-1])

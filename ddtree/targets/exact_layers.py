@@ -24,7 +24,7 @@ import contextvars
 import ctypes
 import functools
 import inspect
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -277,7 +277,7 @@ one C call once their norms, attention block and SwiGLU MLP are taken (transform
 _DECODER_ARGS = ("hidden_states", "attention_mask", "position_ids")
 _SLOTS = ("x", "y", "ln1", "ln2", "qn", "kn", "pq", "pk", "pv", "po", "pg", "pu", "pd", "bq", "bk", "bv", "bo",
           "bg", "bu", "bd", "cos", "sin", "kc", "vc", "start", "vis", "ends", "h", "hq", "hkv", "d", "i", "cap",
-          "held", "b", "n", "style1", "style2", "styleq", "stylek", "dt", "threads")
+          "b", "n", "style1", "style2", "styleq", "stylek", "dt", "threads")
 """The C layer's integer arguments, in ``csrc/row_invariant.c``'s ``L_*`` order."""
 
 
@@ -315,11 +315,11 @@ def _pointer(t: torch.Tensor | None) -> int:
 
 _SLOT = {name: i for i, name in enumerate(_SLOTS)}
 _CALL_SLOTS = tuple(_SLOT[name] for name in ("x", "y", "cos", "sin", "kc", "vc", "start", "vis", "ends", "cap",
-                                             "held", "b", "n", "threads"))
+                                             "b", "n", "threads"))
 """The slots each call fills, in :func:`_decoder`'s order."""
 _PLAN = "_ddtree_layer_plan"
 _KC, _VC, _CAP, _START, _VIS = (_SLOT[name] for name in ("kc", "vc", "cap", "start", "vis"))
-_SHARED = ("x", "y", "ystep", "cos", "sin", "ends", "held", "b", "n", "threads")
+_SHARED = ("x", "y", "ystep", "cos", "sin", "ends", "b", "n", "threads")
 """What ``ddtree_decoder_stack`` gives every layer of a forward, in ``csrc/row_invariant.c``'s ``S_*`` order."""
 
 
@@ -457,7 +457,8 @@ class _DecoderStack:
         plan current (made again where stale), and no hooks but readers of its output (``OUTPUT_READER``,
         transformers' capture of hidden states): any other hook on a decoder layer could change the next layer
         mid-forward, so it declines (each layer then checks itself). Without ``readers`` (a forward that calls
-        no layer module) any hook, or a forward other than the taken one, declines."""
+        no layer module) any hook but an idle one (transformers' capture, collecting nothing now), or a forward
+        other than the taken one, declines."""
         from torch.nn.modules import module as nn_module
 
         if nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks or not _decoding(x, x):
@@ -466,7 +467,7 @@ class _DecoderStack:
         for m in self.modules:  # the layers' own hooks come and go with each forward's capture of hidden states
             own = vars(m).get(_FUSED)
             if (own is None or m._forward_pre_hooks
-                    or not all(readers and reads_output_only(h) for h in m._forward_hooks.values())
+                    or not all(idle(h) or readers and reads_output_only(h) for h in m._forward_hooks.values())
                     or not readers and vars(m).get("forward") is not own):
                 return False
         scope = _UNCHANGED.get()
@@ -493,7 +494,7 @@ class _DecoderStack:
         """Every layer's output for a forward of ``x`` (rotary ``embeddings``, a tree ``spec`` or a one-token
         step's padding ``mask``) through ``store``, as a decoder loop over the modules would give them, stacked
         ``[layers, *x.shape]``, all layers in one C call (``ddtree_decoder_stack``); or None, with no layer run,
-        where the stack does not take the forward (:meth:`_check` with no hooks at all, cache layers the C call
+        where the stack does not take the forward (:meth:`_check` with no hooks but idle ones, cache layers the C call
         cannot append to or holding different lengths)."""
         layers = getattr(store, "layers", None)
         if not isinstance(layers, list) or not (spec is not None or x.shape[1] == 1) or not self._check(x, False):
@@ -512,33 +513,73 @@ class _DecoderStack:
                 ranges[plan.window] = _key_ranges(plan, spec, mask, bsz, n, held, x.device)
         if any(r is None for r in ranges.values()):
             return None
-        x = x.contiguous()
-        outputs = x.new_empty((len(plans), *x.shape))
-        rooms = []
-        for plan, (layer, _) in zip(plans, found):  # type: ignore[misc]  # none is None (checked above)
-            room = kv_room.room_for(layer, n)
-            start, visible = ranges[plan.window]  # type: ignore[misc]  # none is None (checked above)
-            ints = plan.ints
-            ints[_KC], ints[_VC], ints[_CAP] = room[0].data_ptr(), room[1].data_ptr(), room[0].shape[-2]
-            ints[_START], ints[_VIS] = start.data_ptr(), visible.data_ptr()
-            rooms.append((layer, room))
-        ends = self.ends_for(bsz, held)
-        shared = (ctypes.c_int64 * len(_SHARED))(
-            x.data_ptr(), outputs.data_ptr(), outputs[0].numel() * outputs.element_size(), tables[0].data_ptr(),
-            tables[1].data_ptr(), ends.data_ptr(), held, bsz, n, row_kernels.caller_threads())
-        count = len(plans)
-        ints_of = (ctypes.c_void_p * count)(*(ctypes.addressof(p.ints) for p in plans))
-        floats_of = (ctypes.c_void_p * count)(*(ctypes.addressof(p.floats) for p in plans))
-        row_kernels.decoder_stack(ints_of, floats_of, count, shared)
+        rooms = [(layer, kv_room.room_for(layer, n)) for layer, _ in found]  # type: ignore[misc]  # checked above
+        outputs = _stack_call(plans, x, tables, [room for _, room in rooms], ranges,  # type: ignore[arg-type]
+                              self.ends_for(bsz, held))
         for layer, (keys, values) in rooms:
             layer.keys, layer.values = keys.narrow(2, 0, held + n), values.narrow(2, 0, held + n)
         return outputs
+
+    def run_packed(self, x: torch.Tensor, embeddings: tuple[torch.Tensor, torch.Tensor],
+                   rooms: list[tuple[torch.Tensor, torch.Tensor]], lengths: torch.Tensor,
+                   key_ranges: Callable[[int | None], tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor | None:
+        """:meth:`run` through fixed row-packed rooms: attention layer ``i``'s keys and values ``rooms[i]``
+        ``[B, Hkv, capacity, D]`` hold row ``b``'s committed columns at ``0 .. lengths[b] - 1``, and the forward
+        writes its ``n`` new columns after them; ``key_ranges(window)`` gives each node's ``(start, visible)``
+        (int64 ``[B, n]``, uint8 ``[B, n, n]``) for a layer with that window. None, with no layer run, where
+        the stack does not take the forward or the rooms are not the layers' own."""
+        if not self._check(x, False):
+            return None
+        bsz, n = x.shape[0], x.shape[1]
+        plans = [vars(m)[_PLAN] for m in self.modules]
+        tables = _row_tables(embeddings, bsz, n, plans[0].d)
+        if tables is None or len(rooms) != len(plans) or any(
+                p.d != plans[0].d or p.layer_idx >= len(rooms) or not _packed_room(rooms[p.layer_idx], p, bsz, x.dtype)
+                for p in plans):
+            return None
+        ranges = {window: key_ranges(window) for window in {p.window for p in plans}}
+        if any(start.shape != (bsz, n) or visible.shape != (bsz, n, n) or start.dtype != torch.int64
+               or visible.dtype != torch.uint8 for start, visible in ranges.values()):
+            return None
+        ends = lengths.to(torch.int64).contiguous()
+        return _stack_call(plans, x, tables, [rooms[p.layer_idx] for p in plans], ranges, ends)
 
     def ends_for(self, bsz: int, held: int) -> torch.Tensor:
         """Every row's prefix end, ``held`` (the same tensor for each layer of a forward)."""
         if self.ends is None or self.ends[0] != (bsz, held):
             self.ends = ((bsz, held), torch.full((bsz,), held, dtype=torch.int64))
         return self.ends[1]
+
+
+def _stack_call(plans: list[_LayerPlan], x: torch.Tensor, tables: tuple[torch.Tensor, torch.Tensor],
+                rooms: list[tuple[torch.Tensor, torch.Tensor]], ranges: dict, ends: torch.Tensor) -> torch.Tensor:
+    """Every layer's output ``[layers, *x.shape]`` from one ``ddtree_decoder_stack`` call: layer ``i`` appends
+    to ``rooms[i]`` after each row's prefix end ``ends[b]`` and attends with its window's key ranges."""
+    bsz, n = x.shape[0], x.shape[1]
+    x = x.contiguous()
+    outputs = x.new_empty((len(plans), *x.shape))
+    held = []  # what the slots point into, alive until the call returns
+    for plan, room in zip(plans, rooms):
+        start, visible = ranges[plan.window]
+        ints = plan.ints
+        ints[_KC], ints[_VC], ints[_CAP] = room[0].data_ptr(), room[1].data_ptr(), room[0].shape[-2]
+        ints[_START], ints[_VIS] = start.data_ptr(), visible.data_ptr()
+        held.append((start, visible))
+    shared = (ctypes.c_int64 * len(_SHARED))(
+        x.data_ptr(), outputs.data_ptr(), outputs[0].numel() * outputs.element_size(), tables[0].data_ptr(),
+        tables[1].data_ptr(), ends.data_ptr(), bsz, n, row_kernels.caller_threads())
+    count = len(plans)
+    ints_of = (ctypes.c_void_p * count)(*(ctypes.addressof(p.ints) for p in plans))
+    floats_of = (ctypes.c_void_p * count)(*(ctypes.addressof(p.floats) for p in plans))
+    row_kernels.decoder_stack(ints_of, floats_of, count, shared)
+    return outputs
+
+
+def _packed_room(room: tuple[torch.Tensor, torch.Tensor], plan: _LayerPlan, bsz: int, dtype: torch.dtype) -> bool:
+    """Whether ``room`` is a row-packed layer's keys and values the C call can append to for ``plan``."""
+    return all(t.dim() == 4 and t.shape[0] == bsz and t.shape[1] == plan.hkv and t.shape[3] == plan.d
+               and t.shape == room[0].shape and t.dtype == dtype and t.device.type == "cpu" and t.is_contiguous()
+               for t in room)
 
 
 def _plan(module: Any) -> _LayerPlan:
@@ -624,7 +665,7 @@ def _prepare(plan: _LayerPlan, layers: list, x: torch.Tensor, y: torch.Tensor, e
     ints = plan.ints
     for slot, value in zip(_CALL_SLOTS, (
             x.data_ptr(), y.data_ptr(), cos.data_ptr(), sin.data_ptr(), room[0].data_ptr(), room[1].data_ptr(),
-            start.data_ptr(), visible.data_ptr(), ends.data_ptr(), room[0].shape[-2], held, bsz, n,
+            start.data_ptr(), visible.data_ptr(), ends.data_ptr(), room[0].shape[-2], bsz, n,
             row_kernels.caller_threads())):
         ints[slot] = value
     return layer, room, held, (start, visible, ends, cos, sin)

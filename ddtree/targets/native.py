@@ -93,7 +93,7 @@ def library() -> tuple[ctypes.CDLL | None, str | None]:
     lib.ddtree_decoder_layer.argtypes = [ptr, ptr]
     lib.ddtree_decoder_layer.restype = None
     lib.ddtree_decoder_stack.argtypes = [ptr, ptr, long, ptr]
-    lib.ddtree_decoder_stack.restype = None
+    lib.ddtree_decoder_stack.restype = i32
     lib.ddtree_decoder_stack_slots.argtypes = []
     lib.ddtree_decoder_stack_slots.restype = long
     lib.ddtree_decoder_layer_slots.argtypes = []

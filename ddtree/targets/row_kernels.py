@@ -324,10 +324,13 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 def decoder_stack(ints: ctypes.Array, floats: ctypes.Array, count: int, shared: ctypes.Array) -> None:
     """``count`` decoder layers' decode forwards in turn in C (``ddtree_decoder_stack``: ``ints``/``floats``
     arrays of each layer's argument arrays, ``shared`` what the forward gives every layer, as
-    :mod:`ddtree.targets.exact_layers` packs them, after checking them)."""
+    :mod:`ddtree.targets.exact_layers` packs them, after checking them). Raises, with no layer run, where a
+    row's new columns would not fit its cache room."""
     if _LIB[0] is None:
         _library()
-    _LIB[0].ddtree_decoder_stack(ints, floats, count, shared)
+    if _LIB[0].ddtree_decoder_stack(ints, floats, count, shared):
+        raise ValueError("decoder_stack: a row's new columns run past its cache room (a prefix end past the "
+                         "capacity less the new tokens); make room before the forward")
 
 
 def decoder_layer(ints: ctypes.Array, floats: ctypes.Array) -> None:

@@ -1429,11 +1429,12 @@ void ddtree_silu_mul(const void *g, const void *u, void *y, long M, long I, long
 /* One pre-norm decoder layer's decode forward (Llama, Mistral, Qwen2, Qwen3) as the sequence of the kernels
  * above, in the order and with the arguments the module-by-module path (ddtree/targets/exact_layers.py) calls
  * them: the same bits, without a Python call between the steps. x [R, H] in (R = B * n rows), y [R, H] out;
- * the new keys and values are written into the cache rooms [B, Hkv, cap, D] at columns held .. held + n - 1,
- * which the attention then reads with the spec's starts, key flags and prefix ends. */
+ * row b's new keys and values are written into the cache rooms [B, Hkv, cap, D] at columns ends[b] .. ends[b] +
+ * n - 1, after its prefix (the same column for every row of a right-aligned cache, each row's own length in a
+ * row-packed one), which the attention then reads with the spec's starts, key flags and prefix ends. */
 enum {
     L_X, L_Y, L_LN1, L_LN2, L_QN, L_KN, L_PQ, L_PK, L_PV, L_PO, L_PG, L_PU, L_PD, L_BQ, L_BK, L_BV, L_BO, L_BG, L_BU,
-    L_BD, L_COS, L_SIN, L_KC, L_VC, L_START, L_VIS, L_ENDS, L_H, L_HQ, L_HKV, L_D, L_I, L_CAP, L_HELD, L_B, L_N,
+    L_BD, L_COS, L_SIN, L_KC, L_VC, L_START, L_VIS, L_ENDS, L_H, L_HQ, L_HKV, L_D, L_I, L_CAP, L_B, L_N,
     L_STYLE1, L_STYLE2, L_STYLEQ, L_STYLEK, L_DT, L_THREADS, L_COUNT
 };
 enum { F_EPS1, F_EPS2, F_EPSQ, F_EPSK, F_SCALE, F_COUNT };
@@ -1455,7 +1456,7 @@ long ddtree_decoder_layer_slots(void) { return L_COUNT; }
 
 void ddtree_decoder_layer(const int64_t *a, const double *f) {
     int dt = (int)a[L_DT], thr = (int)a[L_THREADS];
-    long H = a[L_H], Hq = a[L_HQ], Hkv = a[L_HKV], D = a[L_D], I = a[L_I], cap = a[L_CAP], held = a[L_HELD];
+    long H = a[L_H], Hq = a[L_HQ], Hkv = a[L_HKV], D = a[L_D], I = a[L_I], cap = a[L_CAP];
     long B = a[L_B], n = a[L_N], R = B * n, QD = Hq * D, KD = Hkv * D;
     size_t es = dt == DT_F32 ? 4 : 2;
     char *h = malloc((size_t)(R * H) * es), *q = malloc((size_t)(R * QD) * es), *k = malloc((size_t)(R * KD) * es);
@@ -1477,16 +1478,17 @@ void ddtree_decoder_layer(const int64_t *a, const double *f) {
     ddtree_rotary(q, PTR(L_COS), PTR(L_SIN), R, Hq, D, QD, dt, row_threads(R * QD, thr));
     ddtree_rotary(k, PTR(L_COS), PTR(L_SIN), R, Hkv, D, KD, dt, row_threads(R * KD, thr));
     char *kc = PTR(L_KC), *vc = PTR(L_VC);
+    const int64_t *ends = (const int64_t *)PTR(L_ENDS);
     for (long b = 0; b < B; b++)
         for (long t = 0; t < n; t++)
             for (long hk = 0; hk < Hkv; hk++) {
-                size_t to = (size_t)(((b * Hkv + hk) * cap + held + t) * D) * es, from = (size_t)(((b * n + t) * Hkv + hk) * D) * es;
+                size_t to = (size_t)(((b * Hkv + hk) * cap + ends[b] + t) * D) * es, from = (size_t)(((b * n + t) * Hkv + hk) * D) * es;
                 memcpy(kc + to, k + from, (size_t)D * es);
                 memcpy(vc + to, v + from, (size_t)D * es);
             }
     long qs[3] = {n * QD, D, QD}, cs[3] = {Hkv * cap * D, cap * D, D};
     ddtree_row_attention(q, kc, vc, at, dt, B, Hq, Hkv, n, D, qs, cs, cs, (const int64_t *)PTR(L_START),
-                         (const int64_t *)PTR(L_ENDS), (const uint8_t *)PTR(L_VIS), NULL, 0.0, f[F_SCALE], thr);
+                         ends, (const uint8_t *)PTR(L_VIS), NULL, 0.0, f[F_SCALE], thr);
     ddtree_packed_linear(at, PTR(L_PO), PTR(L_BO), o, R, QD, H, dt, product_threads(R, QD, H, thr), NULL, 0);
     add_into(y, x, o, R * H, dt);
     /* MLP block */
@@ -1506,13 +1508,18 @@ void ddtree_decoder_layer(const int64_t *a, const double *f) {
 /* A forward's decoder layers in turn, in one call: what every layer of the forward takes alike (`s`, in S_*
  * order) is copied into each layer's slots before its call (a layer's key ranges, which follow its window, are
  * its own); layer 0 reads the forward's input, layer i > 0 the output of layer i - 1, and layer i writes its
- * output at S_Y + i * S_YSTEP bytes. */
-enum { S_X, S_Y, S_YSTEP, S_COS, S_SIN, S_ENDS, S_HELD, S_B, S_N, S_THREADS, S_COUNT };
+ * output at S_Y + i * S_YSTEP bytes. Returns 0, or 1 with no layer run where a row's new columns would not
+ * fit a layer's cache room (ends[b] + n past its capacity). */
+enum { S_X, S_Y, S_YSTEP, S_COS, S_SIN, S_ENDS, S_B, S_N, S_THREADS, S_COUNT };
 long ddtree_decoder_stack_slots(void) { return S_COUNT; }
 
-void ddtree_decoder_stack(int64_t *const *as, const double *const *fs, long count, const int64_t *s) {
-    static const int to[] = {L_COS, L_SIN, L_ENDS, L_HELD, L_B, L_N, L_THREADS};
-    static const int from[] = {S_COS, S_SIN, S_ENDS, S_HELD, S_B, S_N, S_THREADS};
+int ddtree_decoder_stack(int64_t *const *as, const double *const *fs, long count, const int64_t *s) {
+    static const int to[] = {L_COS, L_SIN, L_ENDS, L_B, L_N, L_THREADS};
+    static const int from[] = {S_COS, S_SIN, S_ENDS, S_B, S_N, S_THREADS};
+    const int64_t *ends = (const int64_t *)(intptr_t)s[S_ENDS];
+    for (long i = 0; i < count; i++)
+        for (long b = 0; b < s[S_B]; b++)
+            if (ends[b] < 0 || ends[b] + s[S_N] > as[i][L_CAP]) return 1;
     for (long i = 0; i < count; i++) {
         int64_t *a = as[i];
         a[L_X] = i ? s[S_Y] + (i - 1) * s[S_YSTEP] : s[S_X];
@@ -1520,6 +1527,7 @@ void ddtree_decoder_stack(int64_t *const *as, const double *const *fs, long coun
         for (int j = 0; j < (int)(sizeof(to) / sizeof(to[0])); j++) a[to[j]] = s[from[j]];
         ddtree_decoder_layer(a, fs[i]);
     }
+    return 0;
 }
 
 /* ------------------------------------------------------------------ cache compaction */
