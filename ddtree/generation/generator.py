@@ -476,6 +476,11 @@ class SpeculativeGenerator:
         """``options.compile``: whether tree rounds run as the static, compiled round."""
         return self._options.compile
 
+    @property
+    def numerics(self) -> str:
+        """``options.numerics`` as built: ``"exact"`` or ``"fast"``."""
+        return cast(str, self._options.numerics)
+
     def keep_static_steps(self) -> None:
         """Drop the compiled steps if the models changed since they were built (their
         :func:`~ddtree.generation.static_round.traced_state`; called at each generation's start): their graphs

@@ -422,8 +422,8 @@ def to_static(state: DecodeState) -> StaticRows:
     held, book = state.on_device, state.rows
     gen = state.generator
     prepared = describe(gen.target).numerics
-    if prepared != gen.options.numerics:
-        raise RuntimeError(f"this generator runs compile=True with numerics={gen.options.numerics!r}, but a "
+    if prepared != gen.numerics:
+        raise RuntimeError(f"this generator runs compile=True with numerics={gen.numerics!r}, but a "
                            f"generator built later on its target prepared it for numerics={prepared!r} (the last "
                            "generator built prepares a target): build a new SpeculativeGenerator for this target")
     gen.keep_static_steps()

@@ -513,8 +513,8 @@ class _DecoderStack:
                 ranges[plan.window] = _key_ranges(plan, spec, mask, bsz, n, held, x.device)
         if any(r is None for r in ranges.values()):
             return None
-        rooms = [(layer, kv_room.room_for(layer, n)) for layer, _ in found]  # type: ignore[misc]  # checked above
-        outputs = _stack_call(plans, x, tables, [room for _, room in rooms], ranges,  # type: ignore[arg-type]
+        rooms = [(layer, kv_room.room_for(layer, n)) for layer, _ in found]  # type: ignore[misc]  # none is None
+        outputs = _stack_call(plans, x, tables, [room for _, room in rooms], ranges,
                               self.ends_for(bsz, held))
         for layer, (keys, values) in rooms:
             layer.keys, layer.values = keys.narrow(2, 0, held + n), values.narrow(2, 0, held + n)
