@@ -131,11 +131,16 @@ def test_one_host_read_per_round():
 
 
 def test_inductor_compiles_the_round_around_one_operator():
-    """``compile=True`` itself, float32: the verify's code calls the operator once and holds no copy of a
-    layer's cache (its writes stay in place); trees, acceptance and tokens are the eager exact round's."""
+    """``compile=True`` itself, float32, with a draft vocabulary: the verify's code calls the operator once and
+    holds no copy of a layer's cache (its writes stay in place), and the draft's every routed linear, the head
+    over the draft vocabulary among them, is one packed-kernel call; trees, acceptance and tokens are the eager
+    exact round's."""
     from torch._inductor.utils import run_and_get_code
 
+    from ddtree.targets import cpu_linear
+
     target, drafter = _pair("qwen3", torch.float32)
+    drafter.set_draft_vocab(torch.arange(0, target.config.vocab_size, 2))
     prompt = [PROMPTS[1]]
     dynamic, _ = run(SpeculativeGenerator(target, drafter, numerics="exact", tree_budget=6, prompt_lookup=True),
                      prompt, stop_token_ids=())
@@ -144,6 +149,11 @@ def test_inductor_compiles_the_round_around_one_operator():
     assert graph_breaks() == 0
     assert_same_rounds(static, dynamic, 1)
     assert len(code) == 3 and code[1].count("torch.ops.ddtree.exact_decode.default(") == 1
+    linears = drafter.cpu_linear_model
+    assert linears.head is not None and cpu_linear.routed(linears.head)
+    # every routed linear but the context projection (the commit's append runs it) in the draft, and no BLAS
+    assert code[0].count("ddtree.packed_linear.default(") == cpu_linear.installed(linears) - 1 > 0
+    assert "extern_kernels.mm(" not in code[0] and "extern_kernels.addmm(" not in code[0]
     config, capacity = target.config, static.on_device.static.cache.capacity
     assert f"empty_strided_cpu((1, {config.num_key_value_heads}, {capacity}, {config.head_dim})" not in "\n".join(code)
 
@@ -159,3 +169,17 @@ def test_what_it_cannot_run_is_refused_and_a_later_fast_generator_is_caught():
     with pytest.raises(RuntimeError, match="numerics='exact', but a generator built later on its target prepared "
                                            "it for numerics='fast'.*build a new SpeculativeGenerator"):
         gen.generate(torch.tensor([PROMPTS[0]]), max_new_tokens=4)
+
+
+@pytest.mark.real_default
+def test_compile_defaults_to_exact_where_the_compiled_round_takes_the_target():
+    """On a CPU, ``compile=True`` without ``numerics`` is exact for the families the operator runs whole (then
+    faster than fast numerics compiled, docs/benchmarks.md) and fast for the rest, whose layers stay as they
+    were (an MoE's experts implementation untouched)."""
+    target, drafter = _pair("llama", torch.float32)
+    assert SpeculativeGenerator(target, drafter, compile=BACKEND).options.numerics == "exact"
+    moe = tiny_target("qwen3_moe", dtype=torch.float32)
+    moe.set_experts_implementation("batched_mm")
+    gen = SpeculativeGenerator(moe, tiny_drafter(moe), compile=BACKEND)
+    assert gen.options.numerics == "fast" and moe.config._experts_implementation == "batched_mm"
+    assert SpeculativeGenerator(moe, tiny_drafter(moe)).options.numerics == "exact"  # eager: exact as ever

@@ -61,7 +61,7 @@ from ddtree.runtime.distributed import Lockstep, module_fingerprint
 from ddtree.runtime.log import logger
 from ddtree.runtime.threads import ThreadInfo, thread_info
 from ddtree.runtime.timing import StageTimer, work_clock
-from ddtree.targets import cpu_linear, native
+from ddtree.targets import cpu_linear, exact_static, native
 from ddtree.targets.backends import get_backend, static_backend_name
 from ddtree.targets.exact_layers import unchanged_between_forwards
 from ddtree.targets.numerics import exact_unavailable, prepare_exact, release_exact
@@ -183,10 +183,14 @@ class SpeculativeGenerator:
         self.lockstep = Lockstep.for_model(target)  # ranks of a tensor-parallel target; inactive otherwise
         if options.prompt_lookup is None:
             options = options.replace(prompt_lookup=DEFAULT_PROMPT_LOOKUP)
+        chosen = options.numerics
         if options.numerics is None:
             options = options.replace(numerics=default_numerics(target, options))
         if options.numerics == "exact":
             prepare_exact(target)  # the target's products through the row-invariant kernels, or the reason why not
+            if chosen is None and options.compile and exact_static.unavailable(target) is not None:
+                release_exact(target)  # the compiled round runs this target's exact forward as one operator only
+                options = options.replace(numerics="fast")
         else:
             release_exact(target)  # another generator's exact kernels would not trace, nor are they asked for
         # a directory, hub id or raw model becomes a drafter for target (with a lookup branch when asked)
@@ -505,7 +509,8 @@ class SpeculativeGenerator:
         return self._static_steps[key]
 
     def _traced_models(self) -> tuple:
-        return traced_state(self.target, getattr(self.drafter, "model", None))
+        drafter = self.drafter  # the draft step's linears, the head over a draft vocabulary among them
+        return traced_state(self.target, getattr(drafter, "cpu_linear_model", None) or getattr(drafter, "model", None))
 
     def budget_policy(self, budget: int | str | BudgetPolicy, *,
                       builder: TreeBuilder | None = None) -> BudgetPolicy | None:
@@ -641,10 +646,11 @@ to pass ``"fast"``); CUDA has no exact kernels yet."""
 
 def default_numerics(target: Any, options: GeneratorOptions | None = None) -> str:
     """The default ``numerics`` for ``target``: :data:`DEFAULT_NUMERICS` for its device where the exact kernels run
-    it, else ``"fast"``; ``"fast"`` too where ``options`` ask for what exact numerics replaces (``compile``, another
-    attention backend)."""
-    if options is not None and (options.compile
-                                or attention_name(options.attention) not in ("auto", None, "exact")):
+    it, else ``"fast"``; ``"fast"`` too where ``options`` ask for what exact numerics replaces (another attention
+    backend) or for ``compile`` on a target whose class the compiled exact round does not take (the generator
+    falls back to fast after preparing one whose layers it cannot all take)."""
+    if options is not None and (attention_name(options.attention) not in ("auto", None, "exact")
+                                or options.compile and not exact_static.may_take(target)):
         return "fast"
     param = next(target.parameters(), None)
     kind = param.device.type if param is not None else "cpu"

@@ -212,7 +212,8 @@ class StaticSteps:
                 alive: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         n = tree.num_nodes
         result = accept_longest_branch(tree, choices, length=n)
-        commit_packed(cache.keys, cache.values, lengths, result.accepted)
+        if n > 1:  # a root-only tree's keys and values are already where the commit would move them
+            commit_packed(cache.keys, cache.values, lengths, result.accepted)
         cache.commit_states(result.accepted[:, : self.max_depth + 1], alive)  # stateful layers, if any
         path = result.accepted.clamp(min=0)
         if draft is not None:

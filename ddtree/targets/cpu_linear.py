@@ -249,6 +249,15 @@ def uninstall(model: torch.nn.Module) -> int:
     return count
 
 
+def route_like(layer: torch.nn.Linear, like: torch.nn.Linear) -> bool:
+    """Route ``layer`` as ``like`` is routed (exactly, or with its row limit), where it is and ``layer`` can be;
+    returns whether ``layer`` is routed now."""
+    max_rows = getattr(like, _INSTALLED, None)
+    if max_rows is None or not _routable(layer, max_rows is EVERY_ROW):
+        return False
+    return bool(install(layer, exact=True) if max_rows is EVERY_ROW else install(layer, max_rows))
+
+
 def routed(layer: torch.nn.Linear) -> bool:
     """Whether this one linear goes through the kernel (O(1), for per-round checks)."""
     return hasattr(layer, _INSTALLED)

@@ -32,6 +32,12 @@ _HANDLE = "_ddtree_exact_handle"
 _NEXT = itertools.count(1)
 
 
+def may_take(model: Any) -> bool:
+    """Whether ``model``'s class is one the exact forward takes whole, before it is prepared (:func:`unavailable`
+    says for certain after)."""
+    return type(model).__name__ in exact_forward.FAMILIES
+
+
 def unavailable(model: Any) -> str | None:
     """Why the compiled round cannot run ``model`` with exact numerics (its forward is not one the exact
     forward takes whole), or None."""

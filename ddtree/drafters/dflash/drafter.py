@@ -6,7 +6,6 @@ import os
 from typing import TYPE_CHECKING, cast
 
 import torch
-import torch.nn.functional as F
 
 from ddtree.core.sampling import log_softmax_inplace
 from ddtree.drafters.dflash.checkpoint import DRAFT_VOCAB_FILE, check_draft_vocab
@@ -61,6 +60,17 @@ def check_compatible_config(config: DFlashConfig, target_config: PretrainedConfi
         raise ValueError(f"mask_token_id {config.mask_token_id} is outside the target's vocabulary (size {vocab})")
 
 
+class DraftLinears(torch.nn.Module):
+    """A draft step's linears, which the generator routes through the CPU kernel with the target's (a draft is
+    a few-row forward too): the draft model's and the LM head over a draft vocabulary (a slice of the
+    target's head, the drafter's own copy; ``None`` for the full vocabulary, the target's routed module)."""
+
+    def __init__(self, model: DFlashDraftModel) -> None:
+        super().__init__()
+        self.model = model
+        self.head: torch.nn.Linear | None = None
+
+
 class DFlashDrafter(FeatureDrafter):
     """A DFlash model bound to its target: weights and settings only, shared by every generation.
 
@@ -77,7 +87,7 @@ class DFlashDrafter(FeatureDrafter):
         with self._lockstep.fail_together("binding the drafter to the target"):
             check_compatible(model.config, target)
         self._bind(model, target)
-        self.cpu_linear_model = model  # the draft step is a few-row forward too: cpu_linear routes it with the target's
+        self.cpu_linear_model = DraftLinears(model)
         self.set_draft_vocab(draft_vocab)
 
     def set_draft_vocab(self, draft_vocab: str | int | torch.Tensor | None = "auto") -> None:
@@ -125,8 +135,9 @@ class DFlashDrafter(FeatureDrafter):
 
     def _slice_head(self, ids: torch.Tensor | None) -> None:
         head = self._target_parts[1]
+        linears = cast(DraftLinears, self.cpu_linear_model)
         if ids is None:
-            self.draft_vocab, self._head_slice = None, None
+            self.draft_vocab, linears.head = None, None
             return
         # The slice is the drafter's own copy, on its device: a tensor-parallel lm_head is gathered whole
         # first (every rank runs this), a layer-split one may sit on another device than the drafter.
@@ -134,9 +145,12 @@ class DFlashDrafter(FeatureDrafter):
         weight, bias = full_tensor(head.weight.detach()), getattr(head, "bias", None)
         bias = None if bias is None else full_tensor(bias.detach())
         ids = ids.to(device).sort().values
-        self.draft_vocab = ids
-        self._head_slice = (weight.to(device)[ids].contiguous(),
-                            None if bias is None else bias.to(device)[ids].contiguous())
+        sliced = torch.nn.Linear(weight.shape[1], ids.numel(), bias=bias is not None, device="meta")
+        sliced.weight = torch.nn.Parameter(weight.to(device)[ids].contiguous(), requires_grad=False)
+        if bias is not None:
+            sliced.bias = torch.nn.Parameter(bias.to(device)[ids].contiguous(), requires_grad=False)
+        cpu_linear.route_like(sliced, self.model.fc)  # a vocabulary chosen after the generator routed the model
+        self.draft_vocab, linears.head = ids, sliced
 
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike[str], target: PreTrainedModel, *, dtype: torch.dtype | None = None,
@@ -167,11 +181,10 @@ class DFlashDrafter(FeatureDrafter):
         # rows, not a [B, depth] slice of the block: on a CPU, a 3-D input whose rows are strided sends torch's
         # matmul down its batched path, which copies the whole head weight on every call
         hidden = hidden.to(lm_head.weight.dtype).reshape(-1, hidden.shape[-1])
-        head_slice, ids = self._head_slice, self.draft_vocab  # set together by _slice_head
-        if head_slice is None or ids is None:  # the target's own module: its tensor-parallel or device hooks apply
+        sliced, ids = cast(DraftLinears, self.cpu_linear_model).head, self.draft_vocab  # set together
+        if sliced is None or ids is None:  # the target's own module: its tensor-parallel or device hooks apply
             logits = self.model.process_logits(lm_head(hidden.to(lm_head.weight.device)).float())
             return log_softmax_inplace(logits.contiguous()).to(hidden.device).view(*lead, -1)
-        linear = cpu_linear.linear if cpu_linear.routed(self.model.fc) else F.linear  # routed with the model
-        sub = log_softmax_inplace(self.model.process_logits(linear(hidden, *head_slice).float()).contiguous())
+        sub = log_softmax_inplace(self.model.process_logits(sliced(hidden).float()).contiguous())
         out = sub.new_full((*sub.shape[:-1], lm_head.weight.shape[0]), float("-inf"))
         return out.index_copy_(-1, ids, sub).view(*lead, -1)
