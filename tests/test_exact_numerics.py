@@ -421,6 +421,24 @@ def test_exact_is_the_cpu_default_and_a_later_fast_generator_takes_the_target_ba
     assert torch.equal(again.generate(prompt, max_new_tokens=12).sequences, first.sequences)
 
 
+def test_a_hybrid_target_goes_from_exact_to_fast_and_back():
+    """On a GDN hybrid the stateful layers' tree forward wraps the exact kernels' routing: a fast generator built
+    after an exact one takes both back and routes the GDN layers anew (their tree forward was lost with the
+    exact wrappers, and the verify then had no per-node state). Each decodes HF greedy's tokens, each round
+    accepting what its tree spells of them."""
+    from test_generator import reference
+
+    target = family_target("qwen3_5")
+    drafter = tiny_drafter(target)
+    prompt = [5, 17, 42, 8, 9, 33, 61, 2]
+    ref = reference(target, prompt, new=24)[0].tolist()
+    for numerics in ("exact", "fast", "exact"):
+        gen = SpeculativeGenerator(target, drafter, numerics=numerics, tree_budget=4)
+        out = gen.generate(torch.tensor([prompt]), max_new_tokens=16, record_trees=True, stop_token_ids=())
+        assert out.sequences[0].tolist() == ref[: len(prompt) + 16], numerics
+        assert out.acceptance_lengths == [expected_acceptance(r, ref) for r in out.rounds], numerics
+
+
 def cpu_linear_routed_exactly(target) -> bool:
     from ddtree.targets import cpu_linear
 

@@ -73,6 +73,11 @@ class StatefulLayerKind(Protocol):
         through it too, with the tree's own arithmetic (``numerics="exact"``)."""
         ...
 
+    def release(self, model: Any) -> None:
+        """Undo :meth:`prepare` (the layers' own forwards back), so that routing wrapped inside it can be
+        taken back and a later :meth:`prepare` routes the layers anew."""
+        ...
+
     def tree_forward_kwargs(self, model: Any, tree: DraftTree) -> dict[str, Any]: ...
 
     def holds_state(self, cache: Any) -> bool:

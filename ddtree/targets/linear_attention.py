@@ -845,6 +845,9 @@ class GatedDeltaNet:
     def prepare(self, model: Any, exact: bool = False) -> None:
         prepare(model, exact)
 
+    def release(self, model: Any) -> None:
+        unprepare(model)
+
     def tree_forward_kwargs(self, model: Any, tree: DraftTree) -> dict[str, Any]:
         return {LINEAR_TREE_KWARG: tree} if is_prepared(model) else {}
 

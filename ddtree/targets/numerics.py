@@ -170,18 +170,21 @@ def release_exact(model: Any) -> bool:
     """Undo :func:`prepare_exact` (a ``"fast"`` generator built on a target an exact one prepared: the last
     generator built owns the target, and the exact one refuses its next call through :func:`check_exact`);
     returns whether there was anything to undo. The experts' implementation stays as it was set."""
-    if describe(model).numerics != "exact":
+    description = describe(model)
+    if description.numerics != "exact":
         return False
+    for kind in description.stateful:  # their forwards wrap the exact ones: the next backend prepares them anew
+        kind.release(model)
     exact_forward.uninstall(model)
     exact_layers.uninstall(model)
     cpu_linear.uninstall(model)
     for module in model.modules():
         for mark in (_ROUTED, _TAIL_FREE):
             if vars(module).pop(mark, None):
-                del module.forward
+                vars(module).pop("forward", None)  # a released stateful kind took it already
     if vars(model).pop(_PINNED, None):
-        del model.forward
-    describe(model).numerics = "fast"
+        vars(model).pop("forward", None)
+    description.numerics = "fast"
     return True
 
 
