@@ -18,6 +18,7 @@ from ddtree.blocks import (
     build_target_layer_ids,
     extract_context_feature,
 )
+from ddtree.targets import native
 
 
 class RecordingDrafter(DFlashDrafter):
@@ -360,3 +361,34 @@ def test_a_drafter_for_a_target_with_rope_per_layer_type_takes_full_attentions()
     assert config.rope_parameters["rope_theta"] == full["rope_theta"] == 1_000_000.0
     assert config.rope_parameters["rope_type"] == "default"
     tiny_drafter(target)  # builds (its rotary table reads the base)
+
+
+@pytest.mark.skipif(not native.available(), reason=f"kernels: {native.unavailable_reason()}")
+@pytest.mark.parametrize("before", [True, False])
+def test_a_draft_vocabularys_head_is_routed_with_the_drafters_linears(before):
+    """The head over a draft vocabulary is one of the draft step's routed linears (the kernel, not BLAS), whether
+    the vocabulary was chosen before the generator routed the drafter or after; the log-probs are the
+    vocabulary's (BLAS's to float32 rounding) and ``-inf`` outside it."""
+    from ddtree.targets import cpu_linear
+
+    target = tiny_target(dtype=torch.float32).requires_grad_(False)
+    drafter = DFlashDrafter(tiny_drafter(target), target, draft_vocab=None)
+    ids = torch.arange(0, target.config.vocab_size, 3)
+    if before:
+        drafter.set_draft_vocab(ids)
+    gen = SpeculativeGenerator(target, drafter, cpu_linear=True, numerics="fast")
+    if not before:
+        gen.drafter.set_draft_vocab(ids)
+    head = drafter.cpu_linear_model.head
+    assert head is not None and cpu_linear.routed(head) and cpu_linear.routed(drafter.model.fc)
+    hidden = torch.randn(2, 4, target.config.hidden_size, generator=torch.Generator().manual_seed(3))
+    assert "aten::mm" not in _op_names(lambda: drafter.block_logprobs(hidden))
+    with torch.inference_mode():
+        got = drafter.block_logprobs(hidden)
+        logits = drafter.model.process_logits(torch.nn.functional.linear(hidden, target.lm_head.weight[ids]).float())
+    torch.testing.assert_close(got[..., ids], logits.log_softmax(-1), atol=1e-5, rtol=1e-5)
+    outside = torch.ones(target.config.vocab_size, dtype=torch.bool)
+    outside[ids] = False
+    assert torch.isinf(got[..., outside]).all()
+    cpu_linear.uninstall(drafter.cpu_linear_model)  # the control: BLAS once the head is not routed
+    assert "aten::mm" in _op_names(lambda: drafter.block_logprobs(hidden))

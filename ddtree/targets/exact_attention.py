@@ -82,11 +82,12 @@ class ExactTreeSpec:
         return self._keys[key]
 
 
-def key_ranges(visibility: torch.Tensor, depths: torch.Tensor, prefix_len: int, pads: torch.Tensor | None,
-               window: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+def key_ranges(visibility: torch.Tensor, depths: torch.Tensor, prefix_len: int | torch.Tensor,
+               pads: torch.Tensor | None, window: int | None) -> tuple[torch.Tensor, torch.Tensor]:
     """Each node's keys as the row kernel takes them: the first visible prefix column ``start`` ``[B, N]`` (the
     row's first real column, or the first inside the window of a node at position ``committed + depth``) and
-    the visible tree nodes ``[B, N, N]`` (ancestors-or-self, those within the window)."""
+    the visible tree nodes ``[B, N, N]`` (ancestors-or-self, those within the window). ``prefix_len``: the
+    committed columns, one for every row or ``[B, 1]`` (a row-packed cache's own lengths)."""
     bsz, n = depths.shape
     first = torch.zeros(bsz, 1, dtype=torch.long, device=depths.device) if pads is None else pads.view(-1, 1)
     start = first.expand(bsz, n)

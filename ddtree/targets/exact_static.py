@@ -27,7 +27,7 @@ _LIBRARY.define("exact_decode(int model, Tensor input_ids, Tensor position_ids, 
                 "Tensor(b!)[] values, Tensor lengths, Tensor visibility, Tensor depths, int[] layers) "
                 "-> (Tensor, Tensor)")
 
-_MODELS: dict[int, weakref.ref] = {}
+_MODELS: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
 _HANDLE = "_ddtree_exact_handle"
 _NEXT = itertools.count(1)
 
@@ -50,15 +50,15 @@ def unavailable(model: Any) -> str | None:
 def handle(model: Any) -> int:
     """The operator's number for ``model`` (made once; the model is held weakly)."""
     number = vars(model).get(_HANDLE)
-    if number is None or _MODELS.get(number, lambda: None)() is not model:
+    if number is None or _MODELS.get(number) is not model:
         number = next(_NEXT)
         vars(model)[_HANDLE] = number
-        _MODELS[number] = weakref.ref(model)
+        _MODELS[number] = model
     return number
 
 
 def _model(number: int) -> Any:
-    model = _MODELS.get(number, lambda: None)()
+    model = _MODELS.get(number)
     if model is None:
         raise RuntimeError("exact_decode: its model is gone (the compiled steps outlived their generator)")
     return model
@@ -71,7 +71,7 @@ def _exact_decode(number: int, input_ids: torch.Tensor, position_ids: torch.Tens
     ends = lengths[:, None]
 
     def ranges(window: int | None) -> tuple[torch.Tensor, torch.Tensor]:
-        start, visible = key_ranges(visibility, depths, ends, None, window)  # type: ignore[arg-type]  # per row
+        start, visible = key_ranges(visibility, depths, ends, None, window)
         return start.to(torch.int64).contiguous(), visible.to(torch.uint8).contiguous()
 
     out = exact_forward.forward_packed(model, input_ids, position_ids, list(zip(keys, values)), lengths, ranges,
