@@ -45,12 +45,10 @@ from ddtree.drafters.base import Proposal, StaticDraftContext, coupled_proposal,
 from ddtree.generation.accepted import emit_accepted, observe_accepted, pack_accepted, unpack_accepted
 from ddtree.generation.state import DecodeState, RoundResult
 from ddtree.runtime.log import logger
-from ddtree.targets import cpu_linear
+from ddtree.targets import cpu_linear, exact_static
 from ddtree.targets.backends import masks_for_plan, window_plan
 from ddtree.targets.cache import cache_kwargs, new_target_cache
 from ddtree.targets.description import describe
-from ddtree.targets.exact_static import ExactDecode
-from ddtree.targets.exact_static import unavailable as exact_unavailable
 from ddtree.targets.static_cache import RowPackedCache, commit_packed, packed_tree_mask
 
 CAPACITY_STEP = 256
@@ -72,7 +70,7 @@ def check_static_support(generator: Any) -> None:
         raise ValueError("compile=True runs in one process; a tensor-parallel target (torchrun) runs the dynamic "
                          "round, which keeps the ranks in lockstep. Use compile=False")
     if generator.options.numerics == "exact":
-        why = exact_unavailable(target)
+        why = exact_static.unavailable(target)
         if why is not None:
             raise ValueError(f"compile=True with numerics='exact' runs the target's forward as one exact operator, "
                              f"and {why}. Pass numerics='fast' to compile it, or compile=False")
@@ -149,7 +147,7 @@ class StaticSteps:
         self.cache_position = _takes_cache_position(type(self.target))  # type: ignore[arg-type]  # hashable class
         self.hidden = drafting and self.drafter.needs_hidden_states
         # exact numerics: the target's forward as one opaque operator running the eager exact kernels
-        self.exact = ExactDecode(self.target) if describe(self.target).numerics == "exact" else None
+        self.exact = exact_static.ExactDecode(self.target) if generator.numerics == "exact" else None
         if self.hidden and self.exact is None:
             _install_output_hooks(self.target)
         cuda = self.target.get_input_embeddings().weight.device.type == "cuda"
