@@ -13,7 +13,15 @@ import pytest
 import torch
 from test_exact_numerics import _one_token_logits, _prefilled, _tree
 from test_generator import expected_acceptance
-from test_static_round import BACKEND, NEW, assert_one_read_per_round, assert_same_rounds, graph_breaks, run
+from test_static_round import (  # noqa: F401 (fresh_dynamo: an autouse fixture, applied here too)
+    BACKEND,
+    NEW,
+    assert_one_read_per_round,
+    assert_same_rounds,
+    fresh_dynamo,
+    graph_breaks,
+    run,
+)
 from tiny import WINDOW, tiny_drafter, tiny_target
 
 from ddtree import SpeculativeGenerator
@@ -25,14 +33,6 @@ pytestmark = pytest.mark.skipif(not native.available(), reason=f"kernels: {nativ
 
 PROMPTS = [[(7 * i + 3) % 90 + 1 for i in range(3 * WINDOW + 1)], [(5 * i + 11) % 90 + 1 for i in range(2 * WINDOW)]]
 SAMPLED = dict(do_sample=True, temperature=1.0, top_p=0.9, seed=[5, 6])
-
-
-@pytest.fixture(autouse=True)
-def fresh_dynamo():
-    torch._dynamo.reset()
-    torch._dynamo.utils.counters.clear()
-    yield
-    torch._dynamo.reset()
 
 
 def _packed(target, prompts) -> tuple[RowPackedCache, torch.Tensor]:
