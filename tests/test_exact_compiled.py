@@ -55,10 +55,13 @@ def _verify_logits(gen, target, prompts, tree) -> torch.Tensor:
         logits, _ = ExactDecode(target)(tree.tokens, positions, cache.keys, cache.values, lengths, tree.visibility,
                                         tree.depths, None)
         return logits
+    from ddtree.generation.static_round import _takes_cache_position
+
     cache.set_write_columns(lengths[:, None] + torch.arange(tree.num_nodes))
     mask = packed_tree_mask(tree.visibility, tree.depths, lengths, cache.capacity, gen.dtype)
+    extra = {"cache_position": torch.arange(tree.num_nodes)} if _takes_cache_position(type(target)) else {}
     return target(input_ids=tree.tokens, position_ids=positions, attention_mask=mask, past_key_values=cache,
-                  use_cache=True).logits
+                  use_cache=True, **extra).logits
 
 
 def _node_mismatches(family: str, dtype: torch.dtype, numerics: str) -> list[tuple[int, int]]:
