@@ -186,3 +186,26 @@ def test_compile_defaults_to_exact_where_the_compiled_round_takes_the_target():
     gen = SpeculativeGenerator(moe, tiny_drafter(moe), compile=BACKEND)
     assert gen.options.numerics == "fast" and moe.config._experts_implementation == "batched_mm"
     assert SpeculativeGenerator(moe, tiny_drafter(moe)).options.numerics == "exact"  # eager: exact as ever
+
+
+def test_columns_past_the_room_are_refused_before_any_write():
+    """The C stack checks every row's new columns against each room's capacity before it runs a layer: a
+    row whose length leaves no room for the tree gets a ValueError and the cache keeps its bits (a write past
+    the buffer would have gone into other memory)."""
+    from ddtree.targets.exact_static import ExactDecode
+
+    target = tiny_target("llama", dtype=torch.float32)
+    SpeculativeGenerator(target, tiny_drafter(target), numerics="exact", compile=BACKEND)
+    cache, lengths = _packed(target, PROMPTS)
+    tree = _tree(len(PROMPTS), seed=0)
+    before = [t.clone() for t in (*cache.keys, *cache.values)]
+    full = torch.tensor([lengths[0].item(), cache.capacity - tree.num_nodes + 1])  # row 1: one column short
+    with torch.inference_mode(), pytest.raises(ValueError, match="past its cache room"):
+        ExactDecode(target)(tree.tokens, full[:, None] + tree.depths, cache.keys, cache.values, full,
+                            tree.visibility, tree.depths, None)
+    assert all(torch.equal(a, b) for a, b in zip(before, (*cache.keys, *cache.values)))
+    fits = full - 1
+    with torch.inference_mode():
+        ExactDecode(target)(tree.tokens, fits[:, None] + tree.depths, cache.keys, cache.values, fits,
+                            tree.visibility, tree.depths, None)
+    assert not all(torch.equal(a, b) for a, b in zip(before, (*cache.keys, *cache.values)))
