@@ -72,10 +72,7 @@ def check_static_support(generator: Any) -> None:
         raise ValueError("compile=True runs in one process; a tensor-parallel target (torchrun) runs the dynamic "
                          "round, which keeps the ranks in lockstep. Use compile=False")
     if generator.options.numerics == "exact":
-        why = exact_static.unavailable(target)
-        if why is not None:
-            raise ValueError(f"compile=True with numerics='exact' runs the target's forward as one exact operator, "
-                             f"and {why}. Pass numerics='fast' to compile it, or compile=False")
+        exact_static.check(target)
         return
     if describe(target).stateful and getattr(new_target_cache(target), "layers", None) is None:
         raise ValueError(f"compile=True runs GDN hybrids on transformers' per-layer cache; this transformers gives "

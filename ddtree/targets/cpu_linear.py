@@ -255,7 +255,8 @@ def route_like(layer: torch.nn.Linear, like: torch.nn.Linear) -> bool:
     max_rows = getattr(like, _INSTALLED, None)
     if max_rows is None or not _routable(layer, max_rows is EVERY_ROW):
         return False
-    return bool(install(layer, exact=True) if max_rows is EVERY_ROW else install(layer, max_rows))
+    routed_now = install(layer, exact=True) if max_rows is EVERY_ROW else install(layer, max_rows)
+    return routed_now > 0
 
 
 def routed(layer: torch.nn.Linear) -> bool:

@@ -47,6 +47,14 @@ def unavailable(model: Any) -> str | None:
     return None
 
 
+def check(model: Any) -> None:
+    """Refuse ``compile=True`` with exact numerics for ``model`` where the operator cannot run it, with the way out."""
+    why = unavailable(model)
+    if why is not None:
+        raise ValueError(f"compile=True with numerics='exact' runs the target's forward as one exact operator, and "
+                         f"{why}. Pass numerics='fast' to compile it, or compile=False")
+
+
 def handle(model: Any) -> int:
     """The operator's number for ``model`` (made once; the model is held weakly)."""
     number = vars(model).get(_HANDLE)
@@ -105,9 +113,7 @@ class ExactDecode:
     outside the graph (the model's number and layer count are constants of the trace)."""
 
     def __init__(self, model: Any) -> None:
-        why = unavailable(model)
-        if why is not None:
-            raise ValueError(f"compile=True with numerics='exact': {why}. Pass numerics='fast' or compile=False")
+        check(model)
         self.number = handle(model)
         self.num_layers = cast(int, exact_forward.taken(model))
 
