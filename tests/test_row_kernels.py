@@ -61,25 +61,29 @@ def _reference(q, k, v, start, visible, scale, sinks=None, softcap=None):
 
 
 PARENTS = [-1, 0, 0, 1, 2, 3, 3, 4, 5, 8, 9, 1]
+CHAIN = [-1, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10]  # a causal prefill's tokens: every node's keys one run of columns
+MIXED = [-1, 0, 1, 2, 3, 4, 5, 6, 3, 8, 2, 10]  # the first 8 nodes (one task's chunk) a chain, the rest branch
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("sinks,softcap", [(False, None), (True, None), (False, 5.0)])
-@pytest.mark.parametrize("d,prefix", [(24, 13), (64, 37), (128, 21)])  # 64 and 128: the prefix's register passes
-def test_tree_attention_is_close_to_float64_and_each_node_is_a_one_token_step(dtype, sinks, softcap, d, prefix):
+@pytest.mark.parametrize("d,prefix", [(24, 13), (64, 37), (128, 21), (64, 0)])  # 64, 128: the register passes
+@pytest.mark.parametrize("parents", [PARENTS, CHAIN, MIXED], ids=["tree", "chain", "mixed"])
+def test_tree_attention_is_close_to_float64_and_each_node_is_a_one_token_step(dtype, sinks, softcap, d, prefix,
+                                                                               parents):
     """Alone, a node's ancestors are prefix keys, in the tree its own: both must give the same bits."""
     g = torch.Generator().manual_seed(1)
-    bsz, hq, hkv, n = 2, 6, 2, len(PARENTS)
+    bsz, hq, hkv, n = 2, 6, 2, len(parents)
     visible = torch.zeros(bsz, n, n, dtype=torch.bool)
     for i in range(n):
         m = i
         while m >= 0:
             visible[:, i, m] = True
-            m = PARENTS[m]
+            m = parents[m]
     q = torch.randn(bsz, hq, n, d, generator=g).to(dtype)
     k = torch.randn(bsz, hkv, prefix + n, d, generator=g).to(dtype)
     v = torch.randn(bsz, hkv, prefix + n, d, generator=g).to(dtype)
-    start = torch.tensor([[0] * n, [3, 4, 5, 3, 3, 6, 7, 8, 2, 3, 4, 12]])  # row 1: padding and a window
+    start = torch.tensor([[0] * n, [3, 4, 5, 3, 3, 6, 7, 8, 2, 3, 4, 12]]).clamp(max=prefix)  # row 1: padding, a window
     sink = torch.randn(hq, generator=g) if sinks else None
     out = row_kernels.tree_attention(q, k, v, start, visible, scale=0.3, sinks=sink, softcap=softcap)
     want = _reference(q, k, v, start, visible, 0.3, sink, softcap)

@@ -1028,12 +1028,12 @@ static inline __m512 reduce16(const __m512 *a) {
     return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), g);
 }
 
-/* Scores of NP pairs (queries qp[p], each D floats) over the prefix columns [lo, P): key col's score goes to
- * dst[p][col - first[p]] where col >= first[p]. */
+/* Scores of NP pairs (queries qp[p], each D floats) over the columns [lo, P): key col's score goes to
+ * dst[p][col - first[p]] where first[p] <= col < last[p]. */
 #define PREFIX_SCORES(NP, DV)                                                                    \
     static void prefix_scores_##NP##_##DV(const float *const *qp, const char *kb, long kstride, int dt,     \
-                                          size_t esize, long lo, long P, const long *first, float *const *dst, \
-                                          float scale) {                                        \
+                                          size_t esize, long lo, long P, const long *first, const long *last, \
+                                          float *const *dst, float scale) {                     \
         __m512 q[NP][DV], part[NP][16];                                                          \
         for (int p = 0; p < NP; p++)                                                             \
             for (int c = 0; c < DV; c++) q[p][c] = _mm512_loadu_ps(qp[p] + 16 * c);              \
@@ -1056,14 +1056,15 @@ static inline __m512 reduce16(const __m512 *a) {
                 float sums[16];                                                                  \
                 _mm512_storeu_ps(sums, _mm512_mul_ps(reduce16(part[p]), _mm512_set1_ps(scale)));  \
                 for (long t = 0; t < n; t++)                                                     \
-                    if (c0 + t >= first[p]) dst[p][c0 + t - first[p]] = sums[t];                 \
+                    if (c0 + t >= first[p] && c0 + t < last[p]) dst[p][c0 + t - first[p]] = sums[t]; \
             }                                                                                    \
         }                                                                                        \
     }
-/* o[p] += w[p][col - first[p]] * v[col] over the prefix columns [lo, P) (col >= first[p]), in column order. */
+/* o[p] += w[p][col - first[p]] * v[col] over the columns [lo, P) (first[p] <= col < last[p]), in column order. */
 #define PREFIX_VALUES(NP, DV)                                                                    \
     static void prefix_values_##NP##_##DV(const char *vb, long vstride, int dt, size_t esize, long lo, long P, \
-                                          const long *first, const float *const *w, float *const *o) { \
+                                          const long *first, const long *last, const float *const *w,      \
+                                          float *const *o) {                                    \
         __m512 acc[NP][DV];                                                                      \
         for (int p = 0; p < NP; p++)                                                             \
             for (int c = 0; c < DV; c++) acc[p][c] = _mm512_loadu_ps(o[p] + 16 * c);             \
@@ -1071,7 +1072,7 @@ static inline __m512 reduce16(const __m512 *a) {
             __m512 vv[DV];                                                                       \
             WIDEN(DV, vv, vb + (size_t)(col * vstride) * esize, dt)                              \
             for (int p = 0; p < NP; p++) {                                                       \
-                if (col < first[p]) continue;                                                    \
+                if (col < first[p] || col >= last[p]) continue;                                  \
                 __m512 pw = _mm512_set1_ps(w[p][col - first[p]]);                                \
                 for (int c = 0; c < DV; c++) acc[p][c] = _mm512_fmadd_ps(pw, vv[c], acc[p][c]);  \
             }                                                                                    \
@@ -1086,9 +1087,9 @@ PREFIX_VALUES(1, 8) PREFIX_VALUES(2, 8)
 
 /* The passes by head size (0: 64, 1: 128) and pairs per call: a group of pairs fits the registers. */
 typedef void (*prefix_scores_fn)(const float *const *, const char *, long, int, size_t, long, long, const long *,
-                                 float *const *, float);
-typedef void (*prefix_values_fn)(const char *, long, int, size_t, long, long, const long *, const float *const *,
-                                 float *const *);
+                                 const long *, float *const *, float);
+typedef void (*prefix_values_fn)(const char *, long, int, size_t, long, long, const long *, const long *,
+                                 const float *const *, float *const *);
 static const prefix_scores_fn PREFIX_SCORES_BY[2][5] = {
     {NULL, prefix_scores_1_4, prefix_scores_2_4, prefix_scores_3_4, prefix_scores_4_4},
     {NULL, prefix_scores_1_8, prefix_scores_2_8, NULL, NULL}};
@@ -1177,23 +1178,43 @@ void ddtree_row_attention(const void *q, const void *k, const void *v, void *out
                 for (long d = 0; d < D; d++) qf[(i * G + g) * D + d] = load_one(qg, d, dt);
             }
         /* scores: the shared prefix, one pass over its keys, then each node's own tree keys */
+        long after = 0; /* tree columns from which each node's own pass runs (those before: in the register pass) */
 #ifdef WIDE
         const float *qp[NODE_CHUNK * 16];
         float *dst[NODE_CHUNK * 16], *op[NODE_CHUNK * 16];
-        long pfirst[NODE_CHUNK * 16];
+        long pfirst[NODE_CHUNK * 16], plast[NODE_CHUNK * 16], PE = P;
         int fast = prefix_fast(D) && G <= 16;
         if (fast) {
+            /* A node that sees tree columns [0, e) and no other (a token of a causal prefill, a node of a chain)
+             * reads them as it reads the prefix, so where every node of the chunk does, they join the register
+             * pass with an end per node; otherwise the columns every node sees from the first on do. Each node
+             * still reduces over its columns in its logical order with the same operations: the same bits. */
+            long ends_at[NODE_CHUNK], common = N, longest = 0;
+            int runs = 1;
+            for (long i = 0; i < nn; i++) {
+                const uint8_t *vis = tree + (b * N + n0 + i) * N;
+                long e = 0, m;
+                while (e < N && vis[e]) e++;
+                for (m = e; m < N && !vis[m]; m++) {}
+                runs &= m == N;
+                ends_at[i] = e;
+                common = e < common ? e : common;
+                longest = e > longest ? e : longest;
+            }
+            after = runs ? N : common;
+            PE = P + (runs ? longest : common);
             for (long i = 0; i < nn; i++)
                 for (long g = 0; g < G; g++) {
                     qp[i * G + g] = qf + (i * G + g) * D;
                     dst[i * G + g] = sc + off[i] + g * TP[i];
                     op[i * G + g] = o + (i * G + g) * D;
                     pfirst[i * G + g] = first[i];
+                    plast[i * G + g] = runs ? P + ends_at[i] : PE;
                 }
             for (long p0 = 0, most = prefix_group(D); p0 < nn * G; p0 += most)
                 PREFIX_SCORES_BY[D == 128][nn * G - p0 < most ? nn * G - p0 : most](
-                    qp + p0, kb, ks[2], dt, esize, lo, P, pfirst + p0, dst + p0, (float)scale);
-            for (long i = 0; i < nn; i++) pos[i] = P - first[i];
+                    qp + p0, kb, ks[2], dt, esize, lo, PE, pfirst + p0, plast + p0, dst + p0, (float)scale);
+            for (long i = 0; i < nn; i++) pos[i] = plast[i * G] - first[i];
         } else
 #endif
         for (long col = lo; col < P; col++) {
@@ -1207,7 +1228,7 @@ void ddtree_row_attention(const void *q, const void *k, const void *v, void *out
         }
         for (long i = 0; i < nn; i++) {
             const uint8_t *vis = tree + (b * N + n0 + i) * N;
-            for (long m = 0; m < N; m++) {
+            for (long m = after; m < N; m++) {
                 if (!vis[m]) continue;
                 const float *kf = as_f32(kb + (size_t)((P + m) * ks[2]) * esize, dt, D, row);
                 for (long g = 0; g < G; g++)
@@ -1226,8 +1247,8 @@ void ddtree_row_attention(const void *q, const void *k, const void *v, void *out
         if (fast) {
             for (long p0 = 0, most = prefix_group(D); p0 < nn * G; p0 += most)
                 PREFIX_VALUES_BY[D == 128][nn * G - p0 < most ? nn * G - p0 : most](
-                    vb, vs[2], dt, esize, lo, P, pfirst + p0, (const float *const *)dst + p0, op + p0);
-            for (long i = 0; i < nn; i++) pos[i] = P - first[i];
+                    vb, vs[2], dt, esize, lo, PE, pfirst + p0, plast + p0, (const float *const *)dst + p0, op + p0);
+            for (long i = 0; i < nn; i++) pos[i] = plast[i * G] - first[i];
         } else
 #endif
         for (long col = lo; col < P; col++) {
@@ -1240,7 +1261,7 @@ void ddtree_row_attention(const void *q, const void *k, const void *v, void *out
         }
         for (long i = 0; i < nn; i++) {
             const uint8_t *vis = tree + (b * N + n0 + i) * N;
-            for (long m = 0; m < N; m++) {
+            for (long m = after; m < N; m++) {
                 if (!vis[m]) continue;
                 const float *vf = as_f32(vb + (size_t)((P + m) * vs[2]) * esize, dt, D, row);
                 for (long g = 0; g < G; g++) axpy(o + (i * G + g) * D, sc[off[i] + g * TP[i] + pos[i]], vf, D);
