@@ -570,3 +570,16 @@ def test_rows_sharing_their_positions_each_read_their_own_rotary_row(monkeypatch
         assert tree.row_acceptance == own.row_acceptance
         accepted += [a for row in tree.row_acceptance for a in row]
     assert max(accepted) > 1  # trees were verified and accepted, not only roots
+
+
+def test_bfloat16_rounding_keeps_denormal_results():
+    """The kernels round float32 to bfloat16 as torch does, denormal results included (the hardware
+    conversion where the CPU has one flushes them to zero; those vectors are rounded in integer steps)."""
+    g = torch.Generator().manual_seed(0)
+    gate = ((torch.rand(3, 64, generator=g) + 1) * 1e-20).to(torch.bfloat16)
+    sign = torch.randint(0, 2, (3, 64), generator=g) * 2 - 1
+    up = (sign * (torch.rand(3, 64, generator=g) + 1) * 2e-20).to(torch.bfloat16)
+    want = torch.nn.functional.silu(gate) * up  # about 1e-40: float32 denormals, then bfloat16 ones
+    got = row_kernels.silu_mul(gate, up)
+    assert (want != 0).all() and (want.float().abs() < torch.finfo(torch.float32).tiny).all()
+    assert torch.equal(got, want)
