@@ -189,3 +189,42 @@ def test_the_argument_layouts_are_the_c_codes():
     lib = native.library()[0]
     assert lib.ddtree_decoder_layer_slots() == len(exact_layers._SLOTS)
     assert lib.ddtree_decoder_stack_slots() == len(exact_layers._SHARED)
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_an_unpadded_prefill_runs_through_the_c_layers_as_a_chain(family, dtype, monkeypatch):
+    """A prompt prefilled on the row kernels, whole and in chunks shorter than the window, keeping the drafter's
+    hidden states: through the C layers as a chain (transformers' decoder forward runs for none of its
+    forwards) and through transformers' modules, the same logits, kept hidden states and cache, bit for bit. A
+    padded batch's prefill still goes to transformers."""
+    from ddtree.targets.cache import new_target_cache
+    from ddtree.targets.forward import chunked_prefill
+
+    target = _target(family, dtype)
+    SpeculativeGenerator(target, tiny_drafter(target), numerics="exact", prompt_lookup=False)
+    inner, ran = type(target.model).forward, []
+    monkeypatch.setattr(type(target.model), "forward", lambda *a, **k: ran.append(1) or inner(*a, **k))
+    num = target.config.num_hidden_layers
+
+    def prefill(ids, chunk, valid=None):
+        cache, kept = new_target_cache(target), []
+        ran.clear()
+        with torch.inference_mode():
+            logits = chunked_prefill(target, ids, cache, chunk, valid=valid, hidden=True, layers=[0, num - 1],
+                                     on_chunk=lambda s, e, out: kept.append(out.hidden_states))
+        return (logits, kept, [t.clone() for layer in cache.layers for t in (layer.keys, layer.values)]), len(ran)
+
+    ids = torch.tensor([PROMPTS[0]])
+    for chunk in (None, WINDOW - 1):
+        chained, calls = prefill(ids, chunk)
+        assert calls == 0
+        with monkeypatch.context() as m:
+            m.setattr(exact_forward, "start_cache", lambda *a: False)
+            own, own_calls = prefill(ids, chunk)
+        assert own_calls == len(own[1]) >= 1
+        assert _same(chained, own)
+    width = max(map(len, PROMPTS))
+    padded = torch.tensor([[0] * (width - len(p)) + p for p in PROMPTS])
+    valid = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in PROMPTS])
+    assert prefill(padded, None, valid)[1] == 1

@@ -175,6 +175,21 @@ def test_taken_modules_decode_as_transformers_modules_do(family, monkeypatch):
     assert max(a for row in taken.row_acceptance for a in row) > 1  # the trees were verified, not only roots
 
 
+@contextlib.contextmanager
+def _prefill_on_modules():
+    """A setup prefill through transformers' modules, as every prefill ran before the C layers took unpadded
+    ones (``tests/test_exact_forward.py`` checks those): the tests here count the verify's and the step's
+    checks and C calls alone."""
+    from ddtree.targets import exact_forward
+
+    real = exact_forward.start_cache
+    exact_forward.start_cache = lambda *a: False
+    try:
+        yield
+    finally:
+        exact_forward.start_cache = real
+
+
 def _tree_logits(target, prompts, tree, module_path: bool):
     """A verify forward of ``tree`` over ``prompts`` (left-padded), through the C decoder layers or, with a
     no-op hook on every attention block, module by module; returns the logits and the number of C layer calls."""
@@ -186,7 +201,8 @@ def _tree_logits(target, prompts, tree, module_path: bool):
         caches = []
         for p in prompts:
             cache = new_target_cache(target)
-            chunked_prefill(target, torch.tensor([p]), cache, None)
+            with _prefill_on_modules():
+                chunked_prefill(target, torch.tensor([p]), cache, None)
             caches.append(cache)
         lengths = [len(p) for p in prompts]
         cache = stack_rows(caches, lengths)
@@ -349,7 +365,7 @@ def _captured_step(target, prompt, module_path: bool, grad: bool = False, prepar
     if prepare:
         SpeculativeGenerator(target, tiny_drafter(target), numerics="exact", prompt_lookup=False)
     with _c_layer_calls(target, module_path) as calls:
-        with torch.no_grad():
+        with torch.no_grad(), _prefill_on_modules():
             cache = new_target_cache(target)
             chunked_prefill(target, torch.tensor([prompt]), cache, None)
         with torch.enable_grad() if grad else torch.inference_mode():
@@ -515,9 +531,9 @@ def test_a_scope_vouching_for_the_model_checks_its_layers_at_its_first_forward_o
 
 def test_generate_checks_the_layers_once_and_stream_every_round(monkeypatch):
     """``generate`` without a streamer hands nothing to the caller until it returns: its C layers are checked at
-    its first decode forward only. ``stream`` yields each round to the caller's code, and a streamer is the
-    caller's code, either of which may change the model: every round's forward checks them. All give the same
-    tokens."""
+    its first forward (the prefill, a chain through them) only. ``stream`` yields each round to the caller's
+    code, and a streamer is the caller's code, either of which may change the model: every round's forward
+    checks them. All give the same tokens."""
     target = tiny_target("qwen3", dtype=torch.float32)
     layers = target.config.num_hidden_layers
     gen = SpeculativeGenerator(target, tiny_drafter(target), numerics="exact", prompt_lookup=False, tree_budget=0)
@@ -527,8 +543,8 @@ def test_generate_checks_the_layers_once_and_stream_every_round(monkeypatch):
     generated = list(events)
     events.clear()
     streamed = [t for chunk in gen.stream([PROMPTS[0]], max_new_tokens=8, stop_token_ids=()) for t in chunk[0]]
-    steps = generated.count("C") // layers
-    assert steps == 7 and streamed == out.row_tokens[0]
+    steps = generated.count("C") // layers  # the prefill's forward and the 7 decode steps
+    assert steps == 8 and streamed == out.row_tokens[0]
     assert generated.count("check") == layers and events.count("check") == layers * steps
     events.clear()
 

@@ -66,6 +66,13 @@ class ExactTreeSpec:
         lengths = None if prefix_valid is None else prefix_valid.sum(dim=-1)
         return cls(tree.visibility.bool(), tree.depths, lengths)
 
+    @classmethod
+    def chain(cls, bsz: int, n: int, device: torch.device) -> ExactTreeSpec:
+        """``n`` tokens of each of ``bsz`` unpadded rows, each seeing the ones before it: a prefill chunk, as
+        exact attention runs one on the row kernels."""
+        depths = torch.arange(n, device=device).expand(bsz, n)
+        return cls(torch.ones(n, n, dtype=torch.bool, device=device).tril().expand(bsz, n, n), depths)
+
     @property
     def num_nodes(self) -> int:
         return self.visibility.shape[-1]
@@ -153,9 +160,8 @@ def exact_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
         start, visible = one_token_keys(attention_mask, bsz, key.shape[2], window, query.device)
     elif sinks is not None or _ROW_PREFILL.get():  # a prefill with sinks, or on the row kernels: a chain
         pads = _left_pads(attention_mask, bsz, key.shape[2], query.device)
-        depths = torch.arange(n, device=query.device).expand(bsz, n)
-        chain = torch.ones(n, n, dtype=torch.bool, device=query.device).tril().expand(bsz, n, n)
-        start, visible = key_ranges(chain, depths, prefix_len, pads, window)
+        chain = ExactTreeSpec.chain(bsz, n, query.device)
+        start, visible = key_ranges(chain.visibility, chain.depths, prefix_len, pads, window)
         if pads is not None:  # a padded prompt's first chunk: its pad columns are no one's keys
             visible = visible & (prefix_len + torch.arange(n, device=query.device) >= pads.view(-1, 1, 1))
     else:

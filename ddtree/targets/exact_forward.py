@@ -88,6 +88,17 @@ def taken(model: torch.nn.Module) -> int | None:
     return parts.num if parts is not None and parts.intact(model) else None
 
 
+def start_cache(model: Any, cache: Any, bsz: int) -> bool:
+    """Where :func:`forward` takes ``model``'s forwards, start ``cache``'s attention layers at zero columns, so
+    that a prefill's first forward, given as a chain (:meth:`ExactTreeSpec.chain`), runs through the C layers
+    too (they append only to started layers); whether it will."""
+    parts = vars(model).get(_PARTS)
+    if parts is None or not parts.intact(model):
+        return False
+    weight = model.get_input_embeddings().weight
+    return parts.stack.start_empty(cache, bsz, weight.dtype, weight.device)
+
+
 def uninstall(model: torch.nn.Module) -> None:
     vars(model).pop(_PARTS, None)
 

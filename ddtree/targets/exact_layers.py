@@ -13,8 +13,8 @@ module-by-module path, without the Python between the steps.
 
 A module is taken only when it is recognised: a norm or an MLP by running it beside its replacement on a
 probe (it must agree to the dtype's rounding), an attention block by its class and parts. Everything else, and
-every forward inside :func:`~ddtree.targets.cpu_linear.bulk_rows` (a prompt's prefill), runs transformers' own
-code.
+every forward inside :func:`~ddtree.targets.cpu_linear.bulk_rows` (a long prompt's prefill), runs transformers'
+own code. A short unpadded prompt's prefill is a chain of tokens the stack runs as it runs a tree.
 """
 
 from __future__ import annotations
@@ -543,6 +543,25 @@ class _DecoderStack:
             return None
         ends = lengths.to(torch.int64).contiguous()
         return _stack_call(plans, x, tables, [rooms[p.layer_idx] for p in plans], ranges, ends)
+
+    def start_empty(self, store: Any, bsz: int, dtype: torch.dtype, device: torch.device) -> bool:
+        """Start ``store``'s cache layers of these layers at zero columns (transformers' own first update, with
+        nothing in it), so that a prefill's first forward appends to them as :meth:`run` does; whether every
+        layer now is one it appends to (False, with nothing started, where one cannot be)."""
+        from transformers.cache_utils import DynamicLayer
+
+        layers = getattr(store, "layers", None)
+        plans = [vars(m).get(_PLAN) or _plan(m) for m in self.modules]  # shapes only: run() checks them
+        grown = getattr(store, "layer_class_to_replicate", None) is DynamicLayer  # a missing layer is made so
+        if not isinstance(layers, list) or any(
+                type(layers[p.layer_idx]) is not DynamicLayer if p.layer_idx < len(layers) else not grown
+                for p in plans):
+            return False
+        for plan in sorted(plans, key=lambda p: p.layer_idx):
+            if plan.layer_idx >= len(layers) or not getattr(layers[plan.layer_idx], "is_initialized", False):
+                empty = torch.empty(bsz, plan.hkv, 0, plan.d, dtype=dtype, device=device)
+                store.update(empty, empty, plan.layer_idx)
+        return all(_appendable(p, layers, bsz, dtype) is not None for p in plans)
 
     def ends_for(self, bsz: int, held: int) -> torch.Tensor:
         """Every row's prefix end, ``held`` (the same tensor for each layer of a forward)."""

@@ -23,8 +23,8 @@ from ddtree.targets import exact_forward
 from ddtree.targets.cache import cache_kwargs, check_cache_length
 from ddtree.targets.cpu_linear import bulk_rows
 from ddtree.targets.description import describe
-from ddtree.targets.exact_attention import row_prefill
-from ddtree.targets.registration import OUTPUT_READER
+from ddtree.targets.exact_attention import ExactTreeSpec, row_prefill
+from ddtree.targets.registration import OUTPUT_READER, TREE_KWARG
 
 
 class TargetOutput(Protocol):
@@ -182,10 +182,16 @@ def chunked_prefill(target: TargetModel, ids: torch.Tensor, cache: Any, chunk: i
     step = description.prefill_step(width, chunk)
     # the row kernels (exact numerics, short prompts: each row's bits its own), or BLAS and the causal kernels
     rows = description.prefill_through_row_kernels(width)
+    # unpadded rows on the row kernels go through the C decoder layers as a chain where they take the target:
+    # the keys and kernels of the module path, so the same bits, without transformers' Python between them
+    chain = rows and valid is None and cache.get_seq_length() == 0 and exact_forward.start_cache(
+        target, cache, ids.shape[0])
     out = None
     for start in range(0, width, step):
         end = min(start + step, width)
-        extra = {} if valid is None else {"attention_mask": valid[:, :end].long()}
+        extra: dict[str, Any] = {} if valid is None else {"attention_mask": valid[:, :end].long()}
+        if chain:
+            extra[TREE_KWARG] = ExactTreeSpec.chain(ids.shape[0], end - start, ids.device)
         pos = None if positions is None else positions[:, start:end]
         # on the row kernels a padded batch's products skip its padding (each real row's bits are its own anyway)
         mode = (row_prefill(None if valid is None else valid[:, start:end].bool()) if rows else bulk_rows())
