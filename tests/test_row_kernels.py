@@ -63,23 +63,24 @@ def _reference(q, k, v, start, visible, scale, sinks=None, softcap=None):
 PARENTS = [-1, 0, 0, 1, 2, 3, 3, 4, 5, 8, 9, 1]
 CHAIN = [-1, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10]  # a causal prefill's tokens: every node's keys one run of columns
 MIXED = [-1, 0, 1, 2, 3, 4, 5, 6, 3, 8, 2, 10]  # the first 8 nodes (one task's chunk) a chain, the rest branch
+PADDED = "padded"  # a left-padded prompt's chain: 3 pad nodes, each seeing itself, then tokens that see no pad
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("sinks,softcap", [(False, None), (True, None), (False, 5.0)])
 @pytest.mark.parametrize("d,prefix", [(24, 13), (64, 37), (128, 21), (64, 0)])  # 64, 128: the register passes
-@pytest.mark.parametrize("parents", [PARENTS, CHAIN, MIXED], ids=["tree", "chain", "mixed"])
+@pytest.mark.parametrize("parents", [PARENTS, CHAIN, MIXED, PADDED], ids=["tree", "chain", "mixed", "padded"])
 def test_tree_attention_is_close_to_float64_and_each_node_is_a_one_token_step(dtype, sinks, softcap, d, prefix,
                                                                                parents):
     """Alone, a node's ancestors are prefix keys, in the tree its own: both must give the same bits."""
     g = torch.Generator().manual_seed(1)
-    bsz, hq, hkv, n = 2, 6, 2, len(parents)
+    bsz, hq, hkv, n = 2, 6, 2, len(CHAIN)
     visible = torch.zeros(bsz, n, n, dtype=torch.bool)
     for i in range(n):
         m = i
         while m >= 0:
-            visible[:, i, m] = True
-            m = parents[m]
+            visible[:, i, m] = parents != PADDED or m >= 3 or m == i
+            m = (CHAIN if parents == PADDED else parents)[m]
     q = torch.randn(bsz, hq, n, d, generator=g).to(dtype)
     k = torch.randn(bsz, hkv, prefix + n, d, generator=g).to(dtype)
     v = torch.randn(bsz, hkv, prefix + n, d, generator=g).to(dtype)

@@ -1185,20 +1185,24 @@ void ddtree_row_attention(const void *q, const void *k, const void *v, void *out
         long pfirst[NODE_CHUNK * 16], plast[NODE_CHUNK * 16], PE = P;
         int fast = prefix_fast(D) && G <= 16;
         if (fast) {
-            /* A node that sees tree columns [0, e) and no other (a token of a causal prefill, a node of a chain)
-             * reads them as it reads the prefix, so where every node of the chunk does, they join the register
-             * pass with an end per node; otherwise the columns every node sees from the first on do. Each node
-             * still reduces over its columns in its logical order with the same operations: the same bits. */
-            long ends_at[NODE_CHUNK], common = N, longest = 0;
+            /* A node whose keys are one run of columns (tree columns [s, e) and no other, after the prefix from
+             * its first column or, with s > 0, none of it: a token of a causal prefill, padded or not, a node of
+             * a chain) reads them as it reads the prefix, so where every node of the chunk does, they join the
+             * register pass with a start and an end per node; otherwise the columns every node sees from the
+             * first on do. Each node still reduces over its keys in their logical order with the same
+             * operations: the same bits. */
+            long starts_at[NODE_CHUNK], ends_at[NODE_CHUNK], common = N, longest = 0;
             int runs = 1;
             for (long i = 0; i < nn; i++) {
                 const uint8_t *vis = tree + (b * N + n0 + i) * N;
-                long e = 0, m;
-                while (e < N && vis[e]) e++;
+                long s0 = 0, e, m;
+                while (s0 < N && !vis[s0]) s0++;
+                for (e = s0; e < N && vis[e]; e++) {}
                 for (m = e; m < N && !vis[m]; m++) {}
-                runs &= m == N;
+                runs &= m == N && (s0 == 0 || first[i] == P);
+                starts_at[i] = s0;
                 ends_at[i] = e;
-                common = e < common ? e : common;
+                common = s0 == 0 && e < common ? e : s0 == 0 ? common : 0;
                 longest = e > longest ? e : longest;
             }
             after = runs ? N : common;
@@ -1208,13 +1212,13 @@ void ddtree_row_attention(const void *q, const void *k, const void *v, void *out
                     qp[i * G + g] = qf + (i * G + g) * D;
                     dst[i * G + g] = sc + off[i] + g * TP[i];
                     op[i * G + g] = o + (i * G + g) * D;
-                    pfirst[i * G + g] = first[i];
+                    pfirst[i * G + g] = runs && starts_at[i] ? P + starts_at[i] : first[i];
                     plast[i * G + g] = runs ? P + ends_at[i] : PE;
                 }
             for (long p0 = 0, most = prefix_group(D); p0 < nn * G; p0 += most)
                 PREFIX_SCORES_BY[D == 128][nn * G - p0 < most ? nn * G - p0 : most](
                     qp + p0, kb, ks[2], dt, esize, lo, PE, pfirst + p0, plast + p0, dst + p0, (float)scale);
-            for (long i = 0; i < nn; i++) pos[i] = plast[i * G] - first[i];
+            for (long i = 0; i < nn; i++) pos[i] = plast[i * G] - pfirst[i * G];
         } else
 #endif
         for (long col = lo; col < P; col++) {
@@ -1248,7 +1252,7 @@ void ddtree_row_attention(const void *q, const void *k, const void *v, void *out
             for (long p0 = 0, most = prefix_group(D); p0 < nn * G; p0 += most)
                 PREFIX_VALUES_BY[D == 128][nn * G - p0 < most ? nn * G - p0 : most](
                     vb, vs[2], dt, esize, lo, PE, pfirst + p0, plast + p0, (const float *const *)dst + p0, op + p0);
-            for (long i = 0; i < nn; i++) pos[i] = plast[i * G] - first[i];
+            for (long i = 0; i < nn; i++) pos[i] = plast[i * G] - pfirst[i * G];
         } else
 #endif
         for (long col = lo; col < P; col++) {

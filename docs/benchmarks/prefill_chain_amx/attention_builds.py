@@ -33,12 +33,16 @@ torch.manual_seed(0)
 cases = {}
 for name, bsz, n, prefix, dtype in [("prefill 46 tokens bf16", 1, 46, 0, torch.bfloat16),
                                     ("prefill 12 x 55 tokens bf16", 12, 55, 0, torch.bfloat16),
+                                    ("padded prefill 12 x 55 tokens bf16", 12, 55, 0, torch.bfloat16),
                                     ("prefill 46 tokens f32", 1, 46, 0, torch.float32),
                                     ("chain of 16 after 300 bf16", 1, 16, 300, torch.bfloat16),
                                     ("decode step batch 12 after 150 bf16", 12, 1, 150, torch.bfloat16)]:
     q = torch.randn(bsz, 9, n, 64).to(dtype)
     k, v = (torch.randn(bsz, 3, prefix + n, 64).to(dtype) for _ in range(2))
     visible = torch.tril(torch.ones(n, n, dtype=torch.bool)).expand(bsz, n, n).contiguous()
+    if name.startswith("padded"):  # row b's first 2b columns padding, seen by no token (a pad sees nothing)
+        pads = torch.arange(bsz) * 2
+        visible = visible & (torch.arange(n) >= pads.view(-1, 1, 1))
     cases[name] = (q, k, v, torch.zeros(bsz, n, dtype=torch.long), visible, torch.full((bsz,), prefix))
 times = {(c, b): [] for c in cases for b in builds}
 outs = {}
