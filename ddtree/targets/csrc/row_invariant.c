@@ -1202,7 +1202,8 @@ void ddtree_row_attention(const void *q, const void *k, const void *v, void *out
                 runs &= m == N && (s0 == 0 || first[i] == P);
                 starts_at[i] = s0;
                 ends_at[i] = e;
-                common = s0 == 0 && e < common ? e : s0 == 0 ? common : 0;
+                if (s0 > 0) common = 0;          /* it does not see the first column */
+                else if (e < common) common = e;
                 longest = e > longest ? e : longest;
             }
             after = runs ? N : common;
